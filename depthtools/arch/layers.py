@@ -1,0 +1,127 @@
+"""Backbone layers shared by every architecture: RMSNorm, RoPE, causal attention, SwiGLU.
+
+Llama-style, no biases. Hook points follow TransformerLens names (DESIGN §4). Attention runs
+PyTorch's fused SDPA unless a hook is attached to `hook_pattern` (then the pattern is formed
+explicitly so it can be read or edited) — so hooks cost nothing when none are attached.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformer_lens.hook_points import HookPoint
+
+from depthtools.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · gamma over the last dimension (gamma init 1); `affine=False` drops gamma."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.dim = dim
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+
+
+class HookedRMSNorm(RMSNorm):
+    """RMSNorm exposing TransformerLens' `hook_scale` and `hook_normalized` (for `ln_final`)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__(dim, eps)
+        self.hook_scale = HookPoint()  # [B,T,1] root-mean-square
+        self.hook_normalized = HookPoint()  # [B,T,d]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.hook_scale._forward_hooks or self.hook_normalized._forward_hooks):
+            return super().forward(x)
+        scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(x / scale * self.weight)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, head_dim/2] for rotary embeddings (Llama convention, half-split)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B,T,H,hd] by position: pairs (i, i+hd/2) as in HF Llama `rotate_half`."""
+    T = x.shape[1]
+    cos = cos[:T, None, :].to(x.dtype)  # [T,1,hd/2]
+    sin = sin[:T, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) self-attention with RoPE.
+
+    Split into `qkv` / `attend` / `out` so architectures that attend to extra keys (MoDA) reuse
+    the projections. Hooks: hook_q/k/v [B,T,H,hd] (before RoPE), hook_pattern [B,H,T,T],
+    hook_z [B,T,H,hd].
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.w_q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.w_k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.w_v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.w_o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_pattern, self.hook_z = HookPoint(), HookPoint()
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected, hooked and rotated q [B,T,H,hd], k and v [B,T,Hkv,hd]."""
+        B, T, _ = x.shape
+        q = self.hook_q(self.w_q(x).view(B, T, self.n_heads, self.head_dim))
+        k = self.hook_k(self.w_k(x).view(B, T, self.n_kv_heads, self.head_dim))
+        v = self.hook_v(self.w_v(x).view(B, T, self.n_kv_heads, self.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention; returns z [B,T,H,hd]."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B,H,T,hd]
+        if self.hook_pattern._forward_hooks:
+            z = self._explicit_attention(q, k, v)
+        else:
+            z = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            )
+        return self.hook_z(z.transpose(1, 2))
+
+    def _explicit_attention(self, q, k, v) -> torch.Tensor:
+        """The same attention with the pattern formed explicitly, so hooks can read/edit it."""
+        groups = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        T = q.shape[2]
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        pattern = self.hook_pattern(scores.masked_fill(~mask, float("-inf")).softmax(-1))
+        return pattern @ v
+
+    def out(self, z: torch.Tensor) -> torch.Tensor:
+        return self.w_o(z.flatten(2))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attend(*self.qkv(x, cos, sin)))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) · w3 x); hook_post is the hidden activation [B,T,d_ff]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.hook_post = HookPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.hook_post(F.silu(self.w1(x)) * self.w3(x)))

@@ -1,0 +1,241 @@
+"""`DepthModel`: one decoder-only LM for every architecture, with the depth-state contract.
+
+Read top to bottom: a `Plan` says which block runs at each depth position; `Block` holds one
+block's parameters; `DepthModel` embeds tokens into a state z_0, applies blocks position by
+position through the architecture's `ResidualScheme`, and reads logits from any state with
+`head(state) = unembed(ln_final(readout(state)))`. `run` can start from a cached state at any
+depth, so sweeps never recompute a shared prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens.config import TransformerLensConfig
+from transformer_lens.hook_points import HookPoint
+
+from depthtools.arch.layers import Attention, HookedRMSNorm, SwiGLU, rope_tables
+from depthtools.arch.scheme import ResidualScheme, State
+from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An intervention on depth: which block runs where, which positions are bypassed.
+
+    order:   block index run at each position (None = 0..L-1). A swap exchanges two entries.
+    skip:    positions whose block is bypassed (the scheme's skip rule, `skip_rule` or default).
+    replace: position -> function State -> State run instead of the block (mean/linear ablation).
+    """
+
+    order: tuple[int, ...] | None = None
+    skip: frozenset[int] = frozenset()
+    replace: Mapping[int, Callable[[State], State]] = field(default_factory=dict)
+    skip_rule: str | None = None
+
+    @classmethod
+    def skipping(cls, *positions: int, rule: str | None = None) -> "Plan":
+        return cls(skip=frozenset(positions), skip_rule=rule)
+
+    @classmethod
+    def swapping(cls, i: int, j: int, n_layer: int) -> "Plan":
+        order = list(range(n_layer))
+        order[i], order[j] = order[j], order[i]
+        return cls(order=tuple(order))
+
+    def block_at(self, position: int) -> int:
+        return position if self.order is None else self.order[position]
+
+    def first_change(self, n_layer: int) -> int:
+        """Earliest position where this plan differs from the intact model (n_layer if none)."""
+        changed = [p for p in range(n_layer) if self.block_at(p) != p]
+        changed += list(self.skip) + list(self.replace)
+        return min(changed, default=n_layer)
+
+    def validate(self, n_layer: int) -> None:
+        if self.order is not None and sorted(self.order) != list(range(n_layer)):
+            raise DepthToolsError(f"plan order must be a permutation of 0..{n_layer - 1}, got {self.order}")
+        bad = [p for p in [*self.skip, *self.replace] if not 0 <= p < n_layer]
+        if bad:
+            raise DepthToolsError(f"plan positions {sorted(bad)} out of range 0..{n_layer - 1}")
+
+
+class Block(nn.Module):
+    """One block's parameters: attention and SwiGLU sublayers plus the scheme's extras.
+
+    The hook points are TransformerLens' names; which tensors they carry is documented by the
+    architecture (for the additive family: resid_pre + attn_out = resid_mid exactly).
+    """
+
+    hook_out_is_single_residual_stream = True
+
+    def __init__(self, cfg: ModelConfig, index: int, scheme: ResidualScheme):
+        super().__init__()
+        self.index = index
+        self.attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg)
+        self.hook_resid_pre, self.hook_resid_mid, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
+        self.hook_attn_out, self.hook_mlp_out = HookPoint(), HookPoint()
+        scheme.build_block(self)
+        self.hook_out_is_single_residual_stream = scheme.single_stream
+
+
+class DepthModel(HookedRootModule):
+    """Decoder-only LM: RoPE, SwiGLU, RMSNorm, untied embeddings, any residual scheme.
+
+    The contract (DESIGN §3): `embed`, `block_step`, `readout`, `geometry`, `head`, `run`,
+    `run_states`. `forward(tokens)` = `run(tokens)` = logits [B,T,V].
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int | None = None):
+        super().__init__()
+        from depthtools.arch.registry import get_arch
+
+        spec = get_arch(cfg.arch)
+        if seed is not None:
+            torch.manual_seed(seed)
+        self.config = cfg
+        self.cfg = TransformerLensConfig(  # what TransformerLens tools read
+            d_model=cfg.d_model, d_head=cfg.head_dim, n_layers=cfg.n_layer, n_ctx=cfg.max_seq_len,
+            n_heads=cfg.n_heads, d_mlp=cfg.d_ff, d_vocab=cfg.vocab_size, n_key_value_heads=cfg.n_kv_heads,
+            normalization_type="RMS", uses_rms_norm=True, eps=cfg.norm_eps, gated_mlp=True,
+            act_fn="silu", positional_embedding_type="rotary", device="cpu",
+        )
+        self.scheme = spec.build_scheme(cfg)
+        self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.hook_embed = HookPoint()
+        self.blocks = nn.ModuleList(Block(cfg, i, self.scheme) for i in range(cfg.n_layer))
+        self.ln_final = HookedRMSNorm(cfg.d_model, cfg.norm_eps)
+        self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.unembed.weight = self.tok_embed.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("_b_U", torch.zeros(cfg.vocab_size), persistent=False)
+        self._init_weights()
+        self.setup()
+
+    # -- init ---------------------------------------------------------------------------------
+    def _init_weights(self) -> None:
+        """Truncated normal (std 0.02, ±3 std) for every matrix; norms 1; then the scheme's rules."""
+        std = self.config.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+        self.scheme.init_weights(self)
+
+    # -- TransformerLens compatibility --------------------------------------------------------
+    @property
+    def W_U(self) -> torch.Tensor:  # [d_model, d_vocab]
+        return self.unembed.weight.T
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        return self._b_U
+
+    @property
+    def n_layer(self) -> int:
+        return self.config.n_layer
+
+    def run_with_cache(self, *args, return_cache_object: bool = True, remove_batch_dim: bool = False, **kwargs):
+        """As HookedRootModule's, but returns a TransformerLens `ActivationCache` by default."""
+        out, cache = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
+        if return_cache_object:
+            cache = ActivationCache(cache, self, has_batch_dim=not remove_batch_dim)
+        return out, cache
+
+    # -- the depth-state contract -------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> State:
+        """z_0: the initial depth state for tokens [B,T]."""
+        if tokens.dim() != 2:
+            raise DepthToolsError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise DepthToolsError(
+                f"sequence length {tokens.shape[1]} exceeds the model's context {self.config.max_seq_len}"
+            )
+        if tokens.numel() and (int(tokens.max()) >= self.config.vocab_size or int(tokens.min()) < 0):
+            raise DepthToolsError(
+                f"token ids must lie in 0..{self.config.vocab_size - 1} (wrong tokenizer?); "
+                f"got {int(tokens.min())}..{int(tokens.max())}"
+            )
+        return self.scheme.embed_state(self.hook_embed(self.tok_embed(tokens)))
+
+    def block_step(self, position: int, state: State, block: int | None = None) -> State:
+        """Apply block `block` (default: the one built for `position`) at depth `position`."""
+        running = self.blocks[position if block is None else block]
+        return self.scheme.step(position, running, state, self.blocks[position], (self.rope_cos, self.rope_sin))
+
+    def readout(self, state: State) -> torch.Tensor:
+        """[B,T,d]: what the final norm reads if the network stopped at this state."""
+        return self.scheme.readout(state)
+
+    def geometry(self, state: State) -> torch.Tensor:
+        """[B,T,k]: the depth state as a vector for similarity/angle metrics."""
+        return self.scheme.geometry(state)
+
+    def head(self, state: State) -> torch.Tensor:
+        """Logits [B,T,V] = unembed(ln_final(readout(state))) — the lens at any depth."""
+        return self.unembed(self.ln_final(self.readout(state)))
+
+    def apply_position(self, position: int, state: State, plan: Plan | None = None) -> State:
+        """One depth step under a plan: replace, skip, or run the planned block."""
+        if plan is not None:
+            if position in plan.replace:
+                return plan.replace[position](state)
+            if position in plan.skip:
+                return self.scheme.skip(position, state, plan.skip_rule)
+            return self.block_step(position, state, plan.block_at(position))
+        return self.block_step(position, state)
+
+    def run_states(
+        self,
+        tokens: torch.Tensor | None = None,
+        plan: Plan | None = None,
+        start: int = 0,
+        from_state: State | None = None,
+        stop: int | None = None,
+    ) -> list[State]:
+        """States z_start..z_stop (inclusive), from tokens or from a cached state at `start`."""
+        stop = self.n_layer if stop is None else stop
+        if plan is not None:
+            plan.validate(self.n_layer)
+        if from_state is None:
+            if tokens is None:
+                raise DepthToolsError("run needs tokens or from_state")
+            if start != 0:
+                raise DepthToolsError("start > 0 needs from_state (the cached state at that depth)")
+            from_state = self.embed(tokens)
+        if not 0 <= start <= stop <= self.n_layer:
+            raise DepthToolsError(f"need 0 <= start <= stop <= {self.n_layer}, got start={start}, stop={stop}")
+        states = [from_state]
+        for position in range(start, stop):
+            states.append(self.apply_position(position, states[-1], plan))
+        return states
+
+    def run(
+        self,
+        tokens: torch.Tensor | None = None,
+        plan: Plan | None = None,
+        start: int = 0,
+        from_state: State | None = None,
+    ) -> torch.Tensor:
+        """Logits [B,T,V] of the network under `plan`, optionally from the cached state at `start`."""
+        return self.head(self.run_states(tokens, plan, start, from_state)[-1])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.run(tokens)
+
+    # -- sizes --------------------------------------------------------------------------------
+    def param_counts(self) -> dict[str, int]:
+        """Exact parameter counts: total, embedding (input + output), non-embedding."""
+        total = sum(p.numel() for p in self.parameters())
+        embedding = self.tok_embed.weight.numel()
+        if not self.config.tie_embeddings:
+            embedding += self.unembed.weight.numel()
+        return {"total": total, "embedding": embedding, "non_embedding": total - embedding}

@@ -1,0 +1,167 @@
+"""The normalisation family: one additive residual with per-sublayer settings.
+
+Every member (Pre-LN, Post-LN, Peri-LN, LNS, DeepNorm, KEEL, Mix-LN, ReZero, LayerScale,
+depth-μP, CompleteP) is the same sublayer update with different switches:
+
+    x = h
+    if pre_norm:  x = NormIn(x)
+    x = input_scale · x                       (LNS: 1/sqrt(b+1))
+    y = f(x)                                  (attention or SwiGLU)
+    if out_norm:  y = NormOut(y)              (Peri-LN)
+    y = gain ⊙ y · branch_mult               (ReZero scalar, LayerScale vector, depth-μP constant)
+    h = alpha · h + y                         (DeepNorm (2L)^¼, KEEL 2L)
+    if post_norm: h = NormPost(h)             (Post-LN, DeepNorm, KEEL, Mix-LN prefix)
+
+Equations and constants: shared/reference/architectures.md §2. The state is the plain residual
+stream [B,T,d]; z_l = block output (already normalised for post-norm placements); skip = identity.
+
+Swap semantics: parameters (norm gains, ReZero/LayerScale gains, LNS's 1/sqrt(b+1) from the
+block's own index) travel with the block; structure (Mix-LN's post/pre placement, KEEL's block-0
+special case, DeepNorm/KEEL alpha) is tied to the position. A norm the running block lacks is
+taken from the position's own block (DepthBench leaves mismatched tensors in place).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from depthtools.arch.layers import RMSNorm
+from depthtools.arch.scheme import ResidualScheme
+from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
+
+SUBLAYERS = ("attn", "mlp")
+
+
+@dataclass(frozen=True)
+class SublayerSpec:
+    """Switches for one sublayer update (see the module docstring)."""
+
+    pre_norm: bool = True
+    out_norm: bool = False
+    post_norm: bool = False
+    alpha: float = 1.0
+    branch_mult: float = 1.0
+    gain: str | None = None  # None | "scalar" (ReZero) | "vector" (LayerScale)
+    gain_init: float = 1.0
+    lns_scale: bool = False  # multiply the normalised input by 1/sqrt(block_index + 1)
+
+
+def deepnorm_constants(n_layer: int) -> tuple[float, float]:
+    """DeepNet decoder-only constants: alpha = (2L)^(1/4), init beta = (8L)^(-1/4)."""
+    return (2 * n_layer) ** 0.25, (8 * n_layer) ** -0.25
+
+
+def layerscale_init(n_layer: int) -> float:
+    """CaiT's LayerScale epsilon by depth: 0.1 (<=18), 1e-5 (<=24), 1e-6 beyond."""
+    return 0.1 if n_layer <= 18 else 1e-5 if n_layer <= 24 else 1e-6
+
+
+def mixln_post_blocks(n_layer: int, fraction: float = 0.25) -> int:
+    """Number of leading Post-LN blocks in Mix-LN: floor(fraction · L)."""
+    return int(math.floor(fraction * n_layer + 1e-9))
+
+
+def depth_multiplier(n_layer: int, exponent: float, base_layers: int = 24) -> float:
+    """depth-μP / CompleteP branch multiplier (L / L_base)^(-a)."""
+    return (n_layer / base_layers) ** (-exponent)
+
+
+def sublayer_specs(cfg: ModelConfig, position: int) -> tuple[SublayerSpec, SublayerSpec]:
+    """(attention, MLP) specs of the block at `position` for the architecture `cfg.arch`."""
+    arch, L, opts = cfg.arch, cfg.n_layer, cfg.options
+    if arch in ("preln",):
+        spec = SublayerSpec()
+    elif arch == "postln":
+        spec = SublayerSpec(pre_norm=False, post_norm=True)
+    elif arch == "periln":
+        spec = SublayerSpec(out_norm=True)
+    elif arch == "lns":
+        spec = SublayerSpec(lns_scale=True)
+    elif arch == "deepnorm":
+        spec = SublayerSpec(pre_norm=False, post_norm=True, alpha=deepnorm_constants(L)[0])
+    elif arch == "keel":
+        alpha = float(opts.get("keel_alpha", 2 * L))
+        if position == 0:  # block 0: plain Pre-LN attention, Post-LN MLP without alpha
+            return SublayerSpec(), SublayerSpec(post_norm=True)
+        spec = SublayerSpec(post_norm=True, alpha=alpha)
+    elif arch == "mixln":
+        post = position < mixln_post_blocks(L, float(opts.get("post_fraction", 0.25)))
+        spec = SublayerSpec(pre_norm=False, post_norm=True) if post else SublayerSpec()
+    elif arch == "rezero":
+        spec = SublayerSpec(pre_norm=False, gain="scalar", gain_init=0.0)
+    elif arch == "layerscale":
+        spec = SublayerSpec(gain="vector", gain_init=float(opts.get("layerscale_init", layerscale_init(L))))
+    elif arch in ("depthmup", "completep"):
+        exponent = float(opts.get("depth_exponent", 0.5 if arch == "depthmup" else 1.0))
+        spec = SublayerSpec(branch_mult=depth_multiplier(L, exponent, int(opts.get("base_layers", 24))))
+    else:
+        raise DepthToolsError(f"{arch!r} is not a normalisation-family architecture")
+    return spec, spec
+
+
+class NormFamilyScheme(ResidualScheme):
+    """One additive residual stream; per-sublayer switches from `sublayer_specs`."""
+
+    single_stream = True
+
+    def build_block(self, block: nn.Module) -> None:
+        d, eps = self.cfg.d_model, self.cfg.norm_eps
+        for name, spec in zip(SUBLAYERS, sublayer_specs(self.cfg, block.index)):
+            if spec.pre_norm:
+                setattr(block, f"{name}_norm", RMSNorm(d, eps))
+            if spec.out_norm:
+                setattr(block, f"{name}_out_norm", RMSNorm(d, eps))
+            if spec.post_norm:
+                setattr(block, f"{name}_post_norm", RMSNorm(d, eps))
+            if spec.gain is not None:
+                shape = (1,) if spec.gain == "scalar" else (d,)
+                setattr(block, f"{name}_gain", nn.Parameter(torch.full(shape, spec.gain_init)))
+
+    def init_weights(self, model: nn.Module) -> None:
+        """DeepNorm: scale SwiGLU w1/w2/w3 and attention v/o by beta = (8L)^(-1/4)."""
+        if self.cfg.arch != "deepnorm":
+            return
+        beta = deepnorm_constants(self.cfg.n_layer)[1]
+        with torch.no_grad():
+            for block in model.blocks:
+                for weight in (block.mlp.w1, block.mlp.w2, block.mlp.w3, block.attn.w_v, block.attn.w_o):
+                    weight.weight.mul_(beta)
+
+    def no_decay_names(self) -> tuple[str, ...]:
+        return ("_gain",)
+
+    def step(self, position, block, state, home, rope):
+        attn_spec, mlp_spec = sublayer_specs(self.cfg, position)
+        h = block.hook_resid_pre(state)
+        attn = lambda x: block.attn(x, *rope)  # noqa: E731
+        h = block.hook_resid_mid(self._sublayer(h, "attn", attn, attn_spec, block, home))
+        h = self._sublayer(h, "mlp", block.mlp, mlp_spec, block, home)
+        return block.hook_resid_post(h)
+
+    def _sublayer(self, h, name, fn, spec: SublayerSpec, block, home) -> torch.Tensor:
+        x = self._part(block, home, f"{name}_norm")(h) if spec.pre_norm else h
+        if spec.lns_scale:
+            x = x * (1.0 / math.sqrt(block.index + 1))
+        y = fn(x)
+        if spec.out_norm:
+            y = self._part(block, home, f"{name}_out_norm")(y)
+        if spec.gain is not None:
+            y = y * self._part(block, home, f"{name}_gain")
+        if spec.branch_mult != 1.0:
+            y = y * spec.branch_mult
+        y = getattr(block, f"hook_{name}_out")(y)
+        h = h + y if spec.alpha == 1.0 else spec.alpha * h + y
+        if spec.post_norm:
+            h = self._part(block, home, f"{name}_post_norm")(h)
+        return h
+
+    @staticmethod
+    def _part(block, home, name: str):
+        """The running block's module/parameter `name`, or the position's own if it lacks one."""
+        part = getattr(block, name, None)
+        return part if part is not None else getattr(home, name)
