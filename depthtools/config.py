@@ -1,7 +1,7 @@
 """Typed, validated run configuration: one source of truth that round-trips to JSON.
 
 `ModelConfig` fixes the network (backbone shape + architecture name + architecture options).
-`TrainConfig` (in `depthtools.train`) fixes the recipe. Both are frozen dataclasses so a config
+`TrainConfig` fixes the training recipe (used by `depthtools.train`). Both are frozen dataclasses so a config
 cannot drift after a model was built from it.
 """
 
@@ -102,4 +102,131 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(text))
+
+
+SCHEDULES = ("cosine", "wsd")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training recipe of one cell: budget, batch, AdamW, schedule, evaluation, checkpoints.
+
+    Budget: `tokens`, or `tokens_per_param` × the model's total parameters (default 20, Chinchilla /
+    DepthBench). Optimiser: AdamW (β1, β2, eps), decoupled weight decay on matrices only; norms,
+    gains and routing parameters (1-D tensors and the scheme's `no_decay_names()`) are not decayed.
+    Schedule: linear warmup over `warmup_fraction` of the steps, then cosine to `final_lr_fraction`·lr
+    ("cosine"), or warmup-stable-decay with a linear decay over the last `decay_fraction` ("wsd").
+    `lr_overrides` maps an architecture name to its own peak LR; the LR actually used is recorded
+    in config.json. Steps: `eval_every`, `log_every`, `depth_stats_every`, `checkpoint_every`
+    (0 = never; the final step always evaluates and saves). `dtype`/`device` "auto" mean bf16
+    autocast on CUDA and float32 on CPU; `threads` sets torch's intra-op threads (None: leave).
+    """
+
+    tokens: int | None = None
+    tokens_per_param: float | None = None  # used when tokens is None (default 20)
+    batch_size: int = 16
+    seq_len: int = 128
+    micro_batch_size: int | None = None  # None: = batch_size (no gradient accumulation)
+    lr: float = 3e-3
+    lr_overrides: dict[str, float] = field(default_factory=dict)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    schedule: str = "cosine"
+    warmup_fraction: float = 0.1
+    final_lr_fraction: float = 0.1
+    decay_fraction: float = 0.2  # WSD only: share of steps in the final linear decay
+    seed: int = 0
+    eval_every: int = 100
+    eval_tokens: int = 32768  # per validation split (val and every val_<domain>)
+    log_every: int = 10
+    depth_stats_every: int = 100
+    checkpoint_every: int = 200
+    keep_train_state: bool = False  # keep train_state/ after finishing (to continue training)
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+    threads: int | None = None
+    peak_flops: float | None = None  # for MFU; None: looked up from the CUDA device name
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr_overrides", {str(k): float(v) for k, v in dict(self.lr_overrides).items()})
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse impossible recipes with a one-line reason."""
+        if self.tokens is not None and self.tokens_per_param is not None:
+            raise DepthToolsError("give TrainConfig.tokens or tokens_per_param, not both")
+        if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 1):
+            raise DepthToolsError(f"TrainConfig.tokens must be a positive integer, got {self.tokens!r}")
+        if self.tokens_per_param is not None and self.tokens_per_param <= 0:
+            raise DepthToolsError(f"TrainConfig.tokens_per_param must be positive, got {self.tokens_per_param!r}")
+        for name in ("batch_size", "seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise DepthToolsError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
+        micro = self.micro_batch_size
+        if micro is not None and (micro < 1 or self.batch_size % micro):
+            raise DepthToolsError(f"micro_batch_size={micro} must be positive and divide batch_size={self.batch_size}")
+        for name in ("eval_every", "eval_tokens", "log_every", "depth_stats_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise DepthToolsError(f"TrainConfig.{name} must be a non-negative integer, got {value!r}")
+        if self.lr <= 0 or any(v <= 0 for v in self.lr_overrides.values()):
+            raise DepthToolsError(f"learning rates must be positive, got lr={self.lr}, lr_overrides={self.lr_overrides}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0:
+            raise DepthToolsError(f"need 0 <= beta1, beta2 < 1 and eps > 0, got {self.beta1}, {self.beta2}, {self.eps}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise DepthToolsError("weight_decay and grad_clip must be >= 0 (grad_clip 0 = no clipping)")
+        if self.schedule not in SCHEDULES:
+            raise DepthToolsError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
+        for name in ("warmup_fraction", "final_lr_fraction", "decay_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise DepthToolsError(f"TrainConfig.{name} must lie in [0, 1], got {getattr(self, name)!r}")
+        if self.device not in DEVICES:
+            raise DepthToolsError(f"unknown device {self.device!r}; valid: {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise DepthToolsError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise DepthToolsError(f"TrainConfig.threads must be >= 1, got {self.threads!r}")
+
+    def total_tokens(self, n_params: int) -> int:
+        """The token budget for a model of `n_params` total parameters."""
+        if self.tokens is not None:
+            return self.tokens
+        return int(round((self.tokens_per_param or 20.0) * n_params))
+
+    def total_steps(self, n_params: int) -> int:
+        """Optimizer steps: the token budget over batch_size × seq_len, at least 1."""
+        return max(1, math.ceil(self.total_tokens(n_params) / (self.batch_size * self.seq_len)))
+
+    def lr_for(self, arch: str) -> float:
+        """Peak LR for `arch`: its override if one is given, else `lr`."""
+        return self.lr_overrides.get(arch, self.lr)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with some fields changed (re-validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise DepthToolsError(f"unknown TrainConfig field(s) {unknown}; valid: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
         return cls.from_dict(json.loads(text))

@@ -89,16 +89,19 @@ def u_centre(K: torch.Tensor) -> torch.Tensor:
     ``HSIC₁(K, L) = ⟨K^u, L^u⟩ / (n(n−3))`` is the unbiased estimator of Song et al. 2012,
     and the inner product makes many pairs a single matmul. Needs n ≥ 4.
     """
+    return _u_centre_(K.to(F64).clone())
+
+
+def _u_centre_(K: torch.Tensor) -> torch.Tensor:
+    """In-place U-centring of a float64 ``[..., n, n]`` tensor (saves a copy of a fresh Gram stack)."""
     n = K.shape[-1]
     if n < 4:
         raise DepthToolsError(f"unbiased HSIC needs at least 4 tokens per batch, got {n}")
-    K = K.to(F64).clone()
     K.diagonal(dim1=-2, dim2=-1).zero_()
-    r = K.sum(dim=-1)  # [..., n]
-    S = r.sum(dim=-1)  # [...]
-    K -= r.unsqueeze(-1) / (n - 2)
-    K -= r.unsqueeze(-2) / (n - 2)
-    K += (S / ((n - 1) * (n - 2)))[..., None, None]
+    r = K.sum(dim=-1) / (n - 2)  # [..., n] row sums / (n−2)
+    c = r.sum(dim=-1) / (n - 1)  # [...] S/((n−1)(n−2))
+    K -= r.unsqueeze(-1)
+    K -= r.unsqueeze(-2) - c[..., None, None]
     K.diagonal(dim1=-2, dim2=-1).zero_()
     return K
 
@@ -298,7 +301,7 @@ class CKAAccumulator:
         else:
             G = torch.stack([f @ f.T for f in feats])  # [L+1, n, n]
         if self.debiased:
-            G = u_centre(G)  # features already centred; U-centring removes the diagonal bias
+            G = _u_centre_(G)  # fresh float64 stack: U-centre in place (removes the diagonal bias)
         return G.reshape(self.n_states, n * n)  # [L+1, n²]
 
     def update(self, states: Sequence[torch.Tensor] | torch.Tensor) -> None:

@@ -1,0 +1,133 @@
+"""Core commands: `archs`, `grid plan`, `info`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.main import app, console, grid_app, print_json, table
+from depthtools.errors import DepthToolsError
+
+
+@app.command("archs")
+def archs_command(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """List the registered architectures.
+
+    Example: depthtools archs --json
+    """
+    from depthtools.arch import list_archs
+
+    rows = [
+        {
+            "name": s.name, "family": s.family, "description": s.description, "extra_params": s.extra_formula,
+            "paper": s.paper, "in_depthbench": s.in_depthbench, "aliases": list(s.aliases),
+        }
+        for s in list_archs()
+    ]
+    if as_json:
+        print_json(rows)
+        return
+    console.print(table(
+        "depthtools architectures", ["name", "family", "description", "extra params", "paper", "DepthBench"],
+        [[r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else ""), r["family"], r["description"],
+          r["extra_params"], r["paper"], "yes" if r["in_depthbench"] else ""] for r in rows],
+    ))
+
+
+def _split_list(text: Optional[str], cast) -> Optional[list]:
+    if text is None:
+        return None
+    try:
+        return [cast(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise DepthToolsError(f"cannot read list {text!r}; use comma-separated values like 16,20,24") from None
+
+
+@grid_app.command("plan")
+def grid_plan_command(
+    arch: str = typer.Option("preln", "--arch", help="Architecture(s), comma-separated (see `depthtools archs`)."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="Parameter budget, e.g. 405.4M, 1.6M, 200k."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="Depths, e.g. 16,20,24,28,32."),
+    aspect_ratios: Optional[str] = typer.Option(None, "--aspect-ratios", help="Instead of depths: d_model/n_layer targets."),
+    vocab_size: int = typer.Option(256, "--vocab-size", help="Vocabulary size (byte tokenizer: 256)."),
+    basis: str = typer.Option("total", "--basis", help="Budget counts 'total' or 'non_embedding' parameters."),
+    tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed relative deviation from the budget."),
+    n_heads: Optional[int] = typer.Option(None, "--n-heads", help="Fixed head count (default 16 unless --head-dim)."),
+    head_dim: Optional[int] = typer.Option(None, "--head-dim", help="Fixed head size instead of a fixed head count."),
+    head_dim_multiple: int = typer.Option(2, "--head-dim-multiple", help="head_dim must be a multiple of this."),
+    n_kv_heads: Optional[int] = typer.Option(None, "--n-kv-heads", help="Key/value heads (GQA); default = n_heads."),
+    ffn_multiple: int = typer.Option(16, "--ffn-multiple", help="d_ff = ratio·d rounded up to this multiple (0: no rounding)."),
+    ffn_ratio: float = typer.Option(8 / 3, "--ffn-ratio", help="d_ff / d_model before rounding."),
+    max_seq_len: int = typer.Option(256, "--max-seq-len", help="Context length of the models."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="A named grid (tiny, demo, cpu-small, depthbench-400m)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Grid name (directory under checkpoints/)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the grid spec JSON that `grid train` consumes."),
+    as_json: bool = typer.Option(False, "--json", help="Print the cells as JSON."),
+):
+    """Plan an iso-parameter grid: for each depth, the width closest to the budget (exact counts).
+
+    Examples:
+      depthtools grid plan --arch preln --budget 405.4M --vocab-size 50280 --n-heads 16
+        --head-dim-multiple 2 --ffn-multiple 16 --layers 16,20,24,28,32 --json
+      depthtools grid plan --preset tiny --out grid.json
+    """
+    from depthtools.grid import grid_spec, plan_grid, save_grid
+
+    if preset is not None:
+        from depthtools.presets import get_preset
+
+        spec = get_preset(preset).grid_spec(name=name)
+        cells = spec["cells"]
+    else:
+        if budget is None or (layers is None and aspect_ratios is None):
+            raise DepthToolsError("give --budget and --layers (or --aspect-ratios), or a --preset")
+        plan_args = dict(
+            arch=_split_list(arch, str), budget=budget, vocab_size=vocab_size,
+            layers=_split_list(layers, int), aspect_ratios=_split_list(aspect_ratios, float), basis=basis,
+            tolerance=tolerance, n_heads=n_heads if (n_heads or head_dim) else 16, head_dim=head_dim,
+            head_dim_multiple=head_dim_multiple, n_kv_heads=n_kv_heads, ffn_ratio=ffn_ratio,
+            ffn_multiple=ffn_multiple or None, max_seq_len=max_seq_len,
+        )
+        cells = plan_grid(**plan_args)
+        spec = grid_spec(cells, name=name or "grid", plan={k: v for k, v in plan_args.items()})
+        cells = spec["cells"]
+    if out is not None:
+        save_grid(spec, out)
+    if as_json:
+        print_json(cells)
+        return
+    console.print(table(
+        f"grid {spec['name']} ({len(cells)} cells)",
+        ["name", "n_layer", "d_model", "heads", "head_dim", "d_ff", "params", "non-emb", "extra", "deviation", "d/L"],
+        [[c["name"], c["n_layer"], c["d_model"], c["n_heads"], c["head_dim"], c["d_ff"], f"{c['params_total']:,}",
+          f"{c['params_non_embedding']:,}", f"{c['params_extra']:,}", f"{c['deviation']:+.2%}",
+          f"{c['aspect_ratio']:.1f}"] for c in cells],
+    ))
+    if out is not None:
+        console.print(f"wrote {out}")
+
+
+@app.command("info")
+def info_command(
+    ckpt: str = typer.Option(..., "--ckpt", help="Checkpoint path or cell name (e.g. hc_L8)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Show a checkpoint's config, sizes and training summary.
+
+    Example: depthtools info --ckpt preln_L4
+    """
+    from depthtools.checkpoint import checkpoint_summary
+
+    summary = checkpoint_summary(ckpt)
+    if as_json:
+        print_json(summary)
+        return
+    rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict)]
+    for section in ("model", "params", "training", "eval"):
+        for k, v in (summary.get(section) or {}).items():
+            rows.append([f"{section}.{k}", v])
+    console.print(table(f"checkpoint {summary['name']}", ["field", "value"], rows))

@@ -1,0 +1,73 @@
+"""The `depthtools` command: a thin Typer layer over the library (DESIGN §1).
+
+Sub-commands live in small modules (`cli/*_cmd.py`) that register on `app` or on the `grid`
+group. User errors (`DepthToolsError`) print one line to stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from depthtools.errors import DepthToolsError
+
+app = typer.Typer(
+    name="depthtools",
+    help="Does extra depth become extra computation? Train iso-parameter grids, probe depth, write reports.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+grid_app = typer.Typer(help="Plan, train and inspect iso-parameter grids.", no_args_is_help=True)
+app.add_typer(grid_app, name="grid")
+
+console = Console()
+err_console = Console(stderr=True)
+
+# Command modules that register themselves on `app` / `grid_app` when imported (optional ones may be absent).
+COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.analysis_cmd", "cli.report_cmd")
+
+
+def print_json(obj) -> None:
+    """Machine-readable output on stdout (no rich markup)."""
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def table(title: str, columns: list[str], rows: list[list]) -> Table:
+    out = Table(title=title)
+    for column in columns:
+        out.add_column(column)
+    for row in rows:
+        out.add_row(*(str(v) for v in row))
+    return out
+
+
+def _load_command_modules() -> None:
+    import importlib.util
+
+    for name in COMMAND_MODULES:
+        if importlib.util.find_spec(name) is not None:
+            module = importlib.import_module(name)
+            sub_app = getattr(module, "data_app", None)
+            if sub_app is not None and name == "cli.data_cmd":
+                app.add_typer(sub_app, name="data")
+
+
+def main() -> None:
+    """Console-script entry point: run the app, turning user errors into one line + exit 2.
+
+    Typer's standalone mode already reports usage errors (exit 2); library errors surface here.
+    """
+    try:
+        app()
+    except DepthToolsError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+_load_command_modules()

@@ -1,0 +1,214 @@
+"""Checkpoints: safetensors weights + JSON config, atomic writes, name resolution (DESIGN §5).
+
+Layout of one cell directory `checkpoints/<grid>/<arch>_L<n>/`:
+    model.safetensors   weights (no pickle: loading cannot run code)
+    config.json         {"model": ModelConfig, "train": TrainConfig|null, "tokenizer": ..., "data": ...,
+                         "params": {...}, "depthtools_version": ...}
+    metrics.jsonl       training curve (written by the trainer)
+    eval.json           final per-domain losses (written by the trainer)
+
+`load("hc_L96")` resolves a path, or a cell name searched under $DEPTHTOOLS_CHECKPOINTS
+(default ./checkpoints); unknown or ambiguous names list the candidates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from depthtools.config import ModelConfig
+from depthtools.errors import CheckpointError, DepthToolsError
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def checkpoints_root() -> Path:
+    return Path(os.environ.get("DEPTHTOOLS_CHECKPOINTS", "checkpoints"))
+
+
+# -- atomic file writes ------------------------------------------------------------------------
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temporary file in the same directory, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """safetensors save through a temporary file + rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Load a safetensors file; a corrupt or truncated file is a one-line CheckpointError."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"missing weights file {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"corrupt weights file {path}: {str(exc).splitlines()[0]}") from None
+
+
+def read_json(path: Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"missing {path.name} in {path.parent}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"corrupt JSON {path}: {exc}") from None
+
+
+# -- save / load ---------------------------------------------------------------------------------
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State dict without duplicated storage (tied unembedding is saved once)."""
+    state = model.state_dict()
+    if model.config.tie_embeddings:
+        state.pop("unembed.weight", None)
+    return state
+
+
+def save(model, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write `model.safetensors` + `config.json` into `directory` atomically; returns the directory.
+
+    `extra` adds fields to config.json (train config, tokenizer and data fingerprints, ...).
+    """
+    from depthtools import __version__
+
+    directory = Path(directory)
+    atomic_save_tensors(directory / WEIGHTS, model_state(model), metadata={"format": "pt", "arch": model.config.arch})
+    config = {
+        "model": model.config.to_dict(),
+        "params": model.param_counts(),
+        "depthtools_version": __version__,
+        **(extra or {}),
+    }
+    atomic_write_json(directory / CONFIG, config)
+    return directory
+
+
+def resolve(name: str | Path, root: str | Path | None = None) -> Path:
+    """A checkpoint directory from a path or a cell name like `hc_L96` (searched under root)."""
+    path = Path(name)
+    if (path / CONFIG).is_file() or (path / WEIGHTS).is_file():
+        return path
+    root = Path(root) if root is not None else checkpoints_root()
+    if path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint directory (no {CONFIG})")
+    candidates = sorted(p.parent for p in root.rglob(CONFIG)) if root.is_dir() else []
+    if "/" in str(name):
+        matches = [c for c in candidates if str(c).endswith(str(name).strip("/"))]
+    else:
+        matches = [c for c in candidates if c.name == str(name)]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        listed = ", ".join(str(m) for m in matches)
+        raise CheckpointError(f"checkpoint name {name!r} is ambiguous under {root}: {listed}")
+    known = ", ".join(c.name for c in candidates[:20]) or "none"
+    raise CheckpointError(f"unknown checkpoint {name!r} (searched {root}); available: {known}")
+
+
+def read_config(name: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint."""
+    return read_json(resolve(name) / CONFIG)
+
+
+def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
+    """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model."""
+    from depthtools.arch import DepthModel
+
+    directory = resolve(name, root)
+    config = read_json(directory / CONFIG)
+    try:
+        cfg = ModelConfig.from_dict(config["model"])
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"config.json in {directory} has no valid 'model' section: {exc}") from None
+    except DepthToolsError as exc:
+        raise CheckpointError(f"config.json in {directory}: {exc}") from None
+    tensors = read_tensors(directory / WEIGHTS)
+    model = DepthModel(cfg)
+    expected = model_state(model)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights in {directory} do not match config ({cfg.arch}, L={cfg.n_layer}, d={cfg.d_model}): "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
+        )
+    wrong = [k for k in expected if tuple(expected[k].shape) != tuple(tensors[k].shape)]
+    if wrong:
+        k = wrong[0]
+        raise CheckpointError(
+            f"weights in {directory} do not match config: {k} has shape {tuple(tensors[k].shape)}, "
+            f"config implies {tuple(expected[k].shape)}"
+        )
+    with torch.no_grad():
+        model.load_state_dict(tensors, strict=False)  # tied unembedding shares tok_embed's storage
+    model.checkpoint_dir = directory
+    return model.to(device).eval()
+
+
+def read_metrics(directory: str | Path) -> list[dict[str, Any]]:
+    """The training curve (metrics.jsonl) as a list of records; [] if absent. Bad lines are skipped."""
+    path = Path(directory) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash mid-write
+    return records
+
+
+def checkpoint_summary(name: str | Path) -> dict[str, Any]:
+    """Config, sizes and training/eval summary of a checkpoint, without loading its weights."""
+    directory = resolve(name)
+    config = read_json(directory / CONFIG)
+    metrics = read_metrics(directory)
+    eval_path = directory / "eval.json"
+    last = metrics[-1] if metrics else {}
+    return {
+        "name": directory.name,
+        "path": str(directory),
+        "arch": config.get("model", {}).get("arch"),
+        "finished": eval_path.is_file(),
+        "model": config.get("model", {}),
+        "params": config.get("params", {}),
+        "training": {k: last[k] for k in ("step", "tokens", "train_loss", "val_loss") if k in last},
+        "eval": read_json(eval_path) if eval_path.is_file() else {},
+    }

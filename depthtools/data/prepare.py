@@ -1,0 +1,343 @@
+"""Turn corpora into token files: `data/<name>/{train,val,val_<domain>}.bin` + `tokenizer.json` + `meta.json`.
+
+Layout of every .bin: flat np.uint16 token ids; each document is preceded by the tokenizer's
+separator id (0: the NUL byte for `byte`, `<|endoftext|>` for BPE), so a model always sees a
+document start after a separator and never mistakes a boundary for content.
+
+Splits are by whole documents, stratified per (corpus, domain) and decided by a seeded hash of the
+document name, so they are deterministic, independent of file order, and no document is in both.
+`val_<domain>.bin` holds the same validation documents grouped by domain, for per-domain losses.
+`meta.json` is written last and the directory is swapped in atomically, so a present meta.json
+means a complete dataset; calling `prepare` again with the same settings returns at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
+from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer
+from depthtools.errors import DepthToolsError
+
+FORMAT = "depthtools.data/1"
+META_FILE = "meta.json"
+SPLITS_FILE = "splits.json"
+TOKEN_DTYPE = np.uint16
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A corpus's contribution after extraction, capping and splitting."""
+
+    corpus: Corpus
+    train: list[Document]
+    val: list[Document]
+    source_info: dict
+
+
+def prepare(
+    corpus: str | list[str] = "default",
+    out_dir: str | os.PathLike = "data",
+    tokenizer: str = "byte",
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    max_bytes: int | None = None,
+    text_dir: str | os.PathLike | None = None,
+    name: str | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Prepare a corpus or a MIX ("shakespeare+sympy", a list, or "default") and return its directory.
+
+    `max_bytes` caps each corpus's extracted text (the mix `default` caps at 1.5 MB per corpus unless
+    you pass one). Idempotent: an existing dataset with identical settings is returned untouched;
+    different settings rebuild it in place.
+    """
+    log = log or (lambda _msg: None)
+    corpora, default_cap, mix_name = resolve_corpora(corpus, text_dir)
+    _validate(tokenizer, val_fraction, max_bytes)
+    cap = max_bytes if max_bytes is not None else default_cap
+    target = Path(out_dir) / (name or _default_name(mix_name, tokenizer))
+    settings = _settings(corpora, tokenizer, val_fraction, seed, cap, text_dir)
+    if is_prepared(target, settings):
+        log(f"{target}: already prepared with these settings")
+        return target
+    t0 = time.perf_counter()
+    parts = [_extract_part(c, cap, val_fraction, seed, log) for c in corpora]
+    tok = _make_tokenizer(tokenizer, parts, log)
+    _write_dataset(target, parts, tok, settings, seed, log)
+    log(f"{target}: prepared in {time.perf_counter() - t0:.1f}s")
+    return target
+
+
+def resolve_corpora(corpus: str | list[str], text_dir) -> tuple[list[Corpus], int | None, str]:
+    """Parse a corpus name, a MIX "a+b" or a list into Corpus objects; also the mix's default cap and name."""
+    default_cap = None
+    if isinstance(corpus, str) and corpus in MIXES:
+        names, default_cap = list(MIXES[corpus][0]), MIXES[corpus][1]
+        mix_name = corpus
+    else:
+        names = corpus.split("+") if isinstance(corpus, str) else list(corpus)
+        names = [n.strip() for n in names]
+        mix_name = "+".join(names)
+    valid = [*CORPORA, "text-dir", *MIXES]
+    for n in names:
+        if n not in CORPORA and n != "text-dir":
+            raise DepthToolsError(f"unknown corpus {n!r}; valid: {', '.join(valid)} (join several with '+')")
+    if len(set(names)) != len(names) or not names:
+        raise DepthToolsError(f"corpus mix {mix_name!r} must name each corpus once")
+    if "text-dir" in names and text_dir is None:
+        raise DepthToolsError("corpus 'text-dir' needs --text-dir DIR (a folder of UTF-8 files)")
+    if text_dir is not None and "text-dir" not in names:
+        raise DepthToolsError(f"--text-dir given but corpus {mix_name!r} does not include text-dir; use --corpus text-dir or e.g. {mix_name}+text-dir")
+    return [text_dir_corpus(Path(text_dir)) if n == "text-dir" else CORPORA[n] for n in names], default_cap, mix_name
+
+
+def _validate(tokenizer: str, val_fraction: float, max_bytes: int | None) -> None:
+    if tokenizer not in TOKENIZER_SPECS:
+        raise DepthToolsError(f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZER_SPECS)}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DepthToolsError(f"val_fraction {val_fraction} must be in [0, 1)")
+    if max_bytes is not None and max_bytes <= 0:
+        raise DepthToolsError(f"max_bytes {max_bytes} must be a positive number of bytes")
+
+
+def _default_name(mix_name: str, tokenizer: str) -> str:
+    return mix_name if tokenizer == "byte" else f"{mix_name}-{tokenizer}"
+
+
+def _settings(corpora, tokenizer, val_fraction, seed, cap, text_dir) -> dict:
+    """Everything that determines the output; equal settings mean `prepare` has nothing to do."""
+    out = {"format": FORMAT, "corpora": [c.name for c in corpora], "tokenizer": tokenizer,
+           "val_fraction": val_fraction, "seed": seed, "max_bytes": cap}
+    if text_dir is not None:
+        out["text_dir"] = str(Path(text_dir).expanduser().resolve())
+        out["text_dir_state"] = _dir_state(Path(text_dir).expanduser())
+    return out
+
+
+def _dir_state(directory: Path) -> str:
+    """Cheap fingerprint of a folder (names, sizes, mtimes), so edits to --text-dir trigger a rebuild."""
+    h = hashlib.sha256()
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(directory)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def is_prepared(target: Path, settings: dict) -> bool:
+    """True if `target` holds a complete dataset built with exactly `settings`."""
+    try:
+        meta = json.loads((target / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    if meta.get("settings") != settings:
+        return False
+    if not (target / meta.get("tokenizer", {}).get("file", "tokenizer.json")).is_file():
+        return False
+    return all((target / s["file"]).is_file() and (target / s["file"]).stat().st_size == 2 * s["tokens"]
+               for s in meta.get("splits", {}).values())
+
+
+# ---------------------------------------------------------------- extraction, capping, splitting
+
+
+def _extract_part(corpus: Corpus, cap: int | None, val_fraction: float, seed: int, log) -> _Part:
+    t0 = time.perf_counter()
+    ex = corpus.extract(cache_root())
+    docs = cap_documents(ex.documents, cap)
+    train, val = split_documents(docs, corpus, val_fraction, seed)
+    used = sum(len(d.text.encode("utf-8")) for d in docs)
+    log(f"{corpus.name}: {len(ex.documents)} documents, {ex.n_bytes:,} bytes (version {ex.package_version}); "
+        f"using {len(docs)} documents, {used:,} bytes; {time.perf_counter() - t0:.1f}s")
+    info = {"corpus": corpus.name, "domain": corpus.domain, "license": corpus.license, "source": corpus.source,
+            "package_version": ex.package_version, "documents": len(ex.documents), "bytes": ex.n_bytes,
+            "sha256": ex.sha256, "expected_sha256": corpus.expected_sha256, "expected_version": corpus.package_version,
+            "checksum_ok": None if corpus.expected_sha256 is None else ex.sha256 == corpus.expected_sha256,
+            "documents_used": len(docs), "bytes_used": used, "train_documents": len(train), "val_documents": len(val)}
+    return _Part(corpus, train, val, info)
+
+
+def _rank(*parts: object) -> str:
+    return hashlib.sha256("\0".join(map(str, parts)).encode("utf-8")).hexdigest()
+
+
+def cap_documents(docs: list[Document], max_bytes: int | None) -> list[Document]:
+    """Keep whole documents in a fixed pseudo-random order (sha256 of the name) up to `max_bytes`.
+
+    The order does not depend on the seed, so a cap picks the same text for every split seed and a
+    representative spread rather than the alphabetical head. The last document is cut at a line
+    boundary to fill the cap, so even one huge document yields something. Result is in name order.
+    """
+    if max_bytes is None:
+        return docs
+    kept, total = [], 0
+    for d in sorted(docs, key=lambda d: _rank(d.name)):
+        size = len(d.text.encode("utf-8"))
+        if total + size <= max_bytes:
+            kept.append(d)
+            total += size
+            continue
+        head = d.text.encode("utf-8")[: max_bytes - total].decode("utf-8", errors="ignore")
+        head = head[: head.rfind("\n") + 1] or head
+        if head:
+            kept.append(Document(d.name, head, d.domain))
+        break
+    return sorted(kept, key=lambda d: d.name)
+
+
+def split_documents(docs: list[Document], corpus: Corpus, val_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
+    """Whole-document train/val split, stratified by domain; a group of n>=2 documents gives
+    max(1, round(val_fraction*n)) (at most n-1) to val, chosen by sha256(seed, corpus, name)."""
+    train, val = [], []
+    groups: dict[str, list[Document]] = {}
+    for d in docs:
+        groups.setdefault(d.domain or corpus.domain, []).append(d)
+    for domain, group in sorted(groups.items()):
+        n = len(group)
+        n_val = 0 if n < 2 or val_fraction == 0 else min(n - 1, max(1, round(val_fraction * n)))
+        ranked = sorted(group, key=lambda d: _rank(seed, corpus.name, d.name))
+        val += ranked[:n_val]
+        train += ranked[n_val:]
+    return train, val
+
+
+def _domain(doc: Document, corpus: Corpus) -> str:
+    return doc.domain or corpus.domain
+
+
+# ---------------------------------------------------------------- tokenizing and writing
+
+
+def _make_tokenizer(spec: str, parts: list[_Part], log):
+    if spec == "byte":
+        return ByteTokenizer()
+    t0 = time.perf_counter()
+    tok = BPETokenizer.train((d.text for p in parts for d in p.train), vocab_size=BPE_SIZES[spec])
+    log(f"{spec}: trained on the train split in {time.perf_counter() - t0:.1f}s")
+    return tok
+
+
+def _encode_docs(tok, docs: list[Document]) -> np.ndarray:
+    """[sep, doc0..., sep, doc1..., ...] as uint16."""
+    if not docs:
+        return np.zeros(0, dtype=TOKEN_DTYPE)
+    sep = np.array([tok.sep_id], dtype=TOKEN_DTYPE)
+    pieces = []
+    for ids in tok.encode_batch([d.text for d in docs]):
+        pieces += [sep, ids]
+    return np.concatenate(pieces)
+
+
+def _write_dataset(target: Path, parts: list[_Part], tok, settings: dict, seed: int, log) -> None:
+    """Build everything in a temporary sibling folder, then swap it in with renames."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the dataset is an ordinary shared folder
+    try:
+        t0 = time.perf_counter()
+        train_docs = [(p.corpus, d) for p in parts for d in p.train]
+        order = np.random.default_rng(seed).permutation(len(train_docs))  # interleave corpora in train.bin
+        train_docs = [train_docs[i] for i in order]
+        val_docs = [(p.corpus, d) for p in parts for d in p.val]
+        splits = {"train": _write_split(tmp, "train", tok, train_docs), "val": _write_split(tmp, "val", tok, val_docs)}
+        for domain in sorted({_domain(d, c) for c, d in val_docs}):
+            key = f"val_{_safe(domain)}"
+            splits[key] = _write_split(tmp, key, tok, [(c, d) for c, d in val_docs if _domain(d, c) == domain])
+            splits[key]["domain"] = domain
+        log(f"tokenized with {tok.name} in {time.perf_counter() - t0:.1f}s: "
+            + ", ".join(f"{k} {v['tokens']:,}" for k, v in splits.items()))
+        tok.save(tmp)
+        _write_json(tmp / SPLITS_FILE, {"train": sorted(f"{c.name}/{d.name}" for c, d in train_docs),
+                                         "val": sorted(f"{c.name}/{d.name}" for c, d in val_docs)})
+        _write_json(tmp / META_FILE, _meta(target.name, parts, tok, settings, splits))
+        _swap_in(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _safe(domain: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", domain)
+
+
+def _write_split(folder: Path, key: str, tok, docs) -> dict:
+    tokens = _encode_docs(tok, [d for _c, d in docs])
+    tokens.tofile(folder / f"{key}.bin")
+    return {"file": f"{key}.bin", "tokens": int(tokens.size), "documents": len(docs),
+            "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
+
+
+def _meta(name: str, parts: list[_Part], tok, settings: dict, splits: dict) -> dict:
+    data_fp = hashlib.sha256("\0".join([tok.fingerprint(), splits["train"]["sha256"], splits["val"]["sha256"]]).encode()).hexdigest()
+    return {
+        "format": FORMAT, "name": name, "settings": settings, "dtype": "uint16",
+        "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "sep_id": tok.sep_id,
+                      "fingerprint": tok.fingerprint(), "file": "tokenizer.json"},
+        "separator": f"token {tok.sep_id} precedes every document",
+        "data_fingerprint": data_fp,
+        "sources": [p.source_info for p in parts],
+        "package_versions": {p.corpus.name: p.source_info["package_version"] for p in parts},
+        "domains": sorted({s["domain"] for s in splits.values() if "domain" in s}),
+        "splits": splits,
+        "val_domain_files": {s["domain"]: s["file"] for s in splits.values() if "domain" in s},
+    }
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    """Replace `target` by the finished `tmp` folder; the old one is only removed once the new one is in place."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- reading back
+
+
+def read_meta(data_dir: str | os.PathLike) -> dict:
+    """The meta.json of a prepared dataset; a clear error if the folder is not one."""
+    path = Path(data_dir) / META_FILE
+    if not path.is_file():
+        raise DepthToolsError(f"{data_dir}: no {META_FILE}; prepare it with `depthtools data prepare`")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DepthToolsError(f"{path}: corrupt JSON ({err.msg} at line {err.lineno}); prepare it again") from None
+    if meta.get("format") != FORMAT:
+        raise DepthToolsError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; prepare it again")
+    return meta
+
+
+def load_split(data_dir: str | os.PathLike, split: str = "train") -> np.ndarray:
+    """Token ids of one split (train, val, or val_<domain>) as a read-only uint16 memmap."""
+    meta = read_meta(data_dir)
+    info = meta["splits"].get(split)
+    if info is None:
+        raise DepthToolsError(f"{data_dir}: no split {split!r}; valid: {', '.join(meta['splits'])}")
+    path = Path(data_dir) / info["file"]
+    size = path.stat().st_size if path.is_file() else -1
+    if size != 2 * info["tokens"]:
+        raise DepthToolsError(f"{path}: {size} bytes, meta.json says {info['tokens']} tokens; prepare it again")
+    if info["tokens"] == 0:
+        return np.zeros(0, dtype=TOKEN_DTYPE)
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r")

@@ -1,0 +1,76 @@
+"""Named grids (tolerances are wider than DepthBench's ±3% where small widths make the width grain
+coarse, or where an architecture's extra parameters are absorbed by a narrower width): shapes, recipe and data in one place so `--preset NAME` means the same everywhere.
+
+tiny:            CI-sized (~0.25M params, 3 depths), seconds per cell on a CPU.
+demo:            the embedded default; a few minutes on 2 CPU cores in total.
+cpu-small:       ~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU.
+depthbench-400m: the paper's shapes (V=50280, 16 heads, d_ff multiple 16, L16..L32), for GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from depthtools.errors import DepthToolsError
+
+DEPTHBENCH_TEN = ("preln", "periln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "blockattnres", "moda")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    plan: dict[str, Any]  # keyword arguments of depthtools.grid.plan_grid
+    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
+    data: dict[str, Any] = field(default_factory=dict)  # corpus / tokenizer
+
+    def grid_spec(self, name: str | None = None) -> dict[str, Any]:
+        """Plan the preset's cells and return the grid spec (see depthtools.grid.grid_spec)."""
+        from depthtools.arch import list_archs
+        from depthtools.grid import grid_spec, plan_grid
+
+        known = {s.name for s in list_archs()}
+        plan = dict(self.plan)
+        plan["arch"] = [a for a in plan["arch"] if a in known]
+        cells = plan_grid(**plan)
+        return grid_spec(cells, name=name or self.name, train=self.train, data=self.data, plan=plan)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        "tiny", "CI-sized: ~0.25M params, 3 depths, seconds per cell",
+        plan=dict(arch=["preln", "lns", "hc", "attnres"], budget=250_000, vocab_size=256, layers=[2, 4, 8],
+                  n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.06, max_seq_len=64),
+        train=dict(tokens=60_000, batch_size=8, seq_len=64, lr=3e-3, eval_every=50, eval_tokens=8192),
+        data=dict(corpus="default", tokenizer="byte"),
+    ),
+    "demo": Preset(
+        "demo", "embedded default: preln, lns, hc, attnres at 3 depths, minutes on 2 CPU cores",
+        plan=dict(arch=["preln", "lns", "hc", "attnres"], budget=500_000, vocab_size=256, layers=[2, 4, 8],
+                  n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.05, max_seq_len=128),
+        train=dict(tokens=600_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=100, eval_tokens=32768),
+        data=dict(corpus="default", tokenizer="byte"),
+    ),
+    "cpu-small": Preset(
+        "cpu-small", "~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU",
+        plan=dict(arch=list(DEPTHBENCH_TEN), budget=1_600_000, vocab_size=256, layers=[4, 8, 16, 32],
+                  n_heads=2, head_dim_multiple=2, ffn_multiple=16, tolerance=0.05, max_seq_len=256),
+        train=dict(tokens_per_param=20, batch_size=32, seq_len=256, lr=2e-3, eval_every=250, eval_tokens=131072),
+        data=dict(corpus="default", tokenizer="byte"),
+    ),
+    "depthbench-400m": Preset(
+        "depthbench-400m", "the paper's 400M shapes and recipe (GPUs)",
+        plan=dict(arch=list(DEPTHBENCH_TEN), budget=405_400_000, vocab_size=50280, layers=[16, 20, 24, 28, 32],
+                  n_heads=16, head_dim_multiple=2, ffn_multiple=16, tolerance=0.04, max_seq_len=2048),
+        train=dict(tokens_per_param=20, batch_size=512, seq_len=2048, lr=2e-3, warmup_fraction=0.1,
+                   final_lr_fraction=0.1, eval_every=500, eval_tokens=4_194_304),
+        data=dict(corpus="default", tokenizer="bpe8k"),
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise DepthToolsError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    return PRESETS[name]

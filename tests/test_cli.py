@@ -1,0 +1,81 @@
+"""The Typer CLI through Typer's test runner, and the console script's error contract."""
+
+import json
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from cli.main import app
+from depthtools import checkpoint as ck
+from depthtools.arch import DepthModel
+from depthtools.config import ModelConfig
+
+runner = CliRunner()
+
+
+def test_archs_json_lists_every_architecture_with_formula_and_paper():
+    result = runner.invoke(app, ["archs", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    names = {r["name"] for r in rows}
+    assert {"preln", "postln", "periln", "lns", "deepnorm", "keel", "mixln", "rezero", "layerscale",
+            "depthmup", "completep"} <= names
+    assert all(r["paper"] and r["description"] and r["extra_params"] for r in rows)
+    table = runner.invoke(app, ["archs"])
+    assert table.exit_code == 0 and "keel" in table.stdout
+
+
+def test_grid_plan_depthbench_example_prints_json():
+    args = ["grid", "plan", "--arch", "preln", "--budget", "405.4M", "--vocab-size", "50280", "--n-heads", "16",
+            "--head-dim-multiple", "2", "--ffn-multiple", "16", "--layers", "16,20,24,28,32", "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    cells = json.loads(result.stdout)
+    assert [c["n_layer"] for c in cells] == [16, 20, 24, 28, 32]
+    for key in ("name", "arch", "n_layer", "d_model", "n_heads", "head_dim", "d_ff", "params_total",
+                "params_non_embedding", "deviation"):
+        assert key in cells[0]
+    assert cells[2]["d_model"] == 1024
+
+
+def test_grid_plan_out_writes_a_spec(tmp_path):
+    out = tmp_path / "grid.json"
+    result = runner.invoke(app, ["grid", "plan", "--arch", "preln,lns", "--budget", "300k", "--n-heads", "2",
+                                 "--layers", "2,4", "--tolerance", "0.06", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    spec = json.loads(out.read_text())
+    assert [c["name"] for c in spec["cells"]] == ["preln_L2", "preln_L4", "lns_L2", "lns_L4"]
+
+
+def test_info_shows_a_checkpoint(tmp_path, monkeypatch):
+    model = DepthModel(ModelConfig(arch="lns", vocab_size=40, d_model=32, n_layer=2, n_heads=4), seed=0)
+    ck.save(model, tmp_path / "g" / "lns_L2")
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path))
+    result = runner.invoke(app, ["info", "--ckpt", "lns_L2", "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert info["arch"] == "lns" and info["params"]["total"] == model.param_counts()["total"]
+    assert info["finished"] is False
+
+
+def test_every_command_has_help_with_examples():
+    for args in (["archs"], ["grid", "plan"], ["info"]):
+        result = runner.invoke(app, [*args, "--help"])
+        assert result.exit_code == 0 and "Example" in result.stdout
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_user_errors_are_one_line_on_stderr_with_exit_code_2(tmp_path):
+    bad_arch = run_cli("grid", "plan", "--arch", "nope", "--budget", "1M", "--layers", "2")
+    assert bad_arch.returncode == 2 and bad_arch.stdout == ""
+    assert "unknown architecture 'nope'" in bad_arch.stderr and len(bad_arch.stderr.strip().splitlines()) == 1
+    missing = run_cli("info", "--ckpt", str(tmp_path / "nothing_here"))
+    assert missing.returncode == 2 and "unknown checkpoint" in missing.stderr
+    usage = run_cli("grid", "plan", "--layers", "x", "--budget", "1M")
+    assert usage.returncode == 2 and "cannot read list" in usage.stderr
+    typo = run_cli("archz")
+    assert typo.returncode == 2 and "No such command" in typo.stderr
