@@ -1,0 +1,242 @@
+"""Attention Residuals (Kimi Team 2026, arXiv 2603.15031): Full and Block AttnRes.
+
+Instead of adding every sublayer output to one stream, each SUBLAYER attends over depth. Sublayer s
+(2b = attention, 2b+1 = MLP of block b) owns a pseudo-query w_s [d] (zero init) and a key RMSNorm
+gain gamma_s (init 1). With sources v_0 = embedding and v_i = raw output of sublayer i-1:
+
+    alpha_i = softmax_i( w_s · RMSNorm_gamma_s(v_i) )        (no 1/sqrt(d) temperature)
+    h_s     = Σ_i alpha_i v_i                                  (values are the raw sources)
+    v_s+1   = f_s(Norm_s(h_s))                                 (the sublayer's own pre-norm)
+
+and the final output is the same mix with its own query/key norm, then ln_final + unembedding.
+Block AttnRes (`blockattnres`) groups sublayers into blocks of S (`attnres_block_size`): the
+sources are b_0 = embedding, the completed block sums b_1..b_{n-1} and the running partial sum
+of the current block. Sublayer s is a block boundary iff s mod S == 0; there the partial is
+pushed into the bank before the mix (DepthBench / paper Fig. 2). Full AttnRes is exactly
+S = 1 (every sublayer closes a block of one), so both share this code.
+
+Mixers. Block 0's attention has a single source (the embedding) and no mixer: a mix over one
+source is the identity (DepthBench). So there are 2L mixers of 2d parameters: extra = 4·L·d.
+Where they live follows DepthBench's swap rule (exchange core weights, the block's MLP-side mixer,
+and the mixer that CONSUMES the block's output; the block's own attention-side mixer stays):
+  * `blocks.{b}.mlp_res`  — MLP-side mixer, on the Block, travels with it.
+  * `scheme.attn_res.{b}` — attention-side mixer of position b+1 in the intact model, i.e. the
+    mixer consuming block b's output; `scheme.final_res` consumes block L-1's output.
+The state records which block ran last (`consumer`), and the next attention-side mix (or the
+final mix / readout) uses that block's consuming mixer — so under a swap it travels with the
+block, and in the intact model it is simply the next position's mixer.
+
+Depth state (`SourceBank`): immutable; every step returns a new one. Readout at depth l is the
+"next-consumer mix": the mix the next consumer (block l's attention-side mixer, or the final mixer
+at l = L) computes over the sources so far; at l = L it is exactly what the logits use.
+`final_query_readout` is the optional "final-query lens" (the final mixer over the sources so far).
+Geometry = readout.
+
+Skip rules (`skip_rules`, first = default):
+  * "mask" (default): block l's outputs never enter the bank (later softmaxes renormalise over the
+    remaining sources); the next mix uses the mixer the intact model would use there. With zero
+    queries this is exactly Pre-LN's identity-skip (uniform average, RMSNorm is scale invariant),
+    so it is the faithful analogue of "remove the block" — hence the default.
+  * "next-output" (DepthBench): block l contributes no sources AND the next mix (block l+1's
+    attention-side mix, or the final mix) is replaced by the identity on the newest source.
+In both, block-boundary bookkeeping (pushing the partial) is positional and still happens.
+
+Hooks (not a single residual stream: `hook_resid_*` are not used): per block
+`hook_attnres_weights_attn|mlp` [B,T,n_sources] (depth-attention maps, editable),
+`hook_attn_in|hook_mlp_in` [B,T,d] (the mixed branch input, before the sublayer's pre-norm),
+`hook_attn_out|hook_mlp_out` (raw sublayer outputs = the new sources); on the scheme
+`hook_attnres_weights_final` (fires on every readout, so once per forward).
+Queries are excluded from weight decay (routing parameters, as DepthBench does for HC routing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from transformer_lens.hook_points import HookPoint
+
+from depthtools.arch.bankops import bank_logits, inv_rms, weighted_sum
+from depthtools.arch.layers import RMSNorm
+from depthtools.arch.registry import ArchSpec
+from depthtools.arch.scheme import ResidualScheme
+from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
+
+
+@dataclass(frozen=True)
+class SourceBank:
+    """AttnRes depth state (immutable).
+
+    sources:  completed sources, each [B,T,d] (Full: embedding + every sublayer output so far;
+              Block: embedding b_0 + completed block sums).
+    scales:   1/rms of each completed source [B,T] (the key RMSNorm's divisor, computed once).
+    partial:  Block AttnRes' running sum of the current block's outputs [B,T,d], or None.
+    depth:    positions applied so far (0 = the embedding state).
+    consumer: block whose consuming mixer makes the next mix; None = identity on the newest
+              source (depth 0, or after a "next-output" skip).
+    """
+
+    sources: tuple[torch.Tensor, ...]
+    scales: tuple[torch.Tensor, ...]
+    partial: torch.Tensor | None = None
+    depth: int = 0
+    consumer: int | None = None
+
+
+class DepthMixer(nn.Module):
+    """One AttnRes mixer: pseudo-query w (zero init) and key RMSNorm gain gamma (init 1)."""
+
+    def __init__(self, d_model: int, eps: float):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(d_model))
+        self.key_norm = RMSNorm(d_model, eps)
+
+    def forward(self, sources: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Depth-attention weights [B,T,n] = softmax_i(w · RMSNorm_gamma(v_i))."""
+        # w · (gamma ⊙ v_i / rms(v_i)) = (w ⊙ gamma) · v_i · scale_i
+        return bank_logits(self.query * self.key_norm.weight, sources, scales).softmax(-1)
+
+
+def default_block_size(n_layer: int) -> int:
+    """S = 2·ceil(L/8) sublayers: ≈8 blocks (paper: N≈8) made of whole transformer blocks."""
+    return 2 * math.ceil(n_layer / 8)
+
+
+class AttnResScheme(ResidualScheme):
+    """Full / Block AttnRes over a bank of sources (see the module docstring)."""
+
+    single_stream = False
+    skip_rules = ("mask", "next-output")
+
+    def __init__(self, cfg: ModelConfig, block_size: int = 1):
+        super().__init__(cfg)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise DepthToolsError(f"attnres_block_size must be a positive integer (sublayers), got {block_size!r}")
+        self.block_size = block_size
+        d, eps, L = cfg.d_model, cfg.norm_eps, cfg.n_layer
+        self.attn_res = nn.ModuleList(DepthMixer(d, eps) for _ in range(L - 1))  # consumes block b's output
+        self.final_res = DepthMixer(d, eps)  # consumes block L-1's output
+        self.hook_attnres_weights_final = HookPoint()  # [B,T,n]
+
+    # -- construction -------------------------------------------------------------------------
+    def build_block(self, block: nn.Module) -> None:
+        d, eps = self.cfg.d_model, self.cfg.norm_eps
+        block.attn_norm, block.mlp_norm = RMSNorm(d, eps), RMSNorm(d, eps)
+        block.mlp_res = DepthMixer(d, eps)
+        for name in ("attn", "mlp"):
+            setattr(block, f"hook_attnres_weights_{name}", HookPoint())  # [B,T,n]
+            setattr(block, f"hook_{name}_in", HookPoint())  # [B,T,d]
+
+    def no_decay_names(self) -> tuple[str, ...]:
+        return ("_res.",)
+
+    # -- the depth-state contract -------------------------------------------------------------
+    def embed_state(self, x0: torch.Tensor) -> SourceBank:
+        return SourceBank(sources=(x0,), scales=(self._scale(x0),))
+
+    def step(self, position, block, state: SourceBank, home, rope) -> SourceBank:
+        attn = lambda x: block.attn(x, *rope)  # noqa: E731
+        state = self._sublayer(2 * position, state, self.consuming_mixer(state), block, "attn", attn)
+        state = self._sublayer(2 * position + 1, state, block.mlp_res, block, "mlp", block.mlp)
+        return replace(state, depth=position + 1, consumer=block.index)
+
+    def skip(self, position: int, state: SourceBank, rule: str | None = None) -> SourceBank:
+        rule = self._check_rule(rule)
+        for sublayer in (2 * position, 2 * position + 1):  # boundaries are structure: still close blocks
+            state = self._close_block(sublayer, state)
+        return replace(state, depth=position + 1, consumer=None if rule == "next-output" else position)
+
+    def readout(self, state: SourceBank) -> torch.Tensor:
+        """Next-consumer mix [B,T,d]; at depth L the final mix the logits use."""
+        return self._mix(state, self.consuming_mixer(state), self.hook_attnres_weights_final)
+
+    def final_query_readout(self, state: SourceBank) -> torch.Tensor:
+        """The "final-query lens": the final mixer applied to the sources available so far."""
+        return self._mix(state, self.final_res, None)
+
+    def geometry(self, state: SourceBank) -> torch.Tensor:
+        return self.readout(state)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def consuming_mixer(self, state: SourceBank) -> DepthMixer | None:
+        """The mixer consuming the output of the block that ran last (None: identity on newest)."""
+        if state.consumer is None:
+            return None
+        return self.final_res if state.consumer == self.cfg.n_layer - 1 else self.attn_res[state.consumer]
+
+    def _sublayer(self, sublayer: int, state: SourceBank, mixer, block, name: str, fn) -> SourceBank:
+        """Mix the bank into this sublayer's input, run it, add its output to the partial sum."""
+        state = self._close_block(sublayer, state)
+        h = getattr(block, f"hook_{name}_in")(self._mix(state, mixer, getattr(block, f"hook_attnres_weights_{name}")))
+        out = getattr(block, f"hook_{name}_out")(fn(getattr(block, f"{name}_norm")(h)))
+        return replace(state, partial=out if state.partial is None else state.partial + out)
+
+    def _close_block(self, sublayer: int, state: SourceBank) -> SourceBank:
+        """At a block boundary (sublayer mod S == 0) push the running partial sum into the bank."""
+        if sublayer % self.block_size or state.partial is None:
+            return state
+        p = state.partial
+        return replace(state, sources=state.sources + (p,), scales=state.scales + (self._scale(p),), partial=None)
+
+    def _bank(self, state: SourceBank):
+        """All sources a mix may read now (completed + partial) and their key scales."""
+        if state.partial is None:
+            return state.sources, state.scales
+        return state.sources + (state.partial,), state.scales + (self._scale(state.partial),)
+
+    def _mix(self, state: SourceBank, mixer: DepthMixer | None, hook) -> torch.Tensor:
+        """Σ_i alpha_i v_i [B,T,d]; alpha from `mixer`, or one-hot on the newest source if None."""
+        sources, scales = self._bank(state)
+        if mixer is None or len(sources) == 1:
+            weights = sources[-1].new_zeros(*sources[-1].shape[:-1], len(sources))
+            weights[..., -1] = 1.0  # identity on the newest source (a 1-source softmax is this too)
+        else:
+            weights = mixer(sources, scales)  # [B,T,n]
+        if hook is not None:
+            weights = hook(weights)
+        return weighted_sum(weights, sources)
+
+    def _scale(self, source: torch.Tensor) -> torch.Tensor:
+        return inv_rms(source, self.cfg.norm_eps)
+
+
+class FullAttnResScheme(AttnResScheme):
+    """Full AttnRes: every sublayer output is its own source (block size S = 1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        if "attnres_block_size" in cfg.options:
+            raise DepthToolsError("attnres_block_size applies to blockattnres; Full AttnRes has S = 1")
+        super().__init__(cfg, block_size=1)
+
+
+class BlockAttnResScheme(AttnResScheme):
+    """Block AttnRes: sources are block sums of S sublayers (option `attnres_block_size`)."""
+
+    def __init__(self, cfg: ModelConfig):
+        size = cfg.options.get("attnres_block_size", default_block_size(cfg.n_layer))
+        super().__init__(cfg, block_size=size)
+
+
+def _attnres_extra(cfg: ModelConfig) -> int:
+    """(2L-1) sublayer mixers + 1 final mixer, 2d each (query + key-norm gain) = 4·L·d."""
+    return 4 * cfg.n_layer * cfg.d_model
+
+
+ARCH_SPECS = [
+    ArchSpec(
+        "attnres", "cross-layer",
+        "Full AttnRes: each sublayer input = softmax_i(w·RMSNorm(v_i)) mix of embedding + all earlier sublayer outputs",
+        "4·L·d", _attnres_extra, "Kimi Team 2026, Attention Residuals, arXiv 2603.15031",
+        FullAttnResScheme, True, ("full_attnres",),
+    ),
+    ArchSpec(
+        "blockattnres", "cross-layer",
+        "Block AttnRes: depth attention over embedding + block sums of S sublayers + running partial "
+        "(option attnres_block_size, default 2·ceil(L/8))",
+        "4·L·d", _attnres_extra, "Kimi Team 2026, Attention Residuals, arXiv 2603.15031",
+        BlockAttnResScheme, True, ("block_attnres",),
+    ),
+]

@@ -1,0 +1,133 @@
+"""DenseFormer (Pagliardini et al. 2024, arXiv 2402.02622): Depth-Weighted Averaging (DWA).
+
+Every block is a full Pre-LN block (with its own residual); after it, a DWA module replaces the
+stream by a learned linear combination of all retained block outputs:
+
+    X_0 = x_0 (embedding),  X_{b+1} = PreLNBlock_b(Xt_b),  Xt_0 = X_0
+    Xt_{b+1} = Σ_j a_{b,j} X_j       over j ≡ b+1 (mod k), j ≤ b+1        (if (b+1) mod p == 0)
+    Xt_{b+1} = X_{b+1}                                                     (otherwise)
+
+with dilation k (`dwa_dilation`) and period p (`dwa_period`), both default 1 (epfml/DenseFormer
+`DWAModules`). Weights init 1 on the newest state X_{b+1}, 0 elsewhere, so at init the network is
+exactly Pre-LN. Extra parameters: Σ_{m = p, 2p, … ≤ L} (⌊m/k⌋ + 1), = L(L+3)/2 for k = p = 1.
+
+Depth state (`DenseState`, immutable): the retained X_0..X_l and the mixed Xt_l. Readout and
+geometry = Xt_l (what the next block reads; at l = L what the final norm reads). The DWA rows
+`scheme.dwa.{b}` are tied to the position (they stay in place on a swap; the block's norms,
+attention and MLP travel). Skip l: X_{l+1} := Xt_l (the block is the identity), the DWA after
+position l still applies unchanged.
+
+Hooks: the within-block stream is additive, so `hook_resid_pre` (= Xt_b) + `hook_attn_out` =
+`hook_resid_mid`, + `hook_mlp_out` = `hook_resid_post` (= X_{b+1}, the raw block output); the
+position's `hook_dwa_out` carries Xt_{b+1} (what the next block reads; not fired for a skipped
+position). Since resid_post is not the depth state's readout, blocks are not marked single-stream.
+DWA weights are excluded from weight decay (routing parameters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformer_lens.hook_points import HookPoint
+
+from depthtools.arch.bankops import weighted_sum
+from depthtools.arch.layers import RMSNorm
+from depthtools.arch.registry import ArchSpec
+from depthtools.arch.scheme import ResidualScheme
+from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
+
+
+@dataclass(frozen=True)
+class DenseState:
+    """DenseFormer depth state: retained block outputs X_0..X_l and the current mix Xt_l [B,T,d]."""
+
+    retained: tuple[torch.Tensor, ...]
+    mixed: torch.Tensor
+
+
+def dwa_settings(cfg: ModelConfig) -> tuple[int, int]:
+    """(dilation k, period p) from the options, validated."""
+    k, p = cfg.options.get("dwa_dilation", 1), cfg.options.get("dwa_period", 1)
+    for name, value in (("dwa_dilation", k), ("dwa_period", p)):
+        if not isinstance(value, int) or value < 1:
+            raise DepthToolsError(f"{name} must be a positive integer, got {value!r}")
+    return k, p
+
+
+def dwa_sizes(n_layer: int, dilation: int, period: int) -> dict[int, int]:
+    """position b -> number of DWA weights after block b (only positions that have a DWA)."""
+    return {b: (b + 1) // dilation + 1 for b in range(n_layer) if (b + 1) % period == 0}
+
+
+def _denseformer_extra(cfg: ModelConfig) -> int:
+    return sum(dwa_sizes(cfg.n_layer, *dwa_settings(cfg)).values())
+
+
+class DenseFormerScheme(ResidualScheme):
+    """Pre-LN blocks + position-bound depth-weighted averages of all retained block outputs."""
+
+    single_stream = False
+    skip_rules = ("identity",)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.dilation, self.period = dwa_settings(cfg)
+        sizes = dwa_sizes(cfg.n_layer, self.dilation, self.period)
+        self.dwa = nn.ParameterDict({str(b): nn.Parameter(self._dwa_init(n)) for b, n in sizes.items()})
+
+    @staticmethod
+    def _dwa_init(n: int) -> torch.Tensor:
+        weights = torch.zeros(n)
+        weights[-1] = 1.0  # the newest state X_{b+1}
+        return weights
+
+    def build_block(self, block: nn.Module) -> None:
+        d, eps = self.cfg.d_model, self.cfg.norm_eps
+        block.attn_norm, block.mlp_norm = RMSNorm(d, eps), RMSNorm(d, eps)
+        block.hook_dwa_out = HookPoint()  # [B,T,d] Xt_{b+1}
+
+    def no_decay_names(self) -> tuple[str, ...]:
+        return ("dwa.",)
+
+    # -- the depth-state contract -------------------------------------------------------------
+    def embed_state(self, x0: torch.Tensor) -> DenseState:
+        return DenseState(retained=(x0,), mixed=x0)
+
+    def step(self, position, block, state: DenseState, home, rope) -> DenseState:
+        x = block.hook_resid_pre(state.mixed)
+        x = block.hook_resid_mid(x + block.hook_attn_out(block.attn(block.attn_norm(x), *rope)))
+        x = block.hook_resid_post(x + block.hook_mlp_out(block.mlp(block.mlp_norm(x))))
+        new = self._after_block(position, state.retained + (x,))
+        return DenseState(new.retained, home.hook_dwa_out(new.mixed))
+
+    def skip(self, position: int, state: DenseState, rule: str | None = None) -> DenseState:
+        self._check_rule(rule)
+        return self._after_block(position, state.retained + (state.mixed,))  # X_{l+1} := Xt_l
+
+    def readout(self, state: DenseState) -> torch.Tensor:
+        return state.mixed
+
+    def geometry(self, state: DenseState) -> torch.Tensor:
+        return state.mixed
+
+    def _after_block(self, position: int, retained: tuple[torch.Tensor, ...]) -> DenseState:
+        """Apply the DWA that follows `position` (if any) to the retained states."""
+        key = str(position)
+        if key not in self.dwa:
+            return DenseState(retained, retained[-1])
+        group = retained[(position + 1) % self.dilation :: self.dilation]  # X_j, j ≡ b+1 (mod k)
+        return DenseState(retained, weighted_sum(self.dwa[key], group))
+
+
+ARCH_SPECS = [
+    ArchSpec(
+        "denseformer", "cross-layer",
+        "DenseFormer: Pre-LN blocks + depth-weighted average of all retained block outputs after each block "
+        "(options dwa_dilation k, dwa_period p)",
+        "Σ_{m=p,2p,…≤L} (⌊m/k⌋+1); k=p=1: L(L+3)/2", _denseformer_extra,
+        "Pagliardini et al. 2024, DenseFormer, arXiv 2402.02622", DenseFormerScheme, False, (),
+    ),
+]

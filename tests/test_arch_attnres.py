@@ -1,0 +1,319 @@
+"""Full / Block AttnRes: init equivalence, paper-equation references, skip and swap rules."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from depthtools.arch import DepthModel, Plan, get_arch
+from depthtools.arch.attnres import default_block_size
+from depthtools.arch.bankops import bank_logits, inv_rms, weighted_sum
+from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
+
+VOCAB = 53
+
+
+def config(arch: str, n_layer: int = 4, eps: float = 1e-5, **options) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=n_layer, n_heads=4,
+                       max_seq_len=16, norm_eps=eps, options=options)
+
+
+def perturb(model, scale=0.3, only=None, seed=1):
+    """Move parameters (optionally only those whose name contains `only`) off their init."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if only is None or only in name:
+                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def build(arch, n_layer=4, eps=1e-5, seed=0, **options) -> DepthModel:
+    return DepthModel(config(arch, n_layer, eps, **options), seed=seed).double().eval()
+
+
+def tokens(batch=2, length=10, seed=0):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def rope(model):
+    return model.rope_cos, model.rope_sin
+
+
+# -- the slow references, written from the paper's equations -----------------------------------
+def depth_attention(query, gamma, eps, values):
+    """h = Σ_i softmax_i(w · RMSNorm_gamma(v_i)) v_i, one source at a time (no 1/sqrt(d))."""
+    logits = []
+    for v in values:
+        key = v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps) * gamma
+        logits.append((key * query).sum(-1))
+    alpha = torch.softmax(torch.stack(logits, -1), -1)
+    return sum(alpha[..., i : i + 1] * v for i, v in enumerate(values))
+
+
+def sublayers(model):
+    """(sublayer index, block, 'attn'|'mlp', mixer or None) in depth order (intact model)."""
+    scheme = model.scheme
+    for b, block in enumerate(model.blocks):
+        yield 2 * b, block, "attn", (None if b == 0 else scheme.attn_res[b - 1])
+        yield 2 * b + 1, block, "mlp", block.mlp_res
+
+
+def run_sublayer(model, block, name, h):
+    if name == "attn":
+        return block.attn(block.attn_norm(h), *rope(model))
+    return block.mlp(block.mlp_norm(h))
+
+
+def mix(model, mixer, values):
+    if mixer is None:
+        assert len(values) == 1
+        return values[0]
+    return depth_attention(mixer.query, mixer.key_norm.weight, model.config.norm_eps, values)
+
+
+def reference_full_attnres(model, toks):
+    """Paper Eq. 1-4: sources v_0 = embedding, v_i = raw sublayer outputs; final mix; head."""
+    values = [model.tok_embed(toks)]
+    for _, block, name, mixer in sublayers(model):
+        values.append(run_sublayer(model, block, name, mix(model, mixer, values)))
+    h = mix(model, model.scheme.final_res, values)
+    return model.unembed(model.ln_final(h))
+
+
+def reference_block_attnres(model, toks, block_size):
+    """Paper Fig. 2 pseudocode: mix over [completed blocks] + [partial]; at a boundary the partial
+    becomes a completed block (here after the mix, as in the paper — same source set)."""
+    blocks, partial = [model.tok_embed(toks)], None
+    for s, block, name, mixer in sublayers(model):
+        values = blocks + ([partial] if partial is not None else [])
+        h = mix(model, mixer, values)
+        if s % block_size == 0 and partial is not None:  # block boundary: start a new block
+            blocks.append(partial)
+            partial = None
+        out = run_sublayer(model, block, name, h)
+        partial = out if partial is None else partial + out
+    h = mix(model, model.scheme.final_res, blocks + [partial])
+    return model.unembed(model.ln_final(h))
+
+
+# -- bank operations ---------------------------------------------------------------------------
+def test_bank_ops_match_autograd_and_pass_gradcheck():
+    gen = torch.Generator().manual_seed(0)
+    vs = tuple(torch.randn(2, 3, 5, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(4))
+    rs = tuple(inv_rms(v, 1e-5) for v in vs)
+    q = torch.randn(5, dtype=torch.float64, generator=gen, requires_grad=True)
+    w_tok = torch.randn(2, 3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    w_src = torch.randn(4, dtype=torch.float64, generator=gen, requires_grad=True)
+    bank = torch.stack(vs)
+    assert torch.allclose(bank_logits(q, vs, rs), torch.einsum("nbtd,d->btn", bank, q) * torch.stack(rs, -1))
+    assert torch.allclose(weighted_sum(w_tok, vs), torch.einsum("btn,nbtd->btd", w_tok, bank))
+    assert torch.allclose(weighted_sum(w_src, vs), torch.einsum("n,nbtd->btd", w_src, bank))
+    assert torch.autograd.gradcheck(lambda q, *v: bank_logits(q, v, tuple(inv_rms(x, 1e-5) for x in v)), (q, *vs))
+    assert torch.autograd.gradcheck(lambda w, *v: weighted_sum(w, v), (w_tok, *vs))
+    assert torch.autograd.gradcheck(lambda w, *v: weighted_sum(w, v), (w_src, *vs))
+
+
+# -- init equivalence --------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,options", [("attnres", {}), ("blockattnres", {}),
+                                          ("blockattnres", {"attnres_block_size": 3})])
+def test_zero_queries_equal_preln(arch, options):
+    """Zero queries: uniform average = Pre-LN residual / count; the next RMSNorm is scale invariant.
+    Exact except eps: RMSNorm(h/n) = h/sqrt(ms(h) + n²·eps), so eps is made negligible (1e-12)."""
+    preln = build("preln", eps=1e-12)
+    perturb(preln)
+    model = build(arch, eps=1e-12, **options)
+    missing, unexpected = model.load_state_dict(preln.state_dict(), strict=False)
+    assert not unexpected and all("_res" in k for k in missing)
+    perturb(model, only="key_norm")  # key gains are irrelevant while the queries are zero
+    toks = tokens()
+    assert torch.allclose(model(toks), preln(toks), atol=1e-9, rtol=0)
+    # ... and the lens at every depth is Pre-LN's lens (next-consumer mix of the sources so far)
+    for ours, theirs in zip(model.run_states(toks), preln.run_states(toks)):
+        assert torch.allclose(model.head(ours), preln.head(theirs), atol=1e-9, rtol=0)
+    perturb(model, only="query", scale=0.5)  # the comparison can fail
+    assert not torch.allclose(model(toks), preln(toks), atol=1e-3)
+
+
+def test_mask_skip_at_zero_queries_equals_preln_skip():
+    preln = build("preln", eps=1e-12)
+    perturb(preln)
+    model = build("attnres", eps=1e-12)
+    model.load_state_dict(preln.state_dict(), strict=False)
+    toks = tokens()
+    for position in (0, 2, 3):
+        plan = Plan.skipping(position)
+        ours = model.run(toks, plan=Plan.skipping(position, rule="mask"))
+        assert torch.allclose(ours, preln.run(toks, plan=plan), atol=1e-9, rtol=0)
+
+
+# -- reference equations -----------------------------------------------------------------------
+def test_full_attnres_matches_paper_equations():
+    model = build("attnres", n_layer=5)
+    perturb(model)  # non-trivial queries, key gains and backbone
+    toks = tokens()
+    assert torch.allclose(model(toks), reference_full_attnres(model, toks), atol=1e-10)
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 4, 10])
+def test_block_attnres_matches_paper_pseudocode(block_size):
+    model = build("blockattnres", n_layer=5, attnres_block_size=block_size)
+    perturb(model)
+    toks = tokens()
+    assert torch.allclose(model(toks), reference_block_attnres(model, toks, block_size), atol=1e-10)
+
+
+def test_block_size_one_is_full_attnres():
+    full = build("attnres")
+    perturb(full)
+    block = build("blockattnres", attnres_block_size=1)
+    block.load_state_dict(full.state_dict())
+    toks = tokens()
+    assert torch.allclose(block(toks), full(toks), atol=1e-12)
+    for a, b in zip(block.run_states(toks), full.run_states(toks)):
+        assert torch.allclose(block.readout(a), full.readout(b), atol=1e-12)
+    other = build("blockattnres", attnres_block_size=2)  # ... and S=2 is not
+    other.load_state_dict(full.state_dict())
+    assert not torch.allclose(other(toks), full(toks), atol=1e-4)
+
+
+def test_block_size_default_and_validation():
+    assert [default_block_size(L) for L in (4, 8, 9, 16, 32)] == [2, 2, 4, 4, 8]
+    assert build("blockattnres", n_layer=32).scheme.block_size == 8  # 64 sublayers -> 8 blocks
+    with pytest.raises(DepthToolsError, match="attnres_block_size"):
+        build("blockattnres", attnres_block_size=0)
+    with pytest.raises(DepthToolsError, match="attnres_block_size"):
+        build("attnres", attnres_block_size=2)
+
+
+def test_extra_params_4Ld_for_any_block_size():
+    for S in (1, 3, 8):
+        cfg = config("blockattnres", n_layer=6, attnres_block_size=S)
+        extra = DepthModel(cfg).param_counts()["total"] - DepthModel(cfg.replace(arch="preln", options={})).param_counts()["total"]
+        assert extra == get_arch("blockattnres").extra_params(cfg) == 4 * 6 * 32
+
+
+# -- readout / lens ----------------------------------------------------------------------------
+def test_readout_is_next_consumer_mix_and_final_query_lens():
+    model = build("attnres")
+    perturb(model)
+    toks = tokens()
+    states = model.run_states(toks)
+    _, cache = model.run_with_cache(toks)
+    for l in range(1, model.n_layer):  # the lens at depth l = block l's attention-side input
+        assert torch.allclose(model.readout(states[l]), cache[f"blocks.{l}.hook_attn_in"], atol=1e-12)
+    assert torch.equal(model.readout(states[0]), states[0].sources[0])  # z_0 = embedding
+    lens = model.scheme.final_query_readout(states[model.n_layer])
+    assert torch.allclose(lens, model.readout(states[-1]), atol=1e-12)
+    assert not torch.allclose(model.scheme.final_query_readout(states[2]), model.readout(states[2]), atol=1e-4)
+
+
+def test_states_are_immutable_under_sweeps():
+    model = build("blockattnres", attnres_block_size=3)
+    perturb(model)
+    toks = tokens()
+    states = model.run_states(toks)
+    before = [model.readout(s).clone() for s in states]
+    for l in range(model.n_layer):
+        for rule in model.scheme.skip_rules:
+            model.run(plan=Plan.skipping(l, rule=rule), start=l, from_state=states[l])
+    assert all(torch.equal(model.readout(s), b) for s, b in zip(states, before))
+
+
+def test_hooks_expose_depth_attention_maps():
+    model = build("attnres")
+    perturb(model)
+    toks = tokens()
+    logits, cache = model.run_with_cache(toks)
+    for b in range(model.n_layer):
+        attn_w = cache[f"blocks.{b}.hook_attnres_weights_attn"]
+        mlp_w = cache[f"blocks.{b}.hook_attnres_weights_mlp"]
+        assert attn_w.shape == (*toks.shape, 2 * b + 1) and mlp_w.shape == (*toks.shape, 2 * b + 2)
+        assert torch.allclose(mlp_w.sum(-1), torch.ones_like(mlp_w[..., 0]))
+        assert f"blocks.{b}.hook_mlp_in" in cache and f"blocks.{b}.hook_attn_out" in cache
+    assert cache["scheme.hook_attnres_weights_final"].shape[-1] == 2 * model.n_layer + 1
+    # editing the depth-attention map changes the computation
+    def one_hot_newest(w, hook):
+        out = torch.zeros_like(w)
+        out[..., -1] = 1
+        return out
+    edited = model.run_with_hooks(toks, fwd_hooks=[("blocks.2.hook_attnres_weights_attn", one_hot_newest)])
+    assert not torch.allclose(edited, logits)
+
+
+# -- skip rules --------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,options", [("attnres", {}), ("blockattnres", {"attnres_block_size": 2})])
+def test_skip_rules_differ_and_are_finite(arch, options):
+    model = build(arch, **options)
+    perturb(model)
+    toks = tokens()
+    assert model.scheme.skip_rules == ("mask", "next-output")
+    for l in range(1, model.n_layer):  # (skipping block 0 leaves one source: both rules agree)
+        mask = model.run(toks, plan=Plan.skipping(l, rule="mask"))
+        nxt = model.run(toks, plan=Plan.skipping(l, rule="next-output"))
+        assert torch.isfinite(mask).all() and torch.isfinite(nxt).all()
+        assert not torch.allclose(mask, nxt, atol=1e-6)
+        assert not torch.allclose(mask, model(toks), atol=1e-6)
+    assert torch.equal(model.run(toks, plan=Plan.skipping(1)), model.run(toks, plan=Plan.skipping(1, rule="mask")))
+    with pytest.raises(DepthToolsError, match="skip rule"):
+        model.run(toks, plan=Plan.skipping(1, rule="identity"))
+
+
+@pytest.mark.parametrize("arch,options", [("attnres", {}), ("blockattnres", {"attnres_block_size": 2}),
+                                          ("blockattnres", {"attnres_block_size": 4})])
+def test_skip_last_block_matches_hand_computation(arch, options):
+    model = build(arch, **options)
+    perturb(model)
+    toks = tokens()
+    L = model.n_layer
+    _, cache = model.run_with_cache(toks)
+    # the sources before block L-1: embedding and the outputs of blocks 0..L-2, grouped in S-blocks
+    S = model.scheme.block_size
+    outputs = [cache[f"blocks.{s // 2}.hook_{('attn', 'mlp')[s % 2]}_out"] for s in range(2 * (L - 1))]
+    sources = [cache["hook_embed"]]
+    for start in range(0, len(outputs), S):
+        sources.append(sum(outputs[start : start + S]))
+    final = model.scheme.final_res
+    mask_expected = model.unembed(model.ln_final(mix(model, final, sources)))
+    assert torch.allclose(model.run(toks, plan=Plan.skipping(L - 1, rule="mask")), mask_expected, atol=1e-10)
+    # next-output: the final mix is the identity on the newest source
+    next_expected = model.unembed(model.ln_final(sources[-1]))
+    assert torch.allclose(model.run(toks, plan=Plan.skipping(L - 1, rule="next-output")), next_expected, atol=1e-10)
+
+
+def test_next_output_feeds_newest_source_to_next_block():
+    model = build("attnres")
+    perturb(model)
+    toks = tokens()
+    _, cache = model.run_with_cache(toks)
+    seen = {}
+    def record(x, hook):
+        seen[hook.name] = x
+    names = lambda name: name in ("blocks.3.hook_attn_in", "blocks.2.hook_attn_out")  # noqa: E731
+    with model.hooks(fwd_hooks=[(names, record)]):
+        model.run(toks, plan=Plan.skipping(2, rule="next-output"))
+    assert torch.allclose(seen["blocks.3.hook_attn_in"], cache["blocks.1.hook_mlp_out"], atol=1e-12)
+    assert "blocks.2.hook_attn_out" not in seen
+
+
+# -- swap rule ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("i,j", [(1, 2), (0, 3), (1, 3)])
+def test_swap_exchanges_core_mlp_mixer_and_consuming_mixer(i, j):
+    """DepthBench: swapping blocks i,j == a model whose block weights (incl. the MLP-side mixer) and
+    consuming mixers (next attention-side mixer, or the final mixer for the last block) are exchanged."""
+    model = build("attnres")
+    perturb(model)
+    toks = tokens()
+    L = model.n_layer
+    exchanged = copy.deepcopy(model)
+    blocks, scheme = exchanged.blocks, exchanged.scheme
+    core_i, core_j = model.blocks[i].state_dict(), model.blocks[j].state_dict()
+    blocks[i].load_state_dict(core_j)
+    blocks[j].load_state_dict(core_i)
+    consumer = lambda m, b: m.scheme.final_res if b == L - 1 else m.scheme.attn_res[b]  # noqa: E731
+    consumer(exchanged, i).load_state_dict(consumer(model, j).state_dict())
+    consumer(exchanged, j).load_state_dict(consumer(model, i).state_dict())
+    swapped = model.run(toks, plan=Plan.swapping(i, j, L))
+    assert torch.allclose(swapped, exchanged(toks), atol=1e-12)
+    assert not torch.allclose(swapped, model(toks), atol=1e-4)

@@ -1,0 +1,416 @@
+"""HC and mHC (depthtools/arch/hyper.py): init equivalence with Pre-LN, the paper equations as a
+slow per-token reference, Sinkhorn, skip/swap semantics, hooks, options and bookkeeping.
+
+The references below are written from the equations in shared/reference/architectures.md §3.1-3.2
+and read only parameters from the library (plus the shared backbone: embedding, attention, MLP,
+norms, head).
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from depthtools.arch import DepthModel, Plan, get_arch
+from depthtools.arch.hyper import sinkhorn_knopp
+from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
+
+VOCAB = 37
+
+
+def config(arch: str, n_layer: int = 3, d_model: int = 16, **options) -> ModelConfig:
+    return ModelConfig(arch=arch, vocab_size=VOCAB, d_model=d_model, n_layer=n_layer, n_heads=2,
+                       max_seq_len=16, options=options)
+
+
+def tokens(batch: int = 2, length: int = 7, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def perturb(model: DepthModel, backbone: float = 0.05, routing: float = 0.3) -> None:
+    """Move every parameter off its init: routing parameters strongly, so dynamic terms matter."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = routing if ("_hc." in name or name.startswith("scheme.")) else backbone
+            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+
+def model_for(arch: str, seed: int = 0, n_layer: int = 3, **options) -> DepthModel:
+    return DepthModel(config(arch, n_layer, **options), seed=seed).double().eval()
+
+
+def hc_with_preln_weights(arch: str, norm_eps: float = 1e-5, **options):
+    """(Pre-LN model, HC/mHC model carrying the same backbone weights)."""
+    cfg = config("preln").replace(norm_eps=norm_eps)
+    preln = DepthModel(cfg, seed=0).double().eval()
+    perturb(preln, backbone=0.05, routing=0.0)  # non-trivial norm gains too
+    multi = DepthModel(cfg.replace(arch=arch, options={"scale_output_init_by_sqrt_n": False, **options}),
+                       seed=1).double().eval()
+    missing, unexpected = multi.load_state_dict(preln.state_dict(), strict=False)
+    assert not unexpected and missing and all("_hc." in k or k.startswith("scheme.") for k in missing)
+    return preln, multi
+
+
+# -- init equivalence with Pre-LN ----------------------------------------------------------------
+
+def test_hc_at_init_is_preln_stream_for_stream():
+    """S_m = e_k, S_r = I, S_b = 1, dynamic 0: every stream is exactly the Pre-LN residual stream."""
+    preln, hc = hc_with_preln_weights("hc")
+    toks = tokens()
+    for h, H in zip(preln.run_states(toks), hc.run_states(toks)):
+        assert H.shape[-2] == 4
+        torch.testing.assert_close(H, h.unsqueeze(-2).expand_as(H), rtol=0, atol=1e-12)
+    # logits: FinalNorm(Σ_s H_s) = FinalNorm(4h) equals FinalNorm(h) up to the final norm's eps
+    torch.testing.assert_close(hc.unembed(hc.ln_final(hc.readout(H) / 4)), preln(toks), rtol=0, atol=1e-12)
+
+
+def test_hc_at_init_logits_equal_preln_up_to_norm_eps():
+    preln, hc = hc_with_preln_weights("hc", norm_eps=1e-12)
+    toks = tokens()
+    torch.testing.assert_close(hc(toks), preln(toks), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("init", ["hc_like", "uniform"])
+def test_mhc_with_zero_projections_is_preln(init):
+    """phi = 0: H_pre·H = c·h (the pre-norm removes c, up to eps), H_post = 2σ(0) = 1, and H_res is
+    symmetric with equal rows, hence exactly doubly stochastic: identical streams stay identical.
+    hc_like: c = σ(8) + 3σ(-8) = 1 + 2σ(-8); uniform: c = 4·σ(0) = 2."""
+    preln, mhc = hc_with_preln_weights("mhc", norm_eps=1e-12, mhc_init=init)
+    with torch.no_grad():
+        for name, p in mhc.named_parameters():
+            if ".phi_" in name:
+                p.zero_()
+    toks = tokens()
+    for h, H in zip(preln.run_states(toks), mhc.run_states(toks)):
+        torch.testing.assert_close(H, h.unsqueeze(-2).expand_as(H), rtol=0, atol=1e-9)
+    torch.testing.assert_close(mhc(toks), preln(toks), rtol=0, atol=1e-9)
+
+
+def test_mhc_hc_like_default_eps_deviation_is_the_predicted_eps_effect():
+    """With the default eps 1e-5 the streams deviate from Pre-LN only through RMSNorm(c·u) vs
+    RMSNorm(u): relative size eps(1 - 1/c²)/(2·ms(u)) with c - 1 = 2σ(-8) ≈ 6.7e-4 and ms(u) ≈ 4e-4
+    (embedding std 0.02), i.e. ≈ 2e-5 of the branch input; tolerance 1e-4 of the logit scale. (The
+    final norm's own eps effect, FinalNorm(4h) vs FinalNorm(h), is removed by reading sum/4.)"""
+    preln, mhc = hc_with_preln_weights("mhc")
+    toks = tokens()
+    reference = preln(toks)
+    lens = mhc.unembed(mhc.ln_final(mhc.readout(mhc.run_states(toks)[-1]) / 4))
+    diff = (lens - reference).abs().max().item()
+    assert 0 < diff < 1e-4 * reference.abs().max().item()
+
+
+def test_output_init_scaled_by_sqrt_n_by_default():
+    preln = DepthModel(config("preln"), seed=0)
+    for arch, n in (("hc", 4), ("mhc", 3)):
+        scaled = DepthModel(config(arch, n_streams=n), seed=0)
+        plain = DepthModel(config(arch, n_streams=n, scale_output_init_by_sqrt_n=False), seed=0)
+        for b_ref, b_scaled, b_plain in zip(preln.blocks, scaled.blocks, plain.blocks):
+            for ref, s, p in ((b_ref.attn.w_o, b_scaled.attn.w_o, b_plain.attn.w_o),
+                              (b_ref.mlp.w2, b_scaled.mlp.w2, b_plain.mlp.w2)):
+                torch.testing.assert_close(s.weight, ref.weight / math.sqrt(n))
+                assert torch.equal(p.weight, ref.weight)
+            assert torch.equal(b_scaled.attn.w_q.weight, b_ref.attn.w_q.weight)
+
+
+def test_init_values_follow_the_papers():
+    hc = DepthModel(config("hc", n_layer=3), seed=0)
+    for b, block in enumerate(hc.blocks):
+        for sub, conn in enumerate((block.attn_hc, block.mlp_hc)):
+            k = (2 * b + sub) % 4
+            assert torch.equal(conn.static_alpha[:, 0], torch.eye(4)[k])
+            assert torch.equal(conn.static_alpha[:, 1:], torch.eye(4))
+            assert torch.equal(conn.static_beta, torch.ones(4))
+            assert not conn.dynamic_alpha.any() and not conn.dynamic_beta.any()
+            assert conn.alpha_scale.item() == conn.beta_scale.item() == pytest.approx(0.01)
+    mhc = DepthModel(config("mhc", n_layer=3), seed=0)
+    conn = mhc.blocks[1].mlp_hc  # sublayer index 3 -> selected stream 3
+    assert torch.equal(conn.bias_pre, torch.tensor([-8.0, -8.0, -8.0, 8.0]))
+    assert torch.equal(conn.bias_res, 16 * torch.eye(4) - 8)
+    assert not conn.bias_post.any() and not conn.phi_res.any()
+    uniform = DepthModel(config("mhc", mhc_init="uniform"), seed=0).blocks[0].attn_hc
+    assert 0.015 < uniform.phi_res.std().item() < 0.025 and not uniform.bias_res.any()
+    luci = DepthModel(config("mhc", mhc_init="lucidrains"), seed=0).blocks[0].mlp_hc
+    assert torch.equal(luci.bias_pre, torch.eye(4)[1]) and torch.equal(luci.bias_post, torch.ones(4))
+    assert torch.equal(luci.bias_res, torch.eye(4))
+
+
+# -- the paper equations as a slow per-token reference --------------------------------------------
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean() + eps)
+
+
+def hc_token(conn, Ht: torch.Tensor, eps: float):
+    """HC Eq. for one token: A_m [n], A_r [n,n] (rows = input streams), B [n]."""
+    n = Ht.shape[0]
+    A_m, A_r, B = torch.zeros(n), torch.zeros(n, n), torch.zeros(n)
+    A_m, A_r, B = A_m.to(Ht), A_r.to(Ht), B.to(Ht)
+    for s in range(n):
+        hbar = rms(Ht[s], eps)
+        A_m[s] = conn.static_alpha[s, 0] + conn.alpha_scale * torch.tanh(hbar @ conn.dynamic_alpha[:, 0])
+        for j in range(n):
+            A_r[s, j] = conn.static_alpha[s, 1 + j] + conn.alpha_scale * torch.tanh(hbar @ conn.dynamic_alpha[:, 1 + j])
+        B[s] = conn.static_beta[s] + conn.beta_scale * torch.tanh(hbar @ conn.dynamic_beta)
+    u = sum(A_m[s] * Ht[s] for s in range(n))
+    return u, lambda y: torch.stack([sum(A_r[s, j] * Ht[s] for s in range(n)) + B[j] * y for j in range(n)])
+
+
+def paper_sinkhorn(logits: torch.Tensor, t_max: int = 20) -> torch.Tensor:
+    M = torch.exp(logits)
+    for _ in range(t_max):
+        M = M / M.sum(dim=1, keepdim=True)  # rows
+        M = M / M.sum(dim=0, keepdim=True)  # columns
+    return M
+
+
+def mhc_token(conn, Ht: torch.Tensor, eps: float):
+    """mHC Eq. for one token (paper orientation H_res·H, row-major mat())."""
+    n = Ht.shape[0]
+    x = rms(Ht.reshape(-1), eps)  # vec(H): stream s occupies x[s·d:(s+1)·d]
+    pre = torch.sigmoid(conn.gate_pre * (x @ conn.phi_pre) + conn.bias_pre)
+    post = 2 * torch.sigmoid(conn.gate_post * (x @ conn.phi_post) + conn.bias_post)
+    res_logits = torch.stack([torch.stack([conn.gate_res * (x @ conn.phi_res[:, o * n + i]) + conn.bias_res[o, i]
+                                           for i in range(n)]) for o in range(n)])
+    H_res = paper_sinkhorn(res_logits)
+    u = sum(pre[s] * Ht[s] for s in range(n))
+    return u, lambda y: torch.stack([sum(H_res[o, i] * Ht[i] for i in range(n)) + post[o] * y for o in range(n)])
+
+
+def head_mixer_token(scheme, Ht: torch.Tensor, eps: float) -> torch.Tensor:
+    x = rms(Ht.reshape(-1), eps)
+    p = torch.sigmoid(scheme.head_scale * (scheme.head_fn @ x) + scheme.head_base) + 1e-6
+    return sum(p[s] * Ht[s] for s in range(Ht.shape[0]))
+
+
+@torch.no_grad()
+def reference_logits(model: DepthModel, toks: torch.Tensor, token_fn, eps: float, n: int) -> torch.Tensor:
+    x0 = model.tok_embed(toks)  # [B,T,d]
+    Bsz, T, d = x0.shape
+    H = x0.unsqueeze(2).repeat(1, 1, n, 1)  # n copies
+    rope = (model.rope_cos, model.rope_sin)
+    for block in model.blocks:
+        for conn, norm, f in ((block.attn_hc, block.attn_norm, lambda x: block.attn(x, *rope)),
+                              (block.mlp_hc, block.mlp_norm, block.mlp)):
+            U, updates = torch.zeros_like(x0), {}
+            for b in range(Bsz):
+                for t in range(T):
+                    U[b, t], updates[b, t] = token_fn(conn, H[b, t], eps)
+            Y = f(norm(U))  # the sublayer runs on all tokens at once (attention mixes them)
+            H = torch.stack([torch.stack([updates[b, t](Y[b, t]) for t in range(T)]) for b in range(Bsz)])
+    if model.scheme.head_fn is None:
+        r = H.sum(2)
+    else:
+        r = torch.stack([torch.stack([head_mixer_token(model.scheme, H[b, t], eps) for t in range(T)])
+                         for b in range(Bsz)])
+    return model.unembed(model.ln_final(r))
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_hc_matches_per_token_reference(n):
+    model = model_for("hc", n_layer=2, n_streams=n, connector_norm_eps=1e-8)
+    perturb(model)
+    toks = tokens(length=5)
+    torch.testing.assert_close(model(toks), reference_logits(model, toks, hc_token, 1e-8, n), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("n,head_mixer", [(4, False), (3, True)])
+def test_mhc_matches_per_token_reference(n, head_mixer):
+    model = model_for("mhc", n_layer=2, n_streams=n, head_mixer=head_mixer, connector_norm_eps=1e-6)
+    perturb(model)
+    toks = tokens(length=5)
+    torch.testing.assert_close(model(toks), reference_logits(model, toks, mhc_token, 1e-6, n), rtol=0, atol=1e-10)
+
+
+def test_hc_head_mixer_matches_reference():
+    model = model_for("hc", n_layer=1, head_mixer=True, connector_norm_eps=1e-8)
+    perturb(model)
+    toks = tokens(length=4)
+    torch.testing.assert_close(model(toks), reference_logits(model, toks, hc_token, 1e-8, 4), rtol=0, atol=1e-10)
+
+
+# -- Sinkhorn -------------------------------------------------------------------------------------
+
+def assert_doubly_stochastic(M: torch.Tensor, tol: float = 1e-5) -> None:
+    assert M.dtype == torch.float32 and (M >= 0).all()
+    ones = torch.ones(M.shape[:-1])
+    torch.testing.assert_close(M.sum(-1), ones, rtol=0, atol=tol)
+    torch.testing.assert_close(M.sum(-2), ones, rtol=0, atol=tol)
+
+
+def test_sinkhorn_is_doubly_stochastic_in_float32_also_for_bf16_input():
+    """t_max = 20 rounds converge to 1e-5 for well-conditioned logits (the init's ±8 gap plus noise,
+    or logits of spread ~0.5); for spread ≳ 1 the rows of a 20-round result can still be off by
+    1e-3..1e-1 (the mHC definition is the 20-round map, not the exact projection). Columns are
+    normalised last, so they always sum to 1."""
+    gen = torch.Generator().manual_seed(0)
+    for logits in (0.5 * torch.randn(64, 9, 4, 4, generator=gen),
+                   16 * torch.eye(4) - 8 + 0.3 * torch.randn(64, 9, 4, 4, generator=gen)):
+        assert_doubly_stochastic(sinkhorn_knopp(logits))
+        assert_doubly_stochastic(sinkhorn_knopp(logits.bfloat16()))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert_doubly_stochastic(sinkhorn_knopp(logits.bfloat16()))
+    spread = sinkhorn_knopp(4 * torch.randn(64, 4, 4, generator=gen))
+    torch.testing.assert_close(spread.sum(-2), torch.ones(64, 4), rtol=0, atol=1e-6)
+    assert_doubly_stochastic(sinkhorn_knopp(torch.tensor([[8.0, -8.0], [-8.0, 8.0]])))
+    assert torch.isfinite(sinkhorn_knopp(torch.tensor([[200.0, -200.0], [0.0, 0.0]]))).all()
+    assert sinkhorn_knopp(torch.zeros(0, 3, 3)).shape == (0, 3, 3)
+
+
+def test_sinkhorn_matches_paper_iteration_and_its_gradient():
+    logits = torch.randn(3, 5, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    logits.requires_grad_(True)
+    out = sinkhorn_knopp(logits)
+    paper = torch.stack([torch.stack([paper_sinkhorn(z) for z in row]) for row in logits])
+    torch.testing.assert_close(out, paper, rtol=0, atol=1e-14)
+    g = torch.randn_like(out)
+    (fast,) = torch.autograd.grad(out, logits, g)
+    (slow,) = torch.autograd.grad(paper, logits, g)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda z: sinkhorn_knopp(z, 5), (logits[:1, :2].detach().requires_grad_(),))
+
+
+# -- contract: skip, swap, readout, hooks -----------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_branch_skip_equals_zeroed_branch_outputs_and_identity_skip_keeps_streams(arch):
+    model = model_for(arch)
+    perturb(model)
+    toks = tokens()
+    states = model.run_states(toks)
+    assert model.scheme.skip(1, states[1]) is states[1]  # identity: streams unchanged
+    zeroed = copy.deepcopy(model)
+    with torch.no_grad():
+        zeroed.blocks[1].attn.w_o.weight.zero_()
+        zeroed.blocks[1].mlp.w2.weight.zero_()
+    branch = model.run(toks, plan=Plan.skipping(1, rule="branch"))
+    torch.testing.assert_close(branch, zeroed(toks), rtol=0, atol=1e-12)
+    assert not torch.allclose(branch, model.run(toks, plan=Plan.skipping(1)))
+    with pytest.raises(DepthToolsError, match="branch"):
+        model.run(toks, plan=Plan.skipping(1, rule="mask"))
+
+
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_swap_moves_every_block_tensor_including_connectors(arch):
+    model = model_for(arch)
+    perturb(model)
+    toks = tokens()
+    moved = copy.deepcopy(model)
+    first, second = ({k: v.clone() for k, v in moved.blocks[i].state_dict().items()} for i in (0, 2))
+    moved.blocks[0].load_state_dict(second)
+    moved.blocks[2].load_state_dict(first)
+    torch.testing.assert_close(model.run(toks, plan=Plan.swapping(0, 2, 3)), moved(toks), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", [{"n_streams": 3, "head_mixer": True}, {"n_streams": 2}])
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_option_variants_keep_the_contract(arch, options):
+    model = model_for(arch, **options)
+    perturb(model)
+    toks = tokens()
+    states = model.run_states(toks)
+    assert states[0].shape == (2, 7, options["n_streams"], 16)
+    assert model.geometry(states[1]).shape == (2, 7, options["n_streams"] * 16)
+    assert torch.equal(model.head(states[-1]), model(toks))
+    assert torch.equal(model.run(from_state=states[2], start=2), model(toks))
+    model.float().train()
+    loss = model(toks).logsumexp(-1).mean()
+    loss.backward()
+    dead = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not dead
+
+
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_hooks_expose_streams_weights_and_branch_input(arch):
+    model = model_for(arch)
+    perturb(model)
+    toks = tokens()
+    logits, cache = model.run_with_cache(toks)
+    assert not model.blocks[0].hook_out_is_single_residual_stream
+    assert not any("hook_resid" in name for name in cache.keys())
+    B, T, n, d = 2, 7, 4, 16
+    for l in range(3):
+        assert cache[f"blocks.{l}.hook_streams_pre"].shape == (B, T, n, d)
+        assert cache[f"blocks.{l}.attn_hc.hook_res_weights"].shape == (B, T, n, n)
+        assert cache[f"blocks.{l}.mlp_hc.hook_width_weights"].shape == (B, T, n)
+        assert cache[f"blocks.{l}.mlp_hc.hook_depth_weights"].shape == (B, T, n)
+        assert cache[f"blocks.{l}.attn_hc.hook_branch_in"].shape == (B, T, d)
+        assert cache[f"blocks.{l}.hook_attn_out"].shape == (B, T, d)
+    # the hooked tensors obey the update rule H_mid = R @ H_pre + β ⊗ attn_out, u = Σ w_s H_s
+    H_pre, H_mid = cache["blocks.1.hook_streams_pre"], cache["blocks.1.hook_streams_mid"]
+    w, R, beta = (cache[f"blocks.1.attn_hc.hook_{k}_weights"] for k in ("width", "res", "depth"))
+    torch.testing.assert_close(cache["blocks.1.attn_hc.hook_branch_in"], torch.einsum("bts,btsd->btd", w, H_pre))
+    expected = torch.einsum("btos,btsd->btod", R, H_pre) + beta[..., None] * cache["blocks.1.hook_attn_out"][:, :, None]
+    torch.testing.assert_close(H_mid, expected)
+    torch.testing.assert_close(cache["blocks.0.hook_streams_post"], cache["blocks.1.hook_streams_pre"])
+    torch.testing.assert_close(logits, model.head(cache["blocks.2.hook_streams_post"]))
+    if arch == "mhc":
+        ones = torch.ones(B, T, n, dtype=R.dtype)
+        assert torch.allclose(R.sum(-2), ones) and torch.allclose(R.sum(-1), ones)
+
+
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_editing_hooked_branch_outputs_equals_branch_skip(arch):
+    model = model_for(arch)
+    perturb(model)
+    toks = tokens()
+    zero = lambda x, hook: torch.zeros_like(x)  # noqa: E731
+    edited = model.run_with_hooks(toks, fwd_hooks=[("blocks.2.hook_attn_out", zero), ("blocks.2.hook_mlp_out", zero)])
+    torch.testing.assert_close(edited, model.run(toks, plan=Plan.skipping(2, rule="branch")), rtol=0, atol=1e-12)
+
+
+def test_mhc_under_bf16_autocast_keeps_routing_in_float32():
+    model = DepthModel(config("mhc"), seed=0)
+    perturb(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, cache = model.run_with_cache(tokens())
+    assert torch.isfinite(logits).all()
+    R = cache["blocks.1.mlp_hc.hook_res_weights"]
+    assert_doubly_stochastic(R)
+    assert cache["blocks.1.hook_streams_post"].dtype == torch.float32
+
+
+# -- bookkeeping ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+@pytest.mark.parametrize("options", [{}, {"n_streams": 3}, {"n_streams": 2, "head_mixer": True}])
+def test_extra_parameter_formula(arch, options):
+    cfg = config(arch, n_layer=2, d_model=24, **options)
+    built = DepthModel(cfg).param_counts()["total"]
+    base = DepthModel(cfg.replace(arch="preln", options={})).param_counts()["total"]
+    assert built - base == get_arch(arch).extra_params(cfg)
+
+
+def test_registry_entries():
+    for name, paper in (("hc", "2409.19606"), ("mhc", "2512.24880")):
+        spec = get_arch(name)
+        assert spec.family == "multi-stream" and spec.in_depthbench and paper in spec.paper
+    d, L = 1024, 24  # architectures.md §3.2: n = 4 gives 2L(96d + 27)
+    big = ModelConfig(arch="mhc", d_model=d, n_layer=L, n_heads=16)
+    assert get_arch("mhc").extra_params(big) == 2 * L * (96 * d + 27)
+
+
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_static_routing_parameters_are_excluded_from_weight_decay(arch):
+    model = DepthModel(config(arch, head_mixer=True))
+    patterns = model.scheme.no_decay_names()
+    no_decay = {name for name, _ in model.named_parameters() if any(p in name for p in patterns)}
+    static = {"static_alpha", "static_beta", "alpha_scale", "beta_scale"} if arch == "hc" else {
+        "bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res"}
+    for name, _ in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        assert (name in no_decay) == (leaf in static | {"head_base", "head_scale"}), name
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"n_streams": 0}, "n_streams"), ({"mhc_init": "zeros"}, "mhc_init"), ({"streams": 4}, "unknown"),
+    ({"sinkhorn_iters": 0}, "sinkhorn_iters"), ({"head_mixer": "yes"}, "head_mixer"),
+    ({"connector_norm_eps": 0.0}, "connector_norm_eps"),
+])
+def test_bad_options_are_one_line_errors(options, match):
+    with pytest.raises(DepthToolsError, match=match):
+        DepthModel(config("mhc", **options))
+    with pytest.raises(DepthToolsError, match="unknown"):
+        DepthModel(config("hc", mhc_init="uniform"))
