@@ -30,7 +30,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 # Command modules that register themselves on `app` / `grid_app` when imported (optional ones may be absent).
-COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.analysis_cmd", "cli.report_cmd")
+COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.analysis_cmd", "cli.analysis2_cmd", "cli.report_cmd")
 
 
 def print_json(obj) -> None:

@@ -1,8 +1,8 @@
 """Named grids (tolerances are wider than DepthBench's ±3% where small widths make the width grain
 coarse, or where an architecture's extra parameters are absorbed by a narrower width): shapes, recipe and data in one place so `--preset NAME` means the same everywhere.
 
-tiny:            CI-sized (~0.25M params, 3 depths), seconds per cell on a CPU.
-demo:            the embedded default; a few minutes on 2 CPU cores in total.
+tiny:            CI-sized (~0.25M params, 3 depths), 60k tokens per cell: ~80 s for all 12 cells on 2 CPU cores.
+demo:            the embedded default; 300k tokens per cell, ~5 min for all 12 cells on 2 CPU cores.
 cpu-small:       ~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU.
 depthbench-400m: the paper's shapes (V=50280, 16 heads, d_ff multiple 16, L16..L32), for GPUs.
 """
@@ -39,32 +39,36 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
-        "tiny", "CI-sized: ~0.25M params, 3 depths, seconds per cell",
+        "tiny", "CI-sized: ~0.25M params, 3 depths, ~80 s for all 12 cells on 2 CPU cores",
         plan=dict(arch=["preln", "lns", "hc", "attnres"], budget=250_000, vocab_size=256, layers=[2, 4, 8],
                   n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.06, max_seq_len=64),
-        train=dict(tokens=60_000, batch_size=8, seq_len=64, lr=3e-3, eval_every=50, eval_tokens=8192),
+        train=dict(tokens=60_000, batch_size=8, seq_len=64, lr=3e-3, eval_every=50, eval_tokens=8192,
+                   log_every=10, depth_stats_every=25, checkpoint_every=50),
         data=dict(corpus="default", tokenizer="byte"),
     ),
     "demo": Preset(
         "demo", "embedded default: preln, lns, hc, attnres at 3 depths, minutes on 2 CPU cores",
         plan=dict(arch=["preln", "lns", "hc", "attnres"], budget=500_000, vocab_size=256, layers=[2, 4, 8],
                   n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.05, max_seq_len=128),
-        train=dict(tokens=600_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=100, eval_tokens=32768),
+        train=dict(tokens=300_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=50, eval_tokens=16384,
+                   log_every=10, depth_stats_every=25, checkpoint_every=50),
         data=dict(corpus="default", tokenizer="byte"),
     ),
     "cpu-small": Preset(
         "cpu-small", "~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU",
         plan=dict(arch=list(DEPTHBENCH_TEN), budget=1_600_000, vocab_size=256, layers=[4, 8, 16, 32],
                   n_heads=2, head_dim_multiple=2, ffn_multiple=16, tolerance=0.05, max_seq_len=256),
-        train=dict(tokens_per_param=20, batch_size=32, seq_len=256, lr=2e-3, eval_every=250, eval_tokens=131072),
+        train=dict(tokens_per_param=20, batch_size=32, seq_len=256, lr=2e-3, eval_every=250, eval_tokens=131072,
+                   log_every=25, depth_stats_every=250, checkpoint_every=250),
         data=dict(corpus="default", tokenizer="byte"),
     ),
     "depthbench-400m": Preset(
         "depthbench-400m", "the paper's 400M shapes and recipe (GPUs)",
         plan=dict(arch=list(DEPTHBENCH_TEN), budget=405_400_000, vocab_size=50280, layers=[16, 20, 24, 28, 32],
                   n_heads=16, head_dim_multiple=2, ffn_multiple=16, tolerance=0.04, max_seq_len=2048),
-        train=dict(tokens_per_param=20, batch_size=512, seq_len=2048, lr=2e-3, warmup_fraction=0.1,
-                   final_lr_fraction=0.1, eval_every=500, eval_tokens=4_194_304),
+        train=dict(tokens_per_param=20, batch_size=512, micro_batch_size=16, seq_len=2048, lr=2e-3,
+                   lr_overrides={"lns": 1e-2}, warmup_fraction=0.1, final_lr_fraction=0.1, eval_every=500,
+                   eval_tokens=4_194_304, log_every=10, depth_stats_every=500, checkpoint_every=500, compile=True),
         data=dict(corpus="default", tokenizer="bpe8k"),
     ),
 }

@@ -1,0 +1,400 @@
+"""Depth-probe commands II: `causal`, `similarity`, `contrib`, `routing`, `summarize`, `analyze`.
+
+Each single-checkpoint command samples the fixed evaluation token set (`analysis.tokens.sample_windows`
+from the checkpoint's recorded data directory, or --data), runs one library analysis, prints a table
+(or --json), and saves the tidy table beside the checkpoint as `analysis/<name>.parquet` with the
+settings it ran with (--out also writes a copy to a chosen .parquet/.csv path). `analyze --grid`
+runs the whole suite over every checkpoint of a grid and skips tables already saved with the same
+settings (token-set hash and weight hash included), so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+
+from cli.main import app, console, print_json, table
+from depthtools.errors import DepthToolsError
+
+DATA_HELP = "Prepared data directory (default: the one recorded in the checkpoint's config.json)."
+
+
+# -- shared plumbing -------------------------------------------------------------------------------
+
+def _tokens_for(ckpt_dir: Path, data: Optional[Path], n_tokens: int, seq_len: int, split: str, seed: int):
+    from depthtools.analysis.tokens import recorded_data_dir, sample_windows
+
+    data_dir = data if data is not None else recorded_data_dir(ckpt_dir)
+    if data_dir is None:
+        raise DepthToolsError(f"no data directory recorded for {ckpt_dir.name}; pass --data DIR")
+    return sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed)
+
+
+def _load(ckpt: str, data, n_tokens, seq_len, split, seed):
+    from depthtools.analysis.tokens import check_tokens
+    from depthtools.checkpoint import load
+
+    model = load(ckpt)
+    tokens = check_tokens(model, _tokens_for(Path(model.checkpoint_dir), data, n_tokens, seq_len, split, seed))
+    return model, tokens
+
+
+def _settings(name: str, args: dict[str, Any], model, tokens) -> dict[str, Any]:
+    """What a saved table depends on: the analysis, its arguments, the token set and the weights."""
+    from depthtools.analysis.lens import model_fingerprint
+    from depthtools.analysis.tokens import token_fingerprint
+
+    return {"analysis": name, **args, "tokens": token_fingerprint(tokens), "tokens_shape": list(tokens.shape),
+            "model": model_fingerprint(model)}
+
+
+
+def _records(df) -> list[dict[str, Any]]:
+    """JSON-safe rows (NaN -> null)."""
+    return json.loads(df.to_json(orient="records"))
+
+
+def _fmt(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _emit(df, name: str, model, settings: dict, as_json: bool, out: Optional[Path], save: bool, show: Callable) -> None:
+    from depthtools.analysis.tables import save_table, write_frame
+
+    if save:
+        save_table(df, model.checkpoint_dir, name, settings)
+    if out is not None:
+        write_frame(df, out)
+    if as_json:
+        print_json({"table": _records(df), "notes": list(df.attrs.get("notes", [])), "settings": settings})
+        return
+    show(df)
+    for note in df.attrs.get("notes", []):
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    if save:
+        console.print(f"saved {Path(model.checkpoint_dir) / 'analysis' / (name + '.parquet')}")
+
+
+def _model_rows(df) -> list[list[str]]:
+    sub = df[df["unit"] == "model"]
+    return [[m, _fmt(v)] for m, v in zip(sub["metric"], sub["value"])]
+
+
+def _per_layer_table(df, title: str, metrics: list[str]):
+    sub = df[(df["unit"] != "model") & df["layer_j"].isna() & df["metric"].isin(metrics)]
+    wide = sub.pivot_table(index="layer", columns="metric", values="value", aggfunc="first")
+    cols = [m for m in metrics if m in wide.columns]
+    return table(title, ["layer", *cols], [[str(l), *(_fmt(float(wide.loc[l, c])) for c in cols)] for l in wide.index])
+
+
+# options shared by the single-checkpoint commands
+def _common(ckpt, data, n_tokens, seq_len, split, seed):
+    return _load(ckpt, data, n_tokens, seq_len, split, seed)
+
+
+CKPT = typer.Option(..., "--ckpt", help="Checkpoint path or cell name (e.g. preln_L8).")
+DATA = typer.Option(None, "--data", help=DATA_HELP)
+TOKENS = typer.Option(4096, "--tokens", help="Evaluation tokens (ceil(tokens/seq_len) windows).")
+SEQ_LEN = typer.Option(128, "--seq-len", help="Window length the model reads.")
+SPLIT = typer.Option("val", "--split", help="Data split to sample windows from.")
+SEED = typer.Option(0, "--seed", help="Seed of the window offsets.")
+BATCH = typer.Option(8, "--batch-size", help="Sequences per forward batch.")
+EXCLUDE = typer.Option(1, "--exclude-first", help="Leading positions excluded from every statistic (>= 1: the sink).")
+JSON = typer.Option(False, "--json", help="Print JSON (table rows, notes, settings).")
+OUT = typer.Option(None, "--out", help="Also write the table to this .parquet or .csv file.")
+SAVE = typer.Option(True, "--save/--no-save", help="Save the table beside the checkpoint (analysis/<name>.parquet).")
+
+
+# -- single-checkpoint commands ----------------------------------------------------------------------
+
+def run_causal(model, tokens, batch_size=8, exclude_first=1, rule=None, future=True, cuts=None):
+    from depthtools.analysis.causal import causal_scores
+
+    return causal_scores(model, tokens, batch_size=batch_size, rule=rule, exclude_first=exclude_first,
+                         future=future, cuts=cuts)
+
+
+@app.command("causal")
+def causal_command(
+    ckpt: str = CKPT, data: Optional[Path] = DATA, n_tokens: int = TOKENS, seq_len: int = SEQ_LEN,
+    split: str = SPLIT, seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE,
+    rule: Optional[str] = typer.Option(None, "--rule", help="Skip rule (default: the architecture's first)."),
+    future: bool = typer.Option(True, "--future/--no-future", help="Also the Csordás future-effect matrix."),
+    cuts: Optional[str] = typer.Option(None, "--cuts", help="Future cut points, e.g. 8,16 (default: up to 4 of 8,16,…)."),
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Causal score C(s,l) of skipping block s on every later update (DepthBench), + future effect.
+
+    Example: depthtools causal --ckpt preln_L8 --tokens 2048 --seq-len 64
+    """
+    model, tokens = _common(ckpt, data, n_tokens, seq_len, split, seed)
+    cut_list = [int(c) for c in cuts.split(",") if c] if cuts else None
+    args = dict(batch_size=batch_size, exclude_first=exclude_first, rule=rule, future=future, cuts=cut_list)
+    df = run_causal(model, tokens, **args)
+
+    def show(df):
+        L = model.n_layer
+        sub = df[df["metric"] == "causal_score"]
+        M = {(int(s), int(l)): v for s, l, v in zip(sub["layer"], sub["layer_j"], sub["value"])}
+        console.print(table(f"causal score C(s,l) — {Path(model.checkpoint_dir).name} (rows: skipped s)",
+                            ["s", *(str(l) for l in range(1, L))],
+                            [[str(s), *(_fmt(M.get((s, l))) if l > s else "" for l in range(1, L))] for s in range(L - 1)]))
+        console.print(table("summary", ["metric", "value"], _model_rows(df)))
+
+    _emit(df, "causal", model, _settings("causal", args, model, tokens), as_json, out, save, show)
+
+
+def run_similarity(model, tokens, batch_size=8, exclude_first=1, cka_batch=256, outlier_k=1):
+    from depthtools.analysis.geometry import depth_similarity
+
+    return depth_similarity(model, tokens, batch_size=batch_size, exclude_first=exclude_first,
+                            cka_batch=cka_batch, outlier_k=outlier_k)
+
+
+@app.command("similarity")
+def similarity_command(
+    ckpt: str = CKPT, data: Optional[Path] = DATA, n_tokens: int = TOKENS, seq_len: int = SEQ_LEN,
+    split: str = SPLIT, seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE,
+    cka_batch: int = typer.Option(256, "--cka-batch", help="Tokens per CKA minibatch."),
+    outlier_k: int = typer.Option(1, "--outlier-k", help="Massive dims removed for the *_no_outlier ranks."),
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Angular distance, minibatch CKA (debiased/biased/zscore), effective rank and token collapse per depth.
+
+    Example: depthtools similarity --ckpt hc_L8 --exclude-first 16 --json
+    """
+    model, tokens = _common(ckpt, data, n_tokens, seq_len, split, seed)
+    args = dict(batch_size=batch_size, exclude_first=exclude_first, cka_batch=cka_batch, outlier_k=outlier_k)
+    df = run_similarity(model, tokens, **args)
+
+    def show(df):
+        console.print(_per_layer_table(df, f"depth geometry — {Path(model.checkpoint_dir).name}", [
+            "adjacent_cka_debiased", "adjacent_angular_distance", "effective_rank", "participation_ratio",
+            "effective_rank_no_outlier", "collapse_effective_rank", "collapse_mean_cosine"]))
+        console.print(table("summary", ["metric", "value"], _model_rows(df)))
+
+    _emit(df, "similarity", model, _settings("similarity", args, model, tokens), as_json, out, save, show)
+
+
+def run_contrib(model, tokens, batch_size=8, exclude_first=1, jacobian=True, probes=2):
+    from depthtools.analysis.contrib import contributions
+
+    return contributions(model, tokens, batch_size=batch_size, exclude_first=exclude_first, jacobian=jacobian,
+                         probes=probes)
+
+
+@app.command("contrib")
+def contrib_command(
+    ckpt: str = CKPT, data: Optional[Path] = DATA, n_tokens: int = TOKENS, seq_len: int = SEQ_LEN,
+    split: str = SPLIT, seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE,
+    jacobian: bool = typer.Option(True, "--jacobian/--no-jacobian", help="Block Jacobian identity deviation (JVPs)."),
+    probes: int = typer.Option(2, "--probes", help="Rademacher probes per batch and block."),
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Relative contribution and residual cosine per block (attention/MLP split where additive), Jacobian deviation.
+
+    Example: depthtools contrib --ckpt preln_L8 --probes 4
+    """
+    model, tokens = _common(ckpt, data, n_tokens, seq_len, split, seed)
+    args = dict(batch_size=batch_size, exclude_first=exclude_first, jacobian=jacobian, probes=probes)
+    df = run_contrib(model, tokens, **args)
+
+    def show(df):
+        console.print(_per_layer_table(df, f"contributions — {Path(model.checkpoint_dir).name}", [
+            "relative_contribution", "residual_cosine", "state_cosine", "attn_relative", "mlp_relative",
+            "additive", "jacobian_deviation"]))
+        console.print(table("summary", ["metric", "value"], _model_rows(df)))
+
+    _emit(df, "contrib", model, _settings("contrib", args, model, tokens), as_json, out, save, show)
+
+
+def run_routing(model, tokens, exclude_first=1, long_range_k=4):
+    from depthtools.analysis.routing import routing_stats
+
+    return routing_stats(model, tokens, exclude_first=exclude_first, long_range_k=long_range_k)
+
+
+@app.command("routing")
+def routing_command(
+    ckpt: str = CKPT, data: Optional[Path] = DATA, n_tokens: int = TOKENS, seq_len: int = SEQ_LEN,
+    split: str = SPLIT, seed: int = SEED, exclude_first: int = EXCLUDE,
+    long_range_k: int = typer.Option(4, "--long-range-k", help="Long-range mass: sources more than k sublayers back."),
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Native depth-routing statistics (HC/mHC unfolded weights, AttnRes maps, DenseFormer DWA).
+
+    Example: depthtools routing --ckpt hc_L8 --json
+    """
+    model, tokens = _common(ckpt, data, n_tokens, seq_len, split, seed)
+    args = dict(exclude_first=exclude_first, long_range_k=long_range_k)
+    df = run_routing(model, tokens, **args)
+
+    def show(df):
+        if df.empty:
+            return
+        console.print(_per_layer_table(df, f"routing per consumer (sublayer depth) — {Path(model.checkpoint_dir).name}",
+                                       ["mean_source_lag", "source_entropy", "long_range_mass", "max_weight"]))
+        console.print(table("summary", ["metric", "value"], _model_rows(df)))
+
+    _emit(df, "routing", model, _settings("routing", args, model, tokens), as_json, out, save, show)
+
+
+# -- grid commands -----------------------------------------------------------------------------------
+
+def _suite(swap_pairs: str, tau: float, tuned_lens: bool, batch_size: int, exclude_first: int):
+    """name -> (args, runner(model, tokens) -> {table name: DataFrame}) of the whole analysis suite."""
+    from depthtools.analysis.ablate import ablate
+    from depthtools.analysis.lens import lens_analysis
+    from depthtools.analysis.summary import sequence_profile
+
+    def lens(model, tokens):
+        result = lens_analysis(model, tokens, batch_size=batch_size)
+        return {"lens_logit": result.depths, "lens_logit_summary": result.summary}
+
+    suite = {
+        "similarity": (dict(batch_size=batch_size, exclude_first=exclude_first, cka_batch=256, outlier_k=1),
+                       lambda m, t, a: {"similarity": run_similarity(m, t, **a)}),
+        "causal": (dict(batch_size=batch_size, exclude_first=exclude_first, rule=None, future=True, cuts=None),
+                   lambda m, t, a: {"causal": run_causal(m, t, **a)}),
+        "contrib": (dict(batch_size=batch_size, exclude_first=exclude_first, jacobian=True, probes=2),
+                    lambda m, t, a: {"contrib": run_contrib(m, t, **a)}),
+        "routing": (dict(exclude_first=exclude_first, long_range_k=4), lambda m, t, a: {"routing": run_routing(m, t, **a)}),
+        "sequence_profile": (dict(batch_size=batch_size, rule=None),
+                             lambda m, t, a: {"sequence_profile": sequence_profile(m, t, **a)}),
+        "lens_logit": (dict(batch_size=batch_size), lambda m, t, a: lens(m, t)),
+        "ablate_skip": (dict(batch_size=batch_size),
+                        lambda m, t, a: {"ablate_skip": ablate(m, t, mode="skip", **a)}),
+        "ablate_prune": (dict(batch_size=batch_size, tau=tau),
+                         lambda m, t, a: {"ablate_prune": ablate(m, t, mode="prune", **a)}),
+        "ablate_swap": (dict(batch_size=batch_size, pairs=swap_pairs),
+                        lambda m, t, a: {"ablate_swap": ablate(m, t, mode="swap", **a)}),
+    }
+    if tuned_lens:
+        suite["lens_tuned"] = (dict(batch_size=batch_size), None)  # handled in analyze (needs train tokens)
+    return suite
+
+
+@app.command("analyze")
+def analyze_command(
+    grid: Path = typer.Option(..., "--grid", help="Grid directory (checkpoints/<grid>)."),
+    data: Optional[Path] = DATA, n_tokens: int = TOKENS, seq_len: int = SEQ_LEN, split: str = SPLIT,
+    seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE,
+    only: Optional[str] = typer.Option(None, "--only", help="Comma-separated subset of the suite (default: all)."),
+    swap_pairs: str = typer.Option("all", "--swap-pairs", help="Swap pairs: all (DepthBench permutation score) or adjacent."),
+    tau: float = typer.Option(0.05, "--tau", help="Pruning tolerance in nats."),
+    tuned_lens: bool = typer.Option(False, "--tuned-lens", help="Also fit (train split) and evaluate a tuned lens."),
+    force: bool = typer.Option(False, "--force", help="Recompute even when a table with the same settings exists."),
+):
+    """Run the whole depth-probe suite over every checkpoint of a grid (resumable).
+
+    Tables already saved with the same settings (analysis arguments, token-set hash, weight hash) are
+    skipped; an analysis that does not apply to an architecture is reported and skipped.
+
+    Example: depthtools analyze --grid checkpoints/tiny --tokens 2048 --seq-len 64
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from depthtools.analysis.summary import checkpoint_dirs
+    from depthtools.analysis.tables import load_table, save_table
+    from depthtools.analysis.tokens import check_tokens
+    from depthtools.checkpoint import load
+
+    suite = _suite(swap_pairs, tau, tuned_lens, batch_size, exclude_first)
+    chosen = list(suite) if only is None else [s for s in only.replace(" ", "").split(",") if s]
+    unknown = [s for s in chosen if s not in suite]
+    if unknown:
+        raise DepthToolsError(f"unknown analysis {unknown}; valid: {', '.join(suite)}")
+    dirs = checkpoint_dirs(grid)
+    done = ran = skipped = 0
+    problems: list[str] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        task = progress.add_task("analyze", total=len(dirs) * len(chosen))
+        for ckpt_dir in dirs:
+            model = load(ckpt_dir)
+            tokens = check_tokens(model, _tokens_for(ckpt_dir, data, n_tokens, seq_len, split, seed))
+            for name in chosen:
+                progress.update(task, description=f"{ckpt_dir.name}: {name}")
+                args, runner = suite[name]
+                settings = _settings(name, args, model, tokens)
+                outputs = [name] if name != "lens_logit" else ["lens_logit", "lens_logit_summary"]
+                if name == "lens_tuned":
+                    outputs = ["lens_tuned", "lens_tuned_summary"]
+                if not force and all(load_table(ckpt_dir, o, settings) is not None for o in outputs):
+                    done += 1
+                    progress.advance(task)
+                    continue
+                try:
+                    if name == "lens_tuned":
+                        tables = _tuned_lens_tables(model, tokens, ckpt_dir, data, n_tokens, seq_len, seed, batch_size)
+                    else:
+                        tables = runner(model, tokens, args)
+                    for table_name, df in tables.items():
+                        save_table(df, ckpt_dir, table_name, settings)
+                    ran += 1
+                except DepthToolsError as exc:
+                    skipped += 1
+                    problems.append(f"{ckpt_dir.name}: {name}: {exc}")
+                progress.advance(task)
+    console.print(f"analyzed {len(dirs)} checkpoint(s): {ran} run, {done} already saved, {skipped} not applicable")
+    for line in problems:
+        console.print(f"[yellow]skipped:[/] {line}", highlight=False)
+    console.print(f"next: depthtools summarize --grid {grid}")
+
+
+def _tuned_lens_tables(model, tokens, ckpt_dir, data, n_tokens, seq_len, seed, batch_size):
+    from depthtools.analysis.lens import fit_tuned_lens, lens_analysis
+    from depthtools.analysis.tokens import check_tokens
+
+    train_tokens = check_tokens(model, _tokens_for(ckpt_dir, data, 4 * n_tokens, seq_len, "train", seed))
+    lens = fit_tuned_lens(model, train_tokens, ckpt_dir, batch_size=batch_size)
+    result = lens_analysis(model, tokens, lens, batch_size=batch_size)
+    return {"lens_tuned": result.depths, "lens_tuned_summary": result.summary}
+
+
+@app.command("summarize")
+def summarize_command(
+    grid: Path = typer.Option(..., "--grid", help="Grid directory (checkpoints/<grid>)."),
+    n_boot: int = typer.Option(1000, "--n-boot", help="Bootstrap resamples of the evaluation sequences."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    as_json: bool = JSON,
+    save: bool = typer.Option(True, "--save/--no-save", help="Save under <grid>/analysis/."),
+):
+    """Effective-depth summary per model and marginal effective depth per architecture (with CIs).
+
+    Reads the tables `analyze` (or the single commands) saved; a missing table leaves its fields
+    empty with a note. Saved as <grid>/analysis/effective_depth_models.parquet and effective_depth_grid.parquet.
+
+    Example: depthtools summarize --grid checkpoints/tiny --n-boot 500
+    """
+    from depthtools.analysis.summary import SUMMARY_FIELDS, grid_summary, model_summaries
+    from depthtools.analysis.tables import save_table
+
+    models = model_summaries(grid)
+    slopes = grid_summary(grid, n_boot=n_boot, seed=seed)
+    if save:
+        save_table(models, grid, "effective_depth_models", {"fields": list(SUMMARY_FIELDS)})
+        save_table(slopes, grid, "effective_depth_grid", {"n_boot": n_boot, "seed": seed})
+    if as_json:
+        print_json({"models": _records(models), "grid": _records(slopes)})
+        return
+    wide = Console(width=max(console.width, 200))
+    cols = ["model", *SUMMARY_FIELDS]
+    wide.print(table(f"effective depth — {grid}", cols,
+                        [[_fmt(r[c]) for c in cols] for r in models.to_dict(orient="records")]))
+    for r in models.to_dict(orient="records"):
+        if r.get("notes"):
+            console.print(f"[yellow]{r['model']}:[/] {r['notes']}", highlight=False)
+    gcols = ["arch", "n_models", "slope_n_skip", "slope_n_skip_lo", "slope_n_skip_hi", "slope_loss_log_L",
+             "slope_loss_log_L_lo", "slope_loss_log_L_hi"]
+    wide.print(table("marginal effective depth (dN_skip/dL) and dLoss/dlog L, 95% bootstrap CI over sequences",
+                        gcols, [[_fmt(r.get(c)) for c in gcols] for r in slopes.to_dict(orient="records")]))
+    if save:
+        console.print(f"saved {Path(grid) / 'analysis'}/effective_depth_{{models,grid}}.parquet")

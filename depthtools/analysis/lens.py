@@ -1,0 +1,350 @@
+"""Logit lens and tuned lens at every depth 0..L (metrics.md §1), chunked over tokens and depths.
+
+Lens at depth l: p_l = softmax(unembed(ln_final(T_l(readout(z_l))))), with T_l the identity (logit
+lens) or a trained affine translator (tuned lens). At l = L the translator is the identity and the
+lens is the model's own output (`head`), so KL = 0 and agreement = 1 there (tested per architecture).
+
+Per-depth metrics (mean over scored tokens, position 0 excluded; nats):
+    ce              next-token cross-entropy of the lens
+    kl_final_lens   KL(p_L || p_l): the tuned-lens paper's direction (final output as the reference)
+    kl_lens_final   KL(p_l || p_L): the reverse direction, as in Csordás et al.'s logit-lens code
+    entropy         entropy of p_l
+    top1_agree      1[argmax p_l = argmax p_L]
+    top5_overlap    |top5(p_l) ∩ top5(p_L)| / 5
+    target_rank     1-based rank of the target token under p_l (1 = top prediction)
+
+Memory: one batch of sequences at a time; within it, rows (tokens) are processed `chunk_tokens` at a
+time and depths one after another, so at most two [chunk_tokens, V] log-prob blocks exist at once —
+never [depths, tokens, vocab] (benchmarks/bench_lens_memory.py).
+
+Tuned lens (Belrose et al. 2023): per depth l < L a residual affine translator h + A_l h + b_l
+(A, b zero-initialised, so the untrained tuned lens is the logit lens) applied to readout(z_l);
+ln_final and unembed stay frozen; trained with AdamW to minimise KL(p_L || p_l), one depth's loss
+backpropagated at a time. Saved as `<ckpt>/analysis/tuned_lens.safetensors` + `tuned_lens.json`
+(settings) and reused when the settings, the training tokens and the model weights match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from depthtools.analysis.sweep import intact_states
+from depthtools.analysis.tables import ANALYSIS_DIR, model_columns, normalise_settings
+from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
+from depthtools.errors import DepthToolsError
+
+TUNED_LENS_FILE = "tuned_lens"
+LENS_METRICS = ("ce", "kl_final_lens", "kl_lens_final", "entropy", "top1_agree", "top5_overlap", "target_rank")
+
+
+# -- translators ---------------------------------------------------------------------------------
+class TunedLens(nn.Module):
+    """One residual affine translator per depth 0..L-1: h -> h + A_l h + b_l (identity at depth L)."""
+
+    def __init__(self, n_layer: int, d_model: int):
+        super().__init__()
+        self.n_layer, self.d_model = n_layer, d_model
+        self.weight = nn.Parameter(torch.zeros(n_layer, d_model, d_model))  # A_l [d_out, d_in]
+        self.bias = nn.Parameter(torch.zeros(n_layer, d_model))
+
+    def forward(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        """Translate readouts h [..., d] taken at `depth`; computed in h's dtype."""
+        if depth >= self.n_layer:
+            return h
+        return h + F.linear(h, self.weight[depth].to(h.dtype), self.bias[depth].to(h.dtype))
+
+
+def _lens_logprobs(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
+    """[n,d] readout rows at `depth` -> [n,V] log-probs through (translator,) ln_final, unembed."""
+    if translators is not None:
+        rows = translators(rows, depth)
+    logits = model.unembed(model.ln_final(rows))
+    return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
+def _scored_readouts(model, states: list) -> list[torch.Tensor]:
+    """readout(z_l) of the scored positions, flattened to [B·(T-1), d], for every depth."""
+    return [model.readout(s)[:, FIRST_SCORED:].flatten(0, 1) for s in states]
+
+
+# -- the lens pass -------------------------------------------------------------------------------
+class _DepthSums:
+    """float64 sums of the per-token lens metrics at every depth."""
+
+    def __init__(self, n_depths: int):
+        self.sums = np.zeros((n_depths, len(LENS_METRICS)))
+        self.n = 0
+
+    def add(self, depth: int, lp: torch.Tensor, final: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Accumulate one depth on one row chunk; returns the lens top-1 ids [n]."""
+        p, p_final = lp.exp(), final.exp()
+        target_lp = lp.gather(-1, targets.unsqueeze(-1))
+        k = min(5, lp.shape[-1])
+        top5, top5_final = lp.topk(k, dim=-1).indices, final.topk(k, dim=-1).indices
+        top1 = top5[:, 0]
+        values = (
+            -target_lp.squeeze(-1),
+            (p_final * (final - lp)).sum(-1),
+            (p * (lp - final)).sum(-1),
+            -(p * lp).sum(-1),
+            (top1 == top5_final[:, 0]).to(lp.dtype),
+            (top5.unsqueeze(-1) == top5_final.unsqueeze(-2)).any(-1).sum(-1).to(lp.dtype) / 5,
+            (lp > target_lp).sum(-1).to(lp.dtype) + 1,
+        )
+        for j, value in enumerate(values):
+            self.sums[depth, j] += float(value.double().sum())
+        return top1
+
+
+@dataclass
+class LensResult:
+    """A lens pass: per-depth metrics, a one-row summary, and per-token prediction depth and loss."""
+
+    depths: pd.DataFrame
+    summary: pd.DataFrame
+    prediction_depth: np.ndarray  # [n_tokens] int, 0..L
+    token_loss: np.ndarray  # [n_tokens] final CE per token
+
+
+def prediction_depths(top1: torch.Tensor) -> torch.Tensor:
+    """Per token, the first depth from which the lens top-1 equals the final top-1 at every later depth.
+
+    top1: [L+1, n] lens top-1 ids by depth (row L = the final prediction). Returns [n] in 0..L.
+    """
+    agrees = (top1 == top1[-1]).to(torch.int64)
+    stable_tail = agrees.flip(0).cumprod(0).sum(0)  # length of the all-agreeing suffix (>= 1)
+    return top1.shape[0] - stable_tail
+
+
+@torch.no_grad()
+def lens_analysis(
+    model,
+    tokens: torch.Tensor,
+    translators: TunedLens | None = None,
+    batch_size: int = 8,
+    chunk_tokens: int = 4096,
+    progress: Callable[[float], None] | None = None,
+) -> LensResult:
+    """Logit lens (translators=None) or tuned lens at every depth 0..L on a token set [N, T+1]."""
+    tokens = check_tokens(model, tokens)
+    if chunk_tokens < 1:
+        raise DepthToolsError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    model.eval()
+    L = model.n_layer
+    sums, top1_all, loss_all = _DepthSums(L + 1), [], []
+    n_batches = -(-tokens.shape[0] // batch_size)
+    for batch in batches(tokens, batch_size):
+        inputs, targets = split_inputs(batch)
+        targets = targets.flatten()
+        reads = _scored_readouts(model, intact_states(model, inputs))
+        for lo in range(0, targets.numel(), chunk_tokens):
+            rows, tgt = slice(lo, lo + chunk_tokens), targets[lo:lo + chunk_tokens]
+            final = _lens_logprobs(model, reads[L][rows], L, translators)
+            top1 = torch.empty(L + 1, tgt.numel(), dtype=torch.long, device=tgt.device)
+            for depth in range(L + 1):
+                lp = final if depth == L else _lens_logprobs(model, reads[depth][rows], depth, translators)
+                top1[depth] = sums.add(depth, lp, final, tgt)
+            top1_all.append(top1.cpu())
+            loss_all.append((-final.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)).double().cpu())
+            sums.n += tgt.numel()
+        if progress is not None:
+            progress(1.0 / n_batches)
+    pd_tokens = prediction_depths(torch.cat(top1_all, dim=1)).numpy()
+    token_loss = torch.cat(loss_all).numpy()
+    kind = "logit" if translators is None else "tuned"
+    depths = _depth_frame(model, kind, sums)
+    summary = _summary_frame(model, kind, depths, pd_tokens, token_loss)
+    return LensResult(depths, summary, pd_tokens, token_loss)
+
+
+def _depth_frame(model, kind: str, sums: _DepthSums) -> pd.DataFrame:
+    L = model.n_layer
+    means = sums.sums / max(sums.n, 1)
+    rows = [
+        {**model_columns(model), "lens": kind, "depth": depth, "rel_depth": depth / L,
+         **dict(zip(LENS_METRICS, means[depth])), "n_tokens": sums.n}
+        for depth in range(L + 1)
+    ]
+    return pd.DataFrame(rows)
+
+
+def lens_progress(ce: np.ndarray) -> tuple[float, float]:
+    """(centre of mass / L, effective contributing layers N_lens) of the lens CE decrease (§1.4)."""
+    gains = np.clip(ce[:-1] - ce[1:], 0, None)  # g_l = CE_{l-1} - CE_l for l = 1..L
+    if gains.sum() <= 0:
+        return float("nan"), float("nan")
+    pi = gains / gains.sum()
+    layers = np.arange(1, len(ce))
+    nz = pi[pi > 0]
+    return float((layers * pi).sum() / (len(ce) - 1)), float(np.exp(-(nz * np.log(nz)).sum()))
+
+
+def _summary_frame(model, kind: str, depths: pd.DataFrame, pd_tokens: np.ndarray, loss: np.ndarray) -> pd.DataFrame:
+    from scipy.stats import spearmanr
+
+    L = model.n_layer
+    if len(pd_tokens) > 1 and np.ptp(pd_tokens) > 0 and np.ptp(loss) > 0:
+        rho = float(spearmanr(pd_tokens, loss).statistic)
+    else:
+        rho = float("nan")  # undefined for a constant sequence
+    com, n_lens = lens_progress(depths["ce"].to_numpy())
+    return pd.DataFrame([{
+        **model_columns(model), "lens": kind, "pd_mean": float(pd_tokens.mean()),
+        "pd_mean_over_L": float(pd_tokens.mean()) / L, "pd_loss_spearman": rho,
+        "ce_final": float(depths["ce"].iloc[-1]), "progress_com": com, "n_lens": n_lens,
+        "n_lens_over_L": n_lens / L, "n_tokens": len(pd_tokens),
+    }])
+
+
+def logit_lens(model, tokens: torch.Tensor, translators: TunedLens | None = None, **kwargs) -> pd.DataFrame:
+    """Per-depth lens table (one row per depth 0..L); see the module docstring for the columns."""
+    return lens_analysis(model, tokens, translators, **kwargs).depths
+
+
+def prediction_depth(model, tokens: torch.Tensor, translators: TunedLens | None = None, **kwargs) -> pd.DataFrame:
+    """One-row summary: mean prediction depth (and / L), its Spearman correlation with per-token loss,
+    and the lens-progress centre of mass and N_lens."""
+    return lens_analysis(model, tokens, translators, **kwargs).summary
+
+
+# -- training the tuned lens ---------------------------------------------------------------------
+@contextmanager
+def frozen(model):
+    """Temporarily stop gradients into the model's own parameters."""
+    flags = [p.requires_grad for p in model.parameters()]
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        yield model
+    finally:
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
+
+
+def train_tuned_lens(
+    model,
+    tokens: torch.Tensor,
+    steps: int = 250,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    weight_decay: float = 1e-3,
+    seed: int = 0,
+    progress: Callable[[float], None] | None = None,
+) -> TunedLens:
+    """Fit translators on a training token set [N, T+1] to minimise KL(p_L || p_l) at every depth.
+
+    AdamW, linear LR decay to 0, gradient-norm clip 1.0, fp32 translator parameters; each depth's
+    loss is backpropagated on its own so only one [rows, V] graph is alive at a time.
+    """
+    tokens = check_tokens(model, tokens)
+    if steps < 1:
+        raise DepthToolsError(f"tuned-lens steps must be >= 1, got {steps}")
+    model.eval()
+    L = model.n_layer
+    device = tokens.device
+    lens = TunedLens(L, model.config.d_model).to(device)
+    opt = torch.optim.AdamW(lens.parameters(), lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / steps)
+    gen = torch.Generator().manual_seed(seed)
+    with frozen(model):
+        for _ in range(steps):
+            batch = tokens[torch.randint(tokens.shape[0], (min(batch_size, tokens.shape[0]),), generator=gen)]
+            with torch.no_grad():
+                reads = _scored_readouts(model, intact_states(model, split_inputs(batch)[0]))
+                target = _lens_logprobs(model, reads[L], L, None)
+            opt.zero_grad(set_to_none=True)
+            for depth in range(L):
+                lp = _lens_logprobs(model, reads[depth], depth, lens)
+                (target.exp() * (target - lp)).sum(-1).mean().backward()
+            nn.utils.clip_grad_norm_(lens.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            if progress is not None:
+                progress(1.0)
+    return lens.eval()
+
+
+def model_fingerprint(model) -> str:
+    """A content hash of the model's weights and config (a retrained checkpoint invalidates its lens)."""
+    digest = hashlib.sha256(model.config.to_json().encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def tuned_lens_paths(ckpt_dir: str | Path) -> tuple[Path, Path]:
+    folder = Path(ckpt_dir) / ANALYSIS_DIR
+    return folder / f"{TUNED_LENS_FILE}.safetensors", folder / f"{TUNED_LENS_FILE}.json"
+
+
+def save_tuned_lens(lens: TunedLens, ckpt_dir: str | Path, settings: dict[str, Any]) -> Path:
+    """Write the translators (safetensors) and their settings (JSON) beside the checkpoint."""
+    from depthtools.checkpoint import atomic_save_tensors, atomic_write_json
+
+    weights, meta = tuned_lens_paths(ckpt_dir)
+    atomic_save_tensors(weights, {"weight": lens.weight, "bias": lens.bias})
+    atomic_write_json(meta, {"settings": normalise_settings(settings), "n_layer": lens.n_layer,
+                             "d_model": lens.d_model})
+    return weights
+
+
+def load_tuned_lens(ckpt_dir: str | Path, settings: dict[str, Any] | None = None) -> TunedLens | None:
+    """Saved translators, or None if absent, unreadable, or trained with different settings."""
+    import json
+
+    from safetensors.torch import load_file
+
+    weights, meta_path = tuned_lens_paths(ckpt_dir)
+    if not (weights.is_file() and meta_path.is_file()):
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        if settings is not None and meta.get("settings") != normalise_settings(settings):
+            return None
+        tensors = load_file(str(weights))
+        lens = TunedLens(int(meta["n_layer"]), int(meta["d_model"]))
+        lens.load_state_dict(tensors)
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return None
+    return lens.eval()
+
+
+def fit_tuned_lens(
+    model,
+    tokens: torch.Tensor,
+    ckpt_dir: str | Path | None = None,
+    steps: int = 250,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    weight_decay: float = 1e-3,
+    seed: int = 0,
+    reuse: bool = True,
+    progress: Callable[[float], None] | None = None,
+) -> TunedLens:
+    """A tuned lens for `model`: loaded from `<ckpt>/analysis/` when saved with the same settings
+    (steps, lr, batch, decay, seed, training-token hash, weight hash), else trained and saved there."""
+    ckpt_dir = ckpt_dir if ckpt_dir is not None else getattr(model, "checkpoint_dir", None)
+    settings = {
+        "objective": "kl_final_lens", "form": "h + A h + b", "optimizer": "adamw", "steps": steps, "lr": lr,
+        "batch_size": batch_size, "weight_decay": weight_decay, "seed": seed,
+        "tokens": token_fingerprint(tokens), "tokens_shape": list(tokens.shape), "model": model_fingerprint(model),
+    }
+    if ckpt_dir is not None and reuse:
+        lens = load_tuned_lens(ckpt_dir, settings)
+        if lens is not None:
+            return lens.to(next(model.parameters()).device)
+    lens = train_tuned_lens(model, tokens, steps, lr, batch_size, weight_decay, seed, progress)
+    if ckpt_dir is not None:
+        save_tuned_lens(lens, ckpt_dir, settings)
+    return lens

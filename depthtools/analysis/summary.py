@@ -1,0 +1,336 @@
+"""Effective depth: one row per model from the saved tables, and grid-level marginal effective depth.
+
+Per model (`effective_depth_row`), each field read from a table another analysis produced (NaN and
+a note when that table is missing):
+
+    n_skip_over_L        N_skip/L, N_skip = exp(H(π)), π ∝ KL(intact‖skip l) (ablate skip, default rule)
+    f_tau                prunable fraction at τ, greedy re-measured removal (ablate prune, default rule)
+    n_lens_over_L        N_lens/L, N_lens = exp(H(π)) of the lens CE progress g_l⁺ (metrics.md §1.4,
+                         `lens.lens_progress` on the lens depth table; tuned lens preferred)
+    kl_depth_over_L      first depth from which KL(p_L‖p_l) ≤ `kl_threshold` (0.1 nats) at every
+                         later depth, / L (lens depth table) — the threshold reading of "N_lens"
+    pd_mean_over_L       mean prediction depth / L (lens table or lens summary)
+    n_rep_over_L1        N_rep/(L+1) of the debiased CKA matrix (similarity)
+    cka_block_fraction   longest all-pairs CKA > 0.9 run / L (similarity)
+    causal_pair_fraction late pairs with C > 0.45 (causal; DepthBench)
+    perm_pair_fraction   late pairs (both blocks in the last 3/4) with permutation score > 0.15
+                         (ablate swap; over the pairs present — all pairs for DepthBench's number)
+
+Grid level (`grid_summary`): for each architecture, least-squares slopes over its depth sweep of
+N_skip against n_layer (marginal effective depth, metrics.md §9.12) and of the final loss against
+log n_layer, with percentile bootstrap CIs over evaluation sequences: each resample draws N of the
+N sequences with replacement — the same indices for every model of the architecture when they
+share one token set (paired) — recomputes every model's N_skip and loss from its per-sequence
+profile (`sequence_profile`: per-sequence intact CE and per-block skip KL) and refits the slopes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from depthtools.analysis.ablate import effective_count
+from depthtools.analysis.causal import late_start
+from depthtools.analysis.lens import lens_progress
+from depthtools.analysis.sweep import intact_states, plan_logits, scored_logprobs
+from depthtools.analysis.tables import ANALYSIS_DIR, model_columns
+from depthtools.analysis.tokens import batches, check_tokens, split_inputs, token_fingerprint
+from depthtools.arch.model import Plan
+from depthtools.errors import DepthToolsError
+
+PERM_THRESHOLD = 0.15
+KL_THRESHOLD = 0.1
+SUMMARY_FIELDS = ("n_skip_over_L", "f_tau", "n_lens_over_L", "kl_depth_over_L", "pd_mean_over_L", "n_rep_over_L1",
+                  "cka_block_fraction", "causal_pair_fraction", "perm_pair_fraction")
+
+
+# -- per-sequence skip profile (for the bootstrap) -------------------------------------------------
+
+@torch.no_grad()
+def sequence_profile(model, tokens: torch.Tensor, rule: str | None = None, batch_size: int = 8,
+                     progress: Callable[[float], None] | None = None) -> pd.DataFrame:
+    """Per sequence: intact CE and, for every block l, KL(p_intact‖p_skip l) and ΔCE (scored positions).
+
+    Long table: model columns, seq, layer (<NA> for ce_intact), metric ∈ {ce_intact, skip_kl,
+    skip_dce}, value. Uses the sweep engine's prefix reuse (`plan_logits`).
+    """
+    tokens = check_tokens(model, tokens)
+    model.eval()
+    L = model.n_layer
+    plans = [Plan.skipping(l, rule=rule) for l in range(L)]
+    info = model_columns(model)
+    rows: list[dict[str, Any]] = []
+    seq0 = 0
+    n_batches = -(-tokens.shape[0] // batch_size)
+    for batch in batches(tokens, batch_size):
+        inputs, targets = split_inputs(batch)
+        B = inputs.shape[0]
+        states = intact_states(model, inputs)
+        ref = scored_logprobs(model.head(states[-1])).view(B, -1, model.config.vocab_size)
+        ce = -ref.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().mean(1)  # [B]
+        for b in range(B):
+            rows.append({**info, "seq": seq0 + b, "layer": None, "metric": "ce_intact", "value": float(ce[b])})
+        for l, logits in enumerate(plan_logits(model, plans, states)):
+            lp = scored_logprobs(logits).view(B, -1, model.config.vocab_size)
+            kl = (ref.exp() * (ref - lp)).sum(-1).double().mean(1)
+            ce_l = -lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().mean(1)
+            for b in range(B):
+                rows.append({**info, "seq": seq0 + b, "layer": l, "metric": "skip_kl", "value": float(kl[b])})
+                rows.append({**info, "seq": seq0 + b, "layer": l, "metric": "skip_dce", "value": float(ce_l[b] - ce[b])})
+        seq0 += B
+        if progress is not None:
+            progress(1.0 / n_batches)
+    df = pd.DataFrame(rows)
+    df["layer"] = df["layer"].astype("Int64")
+    df.attrs["settings"] = {"rule": rule, "batch_size": batch_size, "tokens": token_fingerprint(tokens)}
+    return df
+
+
+def _profile_arrays(profile: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(ce [N], skip_kl [N, L]) of one model's sequence profile."""
+    ce = profile[profile["metric"] == "ce_intact"].sort_values("seq")["value"].to_numpy()
+    kl = profile[profile["metric"] == "skip_kl"].pivot(index="seq", columns="layer", values="value").sort_index()
+    return ce, kl.to_numpy(dtype=np.float64)
+
+
+# -- classifying saved tables ---------------------------------------------------------------------
+
+def classify_table(df: pd.DataFrame) -> list[str]:
+    """Which kinds of result a table holds (by its columns/values, whoever saved it)."""
+    kinds = []
+    cols = set(df.columns)
+    if "mode" in cols:
+        kinds += [f"ablate_{m}" for m in df["mode"].dropna().unique() if m in ("skip", "prune", "swap")]
+        if "ablate_swap" in kinds and "pairs" in cols and (df["pairs"] == "all").any():
+            kinds.append("ablate_swap_all")
+    if {"n_lens_over_L", "pd_mean_over_L"} <= cols:
+        kinds.append("lens_summary")
+    if {"depth", "kl_final_lens", "lens"} <= cols:
+        kinds.append("lens_depths")
+    if {"metric", "value"} <= cols:
+        metrics = set(df["metric"].unique())
+        if "n_rep_debiased" in metrics:
+            kinds.append("similarity")
+        if "late_pair_fraction" in metrics:
+            kinds.append("causal")
+        if "skip_kl" in metrics and "seq" in cols:
+            kinds.append("sequence_profile")
+    return kinds
+
+
+def load_results(ckpt_dir: str | Path) -> dict[str, pd.DataFrame]:
+    """Every classifiable table under `<ckpt>/analysis/`; for each kind the newest file wins
+    (tables are recognised by their columns, so names chosen by `analyze` or by the `lens` /
+    `ablate` commands both work; all-pairs swap tables are kept apart as `ablate_swap_all`)."""
+    folder = Path(ckpt_dir) / ANALYSIS_DIR
+    found: dict[str, pd.DataFrame] = {}
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.glob("*.parquet"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            df = pd.read_parquet(path)
+        except (OSError, ValueError):
+            continue
+        for kind in classify_table(df):
+            found.setdefault(kind, df)
+    return found
+
+
+# -- one row per model ----------------------------------------------------------------------------
+
+def _first_rule(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the first skip rule listed (ablate iterates the scheme's rules, default first)."""
+    if "rule" not in df or df.empty:
+        return df
+    return df[df["rule"] == df["rule"].iloc[0]]
+
+
+def _kl_depth(depths: pd.DataFrame, threshold: float) -> float:
+    """First depth from which kl_final_lens ≤ threshold at every later depth, / L."""
+    d = depths.sort_values("depth")
+    kl = d["kl_final_lens"].to_numpy()
+    L = int(d["depth"].max())
+    below = kl <= threshold
+    first = L
+    for i in range(len(kl) - 1, -1, -1):
+        if not below[i]:
+            break
+        first = int(d["depth"].iloc[i])
+    return first / L if L else math.nan
+
+
+def _perm_pair_fraction(swaps: pd.DataFrame, n_layer: int, threshold: float) -> tuple[float, str]:
+    start = late_start(n_layer)
+    late = swaps[(swaps["layer"] >= start) & (swaps["layer2"] >= start)]
+    if late.empty:
+        return math.nan, "no late swap pairs"
+    note = "" if "pairs" not in late or (late["pairs"] == "all").all() else "perm_pair_fraction over adjacent pairs only"
+    return float((late["perm_score"] > threshold).mean()), note
+
+
+def effective_depth_row(info: dict[str, Any], results: dict[str, pd.DataFrame], kl_threshold: float = KL_THRESHOLD,
+                        perm_threshold: float = PERM_THRESHOLD) -> dict[str, Any]:
+    """The effective-depth summary of one model from its result tables (see the module docstring)."""
+    L = int(info["n_layer"])
+    row: dict[str, Any] = {**info, **{f: math.nan for f in SUMMARY_FIELDS}}
+    notes: list[str] = []
+
+    def missing(field: str, table: str) -> None:
+        notes.append(f"{field}: no {table} table")
+
+    if "ablate_skip" in results:
+        skip = _first_rule(results["ablate_skip"].query("mode == 'skip'"))
+        row["n_skip_over_L"] = effective_count(skip["kl_intact_ablated"]) / L
+    else:
+        missing("n_skip_over_L", "ablate skip")
+    if "ablate_prune" in results:
+        prune = results["ablate_prune"].query("mode == 'prune'")
+        prune = _first_rule(prune[prune["method"] == "greedy"] if "method" in prune else prune)
+        row["f_tau"] = float(prune["f_tau"].iloc[0]) if len(prune) else math.nan
+    else:
+        missing("f_tau", "ablate prune")
+    if "lens_depths" in results:  # N_lens from the CE curve (lens.lens_progress), whoever saved the table
+        depths = results["lens_depths"]
+        kinds = set(depths["lens"].unique())
+        row["lens"] = "tuned" if "tuned" in kinds else sorted(kinds)[0]
+        depths = depths[depths["lens"] == row["lens"]].sort_values("depth")
+        row["n_lens_over_L"] = lens_progress(depths["ce"].to_numpy())[1] / L
+        row["kl_depth_over_L"] = _kl_depth(depths, kl_threshold)
+        if "pd_mean_over_L" in depths:  # the lens CLI merges the summary into the depth table
+            row["pd_mean_over_L"] = float(depths["pd_mean_over_L"].iloc[0])
+    else:
+        missing("n_lens_over_L, kl_depth_over_L", "lens depth")
+    if "lens_summary" in results and math.isnan(row["pd_mean_over_L"]):
+        lens = results["lens_summary"]
+        pick = lens[lens["lens"] == row.get("lens", "logit")] if "lens" in lens else lens
+        pick = pick if len(pick) else lens
+        row["pd_mean_over_L"] = float(pick["pd_mean_over_L"].iloc[0])
+    elif math.isnan(row["pd_mean_over_L"]):
+        missing("pd_mean_over_L", "lens summary")
+    if "similarity" in results:
+        sim = results["similarity"].set_index("metric")["value"]
+        sim = sim[~sim.index.duplicated()]
+        row["n_rep_over_L1"] = float(sim.get("n_rep_debiased", math.nan)) / (L + 1)
+        row["cka_block_fraction"] = float(sim.get("cka_block_fraction_debiased", math.nan))
+    else:
+        missing("n_rep_over_L1, cka_block_fraction", "similarity")
+    if "causal" in results:
+        causal = results["causal"]
+        row["causal_pair_fraction"] = float(causal.loc[causal["metric"] == "late_pair_fraction", "value"].iloc[0])
+    else:
+        missing("causal_pair_fraction", "causal")
+    if "ablate_swap" in results:
+        swaps = results.get("ablate_swap_all", results["ablate_swap"])
+        value, note = _perm_pair_fraction(swaps.query("mode == 'swap'"), L, perm_threshold)
+        row["perm_pair_fraction"] = value
+        if note:
+            notes.append(note)
+    else:
+        missing("perm_pair_fraction", "ablate swap")
+    row["notes"] = "; ".join(notes)
+    return row
+
+
+def checkpoint_dirs(grid: str | Path) -> list[Path]:
+    """Every checkpoint directory (model.safetensors + config.json) under a grid directory."""
+    from depthtools.checkpoint import CONFIG, WEIGHTS
+
+    grid = Path(grid)
+    if not grid.is_dir():
+        raise DepthToolsError(f"grid directory {grid} does not exist")
+    dirs = sorted(p.parent for p in grid.rglob(CONFIG) if (p.parent / WEIGHTS).is_file() and "train_state" not in p.parts)
+    if not dirs:
+        raise DepthToolsError(f"no checkpoints (model.safetensors + config.json) under {grid}")
+    return dirs
+
+
+def _info_from_config(ckpt_dir: Path) -> dict[str, Any]:
+    from depthtools.checkpoint import CONFIG, read_json
+
+    cfg = read_json(ckpt_dir / CONFIG).get("model", {})
+    return {"model": ckpt_dir.name, "arch": cfg.get("arch"), "n_layer": int(cfg.get("n_layer", 0)),
+            "d_model": int(cfg.get("d_model", 0))}
+
+
+def model_summaries(grid: str | Path, **kwargs) -> pd.DataFrame:
+    """One effective-depth row per checkpoint of a grid, from the tables saved beside each."""
+    return pd.DataFrame([effective_depth_row(_info_from_config(d), load_results(d), **kwargs) for d in checkpoint_dirs(grid)])
+
+
+# -- grid level -----------------------------------------------------------------------------------
+
+def _slope(x: np.ndarray, y: np.ndarray) -> float:
+    ok = ~(np.isnan(x) | np.isnan(y))
+    if ok.sum() < 2 or np.ptp(x[ok]) == 0:
+        return math.nan
+    return float(np.polyfit(x[ok], y[ok], 1)[0])
+
+
+def grid_slopes(profiles: Sequence[tuple[int, pd.DataFrame]], n_boot: int = 1000, seed: int = 0,
+                ci: float = 0.95) -> dict[str, Any]:
+    """Slopes of N_skip vs n_layer and of loss vs log n_layer with bootstrap CIs (one architecture).
+
+    profiles: (n_layer, sequence_profile table) per model. Resampling is paired (same sequence
+    indices for every model) when all profiles have the same number of sequences, else per model.
+    """
+    layers = np.array([n for n, _ in profiles], dtype=np.float64)
+    arrays = [_profile_arrays(p) for _, p in profiles]
+    n_seqs = {len(ce) for ce, _ in arrays}
+    paired = len(n_seqs) == 1
+
+    def stats(indices: Sequence[np.ndarray]) -> tuple[float, float]:
+        n_skip = np.array([effective_count(kl[idx].mean(0)) for (_, kl), idx in zip(arrays, indices)])
+        loss = np.array([ce[idx].mean() for (ce, _), idx in zip(arrays, indices)])
+        return _slope(layers, n_skip), _slope(np.log(layers), loss)
+
+    point = stats([np.arange(len(ce)) for ce, _ in arrays])
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        if paired:
+            idx = rng.integers(0, next(iter(n_seqs)), next(iter(n_seqs)))
+            indices = [idx] * len(arrays)
+        else:
+            indices = [rng.integers(0, len(ce), len(ce)) for ce, _ in arrays]
+        boots.append(stats(indices))
+    boots_arr = np.array(boots, dtype=np.float64) if boots else np.full((1, 2), np.nan)
+    lo_q, hi_q = (1 - ci) / 2 * 100, (1 + ci) / 2 * 100
+
+    def interval(col: int) -> tuple[float, float]:
+        vals = boots_arr[:, col]
+        vals = vals[~np.isnan(vals)]
+        return (float(np.percentile(vals, lo_q)), float(np.percentile(vals, hi_q))) if len(vals) else (math.nan, math.nan)
+
+    (n_lo, n_hi), (l_lo, l_hi) = interval(0), interval(1)
+    return {
+        "n_models": len(profiles), "n_layers": ",".join(str(int(n)) for n in sorted(layers)),
+        "n_sequences": ",".join(str(n) for n in sorted(n_seqs)), "paired_bootstrap": paired,
+        "slope_n_skip": point[0], "slope_n_skip_lo": n_lo, "slope_n_skip_hi": n_hi,
+        "slope_loss_log_L": point[1], "slope_loss_log_L_lo": l_lo, "slope_loss_log_L_hi": l_hi,
+        "n_boot": n_boot, "ci": ci,
+    }
+
+
+def grid_summary(grid: str | Path, n_boot: int = 1000, seed: int = 0, ci: float = 0.95) -> pd.DataFrame:
+    """One row per architecture of a grid: marginal effective depth and loss-vs-depth slopes with CIs."""
+    by_arch: dict[str, list[tuple[int, pd.DataFrame]]] = {}
+    missing: dict[str, list[str]] = {}
+    for d in checkpoint_dirs(grid):
+        info = _info_from_config(d)
+        profile = load_results(d).get("sequence_profile")
+        if profile is None:
+            missing.setdefault(info["arch"], []).append(d.name)
+            continue
+        by_arch.setdefault(info["arch"], []).append((info["n_layer"], profile))
+    rows = []
+    for arch in sorted(set(by_arch) | set(missing)):
+        profiles = sorted(by_arch.get(arch, []), key=lambda p: p[0])
+        row = {"arch": arch, **(grid_slopes(profiles, n_boot, seed, ci) if profiles else {"n_models": 0})}
+        row["notes"] = f"no sequence profile for {', '.join(missing[arch])}" if arch in missing else ""
+        rows.append(row)
+    return pd.DataFrame(rows)

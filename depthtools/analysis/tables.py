@@ -1,0 +1,81 @@
+"""Tidy result tables: model columns, and saving beside the checkpoint with the settings used.
+
+`save_table(df, ckpt_dir, "ablate_skip", settings)` writes `<ckpt>/analysis/ablate_skip.parquet`
+and `ablate_skip.json` (the settings, row count, columns). `load_table(ckpt_dir, name, settings)`
+returns the table only if it was saved with the same settings, so a changed setting never reuses
+a stale result (DESIGN §6: reports read these tables and never recompute).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from depthtools.checkpoint import atomic_write_bytes, atomic_write_json
+from depthtools.errors import DepthToolsError
+
+ANALYSIS_DIR = "analysis"
+
+
+def model_columns(model) -> dict[str, Any]:
+    """The columns that identify a model in every table: model (cell name), arch, n_layer, d_model."""
+    cfg = model.config
+    directory = getattr(model, "checkpoint_dir", None)
+    name = Path(directory).name if directory is not None else f"{cfg.arch}_L{cfg.n_layer}"
+    return {"model": name, "arch": cfg.arch, "n_layer": cfg.n_layer, "d_model": cfg.d_model}
+
+
+def normalise_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Settings as they read back from JSON (tuples -> lists, paths -> strings), for comparison."""
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def table_paths(ckpt_dir: str | Path, name: str) -> tuple[Path, Path]:
+    if not name or "/" in name or name.startswith("."):
+        raise DepthToolsError(f"table name {name!r} must be a plain file stem like 'ablate_skip'")
+    folder = Path(ckpt_dir) / ANALYSIS_DIR
+    return folder / f"{name}.parquet", folder / f"{name}.json"
+
+
+def write_frame(df: pd.DataFrame, path: str | Path) -> Path:
+    """Write a table atomically as parquet (default) or CSV (by suffix)."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    if path.suffix.lower() == ".csv":
+        df.to_csv(buffer, index=False)
+    elif path.suffix.lower() in (".parquet", ".pq"):
+        df.to_parquet(buffer, index=False)
+    else:
+        raise DepthToolsError(f"cannot write {path}: use a .parquet or .csv file name")
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def save_table(df: pd.DataFrame, ckpt_dir: str | Path, name: str, settings: dict[str, Any]) -> Path:
+    """Save `df` as `<ckpt>/analysis/<name>.parquet` with `<name>.json` holding the settings."""
+    table_path, settings_path = table_paths(ckpt_dir, name)
+    write_frame(df, table_path)
+    atomic_write_json(settings_path, {"settings": normalise_settings(settings), "rows": len(df),
+                                      "columns": list(map(str, df.columns))})
+    return table_path
+
+
+def load_table(ckpt_dir: str | Path, name: str, settings: dict[str, Any] | None = None) -> pd.DataFrame | None:
+    """The saved table, or None if absent, unreadable, or saved with different settings.
+
+    settings=None skips the comparison (read whatever was saved).
+    """
+    table_path, settings_path = table_paths(ckpt_dir, name)
+    if not (table_path.is_file() and settings_path.is_file()):
+        return None
+    try:
+        saved = json.loads(settings_path.read_text())
+        if settings is not None and saved.get("settings") != normalise_settings(settings):
+            return None
+        return pd.read_parquet(table_path)
+    except (OSError, ValueError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,114 @@
+"""The fixed evaluation token set every depth probe runs on (metrics.md §0).
+
+A token set is a LongTensor [N, T+1]: the model reads `tokens[:, :-1]` (T positions) and position t
+is scored against `tokens[:, t+1]`, as in the trainer's evaluation windows. Position 0 (the first
+token, an attention sink) is excluded from every metric, so a set needs T >= 2.
+
+`sample_windows(data_dir, ...)` draws the windows from a prepared data directory with a fixed seed,
+so every model of a grid that shares a tokenizer sees exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from depthtools.errors import DepthToolsError
+
+FIRST_SCORED = 1  # position 0 is never scored
+
+
+def sample_windows(
+    data_dir: str | Path, n_tokens: int, seq_len: int, split: str = "val", seed: int = 0
+) -> torch.LongTensor:
+    """ceil(n_tokens / seq_len) windows [N, seq_len+1] at seeded random offsets of one split.
+
+    Offsets come from `numpy.random.default_rng(seed)` and are sorted, so the same arguments give the
+    same tokens on every machine. A split shorter than one window is a clear error.
+    """
+    from depthtools.data import load_split
+
+    if n_tokens < 1:
+        raise DepthToolsError(f"empty token set: --tokens must be >= 1, got {n_tokens}")
+    if seq_len < 2:
+        raise DepthToolsError(f"seq_len must be >= 2 (position 0 is not scored), got {seq_len}")
+    ids = load_split(data_dir, split)
+    n_windows = math.ceil(n_tokens / seq_len)
+    span = seq_len + 1
+    if len(ids) < span:
+        raise DepthToolsError(
+            f"empty token set: split {split!r} of {data_dir} has {len(ids)} tokens, fewer than one window of {span}"
+        )
+    rng = np.random.default_rng(seed)
+    offsets = np.sort(rng.integers(0, len(ids) - span + 1, size=n_windows))
+    windows = np.stack([np.asarray(ids[o:o + span], dtype=np.int64) for o in offsets])
+    return torch.from_numpy(windows)
+
+
+def check_tokens(model, tokens: torch.Tensor) -> torch.LongTensor:
+    """Validate a token set for `model` and return it as int64 on the model's device."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise DepthToolsError(f"tokens must be a LongTensor [N, T+1], got {shape}")
+    if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+        raise DepthToolsError(f"tokens must be integer ids, got dtype {tokens.dtype}")
+    if tokens.numel() == 0 or tokens.shape[0] == 0:
+        raise DepthToolsError("empty token set: need at least one sequence")
+    if tokens.shape[1] < FIRST_SCORED + 2:
+        raise DepthToolsError(
+            f"token windows of length {tokens.shape[1]} leave no scored position; need T+1 >= 3 "
+            "(position 0 is excluded)"
+        )
+    context = model.config.max_seq_len
+    if tokens.shape[1] - 1 > context:
+        raise DepthToolsError(
+            f"seq-len {tokens.shape[1] - 1} exceeds the model's context {context} "
+            f"({model.config.arch}, L={model.n_layer}); use --seq-len <= {context}"
+        )
+    vocab = model.config.vocab_size
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+        raise DepthToolsError(
+            f"token ids {int(tokens.min())}..{int(tokens.max())} do not fit the model's vocabulary 0..{vocab - 1} "
+            "(wrong tokenizer or data dir?)"
+        )
+    device = next(model.parameters()).device
+    return tokens.to(device=device, dtype=torch.long)
+
+
+def split_inputs(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs [B,T], scored targets [B,T-1]) of windows [B,T+1]; targets skip position 0."""
+    return batch[:, :-1], batch[:, FIRST_SCORED + 1:]
+
+
+def batches(tokens: torch.Tensor, batch_size: int):
+    """Consecutive sequence batches of a token set."""
+    if batch_size < 1:
+        raise DepthToolsError(f"batch size must be >= 1, got {batch_size}")
+    for start in range(0, tokens.shape[0], batch_size):
+        yield tokens[start:start + batch_size]
+
+
+def n_batches(tokens: torch.Tensor, batch_size: int) -> int:
+    return math.ceil(tokens.shape[0] / batch_size)
+
+
+def token_fingerprint(tokens: torch.Tensor) -> str:
+    """A short content hash of a token set, recorded in saved settings."""
+    data = tokens.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    return hashlib.sha256(data + str(tuple(tokens.shape)).encode()).hexdigest()[:16]
+
+
+def recorded_data_dir(ckpt_dir: str | Path) -> Path | None:
+    """The data directory recorded in a checkpoint's config.json (None if absent)."""
+    from depthtools.checkpoint import CONFIG, read_json
+
+    path = Path(ckpt_dir) / CONFIG
+    if not path.is_file():
+        return None
+    data = read_json(path).get("data") or {}
+    recorded = data.get("path") if isinstance(data, dict) else None
+    return Path(recorded) if recorded else None

@@ -1,0 +1,414 @@
+"""Train one cell: `train_cell(model_cfg, train_cfg, data_dir, out_dir)`.
+
+Read top to bottom: `prepare_run` builds everything a run needs (model, optimizer, batches, eval
+windows) and restores `train_state/` if a previous run was interrupted; `run_steps` is the step
+loop (LR from the step, forward/backward with optional gradient accumulation, clip, AdamW, logs,
+evals, checkpoints); `finish` writes the finished cell. The step loop makes no host syncs except
+on log/eval/checkpoint steps, and a non-finite loss or gradient is detected at the next of those
+and stops the run (`TrainingDivergedError`) before any checkpoint could store it.
+
+Outputs in out_dir (DESIGN §5): model.safetensors + config.json (via depthtools.checkpoint.save),
+metrics.jsonl (one JSON record per log step), eval.json (written last: its presence means
+"finished"), and train_state/ while training (removed at the end unless keep_train_state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from depthtools.arch import DepthModel
+from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, read_metrics, save
+from depthtools.config import ModelConfig, TrainConfig
+from depthtools.data import load_split, read_meta
+from depthtools.errors import DepthToolsError
+from depthtools.train.batches import TrainBatches, eval_windows
+from depthtools.train.flops import flops_per_token, peak_flops
+from depthtools.train.optim import build_optimizer, depth_scaling
+from depthtools.train.probe import DepthProbe
+from depthtools.train.schedule import lr_multiplier
+from depthtools.train.state import STATE_DIR, load_train_state, save_train_state
+
+EVAL = "eval.json"
+METRICS = "metrics.jsonl"
+# Fields that change when things are logged/evaluated/saved but not the trained weights.
+CADENCE_FIELDS = ("eval_every", "eval_tokens", "log_every", "depth_stats_every", "checkpoint_every",
+                  "keep_train_state", "threads", "compile", "peak_flops")
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+class TrainingDivergedError(DepthToolsError):
+    """The loss or gradient became NaN/inf; the last good train_state is kept."""
+
+
+class CellFinishedError(DepthToolsError):
+    """The cell already holds a finished run; retraining needs force=True."""
+
+
+def is_finished(out_dir: str | Path) -> bool:
+    """A cell is finished when eval.json exists (written after the final weights and config)."""
+    return (Path(out_dir) / EVAL).is_file()
+
+
+# -- small pieces --------------------------------------------------------------------------------
+def resolve_device(train_cfg: TrainConfig) -> torch.device:
+    """'auto' = CUDA if available, else CPU; asking for CUDA without one is an error."""
+    if train_cfg.device == "cuda" and not torch.cuda.is_available():
+        raise DepthToolsError("device 'cuda' requested but torch sees no CUDA device; use device 'cpu' or 'auto'")
+    if train_cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(train_cfg.device)
+
+
+def resolve_dtype(train_cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    """Autocast dtype: bf16 on CUDA and float32 on CPU unless the recipe names one."""
+    if train_cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if train_cfg.dtype == "bfloat16" else torch.float32
+
+
+def run_fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, data_fingerprint: str) -> str:
+    """Hash of everything that determines the trained weights (resume refuses a different run)."""
+    recipe = {k: v for k, v in train_cfg.to_dict().items() if k not in CADENCE_FIELDS}
+    text = json.dumps({"model": model_cfg.to_dict(), "train": recipe, "data": data_fingerprint}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def forward_loss(model, inputs: torch.Tensor, targets: torch.Tensor, probe: DepthProbe | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy; with a probe, runs state by state so it can watch each depth."""
+    if probe is None:
+        logits = model(inputs)
+    else:
+        states = model.run_states(inputs)
+        probe.watch(model, states)
+        logits = model.head(states[-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def _every(step: int, period: int) -> bool:
+    return period > 0 and step % period == 0
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    """Set torch's intra-op thread count for the run and restore it afterwards."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# -- the run -------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """Everything one training run needs, built once by `prepare_run`."""
+
+    model_cfg: ModelConfig
+    train_cfg: TrainConfig
+    out_dir: Path
+    data_dir: Path
+    meta: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+    model: DepthModel
+    step_model: Any  # the model the step runs (compiled or not)
+    optimizer: torch.optim.AdamW
+    param_names: list[str]
+    batches: TrainBatches
+    eval_sets: dict[str, torch.Tensor]  # "val" and "val_<domain>" -> windows [k, T+1]
+    domains: dict[str, str]  # split key -> domain name
+    total_steps: int
+    peak_lr: float
+    fingerprint: str
+    flops_per_token: float
+    peak_flops: float | None
+    start_step: int = 0
+    progress: Progress | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train_cfg.batch_size * self.train_cfg.seq_len
+
+    @property
+    def name(self) -> str:
+        return self.out_dir.name
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self.progress is not None:
+            self.progress({"event": event, "cell": self.name, "step": fields.pop("step", self.start_step),
+                           "total_steps": self.total_steps, **fields})
+
+
+def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str, Any], data_dir: Path) -> None:
+    """One-line errors for a model that cannot read this data or this sequence length."""
+    vocab = int(meta["tokenizer"]["vocab_size"])
+    if model_cfg.vocab_size < vocab:
+        raise DepthToolsError(
+            f"model vocab_size={model_cfg.vocab_size} is smaller than the {meta['tokenizer']['name']} "
+            f"tokenizer's {vocab} tokens in {data_dir}; plan the grid with --vocab-size {vocab}"
+        )
+    if train_cfg.seq_len > model_cfg.max_seq_len:
+        raise DepthToolsError(f"seq_len={train_cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
+
+
+def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress) -> Run:
+    """Build model, optimizer, batches and eval windows; restore train_state if there is one."""
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    meta = read_meta(data_dir)
+    check_inputs(model_cfg, train_cfg, meta, data_dir)
+    device = resolve_device(train_cfg)
+    model = DepthModel(model_cfg, seed=train_cfg.seed).to(device)
+    optimizer, names = build_optimizer(model, train_cfg, device)
+    params_total = model.param_counts()["total"]
+    fingerprint = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"])
+    info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint)
+    start = int(info["step"]) if info else 0
+    eval_sets, domains = {}, {}
+    for key, split in meta["splits"].items():
+        if key == "val" or "domain" in split:
+            windows = eval_windows(load_split(data_dir, key), train_cfg.seq_len, train_cfg.eval_tokens)
+            if windows is not None:
+                eval_sets[key] = windows
+                domains[key] = split.get("domain", "all")
+    step_model = model
+    if train_cfg.compile and device.type == "cuda":
+        step_model = torch.compile(model)
+    peak = train_cfg.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
+    return Run(
+        model_cfg=model_cfg, train_cfg=train_cfg, out_dir=out_dir, data_dir=data_dir, meta=meta, device=device,
+        dtype=resolve_dtype(train_cfg, device), model=model, step_model=step_model, optimizer=optimizer,
+        param_names=names, batches=TrainBatches(load_split(data_dir, "train"), train_cfg.batch_size,
+                                                train_cfg.seq_len, train_cfg.seed, device),
+        eval_sets=eval_sets, domains=domains, total_steps=train_cfg.total_steps(params_total),
+        peak_lr=train_cfg.lr_for(model_cfg.arch), fingerprint=fingerprint,
+        flops_per_token=flops_per_token(model_cfg, params_total, train_cfg.seq_len), peak_flops=peak,
+        start_step=start, progress=progress,
+    )
+
+
+def set_lr(run: Run, step: int) -> float:
+    """Set every group's LR for the update made at `step`; returns the peak-relative LR."""
+    lr = run.peak_lr * lr_multiplier(step, run.total_steps, run.train_cfg)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr * group["lr_scale"]
+    return lr
+
+
+def train_step(run: Run, step: int, probe: DepthProbe | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer update on the batch of `step`; returns (loss, grad norm) as device tensors."""
+    inputs, targets = run.batches.batch(step)
+    micro = run.train_cfg.micro_batch_size or run.train_cfg.batch_size
+    n_micro = run.train_cfg.batch_size // micro
+    total = torch.zeros((), device=run.device)
+    for i in range(n_micro):
+        rows = slice(i * micro, (i + 1) * micro)
+        watch = probe if i == 0 else None  # depth norms from the first micro-batch
+        model = run.model if watch is not None else run.step_model
+        with run.autocast():
+            loss = forward_loss(model, inputs[rows], targets[rows], watch)
+        (loss / n_micro).backward()
+        total += loss.detach() / n_micro
+    params = [p for group in run.optimizer.param_groups for p in group["params"]]
+    if run.train_cfg.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, run.train_cfg.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Mean loss on every eval split's fixed windows: {"val": ..., "<domain>": ...}."""
+    out = {}
+    chunk = max(1, run.train_cfg.micro_batch_size or run.train_cfg.batch_size)
+    for key, windows in run.eval_sets.items():
+        total, count = torch.zeros((), device=run.device, dtype=torch.float64), 0
+        for start in range(0, len(windows), chunk):
+            data = windows[start:start + chunk].to(run.device)
+            with run.autocast():
+                loss = forward_loss(run.step_model, data[:, :-1], data[:, 1:])
+            total += loss.double() * data[:, 1:].numel()
+            count += data[:, 1:].numel()
+        out["val" if key == "val" else run.domains[key]] = float(total / count)
+    return out
+
+
+def _append_metrics(run: Run, record: dict[str, Any]) -> None:
+    with open(run.out_dir / METRICS, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def _truncate_metrics(run: Run) -> None:
+    """Keep only records up to the resumed step (a killed run may have logged past its checkpoint)."""
+    path = run.out_dir / METRICS
+    if run.start_step == 0:
+        path.unlink(missing_ok=True)
+        return
+    kept = [r for r in read_metrics(run.out_dir) if r.get("step", 0) <= run.start_step]
+    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+
+
+def _check_finite(run: Run, bad: torch.Tensor, step: int, last_good: int) -> None:
+    """Raise TrainingDivergedError if any update up to `step` saw a NaN/inf loss or gradient."""
+    if bool(bad):
+        where = f"{run.out_dir / STATE_DIR} (step {last_good})" if last_good else "none (no checkpoint yet)"
+        raise TrainingDivergedError(
+            f"{run.name}: non-finite loss or gradient by step {step} (lr {run.peak_lr:g}); training stopped, "
+            f"last good checkpoint: {where}; lower the LR (lr_overrides) or check the data"
+        )
+
+
+def _checkpoint(run: Run, step: int) -> None:
+    info = {"tokens": step * run.tokens_per_step, "total_steps": run.total_steps, "fingerprint": run.fingerprint,
+            "data": {"seed": run.train_cfg.seed, "next_step": step, "rule": "offsets = default_rng([seed, step])"}}
+    save_train_state(run.out_dir / STATE_DIR, step, run.model, run.optimizer, run.param_names, info)
+
+
+def _probe_for(cfg: TrainConfig, step: int) -> DepthProbe | None:
+    """A depth probe on every depth_stats_every-th step (and the first), else None (no overhead)."""
+    if not (_every(step, cfg.depth_stats_every) or (cfg.depth_stats_every and step == 1)):
+        return None
+    return DepthProbe(grad_scale=cfg.batch_size / (cfg.micro_batch_size or cfg.batch_size))
+
+
+def _record(run: Run, step: int, lr: float, mean_loss: float, grad_norm: torch.Tensor, tokens_per_s: float | None,
+            probe: DepthProbe | None, do_eval: bool) -> dict[str, Any]:
+    """One metrics.jsonl record (evaluates on every val split when do_eval)."""
+    record = {"step": step, "tokens": step * run.tokens_per_step, "lr": lr, "train_loss": mean_loss,
+              "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_s}
+    if run.peak_flops and tokens_per_s:
+        record["mfu"] = run.flops_per_token * tokens_per_s / run.peak_flops
+    if probe is not None:
+        record.update(probe.record())
+    if do_eval:
+        losses = evaluate(run)
+        record["val_loss"] = losses.pop("val", None)
+        record.update({f"val_loss_{domain}": value for domain, value in losses.items()})
+    return record
+
+
+def run_steps(run: Run) -> dict[str, Any]:
+    """The step loop from run.start_step to total_steps; returns the last metrics record.
+
+    `step` counts updates done (1..total); the update at `step` uses the batch and LR of step-1.
+    Host syncs happen only on log/eval/probe/checkpoint steps; the step 1 is always logged.
+    """
+    cfg = run.train_cfg
+    bad = torch.zeros((), dtype=torch.bool, device=run.device)
+    loss_sum, loss_count, last_good, record = torch.zeros((), device=run.device), 0, run.start_step, {}
+    clock, clock_tokens = time.perf_counter(), 0
+    for step in range(run.start_step + 1, run.total_steps + 1):
+        lr = set_lr(run, step - 1)
+        probe = _probe_for(cfg, step)
+        loss, grad_norm = train_step(run, step - 1, probe)
+        bad |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        loss_sum += loss
+        loss_count += 1
+        clock_tokens += run.tokens_per_step
+        last, save_now = step == run.total_steps, _every(step, cfg.checkpoint_every)
+        do_eval = _every(step, cfg.eval_every) or last
+        if not (_every(step, cfg.log_every) or last or step == 1 or do_eval or probe or save_now):
+            continue
+        _check_finite(run, bad, step, last_good)
+        elapsed = time.perf_counter() - clock
+        record = _record(run, step, lr, float(loss_sum) / loss_count, grad_norm,
+                         clock_tokens / elapsed if elapsed > 0 else None, probe, do_eval)
+        _append_metrics(run, record)
+        run.emit("step", step=step, tokens=record["tokens"], train_loss=record["train_loss"],
+                 val_loss=record.get("val_loss"), tokens_per_s=record["tokens_per_s"])
+        if save_now and not last:
+            _checkpoint(run, step)
+            last_good = step
+        loss_sum, loss_count = torch.zeros((), device=run.device), 0
+        clock, clock_tokens = time.perf_counter(), 0
+    return record
+
+
+def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
+    """Write model.safetensors + config.json, then eval.json (the "finished" marker); drop train_state."""
+    cfg, meta = run.train_cfg, run.meta
+    scaling = depth_scaling(run.model_cfg)
+    extra = {
+        "train": cfg.to_dict(),
+        "train_resolved": {
+            "lr": run.peak_lr, "lr_overridden": run.model_cfg.arch in cfg.lr_overrides,
+            "total_steps": run.total_steps, "total_tokens": run.total_steps * run.tokens_per_step,
+            "device": run.device.type, "dtype": str(run.dtype).replace("torch.", ""),
+            "depth_scaling": None if scaling is None else {"block_lr_factor": scaling[0], "block_eps_factor": scaling[1]},
+            "flops_per_token": run.flops_per_token, "elapsed_s": elapsed,
+        },
+        "tokenizer": meta["tokenizer"],
+        "data": {"name": meta.get("name"), "path": str(run.data_dir), "data_fingerprint": meta["data_fingerprint"],
+                 "settings": meta.get("settings"), "domains": meta.get("domains")},
+    }
+    save(run.model, run.out_dir, extra=extra)
+    domains = {k: v for k, v in last.items() if k.startswith("val_loss_")}
+    result = {"step": last["step"], "tokens": last["tokens"], "val_loss": last.get("val_loss"),
+              "domains": {k[len("val_loss_"):]: v for k, v in domains.items()}, "train_loss": last["train_loss"],
+              "eval_tokens_per_split": {k: int(w[:, 1:].numel()) for k, w in run.eval_sets.items()}}
+    atomic_write_json(run.out_dir / EVAL, result)
+    if not cfg.keep_train_state:
+        shutil.rmtree(run.out_dir / STATE_DIR, ignore_errors=True)
+    return result
+
+
+def clear_cell(out_dir: Path) -> None:
+    """Remove a previous run's outputs (for force=True); other files in the folder are left alone."""
+    for name in (EVAL, WEIGHTS, CONFIG, METRICS):
+        (out_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / STATE_DIR, ignore_errors=True)
+
+
+def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | Path, out_dir: str | Path,
+               force: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+    """Train one model to its token budget and write a finished cell into `out_dir`; returns a summary.
+
+    Resumes from `out_dir/train_state` when an earlier run was interrupted (bit-identical on CPU).
+    A finished cell raises CellFinishedError unless force=True, which retrains from scratch (and
+    also discards an interrupted run's state). NaN/inf stops the run with TrainingDivergedError.
+    """
+    out_dir = Path(out_dir)
+    if is_finished(out_dir) and not force:
+        raise CellFinishedError(f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it")
+    if force:
+        clear_cell(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with _threads(train_cfg.threads):
+        run = prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress)
+        _truncate_metrics(run)
+        run.emit("start", tokens=run.start_step * run.tokens_per_step)
+        last = run_steps(run)
+        result = finish(run, last, time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    summary = {"name": run.name, "out_dir": str(out_dir), "arch": model_cfg.arch, "n_layer": model_cfg.n_layer,
+               "d_model": model_cfg.d_model, "params": run.model.param_counts()["total"], "steps": run.total_steps,
+               "tokens": run.total_steps * run.tokens_per_step, "resumed_from": run.start_step,
+               "train_loss": result["train_loss"], "val_loss": result["val_loss"], "domains": result["domains"],
+               "elapsed_s": elapsed, "skipped": False}
+    run.emit("done", step=run.total_steps, tokens=summary["tokens"], val_loss=summary["val_loss"])
+    return summary
+
+
+__all__ = ["CellFinishedError", "TrainingDivergedError", "is_finished", "train_cell"]

@@ -1,0 +1,151 @@
+"""Logit lens, tuned lens and prediction depth (depthtools.analysis.lens)."""
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from depthtools.analysis import (
+    TunedLens, fit_tuned_lens, lens_analysis, load_tuned_lens, logit_lens, prediction_depths, sample_windows,
+    train_tuned_lens,
+)
+from depthtools.arch import DepthModel, list_archs
+from depthtools.config import ModelConfig
+
+ARCHS = [spec.name for spec in list_archs()]
+VOCAB = 61
+METRICS = ["ce", "kl_final_lens", "kl_lens_final", "entropy", "top1_agree", "top5_overlap", "target_rank"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine they lose a lot."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(arch: str, n_layer: int = 4) -> DepthModel:
+    cfg = ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=24)
+    model = DepthModel(cfg, seed=0).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def windows(n: int = 3, length: int = 13, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_final_depth_lens_is_the_model_output(arch):
+    model, toks = tiny(arch), windows()
+    df = logit_lens(model, toks, batch_size=2, chunk_tokens=7)
+    assert list(df["depth"]) == list(range(model.n_layer + 1)) and df["rel_depth"].iloc[-1] == 1.0
+    final = df.iloc[-1]
+    with torch.no_grad():
+        logits = model(toks[:, :-1])[:, 1:]
+    ce = F.cross_entropy(logits.flatten(0, 1), toks[:, 2:].flatten()).item()
+    assert final["ce"] == pytest.approx(ce, rel=1e-10)
+    assert final["kl_final_lens"] == 0 and final["kl_lens_final"] == 0
+    assert final["top1_agree"] == 1 and final["top5_overlap"] == 1
+    assert (df[METRICS[:4]] >= -1e-12).all().all() and (df["target_rank"] >= 1).all()
+
+
+def test_chunking_and_batching_do_not_change_the_lens():
+    model, toks = tiny("hc"), windows(5)
+    a = logit_lens(model, toks, batch_size=5, chunk_tokens=4096)
+    b = logit_lens(model, toks, batch_size=2, chunk_tokens=3)
+    pd.testing.assert_frame_equal(a, b, rtol=1e-10)
+
+
+def test_zero_translators_are_the_logit_lens():
+    model, toks = tiny("preln"), windows()
+    zero = TunedLens(model.n_layer, model.config.d_model)
+    logit = lens_analysis(model, toks)
+    tuned = lens_analysis(model, toks, zero)
+    pd.testing.assert_frame_equal(logit.depths.drop(columns="lens"), tuned.depths.drop(columns="lens"))
+    assert (tuned.depths["lens"] == "tuned").all()
+    assert (logit.prediction_depth == tuned.prediction_depth).all()
+
+
+def test_prediction_depth_is_the_start_of_the_stable_tail():
+    top1 = torch.tensor([
+        [7, 1, 7, 7],  # depth 0
+        [7, 2, 3, 7],  # depth 1
+        [7, 9, 7, 5],  # depth 2
+        [7, 9, 7, 7],  # depth 3 = final
+    ])
+    assert prediction_depths(top1).tolist() == [0, 2, 2, 3]
+
+
+def test_lens_summary_columns():
+    model, toks = tiny("preln"), windows(4)
+    result = lens_analysis(model, toks)
+    row = result.summary.iloc[0]
+    assert 0 <= row["pd_mean_over_L"] <= 1 and row["pd_mean"] == pytest.approx(result.prediction_depth.mean())
+    assert len(result.prediction_depth) == len(result.token_loss) == 4 * 11
+    assert -1 <= row["pd_loss_spearman"] <= 1 or pd.isna(row["pd_loss_spearman"])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny Pre-LN model briefly trained on the fixture corpus, with train/val token sets."""
+    from depthtools.data import prepare
+
+    data = prepare(corpus="text-dir", text_dir="tests/fixtures/tiny_corpus", out_dir=tmp_path_factory.mktemp("data"))
+    train = sample_windows(data, 100_000, 32, split="train", seed=0)
+    val = sample_windows(data, 1024, 32, split="val", seed=0)
+    model = DepthModel(ModelConfig(arch="preln", vocab_size=256, d_model=32, n_layer=4, n_heads=4, max_seq_len=64), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        batch = train[torch.randint(len(train), (16,), generator=gen)]
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), train, val
+
+
+def test_trained_tuned_lens_beats_the_logit_lens_at_every_depth(trained, tmp_path):
+    model, train, val = trained
+    lens = fit_tuned_lens(model, train, tmp_path, steps=120, lr=1e-3, batch_size=16)
+    logit = logit_lens(model, val)
+    tuned = logit_lens(model, val, lens)
+    L = model.n_layer
+    assert (tuned["kl_final_lens"][:L].to_numpy() < logit["kl_final_lens"][:L].to_numpy()).all()
+    assert tuned["kl_final_lens"].iloc[L] == 0
+    assert all(p.requires_grad for p in model.parameters())  # the model was only frozen while training
+    # saved beside the checkpoint and reused with the same settings; other settings retrain
+    assert (tmp_path / "analysis" / "tuned_lens.safetensors").is_file()
+    again = fit_tuned_lens(model, train, tmp_path, steps=120, lr=1e-3, batch_size=16)
+    assert torch.equal(again.weight, lens.weight) and torch.equal(again.bias, lens.bias)
+    assert load_tuned_lens(tmp_path, {"steps": 1}) is None
+    other = fit_tuned_lens(model, train, tmp_path, steps=3, lr=1e-3, batch_size=16)
+    assert not torch.equal(other.weight, lens.weight)
+
+
+def test_tuned_lens_training_leaves_the_model_untouched():
+    model, toks = tiny("attnres"), windows(4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lens = train_tuned_lens(model, toks, steps=3, batch_size=2)
+    assert lens.weight.abs().sum() > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_plot_helpers_return_axes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from depthtools.analysis import ablate, plot_ablation, plot_lens, plot_prune_curve
+
+    model, toks = tiny("preln"), windows()
+    assert isinstance(plot_lens(logit_lens(model, toks), "ce"), Axes)
+    assert isinstance(plot_ablation(ablate(model, toks, mode="skip")), Axes)
+    assert isinstance(plot_prune_curve(ablate(model, toks, mode="prune", tau=float("inf"))), Axes)

@@ -1,0 +1,92 @@
+"""Native routing statistics (depthtools.analysis.routing) at known initialisations."""
+
+import math
+
+import pytest
+import torch
+
+from depthtools.analysis.routing import consumer_stats, routing_matrix, routing_stats
+from depthtools.arch import DepthModel, list_archs
+from depthtools.config import ModelConfig
+
+ARCHS = {s.name for s in list_archs()}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(arch, n_layer=3, **options):
+    if arch not in ARCHS:
+        pytest.skip(f"{arch} not registered")
+    cfg = ModelConfig(arch=arch, vocab_size=40, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=32, options=options)
+    return DepthModel(cfg, seed=0).eval()
+
+
+TOKENS = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def lower_triangle(W):
+    return [(c, i) for c in range(W.shape[0]) for i in range(c + 1)]
+
+
+@pytest.mark.parametrize("options", [{}, {"head_mixer": True}])
+def test_unfolded_hc_matrix_at_init_is_the_preln_pattern(options):
+    model = tiny("hc", **options)
+    df = routing_stats(model, TOKENS)
+    W = routing_matrix(df)
+    assert W.shape == (7, 7)
+    for c, i in lower_triangle(W):  # every consumer reads every earlier source with weight 1
+        assert W[c, i].item() == pytest.approx(1.0, abs=1e-9)
+    assert torch.isnan(W[0, 1])  # no source from the future
+    final = df[(df.metric == "routing_weight") & (df.layer == 6)]
+    assert set(final.consumer_kind) == {"final"}
+
+
+def test_unfolded_hc_matrix_follows_edited_connections():
+    """Zero the depth weight β of sublayer 0 (block 0 attention): nobody reads its output any more."""
+    model = tiny("hc")
+    with torch.no_grad():
+        model.blocks[0].attn_hc.static_beta.zero_()
+        model.blocks[0].attn_hc.beta_scale.zero_()
+    W = routing_matrix(routing_stats(model, TOKENS))
+    assert all(W[c, 1].item() == pytest.approx(0.0, abs=1e-12) for c in range(1, 7))
+    assert W[3, 0].item() == pytest.approx(1.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("arch", ["attnres", "blockattnres"])
+def test_attnres_maps_at_zero_queries_are_uniform(arch):
+    model = tiny(arch, n_layer=4)
+    W = routing_matrix(routing_stats(model, TOKENS))
+    for c in range(W.shape[0]):
+        row = W[c][~torch.isnan(W[c])]
+        assert len(row) >= 1
+        assert torch.allclose(row, torch.full_like(row, 1.0 / len(row)), atol=1e-6), c
+    if arch == "attnres":  # Full AttnRes: consumer c reads all c+1 sources
+        assert [int((~torch.isnan(W[c])).sum()) for c in range(9)] == list(range(1, 10))
+
+
+def test_denseformer_init_reads_only_the_newest_state():
+    df = routing_stats(tiny("denseformer"), TOKENS)
+    W = routing_matrix(df)
+    for c in (2, 4, 6):
+        assert W[c, c].item() == 1.0 and (W[c, :c][~torch.isnan(W[c, :c])] == 0).all()
+    assert df[df.metric == "mean_source_lag"].value.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_architecture_without_routing_gives_an_empty_table_with_a_note():
+    df = routing_stats(tiny("preln"), TOKENS)
+    assert df.empty and "no native depth routing" in df.attrs["notes"][0]
+
+
+def test_consumer_statistics_on_a_handmade_row():
+    row = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4] + [math.nan] * 2, dtype=torch.float64)
+    stats = consumer_stats(4, row, long_range_k=2)  # lags: source i -> 4 - i + 1 = 5, 4, 3, 2, 1
+    assert stats["mean_source_lag"] == pytest.approx(0.1 * 5 + 0.2 * 3 + 0.3 * 2 + 0.4 * 1)
+    assert stats["long_range_mass"] == pytest.approx(0.3)  # lag > 2: sources 0 and 2
+    assert stats["max_weight"] == pytest.approx(0.4)
+    assert stats["source_entropy"] == pytest.approx(-sum(p * math.log(p) for p in (0.1, 0.2, 0.3, 0.4)))

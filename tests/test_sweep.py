@@ -1,0 +1,120 @@
+"""The sweep engine, evaluation token sets and result tables (depthtools.analysis.sweep/tokens/tables)."""
+
+import pytest
+import torch
+
+from depthtools.analysis import (
+    check_tokens, intact_states, load_table, plan_logits, sample_windows, save_table, sweep, token_fingerprint,
+)
+from depthtools.arch import DepthModel, Plan, list_archs
+from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
+
+ARCHS = [spec.name for spec in list_archs()]
+VOCAB = 61
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine they lose a lot."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(arch: str, n_layer: int = 4) -> DepthModel:
+    """A d=32 model in float64, every parameter moved off its init (zero-init gates hide nothing)."""
+    cfg = ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=24)
+    model = DepthModel(cfg, seed=0).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def windows(n: int = 3, length: int = 13, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_prefix_plans_equal_naive_full_reruns(arch):
+    model, toks = tiny(arch), windows()
+    inputs = toks[:, :-1]
+    states = intact_states(model, inputs)
+    L = model.n_layer
+    plans = [Plan.skipping(l, rule=rule) for rule in model.scheme.skip_rules for l in range(L)]
+    plans += [Plan.swapping(1, 2, L), Plan.swapping(0, 3, L), Plan(skip=frozenset({1, 3}))]
+    for plan, cached in zip(plans, plan_logits(model, plans, states)):
+        assert torch.equal(cached, model.run(inputs, plan=plan)), (plan.skip, plan.skip_rule, plan.order)
+    fast = sweep(model, toks, plans, batch_size=2)
+    slow = sweep(model, toks, plans, batch_size=2, reuse_prefix=False)
+    assert fast == slow
+
+
+def test_identity_plan_matches_intact_and_batching_is_invisible():
+    model, toks = tiny("preln"), windows(5)
+    result = sweep(model, toks, [Plan(), Plan.skipping(2)], batch_size=2)
+    assert result.plans[0].kl == 0 and result.plans[0].ce == result.intact.ce
+    assert result.plans[0].top1_agree == 1.0 and result.intact.n_tokens == 5 * 11  # 12 inputs, position 0 not scored
+    one = sweep(model, toks, [Plan.skipping(2)], batch_size=5)
+    assert one.plans[0].ce == pytest.approx(result.plans[1].ce, rel=1e-12)
+    assert one.plans[0].kl == pytest.approx(result.plans[1].kl, rel=1e-10)
+    assert result.plans[1].kl > 0
+
+
+def test_position_zero_is_not_scored():
+    from depthtools.analysis.sweep import scored_logprobs
+    from depthtools.analysis.tokens import split_inputs
+
+    toks = windows(2)
+    inputs, targets = split_inputs(toks)
+    assert torch.equal(inputs, toks[:, :-1]) and torch.equal(targets, toks[:, 2:])  # no target for position 0
+    logits = torch.randn(2, 12, VOCAB, dtype=torch.float64)
+    changed = logits.clone()
+    changed[:, 0] = 1e3 * torch.randn(2, VOCAB, dtype=torch.float64)
+    assert torch.equal(scored_logprobs(logits), scored_logprobs(changed))
+    assert scored_logprobs(logits).shape == (2 * 11, VOCAB)
+
+
+def test_sample_windows_are_deterministic_and_checked(tmp_path):
+    from depthtools.data import prepare
+
+    data = prepare(corpus="text-dir", text_dir="tests/fixtures/tiny_corpus", out_dir=tmp_path)
+    a = sample_windows(data, 100, 16, seed=3)
+    b = sample_windows(data, 100, 16, seed=3)
+    assert a.shape == (7, 17) and a.dtype == torch.long and torch.equal(a, b)
+    assert not torch.equal(a, sample_windows(data, 100, 16, seed=4))
+    assert token_fingerprint(a) == token_fingerprint(b)
+    with pytest.raises(DepthToolsError, match="empty token set"):
+        sample_windows(data, 0, 16)
+    with pytest.raises(DepthToolsError, match="no split"):
+        sample_windows(data, 10, 16, split="nope")
+
+
+def test_check_tokens_rejects_bad_token_sets():
+    model = tiny("preln")
+    with pytest.raises(DepthToolsError, match="exceeds the model's context 24"):
+        check_tokens(model, windows(1, 30))
+    with pytest.raises(DepthToolsError, match="empty token set"):
+        check_tokens(model, torch.zeros(0, 10, dtype=torch.long))
+    with pytest.raises(DepthToolsError, match="vocabulary"):
+        check_tokens(model, torch.full((1, 8), VOCAB))
+    with pytest.raises(DepthToolsError, match=r"\[N, T\+1\]"):
+        check_tokens(model, torch.zeros(8, dtype=torch.long))
+    with pytest.raises(DepthToolsError, match="no scored position"):
+        check_tokens(model, torch.zeros(2, 2, dtype=torch.long))
+
+
+def test_save_table_round_trips_and_refuses_other_settings(tmp_path):
+    import pandas as pd
+
+    df = pd.DataFrame({"model": ["a", "a"], "layer": pd.array([0, None], dtype="Int64"), "delta_ce": [0.1, 0.2]})
+    settings = {"mode": "skip", "rules": ("identity",), "tau": 0.05}
+    path = save_table(df, tmp_path, "ablate_skip", settings)
+    assert path == tmp_path / "analysis" / "ablate_skip.parquet" and (tmp_path / "analysis" / "ablate_skip.json").is_file()
+    back = load_table(tmp_path, "ablate_skip", {"mode": "skip", "rules": ["identity"], "tau": 0.05})
+    pd.testing.assert_frame_equal(back, df)
+    assert load_table(tmp_path, "ablate_skip", {**settings, "tau": 0.1}) is None
+    assert load_table(tmp_path, "missing", settings) is None
