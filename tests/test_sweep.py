@@ -9,33 +9,9 @@ from depthtools.analysis import (
 from depthtools.arch import DepthModel, Plan, list_archs
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+from tiny_models import VOCAB, one_thread, tiny, windows  # noqa: F401 (fixture)
 
 ARCHS = [spec.name for spec in list_archs()]
-VOCAB = 61
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine they lose a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def tiny(arch: str, n_layer: int = 4) -> DepthModel:
-    """A d=32 model in float64, every parameter moved off its init (zero-init gates hide nothing)."""
-    cfg = ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=24)
-    model = DepthModel(cfg, seed=0).double().eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model
-
-
-def windows(n: int = 3, length: int = 13, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
