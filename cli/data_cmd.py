@@ -1,7 +1,7 @@
 """`depthtools data …`: prepare token files from corpora and list which corpora can be used here.
 
 A thin layer over `depthtools.data`; errors are `DepthToolsError` with a one-line message, which
-the main CLI prints. Registered in cli/main.py as `app.add_typer(data_app, name="data")`.
+the main CLI prints. Registered in cli/main.py through SUB_APPS (`depthtools data ...`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from depthtools.errors import DepthToolsError
 
 data_app = typer.Typer(help="Prepare training data from package-shipped corpora (no hub downloads) and list corpora.",
                        no_args_is_help=True)
+SUB_APPS = {"data": data_app}
 _console = Console(stderr=True)
 
 

@@ -30,7 +30,8 @@ console = Console()
 err_console = Console(stderr=True)
 
 # Command modules that register themselves on `app` / `grid_app` when imported (optional ones may be absent).
-COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.analysis_cmd", "cli.analysis2_cmd", "cli.report_cmd")
+COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.analysis_cmd", "cli.analysis2_cmd",
+                   "cli.report_cmd", "cli.demo_cmd", "cli.interop_cmd", "cli.tasks_cmd", "cli.dist_cmd")
 
 
 def print_json(obj) -> None:
@@ -53,9 +54,9 @@ def _load_command_modules() -> None:
     for name in COMMAND_MODULES:
         if importlib.util.find_spec(name) is not None:
             module = importlib.import_module(name)
-            sub_app = getattr(module, "data_app", None)
-            if sub_app is not None and name == "cli.data_cmd":
-                app.add_typer(sub_app, name="data")
+            # A module with its own command group (`depthtools data ...`) names it in SUB_APPS.
+            for group, sub_app in getattr(module, "SUB_APPS", {}).items():
+                app.add_typer(sub_app, name=group)
 
 
 def main() -> None:
