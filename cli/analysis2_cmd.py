@@ -19,6 +19,8 @@ import typer
 from rich.console import Console
 
 from cli.main import app, console, print_json, table
+from depthtools.analysis.suite import (eval_tokens, run_causal, run_contrib, run_routing, run_similarity,
+                                      table_settings as _settings)
 from depthtools.errors import DepthToolsError
 
 DATA_HELP = "Prepared data directory (default: the one recorded in the checkpoint's config.json)."
@@ -26,32 +28,13 @@ DATA_HELP = "Prepared data directory (default: the one recorded in the checkpoin
 
 # -- shared plumbing -------------------------------------------------------------------------------
 
-def _tokens_for(ckpt_dir: Path, data: Optional[Path], n_tokens: int, seq_len: int, split: str, seed: int):
-    from depthtools.analysis.tokens import recorded_data_dir, sample_windows
-
-    data_dir = data if data is not None else recorded_data_dir(ckpt_dir)
-    if data_dir is None:
-        raise DepthToolsError(f"no data directory recorded for {ckpt_dir.name}; pass --data DIR")
-    return sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed)
-
-
 def _load(ckpt: str, data, n_tokens, seq_len, split, seed):
     from depthtools.analysis.tokens import check_tokens
     from depthtools.checkpoint import load
 
     model = load(ckpt)
-    tokens = check_tokens(model, _tokens_for(Path(model.checkpoint_dir), data, n_tokens, seq_len, split, seed))
+    tokens = check_tokens(model, eval_tokens(Path(model.checkpoint_dir), data, n_tokens, seq_len, split, seed))
     return model, tokens
-
-
-def _settings(name: str, args: dict[str, Any], model, tokens) -> dict[str, Any]:
-    """What a saved table depends on: the analysis, its arguments, the token set and the weights."""
-    from depthtools.analysis.lens import model_fingerprint
-    from depthtools.analysis.tokens import token_fingerprint
-
-    return {"analysis": name, **args, "tokens": token_fingerprint(tokens), "tokens_shape": list(tokens.shape),
-            "model": model_fingerprint(model)}
-
 
 
 def _records(df) -> list[dict[str, Any]]:
@@ -114,13 +97,6 @@ SAVE = typer.Option(True, "--save/--no-save", help="Save the table beside the ch
 
 # -- single-checkpoint commands ----------------------------------------------------------------------
 
-def run_causal(model, tokens, batch_size=8, exclude_first=1, rule=None, future=True, cuts=None):
-    from depthtools.analysis.causal import causal_scores
-
-    return causal_scores(model, tokens, batch_size=batch_size, rule=rule, exclude_first=exclude_first,
-                         future=future, cuts=cuts)
-
-
 @app.command("causal")
 def causal_command(
     ckpt: str = CKPT, data: Optional[Path] = DATA, n_tokens: int = TOKENS, seq_len: int = SEQ_LEN,
@@ -151,13 +127,6 @@ def causal_command(
     _emit(df, "causal", model, _settings("causal", args, model, tokens), as_json, out, save, show)
 
 
-def run_similarity(model, tokens, batch_size=8, exclude_first=1, cka_batch=256, outlier_k=1):
-    from depthtools.analysis.geometry import depth_similarity
-
-    return depth_similarity(model, tokens, batch_size=batch_size, exclude_first=exclude_first,
-                            cka_batch=cka_batch, outlier_k=outlier_k)
-
-
 @app.command("similarity")
 def similarity_command(
     ckpt: str = CKPT, data: Optional[Path] = DATA, n_tokens: int = TOKENS, seq_len: int = SEQ_LEN,
@@ -183,13 +152,6 @@ def similarity_command(
     _emit(df, "similarity", model, _settings("similarity", args, model, tokens), as_json, out, save, show)
 
 
-def run_contrib(model, tokens, batch_size=8, exclude_first=1, jacobian=True, probes=2):
-    from depthtools.analysis.contrib import contributions
-
-    return contributions(model, tokens, batch_size=batch_size, exclude_first=exclude_first, jacobian=jacobian,
-                         probes=probes)
-
-
 @app.command("contrib")
 def contrib_command(
     ckpt: str = CKPT, data: Optional[Path] = DATA, n_tokens: int = TOKENS, seq_len: int = SEQ_LEN,
@@ -213,12 +175,6 @@ def contrib_command(
         console.print(table("summary", ["metric", "value"], _model_rows(df)))
 
     _emit(df, "contrib", model, _settings("contrib", args, model, tokens), as_json, out, save, show)
-
-
-def run_routing(model, tokens, exclude_first=1, long_range_k=4):
-    from depthtools.analysis.routing import routing_stats
-
-    return routing_stats(model, tokens, exclude_first=exclude_first, long_range_k=long_range_k)
 
 
 @app.command("routing")
@@ -248,39 +204,6 @@ def routing_command(
 
 # -- grid commands -----------------------------------------------------------------------------------
 
-def _suite(swap_pairs: str, tau: float, tuned_lens: bool, batch_size: int, exclude_first: int):
-    """name -> (args, runner(model, tokens) -> {table name: DataFrame}) of the whole analysis suite."""
-    from depthtools.analysis.ablate import ablate
-    from depthtools.analysis.lens import lens_analysis
-    from depthtools.analysis.summary import sequence_profile
-
-    def lens(model, tokens):
-        result = lens_analysis(model, tokens, batch_size=batch_size)
-        return {"lens_logit": result.depths, "lens_logit_summary": result.summary}
-
-    suite = {
-        "similarity": (dict(batch_size=batch_size, exclude_first=exclude_first, cka_batch=256, outlier_k=1),
-                       lambda m, t, a: {"similarity": run_similarity(m, t, **a)}),
-        "causal": (dict(batch_size=batch_size, exclude_first=exclude_first, rule=None, future=True, cuts=None),
-                   lambda m, t, a: {"causal": run_causal(m, t, **a)}),
-        "contrib": (dict(batch_size=batch_size, exclude_first=exclude_first, jacobian=True, probes=2),
-                    lambda m, t, a: {"contrib": run_contrib(m, t, **a)}),
-        "routing": (dict(exclude_first=exclude_first, long_range_k=4), lambda m, t, a: {"routing": run_routing(m, t, **a)}),
-        "sequence_profile": (dict(batch_size=batch_size, rule=None),
-                             lambda m, t, a: {"sequence_profile": sequence_profile(m, t, **a)}),
-        "lens_logit": (dict(batch_size=batch_size), lambda m, t, a: lens(m, t)),
-        "ablate_skip": (dict(batch_size=batch_size),
-                        lambda m, t, a: {"ablate_skip": ablate(m, t, mode="skip", **a)}),
-        "ablate_prune": (dict(batch_size=batch_size, tau=tau),
-                         lambda m, t, a: {"ablate_prune": ablate(m, t, mode="prune", **a)}),
-        "ablate_swap": (dict(batch_size=batch_size, pairs=swap_pairs),
-                        lambda m, t, a: {"ablate_swap": ablate(m, t, mode="swap", **a)}),
-    }
-    if tuned_lens:
-        suite["lens_tuned"] = (dict(batch_size=batch_size), None)  # handled in analyze (needs train tokens)
-    return suite
-
-
 @app.command("analyze")
 def analyze_command(
     grid: Path = typer.Option(..., "--grid", help="Grid directory (checkpoints/<grid>)."),
@@ -301,62 +224,23 @@ def analyze_command(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from depthtools.analysis.summary import checkpoint_dirs
-    from depthtools.analysis.tables import load_table, save_table
-    from depthtools.analysis.tokens import check_tokens
-    from depthtools.checkpoint import load
+    from depthtools.analysis.suite import analyze_grid
 
-    suite = _suite(swap_pairs, tau, tuned_lens, batch_size, exclude_first)
-    chosen = list(suite) if only is None else [s for s in only.replace(" ", "").split(",") if s]
-    unknown = [s for s in chosen if s not in suite]
-    if unknown:
-        raise DepthToolsError(f"unknown analysis {unknown}; valid: {', '.join(suite)}")
-    dirs = checkpoint_dirs(grid)
-    done = ran = skipped = 0
-    problems: list[str] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
-        task = progress.add_task("analyze", total=len(dirs) * len(chosen))
-        for ckpt_dir in dirs:
-            model = load(ckpt_dir)
-            tokens = check_tokens(model, _tokens_for(ckpt_dir, data, n_tokens, seq_len, split, seed))
-            for name in chosen:
-                progress.update(task, description=f"{ckpt_dir.name}: {name}")
-                args, runner = suite[name]
-                settings = _settings(name, args, model, tokens)
-                outputs = [name] if name != "lens_logit" else ["lens_logit", "lens_logit_summary"]
-                if name == "lens_tuned":
-                    outputs = ["lens_tuned", "lens_tuned_summary"]
-                if not force and all(load_table(ckpt_dir, o, settings) is not None for o in outputs):
-                    done += 1
-                    progress.advance(task)
-                    continue
-                try:
-                    if name == "lens_tuned":
-                        tables = _tuned_lens_tables(model, tokens, ckpt_dir, data, n_tokens, seq_len, seed, batch_size)
-                    else:
-                        tables = runner(model, tokens, args)
-                    for table_name, df in tables.items():
-                        save_table(df, ckpt_dir, table_name, settings)
-                    ran += 1
-                except DepthToolsError as exc:
-                    skipped += 1
-                    problems.append(f"{ckpt_dir.name}: {name}: {exc}")
-                progress.advance(task)
-    console.print(f"analyzed {len(dirs)} checkpoint(s): {ran} run, {done} already saved, {skipped} not applicable")
-    for line in problems:
+        task = progress.add_task("analyze", total=None)
+
+        def show(description: str, done: int, total: int) -> None:
+            progress.update(task, description=description, completed=done, total=total)
+
+        report = analyze_grid(grid, data=data, n_tokens=n_tokens, seq_len=seq_len, split=split, seed=seed,
+                              batch_size=batch_size, exclude_first=exclude_first, only=only, swap_pairs=swap_pairs,
+                              tau=tau, tuned_lens=tuned_lens, force=force, progress=show)
+    console.print(f"analyzed {report.checkpoints} checkpoint(s): {report.ran} run, {report.reused} already saved, "
+                  f"{len(report.not_applicable)} not applicable")
+    for line in report.not_applicable:
         console.print(f"[yellow]skipped:[/] {line}", highlight=False)
     console.print(f"next: depthtools summarize --grid {grid}")
-
-
-def _tuned_lens_tables(model, tokens, ckpt_dir, data, n_tokens, seq_len, seed, batch_size):
-    from depthtools.analysis.lens import fit_tuned_lens, lens_analysis
-    from depthtools.analysis.tokens import check_tokens
-
-    train_tokens = check_tokens(model, _tokens_for(ckpt_dir, data, 4 * n_tokens, seq_len, "train", seed))
-    lens = fit_tuned_lens(model, train_tokens, ckpt_dir, batch_size=batch_size)
-    result = lens_analysis(model, tokens, lens, batch_size=batch_size)
-    return {"lens_tuned": result.depths, "lens_tuned_summary": result.summary}
 
 
 @app.command("summarize")
@@ -374,14 +258,10 @@ def summarize_command(
 
     Example: depthtools summarize --grid checkpoints/tiny --n-boot 500
     """
-    from depthtools.analysis.summary import SUMMARY_FIELDS, grid_summary, model_summaries
-    from depthtools.analysis.tables import save_table
+    from depthtools.analysis.suite import summarize_grid
+    from depthtools.analysis.summary import SUMMARY_FIELDS
 
-    models = model_summaries(grid)
-    slopes = grid_summary(grid, n_boot=n_boot, seed=seed)
-    if save:
-        save_table(models, grid, "effective_depth_models", {"fields": list(SUMMARY_FIELDS)})
-        save_table(slopes, grid, "effective_depth_grid", {"n_boot": n_boot, "seed": seed})
+    models, slopes = summarize_grid(grid, n_boot=n_boot, seed=seed, save=save)
     if as_json:
         print_json({"models": _records(models), "grid": _records(slopes)})
         return
