@@ -13,11 +13,31 @@ import sys
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from depthtools.errors import DepthToolsError
 
+err_console = Console(stderr=True)
+
+
+class _OneLineErrors(TyperGroup):
+    """Every command, sub-group included: a user error is one line on stderr and exit code 2.
+
+    Done on the root group (not only in `main()`) so that programmatic invocation — typer's
+    CliRunner in tests and notebooks — sees the same exit code as the console script.
+    """
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DepthToolsError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+
 app = typer.Typer(
     name="depthtools",
+    cls=_OneLineErrors,
     help="Does extra depth become extra computation? Train iso-parameter grids, probe depth, write reports.",
     no_args_is_help=True,
     add_completion=False,
@@ -27,7 +47,6 @@ grid_app = typer.Typer(help="Plan, train and inspect iso-parameter grids.", no_a
 app.add_typer(grid_app, name="grid")
 
 console = Console()
-err_console = Console(stderr=True)
 
 # Command modules that register themselves on `app` / `grid_app` when imported (optional ones may be absent).
 COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.analysis_cmd", "cli.analysis2_cmd",

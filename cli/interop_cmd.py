@@ -1,0 +1,69 @@
+"""Hugging Face interop commands: `import-hf`, `export-hf` (library: `depthtools.interop`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.main import app, console, print_json, table
+
+
+def _show(title: str, summary: dict) -> None:
+    rows = [[k, v] for k, v in summary.items() if not isinstance(v, (dict, list))]
+    for section in ("model", "params", "tokenizer"):
+        for k, v in (summary.get(section) or {}).items():
+            rows.append([f"{section}.{k}", v])
+    console.print(table(title, ["field", "value"], rows))
+    for note in summary.get("notes", []):
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+
+
+@app.command("import-hf")
+def import_hf_command(
+    directory: Path = typer.Argument(..., help="Local Hugging Face Llama directory (config.json + safetensors)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Checkpoint name under $DEPTHTOOLS_CHECKPOINTS."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint to this directory instead."),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: max_position_embeddings)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing checkpoint."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Import a local transformers Llama checkpoint as a `preln` depthtools checkpoint.
+
+    Tokenizer files are carried along. Unsupported configs (biases, sliding window, scaled RoPE,
+    non-silu activations, head_dim != hidden/heads) are refused, naming the field.
+
+    Example: depthtools import-hf ./TinyLlama --name tinyllama
+    """
+    from depthtools.interop import import_hf
+
+    summary = import_hf(directory, name=name, out=out, force=force, max_seq_len=max_seq_len)
+    if as_json:
+        print_json(summary)
+        return
+    _show(f"imported {directory}", summary)
+
+
+@app.command("export-hf")
+def export_hf_command(
+    directory: Path = typer.Argument(..., help="Output directory (a transformers Llama model)."),
+    ckpt: str = typer.Option(..., "--ckpt", help="Checkpoint path or cell name (e.g. preln_L8); preln only."),
+    tokenizer: str = typer.Option("auto", "--tokenizer",
+                                  help="auto (what the checkpoint records), byte, none, or a data/tokenizer directory."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Export a `preln` checkpoint as a transformers Llama directory (+ tokenizer).
+
+    Load it with LlamaForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR).
+
+    Example: depthtools export-hf --ckpt preln_L8 exported/preln_L8
+    """
+    from depthtools.interop import export_hf
+
+    summary = export_hf(ckpt, directory, tokenizer=None if tokenizer == "auto" else tokenizer, force=force)
+    if as_json:
+        print_json(summary)
+        return
+    _show(f"exported {summary['checkpoint']}", summary)

@@ -1,0 +1,412 @@
+"""Hugging Face Llama <-> depthtools `preln`: the config map, the weight map, import and export.
+
+A `preln` DepthModel *is* a Llama decoder: RMSNorm before each sublayer (`input_layernorm`,
+`post_attention_layernorm`), RoPE with HF's `rotate_half` pairing (i, i+hd/2), grouped-query
+attention without biases, SwiGLU `down(silu(gate x) · up x)`, a final RMSNorm and an optionally
+tied head. The map is a pure renaming; no tensor is transposed or permuted, so an export followed
+by an import gives back every weight bit for bit.
+
+Only safetensors and JSON are read (never pickles), and `transformers` is not needed for either
+direction; it is only needed to *use* an exported directory. Configs our model cannot express
+exactly are refused with a one-line `DepthToolsError` naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
+
+HF_CONFIG = "config.json"
+HF_WEIGHTS = "model.safetensors"
+HF_INDEX = "model.safetensors.index.json"
+SOURCE_FILE = "depthtools_source.json"  # provenance written beside an exported model
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # same module names and maths (Mistral: no sliding window)
+DEFAULT_ROPE_TYPES = (None, "default")
+# Files carried from an imported HF directory into the checkpoint (and back out on export).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+HF_CARRIED_FILES = (*HF_TOKENIZER_FILES, "generation_config.json")
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed from theta
+
+
+# -- names ---------------------------------------------------------------------------------------
+def _layer_map(i: int) -> dict[str, str]:
+    """depthtools name -> HF name for block i."""
+    ours, hf = f"blocks.{i}.", f"model.layers.{i}."
+    return {
+        ours + "attn_norm.weight": hf + "input_layernorm.weight",
+        ours + "attn.w_q.weight": hf + "self_attn.q_proj.weight",
+        ours + "attn.w_k.weight": hf + "self_attn.k_proj.weight",
+        ours + "attn.w_v.weight": hf + "self_attn.v_proj.weight",
+        ours + "attn.w_o.weight": hf + "self_attn.o_proj.weight",
+        ours + "mlp_norm.weight": hf + "post_attention_layernorm.weight",
+        ours + "mlp.w1.weight": hf + "mlp.gate_proj.weight",
+        ours + "mlp.w3.weight": hf + "mlp.up_proj.weight",
+        ours + "mlp.w2.weight": hf + "mlp.down_proj.weight",
+    }
+
+
+def weight_name_map(cfg: ModelConfig) -> dict[str, str]:
+    """depthtools state-dict name -> HF `LlamaForCausalLM` name (the tied head is omitted)."""
+    names = {"tok_embed.weight": "model.embed_tokens.weight", "ln_final.weight": "model.norm.weight"}
+    for i in range(cfg.n_layer):
+        names.update(_layer_map(i))
+    if not cfg.tie_embeddings:
+        names["unembed.weight"] = "lm_head.weight"
+    return names
+
+
+# -- configs -------------------------------------------------------------------------------------
+def _refuse(field: str, value: Any, why: str) -> DepthToolsError:
+    return DepthToolsError(f"unsupported Hugging Face config: {field}={value!r} ({why})")
+
+
+def _rope(hf: dict[str, Any]) -> float:
+    """rope_theta from a v5 `rope_parameters` or a v4 `rope_theta` + `rope_scaling`; refuses scaled RoPE."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        raise _refuse("rope_parameters", sorted(params), "per-layer-type RoPE is not a Llama feature")
+    for field in ("rope_scaling", "rope_parameters"):
+        scaling = hf.get(field)
+        if scaling is None:
+            continue
+        if not isinstance(scaling, dict):
+            raise _refuse(field, scaling, "expected a dict or null")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in DEFAULT_ROPE_TYPES:
+            raise _refuse(f"{field}.rope_type", kind, "depthtools implements plain RoPE only (rope_type 'default')")
+        factor = scaling.get("partial_rotary_factor", 1.0)
+        if factor not in (None, 1, 1.0):
+            raise _refuse(f"{field}.partial_rotary_factor", factor, "depthtools rotates the whole head")
+    if hf.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+        raise _refuse("partial_rotary_factor", hf["partial_rotary_factor"], "depthtools rotates the whole head")
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise _refuse("rope_theta", theta, "must be a positive number")
+    return float(theta)
+
+
+def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
+    """The `preln` ModelConfig equivalent to a Llama-family `config.json`, or a one-line refusal."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise _refuse("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if hf.get("quantization_config"):
+        raise _refuse("quantization_config", hf["quantization_config"].get("quant_method", "?"),
+                      "quantized weights are not supported; use an unquantized checkpoint")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _refuse("hidden_act", hf.get("hidden_act"), "depthtools' SwiGLU uses silu")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field, False):
+            raise _refuse(field, hf[field], "depthtools projections have no bias")
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
+        raise _refuse("sliding_window", hf["sliding_window"], "depthtools attention is full causal")
+    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not isinstance(hf.get(field), int):
+            raise DepthToolsError(f"Hugging Face config has no integer {field} (got {hf.get(field)!r})")
+    d, heads = hf["hidden_size"], hf["num_attention_heads"]
+    if d % heads:
+        raise _refuse("hidden_size", d, f"not divisible by num_attention_heads={heads}")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim != d // heads:
+        raise _refuse("head_dim", head_dim, f"depthtools fixes head_dim = hidden_size/num_attention_heads = {d // heads}")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise _refuse("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
+    theta = _rope(hf)
+    context = max_seq_len or hf.get("max_position_embeddings") or 2048
+    try:
+        return ModelConfig(
+            arch="preln", vocab_size=hf["vocab_size"], d_model=d, n_layer=hf["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=kv_heads, d_ff=hf["intermediate_size"], max_seq_len=int(context), rope_theta=theta,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            init_std=float(hf.get("initializer_range", 0.02)),
+        )
+    except DepthToolsError as exc:
+        raise DepthToolsError(f"Hugging Face config cannot be expressed as a depthtools model: {exc}") from None
+
+
+def model_config_to_hf(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None,
+                       dtype: str = "float32") -> dict[str, Any]:
+    """A `LlamaForCausalLM` config.json for a `preln` ModelConfig (readable by transformers 4.x and 5.x)."""
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(special_ids or {})}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_theta": cfg.rope_theta,  # transformers 4.x
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},  # transformers 5.x
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        **ids,
+    }
+
+
+# -- reading an HF directory ---------------------------------------------------------------------
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """config.json of a local HF model directory (a depthtools checkpoint is named as such)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DepthToolsError(f"{path} is not a directory (expected a local Hugging Face model directory)")
+    file = path / HF_CONFIG
+    if not file.is_file():
+        raise DepthToolsError(f"{path} is not a Hugging Face model directory (no {HF_CONFIG})")
+    try:
+        hf = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DepthToolsError(f"corrupt JSON {file}: {exc}") from None
+    if not isinstance(hf, dict):
+        raise DepthToolsError(f"{file} is not a JSON object")
+    if "depthtools_version" in hf and "model" in hf:
+        raise DepthToolsError(f"{path} is a depthtools checkpoint, not a Hugging Face model directory")
+    return hf
+
+
+def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors HF checkpoint; pickled weights are refused."""
+    from depthtools.checkpoint import read_tensors
+
+    path = Path(path)
+    index = path / HF_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DepthToolsError(f"corrupt {index}: {exc}") from None
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(read_tensors(path / shard))
+        return tensors
+    if (path / HF_WEIGHTS).is_file():
+        return read_tensors(path / HF_WEIGHTS)
+    pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+    if pickled:
+        raise DepthToolsError(f"{path} has only pickled weights ({pickled[0]}); depthtools reads safetensors only "
+                              "(re-save with save_pretrained(..., safe_serialization=True))")
+    raise DepthToolsError(f"{path} has no {HF_WEIGHTS} or {HF_INDEX}")
+
+
+def hf_state_to_depthtools(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
+                           dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Rename HF tensors to depthtools names (cast to `dtype`); refuses missing or unexpected weights."""
+    names = weight_name_map(cfg)
+    missing = sorted(hf for hf in names.values() if hf not in tensors)
+    known = set(names.values()) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    unexpected = sorted(k for k in tensors if k not in known and not k.endswith(IGNORED_HF_SUFFIXES))
+    if missing or unexpected:
+        raise DepthToolsError(
+            f"Hugging Face weights do not match a Llama of this config: missing {missing[:3]}"
+            f"{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
+        )
+    return {ours: tensors[hf].to(dtype) for ours, hf in names.items()}
+
+
+def _load_state(model, state: dict[str, torch.Tensor], where: str) -> None:
+    from depthtools.checkpoint import model_state
+
+    expected = model_state(model)
+    for key, value in expected.items():
+        if tuple(state[key].shape) != tuple(value.shape):
+            raise DepthToolsError(f"{where}: {key} has shape {tuple(state[key].shape)}, config implies {tuple(value.shape)}")
+    with torch.no_grad():
+        model.load_state_dict(state, strict=False)  # a tied unembedding shares tok_embed's storage
+
+
+def from_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype = torch.float32):
+    """A `preln` DepthModel (eval mode) with the weights of a local Llama-family HF checkpoint.
+
+    `path` holds config.json + model.safetensors (or a safetensors index with shards). Half-precision
+    weights are cast to `dtype` (float32 by default: exact). `max_seq_len` overrides
+    `max_position_embeddings` (the longest sequence the model accepts).
+    """
+    from depthtools.arch import DepthModel
+
+    path = Path(path)
+    cfg = hf_to_model_config(read_hf_config(path), max_seq_len)
+    state = hf_state_to_depthtools(read_hf_tensors(path), cfg, dtype)
+    model = DepthModel(cfg)
+    _load_state(model, state, str(path))
+    return model.to(dtype).eval()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _tokenizer_size(file: Path) -> int | None:
+    """Vocabulary size of a tokenizers JSON file (None if it cannot be read)."""
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+    except Exception:  # tokenizers raises plain Exception subclasses; the file is only carried along
+        return None
+
+
+def import_hf(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
+              max_seq_len: int | None = None) -> dict[str, Any]:
+    """Convert a local HF Llama directory into a depthtools checkpoint; returns a summary dict.
+
+    The checkpoint lands in `out`, or `$DEPTHTOOLS_CHECKPOINTS/<name>`. Tokenizer files (and
+    generation_config.json) are copied beside the weights; config.json records the HF config under
+    "source" and the tokenizer under "tokenizer". An existing checkpoint is kept unless `force`.
+    """
+    from depthtools.checkpoint import CONFIG, checkpoints_root, save
+
+    path = Path(path)
+    hf = read_hf_config(path)
+    if out is None and not name:
+        raise DepthToolsError("give a checkpoint name (--name) or an output directory (--out)")
+    target = Path(out) if out is not None else checkpoints_root() / str(name)
+    if (target / CONFIG).is_file() and not force:
+        raise DepthToolsError(f"{target} already holds a checkpoint; pass --force to overwrite it")
+    model = from_hf(path, max_seq_len)
+    carried = [f for f in HF_CARRIED_FILES if (path / f).is_file()]
+    target.mkdir(parents=True, exist_ok=True)
+    for file in HF_CARRIED_FILES:  # a forced re-import must not keep another model's tokenizer files
+        if file not in carried:
+            (target / file).unlink(missing_ok=True)
+    for file in carried:
+        _copy_atomic(path / file, target / file)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file():
+        main = "tokenizer.json" if (path / "tokenizer.json").is_file() else "tokenizer.model"
+        size = _tokenizer_size(path / main) if main == "tokenizer.json" else None
+        tokenizer = {"name": "huggingface", "format": "huggingface", "file": main, "files": [
+            f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _sha256(path / main),
+            "vocab_size": size, "sep_id": hf.get("eos_token_id")}
+    source = {"format": "huggingface-llama", "path": str(path.resolve()), "hf_config": hf,
+              "weights_sha256": {f.name: _sha256(f) for f in sorted(path.glob("*.safetensors"))}}
+    save(model, target, extra={"source": source, "tokenizer": tokenizer, "train": None})
+    return {"checkpoint": str(target), "model": model.config.to_dict(), "params": model.param_counts(),
+            "tokenizer_files": [f for f in carried if f in HF_TOKENIZER_FILES], "carried": carried}
+
+
+# -- export --------------------------------------------------------------------------------------
+EXPORTABLE = ("preln",)
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Refuse architectures that transformers' Llama cannot express."""
+    from depthtools.arch import canonical_name, get_arch
+
+    arch = canonical_name(cfg.arch)
+    if arch not in EXPORTABLE:
+        spec = get_arch(arch)
+        raise DepthToolsError(
+            f"cannot export a {arch!r} checkpoint to transformers: LlamaForCausalLM is Pre-LN (h + f(RMSNorm h)) "
+            f"only, and {arch} ({spec.description}) has no transformers equivalent; exportable: {', '.join(EXPORTABLE)}"
+        )
+
+
+def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under LlamaForCausalLM names (tied head stored once, as HF does)."""
+    check_exportable(model.config)
+    from depthtools.checkpoint import model_state
+
+    state = model_state(model)
+    return {hf: state[ours].detach().contiguous() for ours, hf in weight_name_map(model.config).items()}
+
+
+def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = None,
+              force: bool = False) -> dict[str, Any]:
+    """Write a `preln` checkpoint as a transformers Llama directory; returns a summary dict.
+
+    `out` receives config.json, model.safetensors, generation_config.json and, unless
+    tokenizer="none", a tokenizer `AutoTokenizer.from_pretrained(out)` loads offline (see
+    `depthtools.interop.tokenizer.resolve_tokenizer` for where it comes from). The directory is
+    assembled beside `out` and renamed into place; an existing non-empty `out` is kept unless `force`.
+    """
+    from depthtools.checkpoint import CONFIG, atomic_write_json, load, read_json, resolve
+    from depthtools.interop.tokenizer import resolve_tokenizer
+
+    directory = resolve(ckpt)
+    config = read_json(directory / CONFIG)
+    if isinstance(config.get("model"), dict) and isinstance(config["model"].get("arch"), str):
+        check_exportable(ModelConfig.from_dict(config["model"]))  # refuse before loading any weights
+    model = load(directory)
+    check_exportable(model.config)
+    out = Path(out)
+    if out.resolve() == directory.resolve() or out.resolve() in directory.resolve().parents:
+        raise DepthToolsError(f"export directory {out} would replace the checkpoint {directory}; choose another")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise DepthToolsError(f"{out} exists and is not empty; pass --force to replace it")
+    plan = resolve_tokenizer(directory, config, model.config, tokenizer)
+    tensors = to_hf_state_dict(model)
+    dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        from depthtools.checkpoint import atomic_save_tensors
+
+        atomic_save_tensors(staging / HF_WEIGHTS, tensors, metadata={"format": "pt"})
+        atomic_write_json(staging / HF_CONFIG, model_config_to_hf(model.config, plan.special_ids, dtype))
+        plan.write(staging)
+        if not (staging / "generation_config.json").is_file():
+            atomic_write_json(staging / "generation_config.json", {
+                "_from_model_config": True, **{k: v for k, v in plan.special_ids.items() if v is not None}})
+        atomic_write_json(staging / SOURCE_FILE, {
+            "checkpoint": str(directory.resolve()), "arch": model.config.arch, "model": model.config.to_dict(),
+            "depthtools_version": config.get("depthtools_version"), "tokenizer": plan.describe(),
+            "weights_sha256": _sha256(directory / "model.safetensors")})
+        _replace_dir(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return {"out": str(out), "checkpoint": str(directory), "arch": model.config.arch,
+            "tensors": len(tensors), "tokenizer": plan.describe(), "notes": list(plan.notes)}
+
+
+def _replace_dir(staging: Path, out: Path) -> None:
+    """Move a fully written staging directory to `out` (an old `out` is removed only afterwards)."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old{os.getpid()}")
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+def _copy_atomic(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+__all__ = [
+    "from_hf", "import_hf", "export_hf", "hf_to_model_config", "model_config_to_hf", "read_hf_config",
+    "read_hf_tensors", "hf_state_to_depthtools", "to_hf_state_dict", "weight_name_map", "check_exportable",
+]

@@ -1,0 +1,236 @@
+"""Tokenizers for exported models: `AutoTokenizer.from_pretrained(dir)` must give depthtools' ids.
+
+Byte tokenizer (depthtools' default: UTF-8 bytes -> ids 0..255) becomes a `tokenizers` byte-level
+BPE with no merges whose vocabulary maps GPT-2's printable stand-in for byte b to id b, so text
+encodes to exactly `list(text.encode())` and decodes back. Id 0 (the NUL byte, depthtools' document
+separator) is also bos/eos/pad, under its byte-level spelling "Ā" (U+0100); `split_special_tokens`
+makes a literal "Ā" in text encode as its two UTF-8 bytes, as ByteTokenizer does.
+
+Byte-level BPE (bpe4k/bpe8k) is already a `tokenizers` file: it is carried over (after checking its
+fingerprint against the one the checkpoint recorded) with "<|endoftext|>" as bos/eos/pad.
+A checkpoint imported from Hugging Face carries its original tokenizer files back out unchanged.
+
+Where the tokenizer comes from: checkpoints record the tokenizer's name and fingerprint in
+config.json ("tokenizer") but do not copy its file; a BPE tokenizer.json lives in the prepared data
+directory recorded under "data.path".
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from depthtools.errors import DepthToolsError
+
+TOKENIZER_JSON = "tokenizer.json"
+SEPARATOR = "<|endoftext|>"
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what `pre_tokenizers.ByteLevel` emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+BYTE_SEPARATOR = bytes_to_unicode()[0]  # "Ā": byte 0, id 0
+
+
+def byte_tokenizer():
+    """A `tokenizers.Tokenizer` whose ids are the UTF-8 byte values (0..255), id 0 special."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BYTE_SEPARATOR, special=True, normalized=False)])
+    return tok
+
+
+def tokenizer_config(special: str, max_len: int) -> dict[str, Any]:
+    """tokenizer_config.json for a plain `tokenizers` file; special = the separator token's text."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": special, "eos_token": special, "pad_token": special,
+        "split_special_tokens": True,  # literal separator text in input is text (as in depthtools)
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+    }
+
+
+@dataclass
+class TokenizerPlan:
+    """What `export_hf` writes for the tokenizer, and the special ids config.json should name."""
+
+    kind: str  # "byte" | "bpe" | "huggingface" | "none"
+    source: str | None = None
+    special_ids: dict[str, int | None] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)  # file name -> contents to write
+    copies: dict[str, Path] = field(default_factory=dict)  # file name -> file to copy
+    notes: list[str] = field(default_factory=list)
+
+    def write(self, out: Path) -> None:
+        from depthtools.checkpoint import atomic_write_bytes
+
+        for name, text in self.texts.items():
+            atomic_write_bytes(out / name, text.encode("utf-8"))
+        for name, src in self.copies.items():
+            atomic_write_bytes(out / name, src.read_bytes())
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "source": self.source, "files": sorted([*self.texts, *self.copies]),
+                "special_ids": self.special_ids}
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DepthToolsError(f"{path}: not a readable tokenizer JSON file ({exc})") from None
+
+
+def byte_plan(max_len: int, source: str) -> TokenizerPlan:
+    special = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    config = tokenizer_config(BYTE_SEPARATOR, max_len)
+    tokens = {k: BYTE_SEPARATOR for k in ("bos_token", "eos_token", "pad_token")}
+    return TokenizerPlan("byte", source, special, {
+        TOKENIZER_JSON: byte_tokenizer().to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+        "special_tokens_map.json": json.dumps(tokens, indent=2) + "\n"})
+
+
+def bpe_plan(file: Path, max_len: int, vocab_size: int, fingerprint: str | None) -> TokenizerPlan:
+    """A depthtools byte-level BPE tokenizer.json, verified against the recorded fingerprint."""
+    from depthtools.data.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.from_dir(file.parent) if file.name == TOKENIZER_JSON else None
+    if tok is None:
+        raise DepthToolsError(f"{file}: expected a file named {TOKENIZER_JSON}")
+    if fingerprint and tok.fingerprint() != fingerprint:
+        raise DepthToolsError(f"{file} is not the tokenizer this checkpoint was trained with "
+                              f"(fingerprint {tok.fingerprint()[:12]}, recorded {fingerprint[:12]})")
+    if tok.vocab_size > vocab_size:
+        raise DepthToolsError(f"{file} has {tok.vocab_size} tokens but the model's vocabulary is {vocab_size}")
+    special = {"bos_token_id": tok.sep_id, "eos_token_id": tok.sep_id, "pad_token_id": tok.sep_id}
+    tokens = {k: SEPARATOR for k in ("bos_token", "eos_token", "pad_token")}
+    return TokenizerPlan("bpe", str(file), special, {
+        "tokenizer_config.json": json.dumps(tokenizer_config(SEPARATOR, max_len), indent=2) + "\n",
+        "special_tokens_map.json": json.dumps(tokens, indent=2) + "\n"}, {TOKENIZER_JSON: file})
+
+
+def _hf_special_ids(directory: Path, recorded: dict[str, Any] | None) -> dict[str, int | None]:
+    """bos/eos/pad ids: the imported HF config's, else looked up from tokenizer_config.json."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    if recorded:
+        return {k: recorded.get(k) for k in keys}
+    ids: dict[str, int | None] = {k: None for k in keys}
+    config, file = directory / "tokenizer_config.json", directory / TOKENIZER_JSON
+    if config.is_file() and file.is_file():
+        from tokenizers import Tokenizer
+
+        settings, tok = _json(config), Tokenizer.from_file(str(file))
+        for key in keys:
+            token = settings.get(key[: -len("_id")])
+            token = token.get("content") if isinstance(token, dict) else token
+            ids[key] = tok.token_to_id(token) if isinstance(token, str) else None
+    return ids
+
+
+def hf_plan(directory: Path, vocab_size: int, recorded_ids: dict[str, Any] | None) -> TokenizerPlan:
+    """Carry a Hugging Face tokenizer's files (as copied at import) out unchanged."""
+    from depthtools.interop.llama import HF_CARRIED_FILES
+
+    copies = {name: directory / name for name in HF_CARRIED_FILES if (directory / name).is_file()}
+    if TOKENIZER_JSON in copies:
+        from tokenizers import Tokenizer
+
+        try:
+            size = Tokenizer.from_file(str(copies[TOKENIZER_JSON])).get_vocab_size(with_added_tokens=True)
+        except Exception as exc:  # tokenizers raises plain Exception on bad files
+            raise DepthToolsError(f"{copies[TOKENIZER_JSON]}: not a valid tokenizer file ({str(exc).splitlines()[0]})") from None
+        if size > vocab_size:
+            raise DepthToolsError(f"{copies[TOKENIZER_JSON]} has {size} tokens but the model's vocabulary is {vocab_size}")
+    return TokenizerPlan("huggingface", str(directory), _hf_special_ids(directory, recorded_ids), copies=copies)
+
+
+def _is_hf_tokenizer_dir(directory: Path) -> bool:
+    file = directory / TOKENIZER_JSON
+    if file.is_file():
+        head = _json(file)
+        return isinstance(head, dict) and "model" in head and not _is_depthtools_bpe(head)
+    return (directory / "tokenizer.model").is_file()
+
+
+def _is_depthtools_bpe(head: dict) -> bool:
+    return any(t.get("content") == SEPARATOR for t in head.get("added_tokens") or [])
+
+
+def _from_path(path: Path, max_len: int, vocab_size: int) -> TokenizerPlan:
+    """An explicitly given tokenizer: a depthtools data dir, a tokenizer.json, or an HF tokenizer dir."""
+    file = path if path.is_file() else path / TOKENIZER_JSON
+    if path.is_dir() and not file.is_file():
+        if (path / "tokenizer.model").is_file():
+            return hf_plan(path, vocab_size, None)
+        raise DepthToolsError(f"{path}: no {TOKENIZER_JSON} here")
+    if not file.is_file():
+        raise DepthToolsError(f"tokenizer {str(path)!r} not found; valid: byte, none, or a directory / tokenizer.json")
+    head = _json(file)
+    if isinstance(head, dict) and head.get("depthtools_tokenizer") == "byte":
+        return byte_plan(max_len, str(file))
+    if isinstance(head, dict) and _is_depthtools_bpe(head):
+        return bpe_plan(file, max_len, vocab_size, None)
+    return hf_plan(file.parent, vocab_size, None)
+
+
+def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: str | Path | None = None) -> TokenizerPlan:
+    """Decide which tokenizer an export writes.
+
+    tokenizer: None/"auto" (what the checkpoint records), "byte", "none", or a path (a prepared
+    data directory, a tokenizer.json, or a Hugging Face tokenizer directory). Auto: tokenizer files
+    carried in the checkpoint directory (HF import) > the recorded byte tokenizer > the recorded BPE
+    tokenizer.json in the recorded data directory (fingerprint-checked) > no record: byte when the
+    vocabulary has >= 256 ids (depthtools' default), otherwise none (with a note).
+    """
+    ckpt_dir, max_len, vocab = Path(ckpt_dir), cfg.max_seq_len, cfg.vocab_size
+    spec = "auto" if tokenizer is None else str(tokenizer)
+    if spec == "none":
+        return TokenizerPlan("none", notes=["no tokenizer written (tokenizer='none')"])
+    if spec == "byte":
+        if vocab < 256:
+            raise DepthToolsError(f"the byte tokenizer needs 256 ids but the model's vocabulary is {vocab}")
+        return byte_plan(max_len, "byte")
+    if spec != "auto":
+        return _from_path(Path(spec), max_len, vocab)
+    record = config.get("tokenizer") or {}
+    if record.get("format") == "huggingface" or _is_hf_tokenizer_dir(ckpt_dir):
+        source = (config.get("source") or {}).get("hf_config")
+        return hf_plan(ckpt_dir, vocab, source)
+    if record.get("name") == "byte":
+        return byte_plan(max_len, "byte (recorded)")
+    if record:
+        data = (config.get("data") or {}).get("path")
+        name = record.get("file", TOKENIZER_JSON)
+        candidates = [ckpt_dir / name] + ([Path(data) / name] if data else [])
+        for file in candidates:
+            if file.is_file():
+                return bpe_plan(file, max_len, vocab, record.get("fingerprint"))
+        where = ", ".join(str(c) for c in candidates)
+        raise DepthToolsError(f"checkpoint records tokenizer {record.get('name')!r} but its file is missing ({where}); "
+                              "pass --tokenizer DATA_DIR (the prepared data directory) or --tokenizer none")
+    if vocab >= 256:
+        plan = byte_plan(max_len, "byte (assumed)")
+        plan.notes.append("no tokenizer recorded in config.json; wrote depthtools' default byte tokenizer")
+        return plan
+    return TokenizerPlan("none", notes=[f"no tokenizer recorded and vocabulary {vocab} < 256: no tokenizer written"])
+
+
+__all__ = ["TokenizerPlan", "byte_tokenizer", "bytes_to_unicode", "resolve_tokenizer", "tokenizer_config",
+           "BYTE_SEPARATOR", "SEPARATOR"]
