@@ -1,0 +1,514 @@
+"""Assemble and write the HTML reports: `grid_report` for a trained grid, `model_report` for one or
+more checkpoints (two or more: side-by-side comparison).
+
+A report reads saved tables only (DESIGN §6), renders one self-contained HTML file (inline CSS and
+script, figures as PNG data URIs, no network access: a Content-Security-Policy forbids any) with a
+table of contents, a caption under each figure saying how to read it, and tables that sort by a
+click on a header and download as CSV. Jinja2 autoescaping is on, so every string taken from a
+config, a table or a directory name is escaped (DESIGN §8). Missing inputs become a "Missing data"
+section naming the cell, the file and the command that produces it.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import hashlib
+import os
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+from depthtools.report import figures, findings, frames
+from depthtools.report.blocks import ListBlock, NoteBlock, Section, figure_block, table_block
+from depthtools.report.data import CellData, GridData, read_cell, read_grid, resolve_checkpoints
+
+ANALYZE = "depthtools analyze --grid {grid}"
+TEMPLATE = "report.html.j2"
+
+SUMMARY_COLUMNS = ["model", "arch", "n_layer", "d_model", "n_skip_over_L", "f_tau", "n_lens_over_L", "kl_depth_over_L",
+                   "pd_mean_over_L", "n_rep_over_L1", "cka_block_fraction", "causal_pair_fraction",
+                   "perm_pair_fraction", "lens", "notes"]
+SLOPE_COLUMNS = ["arch", "n_models", "n_layers", "slope_n_skip", "slope_n_skip_lo", "slope_n_skip_hi",
+                 "slope_loss_log_L", "slope_loss_log_L_lo", "slope_loss_log_L_hi", "n_boot", "ci",
+                 "paired_bootstrap", "notes"]
+
+PROBE_FIGURES = {  # profile kind -> (title, y label, caption, log y)
+    "lens-kl": ("Logit lens: KL to the final output", "KL(p_L ‖ p_l) (nats)",
+                "How far the logit-lens prediction at depth l is from the model's output, per architecture "
+                "(panel) and depth (colour). A curve that drops early means the answer is formed early and later "
+                "layers only refine it; a curve that stays high until l/L≈1 means the last layers still change "
+                "the prediction.", True),
+    "skip-dce": ("Single-block skip: ΔCE", "ΔCE when block is skipped (nats)",
+                 "Loss increase when one block is bypassed (identity), at the block's relative depth. Many blocks "
+                 "well above 0 = computation spread over depth; a few spikes = a few blocks do the work and the "
+                 "rest are redundant.", True),
+    "causal-profile": ("Causal score per skipped block", "mean C(s, l) over later l",
+                       "DepthBench causal score: how much skipping block s changes the updates of every later "
+                       "block (relative change, averaged over later blocks). Higher = later blocks depend on "
+                       "block s, i.e. the layers compose sequentially.", False),
+    "permutation-profile": ("Permutation score per block", "mean P(i, j) over pairs with i",
+                            "|L_swap − L|/L when block i swaps places with another block, averaged over the swap "
+                            "pairs that include i. Near 0 = order does not matter (ensemble-like layers); "
+                            "large = blocks depend on their position.", True),
+    "cka-profile": ("Adjacent-state CKA", "CKA(z_{l−1}, z_l)",
+                    "Debiased linear CKA between consecutive depth states. Close to 1 = the block barely "
+                    "changes the representation; dips mark where the representation is transformed.", False),
+}
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+def _environment():
+    import jinja2
+
+    return jinja2.Environment(loader=jinja2.PackageLoader("depthtools.report", "templates"), autoescape=True,
+                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+
+
+def _asset(name: str) -> str:
+    return resources.files("depthtools.report").joinpath("templates", name).read_text(encoding="utf-8")
+
+
+def _csp_hash(text: str) -> str:
+    return "sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
+
+
+def render(title: str, subtitle: str, sections: Sequence[Section], meta: dict[str, str]) -> str:
+    """The HTML page: inline style and script (allowed by hash in the CSP), sections, TOC."""
+    from markupsafe import Markup
+
+    from depthtools import __version__
+
+    css, js = _asset("report.css"), _asset("report.js")
+    return _environment().get_template(TEMPLATE).render(
+        title=title, subtitle=subtitle, sections=list(sections), meta=meta, version=__version__,
+        generated=_dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        css=Markup(css), js=Markup(js), css_hash=_csp_hash(css), js_hash=_csp_hash(js))
+
+
+def write(html: str, out_path: str | Path) -> Path:
+    """Write the page atomically (a crash never leaves half a report), readable by others like any page."""
+    from depthtools.checkpoint import atomic_write_bytes
+
+    out_path = Path(out_path)
+    atomic_write_bytes(out_path, html.encode("utf-8"))
+    os.chmod(out_path, 0o644)  # the temporary file behind the atomic write is created 0600
+    return out_path
+
+
+# -- shared sections --------------------------------------------------------------------------------
+
+def _missing_section(rows: list[tuple[str, str, str]], scope: str) -> Section:
+    section = Section("missing", "Missing data",
+                      f"What this report could not show, per {scope} and file, and the command that produces it.")
+    if not rows:
+        return section.add(NoteBlock("Nothing is missing: every expected file and analysis table was found."))
+    df = pd.DataFrame(rows, columns=["where", "missing", "how to get it"])
+    section.add(NoteBlock(f"{len(df)} missing input(s) in {df['where'].nunique()} place(s).", level="missing"))
+    return section.add(table_block("table-missing", "Missing inputs", df, "One row per missing file or table."))
+
+
+def _left_out(names: list[str], what: str) -> NoteBlock | None:
+    if not names:
+        return None
+    return NoteBlock(f"Not shown (no {what}): {', '.join(names)}.", level="missing")
+
+
+# -- grid report ------------------------------------------------------------------------------------
+
+def _overview(grid: GridData, cells_df: pd.DataFrame) -> Section:
+    archs = sorted(cells_df["arch"].astype(str).unique())
+    depths = sorted({int(n) for n in cells_df["n_layer"]})
+    params = pd.to_numeric(cells_df["params"], errors="coerce").dropna()
+    span = f"{int(params.min()):,}–{int(params.max()):,} parameters" if len(params) else "parameter counts unknown"
+    intro = (f"{len(cells_df)} checkpoint(s) in {grid.directory}: architectures {', '.join(archs)}; depths "
+             f"{', '.join(f'L{d}' for d in depths)}; {span}. Every model of one architecture has about the same "
+             "parameter count, so moving along depth trades width for layers.")
+    section = Section("overview", "Overview", intro)
+    return section.add(table_block(
+        "table-cells", "Cells", cells_df, "One row per trained checkpoint: shape (d_model/n_layer = width per layer), "
+        "parameters, training tokens and final losses (val_<domain>: per-domain validation loss, nats/token)."))
+
+
+def _loss_sections(cells_df: pd.DataFrame, cells: list[CellData]) -> list[Section]:
+    headline = Section("loss-vs-shape", "Final loss vs shape",
+                       "The headline: does trading width for depth at a fixed parameter count help?")
+    finished = cells_df.dropna(subset=["val_loss"])
+    if finished.empty:
+        headline.add(NoteBlock("No cell has an eval.json yet (training unfinished).", level="missing"))
+    else:
+        headline.add(figure_block(
+            "fig-loss-vs-shape", "Final val loss vs d_model/n_layer", "Each line is one architecture at a fixed "
+            "parameter budget; points are labelled with their depth. Left = deep and narrow, right = shallow and "
+            "wide (log x). Lower is better: a line that falls to the left means extra depth pays for its lost "
+            "width.", figures.plot_loss_vs_shape, finished))
+        headline.add(_left_out(sorted(set(cells_df["model"]) - set(finished["model"])), "eval.json"))
+
+    domains = Section("domain-losses", "Per-domain loss vs depth",
+                      "Final loss on each evaluation domain: whether depth helps some kinds of text more than others.")
+    dom = frames.domain_frame(cells)
+    if dom.empty:
+        domains.add(NoteBlock("No per-domain losses were saved (eval.json missing).", level="missing"))
+    else:
+        domains.add(figure_block(
+            "fig-domain-losses", "Per-domain final loss vs depth", "One panel per evaluation domain ('all (val)' = "
+            "the pooled validation set), depth on a log2 axis, one line per architecture. Compare slopes across "
+            "panels: a domain whose lines fall with depth benefits from depth.", figures.plot_domain_losses, dom))
+
+    training = Section("training-curves", "Training curves", "Loss during training, per architecture.")
+    curves = frames.curves_frame(cells)
+    if curves.empty:
+        training.add(NoteBlock("No training curves (metrics.jsonl) were found.", level="missing"))
+    else:
+        training.add(figure_block(
+            "fig-training-curves", "Training loss vs tokens", "Solid: training loss at each log step; dashed with "
+            "dots: validation loss at each evaluation. Colour = depth (dark shallow → yellow deep). Curves that are "
+            "still falling at the end mean the budget, not the architecture, limits the final loss.",
+            figures.plot_training_curves, curves))
+        training.add(_left_out([c.name for c in cells if c.metrics.empty], "metrics.jsonl"))
+    return [headline, domains, training]
+
+
+def _effective_depth_section(grid: GridData) -> Section:
+    section = Section("effective-depth", "Effective depth",
+                      "How many layers each model actually uses, and how that grows with depth (marginal effective "
+                      "depth, metrics.md §9.12).")
+    command = f"depthtools summarize --grid {grid.directory}"
+    if grid.models_summary is None:
+        section.add(NoteBlock(f"No effective-depth summary: run `{command}`.", level="missing"))
+    else:
+        section.add(table_block(
+            "table-effective-depth", "Effective-depth summary per model", grid.models_summary,
+            "N_skip/L: entropy-effective number of blocks whose skip matters, over L; f_tau: prunable fraction at "
+            "τ; N_lens/L: effective number of layers that reduce lens CE; kl_depth_over_L: first depth from which "
+            "the lens is within 0.1 nats of the output; pd_mean_over_L: mean prediction depth; N_rep/(L+1): "
+            "distinct representations by CKA; causal/perm pair fractions: DepthBench late-pair thresholds. "
+            "Higher N/L = more of the depth is used.", columns=SUMMARY_COLUMNS))
+    if grid.grid_summary is None:
+        section.add(NoteBlock(f"No marginal effective depth: run `{command}`.", level="missing"))
+    else:
+        section.add(figure_block(
+            "fig-slopes", "Marginal effective depth and loss slope per architecture", "Left: dN_skip/dL, the "
+            "least-squares slope of the effective number of layers against n_layer (dotted line at 1 = every "
+            "added layer is fully used; 0 = added layers are wasted). Right: slope of final loss against log "
+            "n_layer (negative = deeper is better). Bars: bootstrap confidence intervals over evaluation "
+            "sequences.", figures.plot_slopes, grid.grid_summary))
+        section.add(table_block(
+            "table-slopes", "Marginal effective depth (slopes with CIs)", grid.grid_summary,
+            "One row per architecture: slopes over its depth sweep with the bootstrap interval bounds (_lo, _hi) "
+            "at level ci.", columns=SLOPE_COLUMNS))
+    return section
+
+
+def _probe_section(grid: GridData) -> Section:
+    section = Section("probes", "Depth probes on the relative-depth axis",
+                      "Small multiples: one panel per architecture, one line per depth, x = relative depth l/L so "
+                      "models of different depth overlay.")
+    command = ANALYZE.format(grid=grid.directory)
+    for kind, (title, ylabel, caption, logy) in PROBE_FIGURES.items():
+        df, left_out = frames.profile_frame(grid.cells, kind)
+        if df.empty:
+            section.add(NoteBlock(f"{title}: no cell has the table; run `{command}`.", level="missing"))
+            continue
+        section.add(figure_block(f"fig-{kind}", title, caption, figures.plot_depth_profiles, df, ylabel, logy))
+        section.add(_left_out(left_out, frames.PROFILES[kind][0] + " table"))
+    return section
+
+
+def _tasks_section(grid: GridData) -> tuple[Section, pd.DataFrame]:
+    section = Section("depth-tasks", "Depth tasks",
+                      "Synthetic tasks whose difficulty k needs about k sequential steps: does depth buy accuracy, "
+                      "and does it extrapolate beyond the trained k?")
+    tasks = frames.task_frame(grid.cells)
+    if tasks.empty:
+        section.add(NoteBlock("Depth tasks were not run for this grid. Run "
+                              f"`depthtools tasks eval --grid {grid.directory}` and rebuild the report."))
+        return section, pd.DataFrame()
+    acc = tasks[tasks["metric"] == "accuracy"] if "metric" in tasks else tasks
+    section.add(figure_block(
+        "fig-depth-tasks", "Accuracy vs task depth k", "Rows: architectures; columns: tasks; one line per model "
+        "depth (dark shallow → yellow deep). Hollow dots: k outside the training range (extrapolation). A deeper "
+        "model whose line stays high for larger k is using its extra layers for extra sequential steps.",
+        figures.plot_task_accuracy, acc))
+    summary = frames.task_summary(tasks)
+    if len(summary):
+        section.add(table_block("table-depth-tasks", "Depth-task accuracy per model", summary,
+                                "Mean accuracy over the k inside and outside the training range, per model and task."))
+    section.add(_depth_reached_table(grid.cells))
+    section.add(_left_out([c.name for c in grid.cells if c.table("tasks_eval") is None], "tasks_eval table"))
+    return section, summary
+
+
+def _depth_reached_table(cells: list[CellData]):
+    reached, _ = frames.table_of(cells, "tasks_depth_reached")
+    if reached.empty:
+        return None
+    return table_block("table-depth-reached", "Computational depth reached", reached,
+                       "Per model and task: the largest k solved with accuracy ≥ threshold at every k' ≤ k "
+                       "(0: the smallest k already fails), and the largest k evaluated.")
+
+
+def grid_sections(grid: GridData) -> list[Section]:
+    """Every section of a grid report, in page order."""
+    cells_df = frames.cells_frame(grid.cells)
+    tasks_section, task_summary = _tasks_section(grid)
+    missing = list(grid.missing)
+    if not task_summary.empty:
+        missing += [(c.name, "analysis/tasks_eval.parquet", f"run `depthtools tasks eval --grid {grid.directory}`")
+                    for c in grid.cells if c.table("tasks_eval") is None]
+    found = Section("findings", "Findings", "Computed from the tables below; each sentence quotes the numbers.")
+    items = (findings.loss_vs_depth(cells_df) + findings.lowest_loss(cells_df)
+             + findings.marginal_depth(grid.grid_summary)
+             + findings.deepest_usage(grid.models_summary) + findings.tasks(task_summary)
+             + findings.depth_reached(frames.table_of(grid.cells, "tasks_depth_reached")[0])
+             + findings.missing(len(missing), len({m[0] for m in missing})))
+    found.add(ListBlock(items) if items else NoteBlock("Not enough finished cells for findings yet.", level="missing"))
+    return [_overview(grid, cells_df), found, *_loss_sections(cells_df, grid.cells), _effective_depth_section(grid),
+            _probe_section(grid), tasks_section, _missing_section(missing, "cell")]
+
+
+def grid_report(grid_dir: str | Path, out_path: str | Path, title: str | None = None) -> Path:
+    """Write the HTML report of a trained (and analysed) grid to `out_path`; returns the path.
+
+    Reads `<grid>/<cell>/{config.json, metrics.jsonl, eval.json, analysis/*.parquet}` and the grid's
+    `analysis/effective_depth_{models,grid}.parquet`; anything missing is listed, not fatal. Raises
+    DepthToolsError when the directory does not exist or holds no checkpoint.
+    """
+    grid = read_grid(grid_dir)
+    sections = grid_sections(grid)
+    meta = {"grid": str(grid.directory), "cells": str(len(grid.cells))}
+    html = render(title or f"Depth report — {grid.name}", "Iso-parameter grid report", sections, meta)
+    return write(html, out_path)
+
+
+# -- model / compare report ---------------------------------------------------------------------------
+
+def _model_overview(cells: list[CellData]) -> Section:
+    cells_df = frames.cells_frame(cells)
+    section = Section("overview", "Overview", f"{len(cells)} checkpoint(s): " +
+                      ", ".join(f"{c.name} ({c.directory})" for c in cells) + ".")
+    section.add(table_block("table-models", "Models", cells_df, "One row per checkpoint: shape, parameters, "
+                            "training tokens and final losses (nats/token)."))
+    train = {c.name: (c.config.get("train") or {}) for c in cells}
+    keys = ["tokens", "batch_size", "seq_len", "lr", "schedule", "warmup_fraction", "weight_decay", "seed"]
+    recipe = pd.DataFrame([{"model": n, **{k: t.get(k) for k in keys}} for n, t in train.items()])
+    section.add(table_block("table-recipe", "Training recipe", recipe, "The recorded TrainConfig fields that "
+                            "matter most when comparing runs."))
+    return section
+
+
+def _model_training(cells: list[CellData]) -> Section:
+    section = Section("training", "Training curve", "Loss during training.")
+    curves = frames.curves_frame(cells)
+    if curves.empty:
+        return section.add(NoteBlock("No training curve (metrics.jsonl) was found.", level="missing"))
+    names = [c.name for c in cells]
+    return section.add(figure_block(
+        "fig-training", "Loss vs training tokens", "Train loss (per log step) and validation loss (per evaluation), "
+        "one colour per model.", figures.plot_model_training, curves, names))
+
+
+def _lens_section(cells: list[CellData], names: list[str]) -> Section:
+    section = Section("lens", "Lens", "What the model would predict if it stopped at depth l (logit lens; tuned "
+                      "lens when fitted).")
+    lens = frames.lens_depths(cells)
+    if lens.empty:
+        return section.add(NoteBlock("No lens table; run `depthtools analyze` (or `depthtools lens`).",
+                                     level="missing"))
+    section.add(figure_block(
+        "fig-lens", "Lens curves", "Left: KL from the final output to the lens prediction at depth l (0 at l=L by "
+        "construction); middle: the lens cross-entropy; right: how often the lens top-1 equals the final top-1. "
+        "Early convergence = late layers refine; late convergence = the last layers still decide.",
+        figures.plot_lens_curves, lens, names))
+    summary = frames.lens_summaries(cells)
+    if len(summary):
+        section.add(table_block("table-lens-summary", "Lens summary", summary, "pd_mean: mean prediction depth "
+                                "(first depth after which the lens top-1 stays equal to the final top-1); n_lens: "
+                                "entropy-effective number of layers that reduce lens CE; progress_com: centre of "
+                                "mass of the CE progress over l/L."))
+    pd_tokens = frames.concat([c.table("prediction_depth") for c in cells])
+    pd_table = pd_tokens if len(pd_tokens) else summary
+    if len(pd_table):
+        section.add(figure_block(
+            "fig-prediction-depth", "Prediction depth", "Per-token histogram of prediction depth / L when saved; "
+            "otherwise the mean prediction depth / L per lens. Low = tokens are decided early.",
+            figures.plot_prediction_depth, pd_table, names))
+        if not len(pd_tokens):
+            section.add(NoteBlock("Per-token prediction depths are not saved by `depthtools analyze`, so the figure "
+                                  "shows the mean only."))
+    return section
+
+
+def _ablation_section(cells: list[CellData], names: list[str]) -> Section:
+    section = Section("ablation", "Ablations", "Skip one block, prune greedily, swap two blocks.")
+    skip, no_skip = frames.table_of(cells, "ablate_skip")
+    if len(skip):
+        skip = skip[skip["mode"] == "skip"] if "mode" in skip else skip
+        default_rule = frames.concat(frames.first_rule(g) for _, g in skip.groupby("model", sort=False))
+        section.add(figure_block(
+            "fig-skip", "Single-block skip", "Bars: loss increase (left) and KL from the intact output (right) when "
+            "block l is bypassed (each architecture's default skip rule; the table lists every rule). Tall bars = "
+            "the blocks the model cannot do without.", figures.plot_skip_bars, default_rule, names))
+        cols = ["model", "rule", "layer", "rel_depth", "delta_ce", "kl_intact_ablated", "top1_agree", "n_skip_over_L"]
+        section.add(table_block("table-skip", "Skip ablation per block", skip, "One row per model × skipped block.",
+                                columns=cols))
+    section.add(_left_out(no_skip, "ablate_skip table"))
+    prune, no_prune = frames.table_of(cells, "ablate_prune")
+    if len(prune):
+        section.add(figure_block(
+            "fig-prune", "Greedy pruning curve", "Loss increase as blocks are removed one by one (each time the "
+            "least harmful); dotted line: tolerance τ. The fraction removed before the curve crosses τ is f_τ.",
+            figures.plot_prune_curves, prune, names))
+    section.add(_left_out(no_prune, "ablate_prune table"))
+    swap, no_swap = frames.table_of(cells, "ablate_swap")
+    if len(swap):
+        section.add(figure_block(
+            "fig-swap", "Block swaps (permutation score)", "Cell (i, j): relative loss change when blocks i and j "
+            "swap places. Dark everywhere = layer order barely matters; bright cells = blocks that depend on "
+            "their position.", figures.plot_swap_heatmaps, swap, names))
+    section.add(_left_out(no_swap, "ablate_swap table"))
+    return section
+
+
+def _causal_section(cells: list[CellData], names: list[str]) -> Section:
+    section = Section("causal", "Causal scores", "DepthBench's causal score between layer pairs.")
+    causal, absent = frames.table_of(cells, "causal")
+    if len(causal):
+        section.add(figure_block(
+            "fig-causal", "Causal score C(s, l)", "Row s: the skipped block; column l: a later block whose update "
+            "‖Δu_l‖/‖u_l‖ changes. Bright cells far right of the diagonal = long-range dependencies between "
+            "layers (sequential computation).", figures.plot_causal_heatmaps, causal, names))
+    section.add(_left_out(absent, "causal table"))
+    return section
+
+
+def _similarity_section(cells: list[CellData], names: list[str]) -> Section:
+    section = Section("similarity", "Representation similarity", "How the depth states relate to each other.")
+    sim, absent = frames.table_of(cells, "similarity")
+    if len(sim):
+        section.add(figure_block(
+            "fig-cka", "CKA between depth states", "Debiased minibatch CKA between depth states i and j (1 = same "
+            "representation up to rotation and scale). Large bright blocks = runs of layers that do not change the "
+            "representation.", figures.plot_cka_heatmaps, sim, names))
+        section.add(figure_block(
+            "fig-geometry", "Geometry per depth", "Adjacent CKA and angular distance (how much each block moves the "
+            "state), effective rank (how many directions the tokens spread over) and mean token cosine (token "
+            "collapse when it approaches 1).", figures.plot_geometry, sim, names))
+    section.add(_left_out(absent, "similarity table"))
+    return section
+
+
+def _contrib_section(cells: list[CellData], names: list[str]) -> Section:
+    section = Section("contributions", "Block contributions", "How large each block's update is relative to the "
+                      "state it writes into.")
+    contrib, absent = frames.table_of(cells, "contrib")
+    if len(contrib):
+        section.add(figure_block(
+            "fig-contrib", "Contribution norms", "Left: ‖Δ_l‖/‖z_{l−1}‖ (a block that writes little is a candidate "
+            "for removal); middle: cosine of the update with the incoming state (negative = the block erases what "
+            "is there); right: how far the block's Jacobian is from the identity.", figures.plot_contributions,
+            contrib, names))
+    section.add(_left_out(absent, "contrib table"))
+    return section
+
+
+def _routing_section(cells: list[CellData], names: list[str]) -> Section:
+    section = Section("routing", "Native depth routing", "Learned depth-mixing weights of architectures that "
+                      "route between layers (HC/mHC, AttnRes, DenseFormer).")
+    routing, absent = frames.table_of(cells, "routing")
+    weights = routing[routing["metric"] == "routing_weight"] if len(routing) else routing
+    native = [n for n in names if len(weights) and (weights["model"] == n).any()]
+    if native:
+        section.add(figure_block(
+            "fig-routing", "Routing maps", "Row: a consumer (sublayer input, in sublayer depth); column: a source "
+            "state. Weight far from the diagonal = the model reads old states directly (long-range depth routing).",
+            figures.plot_routing_maps, routing, native))
+    plain = [n for n in names if n not in native and n not in absent]
+    if plain:
+        section.add(NoteBlock(f"No native routing weights (a plain residual stream): {', '.join(plain)}."))
+    section.add(_left_out(absent, "routing table"))
+    return section
+
+
+def _model_tasks_section(cells: list[CellData], names: list[str]) -> Section:
+    section = Section("depth-tasks", "Depth tasks", "Accuracy on synthetic tasks that need about k sequential steps.")
+    tasks, absent = frames.table_of(cells, "tasks_eval")
+    if tasks.empty:
+        return section.add(NoteBlock("Depth tasks were not run for these checkpoints. Run `depthtools tasks eval "
+                                     "--grid DIR` on their grid and rebuild the report."))
+    section.add(figure_block(
+        "fig-tasks", "Accuracy vs task depth k", "One panel per task, one line per model; hollow dots: k outside "
+        "the training range. The k where a line falls off is the depth of serial computation the model manages.",
+        figures.plot_model_tasks, tasks[tasks["metric"] == "accuracy"], names))
+    summary = frames.task_summary(tasks)
+    if len(summary):
+        section.add(table_block("table-depth-tasks", "Depth-task accuracy per model", summary,
+                                "Mean accuracy over the k inside and outside the training range."))
+    section.add(_depth_reached_table(cells))
+    return section.add(_left_out(absent, "tasks_eval table"))
+
+
+def _summary_section(cells: list[CellData]) -> Section:
+    section = Section("summary-metrics", "Model-level metrics", "Scalar summaries saved by the probes.")
+    wide = frames.summary_metrics(cells)
+    if wide.empty:
+        return section.add(NoteBlock("No model-level metrics (no causal, similarity, contrib or routing table).",
+                                     level="missing"))
+    return section.add(table_block("table-summary-metrics", "Model-level metrics", wide,
+                                   "One row per metric, one column per model."))
+
+
+def model_sections(cells: list[CellData]) -> list[Section]:
+    """Every section of a model (one checkpoint) or compare (several) report, in page order."""
+    names = [c.name for c in cells]
+    found = Section("findings", "Findings", "Computed from the saved tables.")
+    items = []
+    for c in cells:
+        items += findings.model_findings(c.name, c.table("ablate_skip"), c.table("lens_logit"),
+                                         c.table("lens_logit_summary"), frames.val_loss(c.eval))
+    if len(cells) > 1:
+        items = findings.lowest_loss(frames.cells_frame(cells))[:1] + items
+    found.add(ListBlock(items) if items else NoteBlock("No saved results to summarise yet.", level="missing"))
+    missing = [(c.name, what, how) for c in cells for what, how in c.missing]
+    return [_model_overview(cells), found, _model_training(cells), _lens_section(cells, names),
+            _ablation_section(cells, names), _causal_section(cells, names), _similarity_section(cells, names),
+            _contrib_section(cells, names), _routing_section(cells, names), _model_tasks_section(cells, names),
+            _summary_section(cells),
+            _missing_section(missing, "checkpoint")]
+
+
+def model_report(ckpts: list[str | Path], out_path: str | Path, title: str | None = None) -> Path:
+    """Write the report of one checkpoint, or a side-by-side comparison of several, to `out_path`.
+
+    `ckpts` are paths or cell names (resolved like `depthtools ablate --ckpt`). Every probe table saved
+    beside each checkpoint is shown; missing ones are listed.
+    """
+    if isinstance(ckpts, (str, Path)):
+        ckpts = [ckpts]
+    cells = [read_cell(directory, name=label) for directory, label in resolve_checkpoints(list(ckpts))]
+    names = [c.name for c in cells]
+    if len(cells) == 1:
+        default, subtitle = f"Model report — {names[0]}", "Every depth probe of one checkpoint"
+    else:
+        default, subtitle = "Compare — " + " vs ".join(names), "Depth probes side by side"
+    meta = {"checkpoints": ", ".join(str(c.directory) for c in cells)}
+    return write(render(title or default, subtitle, model_sections(cells), meta), out_path)
+
+
+def file_stem(text: str) -> str:
+    """A file-name-safe stem: letters, digits, '.', '_' and '-' kept, anything else becomes '-'."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(text)).strip("-.") or "report"
+
+
+def default_name(grid_dir: str | Path | None = None, ckpts: Sequence[str | Path] = ()) -> str:
+    """The report's default file name under reports/ (a slug of the grid or checkpoint names)."""
+    if grid_dir is not None:
+        return f"{file_stem(Path(grid_dir).resolve().name)}.html"
+    stems = [file_stem(Path(str(c)).name) for c in ckpts]
+    if len(stems) == 1:
+        return f"{stems[0]}.html"
+    return ("compare_" + "_vs_".join(stems))[:120] + ".html"

@@ -1,0 +1,519 @@
+"""Report figures: one function per figure, each taking a tidy DataFrame and returning a Figure.
+
+Figures are built on `matplotlib.figure.Figure` with the Agg canvas (no pyplot figure registry, so
+nothing leaks between calls and nothing depends on the interactive backend) and styled inside
+seaborn/matplotlib context managers (no global theme is changed). `to_data_uri` encodes a figure as
+a small PNG data URI (DPI 80, a few inches wide) so a report stays a few MB at most.
+
+Depth axes are relative depth l/L (models of different depth overlay, metrics.md §0); colours are
+one per architecture, or one per depth (viridis, shallow to deep) inside an architecture's panel.
+Labels that come from data (model and architecture names) go through `mpl_text` so a `$` in a name
+cannot switch matplotlib into mathtext.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from depthtools.errors import DepthToolsError
+
+DPI = 96
+PANEL_W, PANEL_H = 2.9, 2.2  # inches per small multiple
+MAX_COLS = 4
+RC = {"font.size": 7, "axes.titlesize": 8, "axes.labelsize": 7, "legend.fontsize": 6, "legend.title_fontsize": 6,
+      "xtick.labelsize": 6, "ytick.labelsize": 6, "lines.markersize": 3.5, "lines.linewidth": 1.2}
+
+
+# -- plumbing ------------------------------------------------------------------------------------
+
+def styled(fn: Callable) -> Callable:
+    """Run a plot function inside a whitegrid style and small fonts, without touching global rcParams."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import matplotlib as mpl
+        import seaborn as sns
+
+        with sns.axes_style("whitegrid"), mpl.rc_context(RC):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def new_figure(n_panels: int = 1, ncols: int | None = None, width: float = PANEL_W, height: float = PANEL_H,
+               sharey: bool = False) -> tuple[Figure, list]:
+    """A Figure on the Agg canvas with `n_panels` axes in a row-wrapped grid; unused axes are hidden."""
+    ncols = max(1, min(ncols or MAX_COLS, n_panels))
+    nrows = math.ceil(n_panels / ncols)
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False, sharey=sharey)).ravel().tolist()
+    for ax in axes[n_panels:]:
+        ax.set_visible(False)
+    return fig, axes[:n_panels]
+
+
+def to_data_uri(fig: Figure, dpi: int = DPI) -> str:
+    """The figure as a base64 PNG data URI; the figure is cleared afterwards to free its memory."""
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=dpi)
+    finally:
+        fig.clear()
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def mpl_text(value) -> str:
+    """A data string safe to draw: `$` would start mathtext (and can fail to parse at draw time)."""
+    return str(value).replace("\\", "\\\\").replace("$", r"\$")
+
+
+def _labelled(df: pd.DataFrame, *columns: str) -> pd.DataFrame:
+    out = df.copy()
+    for column in columns:
+        if column in out.columns:
+            out[column] = out[column].map(mpl_text)
+    return out
+
+
+def _require(df: pd.DataFrame, columns: Sequence[str], what: str) -> None:
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        raise DepthToolsError(f"{what}: table lacks column(s) {missing}; has {list(df.columns)}")
+    if df.empty:
+        raise DepthToolsError(f"{what}: table is empty")
+
+
+def depth_labels(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list]:
+    """df with a categorical 'depth' column ("L4") plus its order (shallow to deep) and palette."""
+    import seaborn as sns
+
+    layers = sorted({int(n) for n in df["n_layer"]})
+    order = [f"L{n}" for n in layers]
+    return df.assign(depth=[f"L{int(n)}" for n in df["n_layer"]]), order, sns.color_palette("viridis", len(order))
+
+
+def arch_palette(archs: Sequence[str]) -> dict[str, tuple]:
+    """One stable colour per architecture (sorted names over tab10)."""
+    import seaborn as sns
+
+    names = sorted(set(archs))
+    colours = sns.color_palette("tab10", max(len(names), 1))
+    return {name: colours[i % len(colours)] for i, name in enumerate(names)}
+
+
+def model_palette(models: Sequence[str]) -> dict[str, tuple]:
+    """One colour per model in the order given (compare reports)."""
+    import seaborn as sns
+
+    colours = sns.color_palette("tab10", max(len(models), 1))
+    return {m: colours[i % len(colours)] for i, m in enumerate(models)}
+
+
+def _legend_outside(ax) -> None:
+    if ax.get_legend() is not None:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+
+
+# -- grid figures --------------------------------------------------------------------------------
+
+@styled
+def plot_loss_vs_shape(cells: pd.DataFrame) -> Figure:
+    """Headline: final val loss against d_model/n_layer (log x), one line per architecture.
+
+    cells: one row per model with arch, n_layer, d_model, val_loss. Points are labelled L<n>.
+    """
+    _require(cells, ["arch", "n_layer", "d_model", "val_loss"], "loss vs shape")
+    data = _labelled(cells.dropna(subset=["val_loss"]), "arch")
+    data = data.assign(aspect=data["d_model"] / data["n_layer"]).sort_values("aspect")
+    palette = arch_palette(data["arch"])
+    fig, (ax,) = new_figure(1, width=6.0, height=3.4)
+    for arch, sub in data.groupby("arch", sort=True):
+        ax.plot(sub["aspect"], sub["val_loss"], marker="o", color=palette[arch], label=arch)
+        for x, y, n in zip(sub["aspect"], sub["val_loss"], sub["n_layer"]):
+            ax.annotate(f"L{int(n)}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6,
+                        color=palette[arch])
+    ax.set_xscale("log")
+    ax.set_xlabel("d_model / n_layer (log; left = deep-narrow, right = shallow-wide)")
+    ax.set_ylabel("final val loss (nats/token)")
+    ax.legend(title="arch", loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return fig
+
+
+@styled
+def plot_domain_losses(losses: pd.DataFrame) -> Figure:
+    """Per-domain final loss against depth n_layer (log2 x), one panel per domain, one line per arch.
+
+    losses: long table with arch, n_layer, domain, loss.
+    """
+    _require(losses, ["arch", "n_layer", "domain", "loss"], "domain losses")
+    data = _labelled(losses.dropna(subset=["loss"]), "arch", "domain")
+    domains = sorted(data["domain"].unique())
+    palette = arch_palette(data["arch"])
+    fig, axes = new_figure(len(domains))
+    for ax, domain in zip(axes, domains):
+        for arch, sub in data[data["domain"] == domain].sort_values("n_layer").groupby("arch", sort=True):
+            ax.plot(sub["n_layer"], sub["loss"], marker="o", color=palette[arch], label=arch)
+        ax.set_xscale("log", base=2)
+        ax.set_title(domain)
+        ax.set_xlabel("n_layer (log2)")
+        ax.set_ylabel("final loss (nats/token)")
+    axes[-1].legend(title="arch", loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return fig
+
+
+@styled
+def plot_training_curves(curves: pd.DataFrame) -> Figure:
+    """Loss against training tokens, one panel per architecture, one colour per depth.
+
+    curves: long table with arch, n_layer, tokens, split ('train' or 'val'), loss. Solid: train
+    loss at each log step; dashed with markers: val loss at each evaluation.
+    """
+    from matplotlib.lines import Line2D
+
+    _require(curves, ["arch", "n_layer", "tokens", "split", "loss"], "training curves")
+    data, order, palette = depth_labels(_labelled(curves.dropna(subset=["loss"]), "arch"))
+    colour = dict(zip(order, palette))
+    archs = sorted(data["arch"].unique())
+    fig, axes = new_figure(len(archs), sharey=True)
+    for ax, arch in zip(axes, archs):
+        for (depth, split), sub in data[data["arch"] == arch].groupby(["depth", "split"]):
+            sub = sub.sort_values("tokens")
+            ax.plot(sub["tokens"], sub["loss"], color=colour[depth], linestyle="-" if split == "train" else "--",
+                    marker="" if split == "train" else "o", markersize=2.5, linewidth=1.0)
+        ax.set_title(arch)
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("loss (nats/token)")
+    handles = [Line2D([], [], color=colour[d], label=d) for d in order]
+    handles += [Line2D([], [], color="grey", label="train"), Line2D([], [], color="grey", linestyle="--", marker="o",
+                                                                      markersize=2.5, label="val")]
+    axes[-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return fig
+
+
+@styled
+def plot_slopes(slopes: pd.DataFrame) -> Figure:
+    """Marginal effective depth dN_skip/dL and dLoss/dlog L per architecture, with CI error bars.
+
+    slopes: effective_depth_grid (arch, slope_n_skip[_lo,_hi], slope_loss_log_L[_lo,_hi]).
+    """
+    _require(slopes, ["arch", "slope_n_skip", "slope_loss_log_L"], "slopes")
+    data = _labelled(slopes, "arch").sort_values("arch")
+    palette = arch_palette(data["arch"])
+    fig, axes = new_figure(2, width=3.2, height=2.4)
+    panels = (("slope_n_skip", "dN_skip/dL (effective layers per layer)", 1.0),
+              ("slope_loss_log_L", "dLoss/d log L (nats)", 0.0))
+    for ax, (column, label, reference) in zip(axes, panels):
+        y = np.arange(len(data))
+        values = data[column].to_numpy(dtype=float)
+        lo = data.get(f"{column}_lo", pd.Series(np.nan, index=data.index)).to_numpy(dtype=float)
+        hi = data.get(f"{column}_hi", pd.Series(np.nan, index=data.index)).to_numpy(dtype=float)
+        err = np.vstack([np.where(np.isnan(lo), 0, values - lo), np.where(np.isnan(hi), 0, hi - values)])
+        ax.errorbar(values, y, xerr=np.clip(err, 0, None), fmt="none", ecolor="grey", capsize=2)
+        ax.scatter(values, y, c=[palette[a] for a in data["arch"]], zorder=3)
+        ax.axvline(reference, color="black", linestyle=":", linewidth=0.8)
+        ax.set_yticks(y, data["arch"].tolist())
+        ax.set_xlabel(label)
+    return fig
+
+
+@styled
+def plot_depth_profiles(profiles: pd.DataFrame, ylabel: str, logy: bool = False) -> Figure:
+    """A per-layer probe on the relative-depth axis: one panel per architecture, one line per depth.
+
+    profiles: long table with arch, n_layer, rel_depth, value (one row per model × layer).
+    """
+    import seaborn as sns
+
+    _require(profiles, ["arch", "n_layer", "rel_depth", "value"], ylabel)
+    data, order, palette = depth_labels(_labelled(profiles.dropna(subset=["value", "rel_depth"]), "arch"))
+    archs = sorted(data["arch"].unique())
+    fig, axes = new_figure(len(archs), sharey=True)
+    for i, (ax, arch) in enumerate(zip(axes, archs)):
+        sub = data[data["arch"] == arch].sort_values("rel_depth")
+        sns.lineplot(data=sub, x="rel_depth", y="value", hue="depth", hue_order=order, palette=palette, marker="o",
+                     ax=ax, legend=i == len(archs) - 1, errorbar=None)
+        ax.set_title(arch)
+        ax.set_xlabel("relative depth l/L")
+        ax.set_ylabel(ylabel)
+        ax.set_xlim(-0.03, 1.03)
+        if logy:
+            ax.set_yscale("symlog", linthresh=1e-3)
+    _legend_outside(axes[-1])
+    return fig
+
+
+@styled
+def plot_task_accuracy(tasks: pd.DataFrame) -> Figure:
+    """Depth-task accuracy against k: rows = architectures, columns = tasks, one line per depth.
+
+    tasks: tasks_eval rows with metric == 'accuracy' (arch, task, n_layer, k, value, in_train_range).
+    Hollow markers: k outside the training range (extrapolation).
+    """
+    import seaborn as sns
+
+    _require(tasks, ["arch", "task", "n_layer", "k", "value"], "depth tasks")
+    data, order, palette = depth_labels(_labelled(tasks.dropna(subset=["value"]), "arch", "task"))
+    archs, names = sorted(data["arch"].unique()), sorted(data["task"].unique())
+    fig, axes = new_figure(len(archs) * len(names), ncols=len(names), width=2.6, height=2.0, sharey=True)
+    for r, arch in enumerate(archs):
+        for c, task in enumerate(names):
+            ax = axes[r * len(names) + c]
+            sub = data[(data["arch"] == arch) & (data["task"] == task)].sort_values("k")
+            last = r == len(archs) - 1 and c == len(names) - 1
+            if len(sub):
+                sns.lineplot(data=sub, x="k", y="value", hue="depth", hue_order=order, palette=palette, marker="o",
+                             ax=ax, legend=last, errorbar=None)
+                if "in_train_range" in sub.columns:
+                    out = sub[~sub["in_train_range"].astype(bool)]
+                    ax.scatter(out["k"], out["value"], facecolors="white", edgecolors="black", s=14, zorder=3,
+                               linewidths=0.6)
+            ax.set_title(f"{arch} · {task}")
+            ax.set_ylim(-0.03, 1.03)
+            ax.set_xlabel("k (task depth)")
+            ax.set_ylabel("accuracy")
+    _legend_outside(axes[-1])
+    return fig
+
+
+# -- model / compare figures -----------------------------------------------------------------------
+
+def _model_lines(data: pd.DataFrame, panels: Sequence[tuple[str, str]], x: str, xlabel: str, models: Sequence[str],
+                 style: str | None = None, width: float = PANEL_W) -> Figure:
+    """Shared layout: one panel per (column, label), one line per model (hue), optional dash style."""
+    import seaborn as sns
+
+    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
+    data = _labelled(data, "model")
+    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
+    fig, axes = new_figure(len(panels), width=width)
+    for i, (ax, (column, label)) in enumerate(zip(axes, panels)):
+        sub = data.dropna(subset=[column]).sort_values(x)
+        sns.lineplot(data=sub, x=x, y=column, hue="model", hue_order=order, palette=palette,
+                     style=style if style and sub[style].nunique() > 1 else None, marker="o", ax=ax,
+                     legend=i == len(panels) - 1, errorbar=None)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+    _legend_outside(axes[-1])
+    return fig
+
+
+@styled
+def plot_model_training(curves: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Train and val loss against training tokens, one line per model (curves: model, tokens, split, loss)."""
+    _require(curves, ["model", "tokens", "split", "loss"], "training curves")
+    wide = curves.pivot_table(index=["model", "tokens"], columns="split", values="loss", aggfunc="first").reset_index()
+    panels = [(c, f"{c} loss (nats/token)") for c in ("train", "val") if c in wide.columns]
+    return _model_lines(wide, panels, "tokens", "training tokens", models)
+
+
+@styled
+def plot_lens_curves(lens: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Lens curves per depth state: KL(p_L‖p_l), CE and top-1 agreement, one line per model.
+
+    lens: lens depth table(s) (model, lens, rel_depth, kl_final_lens, ce, top1_agree); dashes
+    distinguish logit and tuned lens when both are present.
+    """
+    _require(lens, ["model", "rel_depth", "kl_final_lens"], "lens curves")
+    panels = [(c, l) for c, l in (("kl_final_lens", "KL(p_L ‖ p_l) (nats)"), ("ce", "lens CE (nats)"),
+                                  ("top1_agree", "top-1 agreement with p_L")) if c in lens.columns]
+    return _model_lines(lens, panels, "rel_depth", "relative depth l/L", models, style="lens")
+
+
+@styled
+def plot_prediction_depth(pd_table: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Prediction depth: a histogram of per-token PD/L when saved, else mean PD/L per model and lens.
+
+    pd_table: per-token rows (model, n_layer, prediction_depth) or lens summary rows
+    (model, lens, pd_mean_over_L).
+    """
+    import seaborn as sns
+
+    data = _labelled(pd_table, "model")
+    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
+    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
+    per_token = "prediction_depth" in data.columns
+    fig, (ax,) = new_figure(1, width=4.8 if per_token else min(6.0, 2.4 + 0.7 * len(order)), height=2.6)
+    if per_token:
+        data = data.assign(pd_over_L=data["prediction_depth"] / data["n_layer"])
+        sns.histplot(data=data, x="pd_over_L", hue="model", hue_order=order, palette=palette, stat="probability",
+                     common_norm=False, element="step", bins=np.linspace(0, 1, 21), ax=ax)
+        ax.set_xlabel("prediction depth / L (per token)")
+        ax.set_ylabel("fraction of tokens")
+    else:
+        _require(data, ["model", "pd_mean_over_L"], "prediction depth")
+        sns.barplot(data=data, x="model", y="pd_mean_over_L", order=order, hue="lens" if "lens" in data else None,
+                    ax=ax, errorbar=None)
+        ax.set_xlabel("")
+        ax.set_ylabel("mean prediction depth / L")
+        ax.tick_params(axis="x", rotation=20)
+    _legend_outside(ax)
+    return fig
+
+
+@styled
+def plot_skip_bars(skip: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Single-block skip: ΔCE and KL(intact‖skipped) per block, bars grouped by model."""
+    import seaborn as sns
+
+    _require(skip, ["model", "layer", "delta_ce"], "skip ablation")
+    data = _labelled(skip, "model")
+    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
+    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
+    data = data.assign(block=data["layer"].astype(int))
+    panels = [(c, l) for c, l in (("delta_ce", "ΔCE when skipped (nats)"),
+                                  ("kl_intact_ablated", "KL(intact ‖ skipped) (nats)")) if c in data.columns]
+    fig, axes = new_figure(len(panels), width=3.4)
+    for i, (ax, (column, label)) in enumerate(zip(axes, panels)):
+        sns.barplot(data=data, x="block", y=column, hue="model", hue_order=order, palette=palette, ax=ax,
+                    errorbar=None, legend=i == len(panels) - 1)
+        ax.set_xlabel("skipped block l")
+        ax.set_ylabel(label)
+    _legend_outside(axes[-1])
+    return fig
+
+
+@styled
+def plot_prune_curves(prune: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Greedy pruning: ΔCE against the fraction of blocks removed, one line per model (τ dotted)."""
+    from depthtools.analysis.plots import plot_prune_curve
+
+    _require(prune, ["model", "n_removed", "n_layer", "delta_ce"], "pruning")
+    data = _labelled(prune, "model")
+    if "method" in data.columns and (data["method"] == "greedy").any():
+        data = data[data["method"] == "greedy"]
+    fig, (ax,) = new_figure(1, width=4.8, height=2.6)
+    plot_prune_curve(data, ax=ax)
+    _legend_outside(ax)
+    return fig
+
+
+@styled
+def plot_model_tasks(tasks: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Depth-task accuracy against k, one panel per task, one line per model (hollow: k beyond training)."""
+    import seaborn as sns
+
+    _require(tasks, ["model", "task", "k", "value"], "depth tasks")
+    data = _labelled(tasks.dropna(subset=["value"]), "model", "task")
+    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
+    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
+    names = sorted(data["task"].unique())
+    fig, axes = new_figure(len(names), width=2.8, height=2.2, sharey=True)
+    for i, (ax, task) in enumerate(zip(axes, names)):
+        sub = data[data["task"] == task].sort_values("k")
+        sns.lineplot(data=sub, x="k", y="value", hue="model", hue_order=order, palette=palette, marker="o", ax=ax,
+                     legend=i == len(names) - 1, errorbar=None)
+        if "in_train_range" in sub.columns:
+            out = sub[~sub["in_train_range"].astype(bool)]
+            ax.scatter(out["k"], out["value"], facecolors="white", edgecolors="black", s=14, zorder=3, linewidths=0.6)
+        ax.set_title(task)
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("k (task depth)")
+        ax.set_ylabel("accuracy")
+    _legend_outside(axes[-1])
+    return fig
+
+
+def _heatmaps(frames: Sequence[tuple[str, pd.DataFrame]], row: str, col: str, value: str, xlabel: str,
+              ylabel: str, cbar: str, vmin: float | None = None, vmax: float | None = None,
+              cmap: str = "viridis") -> Figure:
+    """One heatmap per model side by side (matrix rows `row`, columns `col`), shared colour scale."""
+    import seaborn as sns
+
+    mats = []
+    for name, df in frames:
+        mat = df.pivot_table(index=row, columns=col, values=value, aggfunc="mean").sort_index().sort_index(axis=1)
+        mats.append((name, mat))
+    finite_vals = np.concatenate([m.to_numpy(dtype=float).ravel() for _, m in mats])
+    finite_vals = finite_vals[np.isfinite(finite_vals)]
+    vmin = vmin if vmin is not None else (float(finite_vals.min()) if len(finite_vals) else 0.0)
+    vmax = vmax if vmax is not None else (float(finite_vals.max()) if len(finite_vals) else 1.0)
+    fig, axes = new_figure(len(mats), ncols=3, width=3.0, height=2.6)
+    for ax, (name, mat) in zip(axes, mats):
+        small = max(mat.shape) <= 6
+        sns.heatmap(mat, ax=ax, vmin=vmin, vmax=vmax, cmap=cmap, square=True, annot=small, fmt=".2f",
+                    annot_kws={"fontsize": 5}, cbar_kws={"label": cbar, "shrink": 0.8})
+        ax.set_title(mpl_text(name))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+    return fig
+
+
+def _by_model(df: pd.DataFrame, models: Sequence[str]) -> list[tuple[str, pd.DataFrame]]:
+    return [(m, df[df["model"] == m]) for m in models if (df["model"] == m).any()]
+
+
+@styled
+def plot_causal_heatmaps(causal: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """DepthBench causal score C(s, l): rows = skipped block s, columns = later update l, per model."""
+    _require(causal, ["model", "metric", "layer", "layer_j", "value"], "causal")
+    data = causal[causal["metric"] == "causal_score"].dropna(subset=["layer_j"])
+    return _heatmaps(_by_model(data, models), "layer", "layer_j", "value", "affected update l", "skipped block s",
+                     "C(s, l)", vmin=0.0)
+
+
+@styled
+def plot_cka_heatmaps(similarity: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Debiased minibatch CKA between depth states z_i and z_j, per model."""
+    _require(similarity, ["model", "metric", "layer", "layer_j", "value"], "CKA")
+    data = similarity[similarity["metric"] == "cka_debiased"].dropna(subset=["layer_j"])
+    return _heatmaps(_by_model(data, models), "layer", "layer_j", "value", "depth state j", "depth state i",
+                     "debiased CKA", vmin=0.0, vmax=1.0, cmap="magma")
+
+
+@styled
+def plot_swap_heatmaps(swap: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Permutation score P(i, j) = |L_swap − L| / L of swapping blocks i and j, per model."""
+    _require(swap, ["model", "layer", "layer2"], "swap ablation")
+    value = "perm_score" if "perm_score" in swap.columns else "delta_ce"
+    data = swap.dropna(subset=["layer2"]).astype({"layer": int, "layer2": int})
+    return _heatmaps(_by_model(data, models), "layer", "layer2", value, "block j", "block i",
+                     "P(i, j)" if value == "perm_score" else "ΔCE", vmin=0.0)
+
+
+@styled
+def plot_routing_maps(routing: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Native depth routing: weight of each source (sublayer depth) in each consumer's input, per model."""
+    _require(routing, ["model", "metric", "layer", "layer_j", "value"], "routing")
+    data = routing[routing["metric"] == "routing_weight"].dropna(subset=["layer_j"])
+    return _heatmaps(_by_model(data, models), "layer", "layer_j", "value", "source (sublayer depth)",
+                     "consumer (sublayer depth)", "weight", cmap="rocket_r")
+
+
+@styled
+def plot_contributions(contrib: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Per block: relative contribution ‖Δ_l‖/‖z_{l−1}‖, residual cosine and Jacobian identity deviation."""
+    _require(contrib, ["model", "metric", "rel_depth", "value"], "contributions")
+    wanted = (("relative_contribution", "‖Δ_l‖ / ‖z_{l−1}‖"), ("residual_cosine", "cos(Δ_l, z_{l−1})"),
+              ("jacobian_deviation", "Jacobian identity deviation"))
+    return _long_lines(contrib, wanted, models, "block", "relative depth l/L (block output)")
+
+
+@styled
+def plot_geometry(similarity: pd.DataFrame, models: Sequence[str]) -> Figure:
+    """Per depth state: adjacent CKA, adjacent angular distance, effective rank and token mean cosine."""
+    _require(similarity, ["model", "metric", "rel_depth", "value"], "geometry")
+    wanted = (("adjacent_cka_debiased", "CKA(z_{l−1}, z_l)"), ("adjacent_angular_distance", "angle(z_{l−1}, z_l)/π"),
+              ("effective_rank", "effective rank"), ("collapse_mean_cosine", "mean token cosine"))
+    return _long_lines(similarity, wanted, models, "state", "relative depth l/L")
+
+
+def _long_lines(df: pd.DataFrame, wanted, models, unit: str, xlabel: str) -> Figure:
+    rows = df[(df["unit"] == unit) if "unit" in df.columns else slice(None)]
+    if "layer_j" in rows.columns:
+        rows = rows[rows["layer_j"].isna()]
+    wide = rows.pivot_table(index=["model", "rel_depth"], columns="metric", values="value", aggfunc="first")
+    wide = wide.reset_index()
+    panels = [(c, l) for c, l in wanted if c in wide.columns and wide[c].notna().any()]
+    if not panels:
+        raise DepthToolsError(f"none of {[c for c, _ in wanted]} in the table")
+    return _model_lines(wide, panels, "rel_depth", xlabel, models)
