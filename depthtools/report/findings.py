@@ -134,6 +134,9 @@ def tasks(summary: pd.DataFrame) -> list[str]:
         if sub.empty:
             continue
         best, worst = sub.loc[sub[column].idxmax()], sub.loc[sub[column].idxmin()]
+        if best[column] == worst[column]:  # a tie (often: nobody solves anything) ranks nothing
+            out.append(f"Depth task {task}: every model has accuracy {best[column]:.2f} {where}.")
+            continue
         out.append(f"Depth task {task}: best accuracy {where} is {best['model']} ({best[column]:.2f}); "
                    f"worst {worst['model']} ({worst[column]:.2f}).")
     return out
@@ -146,6 +149,9 @@ def depth_reached(reached: pd.DataFrame | None) -> list[str]:
     out = []
     for task, sub in reached.groupby("task"):
         best = sub.loc[sub["depth_reached"].idxmax()]
+        if int(best["depth_reached"]) == 0:
+            out.append(f"Depth task {task}: no model reaches the accuracy threshold even at the smallest k.")
+            continue
         threshold = f" at accuracy ≥ {best['threshold']:.2g}" if finite(best.get("threshold")) else ""
         k_max = best.get("k_max_evaluated")
         tested = f" (of k ≤ {int(k_max)} evaluated)" if finite(k_max) else ""
