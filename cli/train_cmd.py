@@ -1,12 +1,16 @@
-"""Training commands: `depthtools train` (one cell) and `depthtools grid train` (a whole grid).
+"""Training commands: `depthtools train` (one cell), `depthtools grid train` (a whole grid, here or on
+a cluster) and `depthtools grid status` (done / running / failed / pending cells).
 
-Thin layers over `depthtools.train.train_cell` / `train_grid`, with a rich progress display
-(cell i/N, tokens, loss, tok/s, ETA). Interrupted runs resume when the same command is repeated.
+Thin layers over `depthtools.train` (`train_cell`, `train_grid`, the launchers in
+`depthtools.train.launch`), with a rich progress display (cell i/N, tokens, loss, tok/s, ETA).
+Interrupted runs resume when the same command is repeated. `depthtools train` also runs under
+`torchrun` (one rank per process; only rank 0 prints and writes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -89,6 +93,9 @@ def _data_dir(data: str, tokenizer: str, data_root: Path) -> Path:
 
     if (Path(data) / "meta.json").is_file():
         return Path(data)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks must not prepare the same folder at once
+        raise DepthToolsError(f"under torchrun --data must be a prepared folder (with meta.json), got {data!r}; "
+                              f"prepare it first: depthtools data prepare --corpus {data} --tokenizer {tokenizer}")
     return prepare(data, out_dir=data_root, tokenizer=tokenizer, log=lambda m: console.print(m, markup=False, highlight=False))
 
 
@@ -149,6 +156,7 @@ def train_command(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32 or bfloat16."),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile on CUDA."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads."),
+    parallel: Optional[str] = typer.Option(None, "--parallel", help="Under torchrun: ddp (default) or fsdp (FSDP2 sharding)."),
     eval_every: Optional[int] = typer.Option(None, "--eval-every"),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every"),
     log_every: Optional[int] = typer.Option(None, "--log-every"),
@@ -158,15 +166,19 @@ def train_command(
     """Train one model (one grid cell); re-running resumes an interrupted run.
 
     Example: depthtools train --arch hc --layers 8 --budget 250k --preset-recipe tiny --out checkpoints/one/hc_L8
+
+    On several GPUs: torchrun --nproc_per_node=8 -m cli train ... --data data/<prepared> [--parallel fsdp]
     """
     from depthtools.data import read_meta
     from depthtools.grid import count_params
     from depthtools.train import train_cell
+    from depthtools.train.distributed import env_rank
 
     recipe = _recipe(preset_recipe, dict(
         tokens=tokens, tokens_per_param=tokens_per_param, batch_size=batch_size, micro_batch_size=micro_batch_size,
         seq_len=seq_len, lr=lr, schedule=schedule, seed=seed, device=device, dtype=dtype, compile=compile,
         threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every, log_every=log_every,
+        parallel=parallel,
     ))
     data_dir = _data_dir(data, tokenizer, data_root)
     vocab_size = int(read_meta(data_dir)["tokenizer"]["vocab_size"])
@@ -174,31 +186,23 @@ def train_command(
                               preset_recipe, tolerance)
     out = out or Path("checkpoints") / f"{model_cfg.arch}_L{layers}"
     params = count_params(model_cfg)["total"]
-    with _interruptible(), _display(recipe.total_steps(params) * recipe.batch_size * recipe.seq_len, 1, quiet=as_json) as display:
+    main_rank = env_rank() == 0
+    quiet = as_json or not main_rank
+    with _interruptible(), _display(recipe.total_steps(params) * recipe.batch_size * recipe.seq_len, 1, quiet=quiet) as display:
         summary = train_cell(model_cfg, recipe, data_dir, out, force=force, progress=display)
+    if not main_rank:
+        return
     if as_json:
         print_json(summary)
     else:
         console.print(f"wrote {out} (d_model={model_cfg.d_model}, {params:,} params, val loss {summary['val_loss']:.4f})")
 
 
-@grid_app.command("train")
-def grid_train_command(
-    grid: Optional[Path] = typer.Argument(None, help="Grid spec JSON from `depthtools grid plan --out`."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Train a named grid instead of a spec file."),
-    root: Path = typer.Option(Path("checkpoints"), "--root", help="Cells land in ROOT/<grid name>/<cell>/."),
-    data_root: Path = typer.Option(Path("data"), "--data-root", help="Where the grid's corpus is prepared."),
-    force: bool = typer.Option(False, "--force", help="Retrain finished cells too."),
-    as_json: bool = typer.Option(False, "--json", help="Print the per-cell summaries as JSON."),
-):
-    """Train every cell of a grid: finished cells are skipped, interrupted ones resume.
+LAUNCHERS = ("local", "slurm", "ray")
 
-    Examples:
-      depthtools grid plan --preset tiny --out tiny.json && depthtools grid train tiny.json
-      depthtools grid train --preset demo
-    """
-    from depthtools.config import TrainConfig
-    from depthtools.train import is_finished, train_grid
+
+def _grid_spec(grid: Optional[Path], preset: Optional[str]) -> dict[str, Any]:
+    """The grid spec from a file or a preset name (exactly one of them)."""
     from depthtools.train.sweep import load_spec
 
     if (grid is None) == (preset is None):
@@ -206,23 +210,160 @@ def grid_train_command(
     if preset is not None:
         from depthtools.presets import get_preset
 
-        spec = load_spec(get_preset(preset).grid_spec())
+        return load_spec(get_preset(preset).grid_spec())
+    return load_spec(grid)
+
+
+@grid_app.command("train")
+def grid_train_command(
+    grid: Optional[Path] = typer.Argument(None, help="Grid spec JSON from `depthtools grid plan --out`."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Train a named grid instead of a spec file."),
+    root: Path = typer.Option(Path("checkpoints"), "--root", envvar="DEPTHTOOLS_CHECKPOINTS",
+                              help="Cells land in ROOT/<grid name>/<cell>/ (default $DEPTHTOOLS_CHECKPOINTS or checkpoints)."),
+    data_root: Path = typer.Option(Path("data"), "--data-root", help="Where the grid's corpus is prepared."),
+    cells: Optional[str] = typer.Option(None, "--cells", help="Only these cells (comma-separated names)."),
+    launcher: str = typer.Option("local", "--launcher", help="local (processes here), slurm (job array via submitit) or ray."),
+    workers: int = typer.Option(1, "--workers", help="local: cells trained at once (1 = in this process)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="local/ray: torch threads per cell (default 1 with --workers > 1)."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="slurm: partition."),
+    gpus_per_cell: int = typer.Option(1, "--gpus-per-cell", help="slurm/ray: GPUs per cell (slurm: >1 = one DDP rank per GPU)."),
+    cpus_per_cell: int = typer.Option(8, "--cpus-per-cell", help="slurm/ray: CPU cores per cell."),
+    time: str = typer.Option("24:00:00", "--time", help="slurm: time limit per cell (cells requeue and resume on timeout)."),
+    mem_gb: Optional[int] = typer.Option(None, "--mem-gb", help="slurm: memory per cell."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="ray: cluster address (default: start or join a local one)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="slurm: print one line per cell (command, resources) and submit nothing."),
+    force: bool = typer.Option(False, "--force", help="Retrain finished cells too."),
+    as_json: bool = typer.Option(False, "--json", help="Print the per-cell summaries as JSON."),
+):
+    """Train every cell of a grid: finished cells are skipped, interrupted ones resume.
+
+    Examples:
+      depthtools grid plan --preset tiny --out tiny.json && depthtools grid train tiny.json
+      depthtools grid train tiny.json --workers 2 --threads 1
+      depthtools grid train big.json --launcher slurm --partition gpu --gpus-per-cell 1 --time 24:00:00 --dry-run
+      depthtools grid status big.json
+    """
+    from depthtools.train.sweep import select_cells
+
+    if launcher not in LAUNCHERS:
+        raise DepthToolsError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
+    spec = select_cells(_grid_spec(grid, preset), [c.strip() for c in cells.split(",")] if cells else None)
+    if launcher == "slurm":
+        _grid_slurm(spec, grid, root, data_root, force, dry_run, as_json, partition=partition,
+                    gpus_per_cell=gpus_per_cell, cpus_per_cell=cpus_per_cell, time=time, mem_gb=mem_gb)
+        return
+    if dry_run:
+        raise DepthToolsError("--dry-run applies to --launcher slurm")
+    if launcher == "ray":
+        from depthtools.train.launch import launch_ray
+
+        summaries = launch_ray(spec, root, data_root, gpus_per_cell=gpus_per_cell, cpus_per_cell=cpus_per_cell,
+                               threads=threads, address=ray_address, force=force, log=None if as_json else console.print)
+    elif workers > 1:
+        from depthtools.train.launch import launch_local
+
+        summaries = launch_local(spec, root, data_root, workers=workers, threads=threads or 1, force=force,
+                                 log=None if as_json else console.print)
     else:
-        spec = load_spec(grid)
+        summaries = _grid_here(spec, root, data_root, threads, force, as_json)
+    _report(spec, root, summaries, as_json)
+
+
+def _grid_here(spec, root: Path, data_root: Path, threads: Optional[int], force: bool, as_json: bool):
+    """All cells one after another in this process, with the progress display."""
+    from depthtools.config import TrainConfig
+    from depthtools.train import is_finished, train_grid
+
+    if threads:
+        spec = {**spec, "train": {**(spec.get("train") or {}), "threads": threads}}
     recipe = TrainConfig.from_dict(spec.get("train") or {})
     grid_dir = root / spec.get("name", "grid")
     todo = [c for c in spec["cells"] if force or not is_finished(grid_dir / c.name)]
     total = sum(recipe.total_steps(c.params_total) * recipe.batch_size * recipe.seq_len for c in todo)
     with _interruptible(), _display(total, len(spec["cells"]), quiet=as_json) as display:
-        summaries = train_grid(spec, root=root, force=force, progress=display, data_root=data_root)
+        return train_grid(spec, root=root, force=force, progress=display, data_root=data_root)
+
+
+def _report(spec, root: Path, summaries: list[dict[str, Any]], as_json: bool) -> None:
+    """Per-cell table (or JSON); exit code 1 when a cell failed."""
+    failed = [s for s in summaries if s.get("error")]
     if as_json:
         print_json(summaries)
+    else:
+        trained = [s for s in summaries if not s.get("skipped") and not s.get("error")]
+        grid_dir = root / spec.get("name", "grid")
+        console.print(table(
+            f"grid {spec.get('name')} -> {grid_dir} ({len(trained)} trained, {len(failed)} failed, "
+            f"{len(summaries) - len(trained) - len(failed)} skipped)",
+            ["cell", "status", "val loss", "time"],
+            [[s["name"], _status_word(s), f"{s['val_loss']:.4f}" if s.get("val_loss") is not None else "",
+              f"{s['elapsed_s']:.0f}s" if "elapsed_s" in s else ""] for s in summaries],
+        ))
+    if failed:
+        raise typer.Exit(1)
+
+
+def _status_word(summary: dict[str, Any]) -> str:
+    if summary.get("error"):
+        return f"failed: {summary['error']}"
+    if summary.get("skipped"):
+        return "skipped"
+    return "resumed" if summary.get("resumed_from") else "trained"
+
+
+def _grid_slurm(spec, grid_path, root: Path, data_root: Path, force: bool, dry_run: bool, as_json: bool, **resources):
+    """Submit the unfinished cells as a Slurm job array, or print what would be submitted."""
+    from depthtools.train.launch import SlurmResources, dry_run_lines, submit_cells
+    from depthtools.train.launch import dry_run as planned_jobs
+
+    res = SlurmResources(**resources)
+    res.timeout_min  # noqa: B018 - validate --time before anything else
+    if dry_run:
+        if as_json:
+            print_json(planned_jobs(spec, root, data_root, res, grid_path=grid_path, force=force))
+            return
+        lines = dry_run_lines(spec, root, data_root, res, grid_path=grid_path, force=force)
+        for line in lines:
+            print(line)
+        print(f"# {len(lines)} cell(s) would be submitted, {len(spec['cells']) - len(lines)} finished")
         return
-    trained = [s for s in summaries if not s.get("skipped")]
+    jobs = submit_cells(spec, root, data_root, res, cluster="slurm", force=force)
+    if as_json:
+        print_json([{"cell": name, "job_id": job.job_id} for name, job in jobs])
+        return
+    for name, job in jobs:
+        console.print(f"submitted {name}: job {job.job_id}")
+    console.print(f"{len(jobs)} cell(s) submitted; follow them with: depthtools grid status {grid_path or '<spec>'} --root {root}")
+
+
+@grid_app.command("status")
+def grid_status_command(
+    grid: Optional[Path] = typer.Argument(None, help="Grid spec JSON."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="A named grid instead of a spec file."),
+    root: Path = typer.Option(Path("checkpoints"), "--root", envvar="DEPTHTOOLS_CHECKPOINTS",
+                              help="Cells live in ROOT/<grid name>/<cell>/ (default $DEPTHTOOLS_CHECKPOINTS or checkpoints)."),
+    stale_after: float = typer.Option(900.0, "--stale-after", help="Seconds without a heartbeat (from another host) before a running cell counts as failed."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON record per cell."),
+):
+    """Which cells are done, running, failed or pending, read from the cell folders alone.
+
+    Example: depthtools grid status tiny.json --root checkpoints
+    """
+    from depthtools.train.sweep import STATES, grid_status
+
+    spec = _grid_spec(grid, preset)
+    rows = grid_status(spec, root, stale_after=stale_after)
+    if as_json:
+        print_json(rows)
+        return
+    counts = {state: sum(r["state"] == state for r in rows) for state in STATES}
+    colour = {"done": "green", "running": "cyan", "failed": "red", "pending": "dim"}
+
+    def step(r):
+        return "" if r["step"] is None else f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
+
     console.print(table(
-        f"grid {spec.get('name')} -> {grid_dir} ({len(trained)} trained, {len(summaries) - len(trained)} skipped)",
-        ["cell", "status", "val loss", "time"],
-        [[s["name"], "skipped" if s.get("skipped") else ("resumed" if s.get("resumed_from") else "trained"),
-          f"{s['val_loss']:.4f}" if s.get("val_loss") is not None else "", f"{s['elapsed_s']:.0f}s" if "elapsed_s" in s else ""]
-         for s in summaries],
+        f"grid {spec.get('name')} in {root / spec.get('name', 'grid')}", ["cell", "state", "step", "detail"],
+        [[r["cell"], f"[{colour[r['state']]}]{r['state']}[/]", step(r), r["detail"]] for r in rows],
     ))
+    console.print(", ".join(f"{state} {n}" for state, n in counts.items()))

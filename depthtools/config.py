@@ -108,6 +108,7 @@ class ModelConfig:
 SCHEDULES = ("cosine", "wsd")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
+PARALLEL = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,8 @@ class TrainConfig:
     in config.json. Steps: `eval_every`, `log_every`, `depth_stats_every`, `checkpoint_every`
     (0 = never; the final step always evaluates and saves). `dtype`/`device` "auto" mean bf16
     autocast on CUDA and float32 on CPU; `threads` sets torch's intra-op threads (None: leave).
+    `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
+    sharding, for models whose weights + AdamW state do not fit one device); one process ignores it.
     """
 
     tokens: int | None = None
@@ -153,9 +156,15 @@ class TrainConfig:
     compile: bool = False
     threads: int | None = None
     peak_flops: float | None = None  # for MFU; None: looked up from the CUDA device name
+    parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (same maths; not part of the run fingerprint)
+    task_mix: "TaskMix | None" = None  # synthetic task rows mixed into training (depthtools.data.tasks.TaskMix)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lr_overrides", {str(k): float(v) for k, v in dict(self.lr_overrides).items()})
+        if self.task_mix is not None:  # a JSON dict becomes a validated, frozen TaskMix
+            from depthtools.data.tasks import TaskMix
+
+            object.__setattr__(self, "task_mix", TaskMix.from_value(self.task_mix))
         self.validate()
 
     def validate(self) -> None:
@@ -194,6 +203,8 @@ class TrainConfig:
             raise DepthToolsError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise DepthToolsError(f"TrainConfig.threads must be >= 1, got {self.threads!r}")
+        if self.parallel not in PARALLEL:
+            raise DepthToolsError(f"unknown parallel {self.parallel!r}; valid: {', '.join(PARALLEL)}")
 
     def total_tokens(self, n_params: int) -> int:
         """The token budget for a model of `n_params` total parameters."""
@@ -214,7 +225,12 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.task_mix is None:  # runs without a task mix keep their config.json and run fingerprint
+            del data["task_mix"]
+        else:
+            data["task_mix"] = self.task_mix.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":

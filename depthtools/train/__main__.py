@@ -13,6 +13,7 @@ from pathlib import Path
 
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
+from depthtools.train.distributed import env_rank
 from depthtools.train.loop import train_cell
 
 
@@ -27,7 +28,8 @@ def main(argv: list[str]) -> int:
     except DepthToolsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summary))
+    if env_rank() == 0:  # under torchrun every rank trains; one summary is printed
+        print(json.dumps(summary))
     return 0
 
 

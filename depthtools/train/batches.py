@@ -25,19 +25,38 @@ def windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> torch.Tens
 
 
 class TrainBatches:
-    """Training batches of one split; `batch(step)` -> (inputs, targets) [B,T] on `device`."""
+    """Training batches of one split; `batch(step)` -> (inputs, targets) [B,T] on `device`.
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, device: torch.device):
+    Under data parallelism (world_size > 1) rank r gets rows [r·B/W, (r+1)·B/W) of the GLOBAL batch
+    of the step, so the windows a step trains on do not depend on the world size (resume may change it).
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, device: torch.device,
+                 rank: int = 0, world_size: int = 1, task_mix=None, tokenizer: str = "byte"):
         if len(tokens) < seq_len + 1:
             raise DepthToolsError(
                 f"the train split has {len(tokens):,} tokens, fewer than seq_len+1={seq_len + 1}; "
                 "use a shorter seq_len or a larger corpus"
             )
+        if batch_size % world_size:
+            raise DepthToolsError(f"batch_size={batch_size} must be divisible by the world size {world_size}")
         self.tokens, self.batch_size, self.seq_len, self.seed, self.device = tokens, batch_size, seq_len, seed, device
+        self.rank, self.world_size = rank, world_size
+        self.mixer = None  # task_mix: a share of rows replaced by synthetic task text, by (seed, step, global row)
+        if task_mix is not None:
+            from depthtools.data.tasks import TaskMixer
+
+            self.mixer = TaskMixer(task_mix, seed, batch_size, seq_len, tokenizer)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = batch_offsets(step, self.seed, len(self.tokens), self.batch_size, self.seq_len)
+        if self.world_size > 1:
+            rows = self.batch_size // self.world_size
+            offsets = offsets[self.rank * rows:(self.rank + 1) * rows]
         data = windows(self.tokens, offsets, self.seq_len)
+        if self.mixer is not None:
+            first = self.rank * len(offsets)  # global index of this rank's first row
+            data = self.mixer.apply(data, step, range(first, first + len(offsets)))
         if self.device.type == "cuda":
             data = data.pin_memory().to(self.device, non_blocking=True)
         return data[:, :-1], data[:, 1:]

@@ -7,9 +7,15 @@ evals, checkpoints); `finish` writes the finished cell. The step loop makes no h
 on log/eval/checkpoint steps, and a non-finite loss or gradient is detected at the next of those
 and stops the run (`TrainingDivergedError`) before any checkpoint could store it.
 
+Under `torchrun` the same code runs data-parallel (`depthtools.train.distributed`): each rank trains
+on its share of the step's global batch through a DDP/FSDP2 wrapper that reduces gradients on the
+last micro-step only; rank 0 alone writes files. One process is the unchanged single-process path.
+
 Outputs in out_dir (DESIGN §5): model.safetensors + config.json (via depthtools.checkpoint.save),
 metrics.jsonl (one JSON record per log step), eval.json (written last: its presence means
 "finished"), and train_state/ while training (removed at the end unless keep_train_state).
+heartbeat.json (host, pid, step; or the error that stopped the run) exists only until the cell is
+finished; `depthtools grid status` reads it to tell running from failed cells.
 """
 
 from __future__ import annotations
@@ -17,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +33,16 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from depthtools.arch import DepthModel
 from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, read_metrics, save
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
 from depthtools.errors import DepthToolsError
+from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
+from depthtools.train.distributed import Dist
 from depthtools.train.flops import flops_per_token, peak_flops
 from depthtools.train.optim import build_optimizer, depth_scaling
 from depthtools.train.probe import DepthProbe
@@ -40,9 +51,11 @@ from depthtools.train.state import STATE_DIR, load_train_state, save_train_state
 
 EVAL = "eval.json"
 METRICS = "metrics.jsonl"
+HEARTBEAT = "heartbeat.json"
+HEARTBEAT_EVERY_S = 30.0  # at most this often from the step loop (`grid status` waits 900 s on other hosts)
 # Fields that change when things are logged/evaluated/saved but not the trained weights.
 CADENCE_FIELDS = ("eval_every", "eval_tokens", "log_every", "depth_stats_every", "checkpoint_every",
-                  "keep_train_state", "threads", "compile", "peak_flops")
+                  "keep_train_state", "threads", "compile", "peak_flops", "parallel")
 
 Progress = Callable[[dict[str, Any]], None]
 
@@ -95,6 +108,17 @@ def forward_loss(model, inputs: torch.Tensor, targets: torch.Tensor, probe: Dept
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+class LossModule(nn.Module):
+    """model + loss as one module, so DDP/FSDP see every forward (also the probe's state-by-state one)."""
+
+    def __init__(self, model: DepthModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, probe: DepthProbe | None = None) -> torch.Tensor:
+        return forward_loss(self.model, inputs, targets, probe)
+
+
 def _every(step: int, period: int) -> bool:
     return period > 0 and step % period == 0
 
@@ -138,6 +162,9 @@ class Run:
     start_step: int = 0
     progress: Progress | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    dist: Dist = field(default_factory=Dist)
+    parallel: Any = None  # under torchrun: the DDP/FSDP-wrapped LossModule (eager, for probe steps)
+    parallel_step: Any = None  # ... and the one the step runs (compiled or the same)
 
     @property
     def tokens_per_step(self) -> int:
@@ -146,6 +173,13 @@ class Run:
     @property
     def name(self) -> str:
         return self.out_dir.name
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, probe: DepthProbe | None = None) -> torch.Tensor:
+        """Mean loss of one micro-batch through what runs the step: the DDP/FSDP wrapper under torchrun
+        (so gradients are reduced), else the (compiled) model; probe steps run eagerly."""
+        if self.parallel is not None:
+            return (self.parallel if probe is not None else self.parallel_step)(inputs, targets, probe)
+        return forward_loss(self.model if probe is not None else self.step_model, inputs, targets, probe)
 
     def autocast(self):
         if self.dtype == torch.float32:
@@ -170,12 +204,13 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
         raise DepthToolsError(f"seq_len={train_cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
 
 
-def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress) -> Run:
+def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = Dist()) -> Run:
     """Build model, optimizer, batches and eval windows; restore train_state if there is one."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     meta = read_meta(data_dir)
     check_inputs(model_cfg, train_cfg, meta, data_dir)
-    device = resolve_device(train_cfg)
+    distributed.rows_per_rank(train_cfg.batch_size, train_cfg.micro_batch_size, dist)  # fail early
+    device = distributed.local_device(resolve_device(train_cfg), dist)
     model = DepthModel(model_cfg, seed=train_cfg.seed).to(device)
     optimizer, names = build_optimizer(model, train_cfg, device)
     params_total = model.param_counts()["total"]
@@ -189,19 +224,30 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress) -> Run:
             if windows is not None:
                 eval_sets[key] = windows
                 domains[key] = split.get("domain", "all")
-    step_model = model
-    if train_cfg.compile and device.type == "cuda":
+    distributed.check_same(dist, start, "the step to resume from", device)
+    step_model, parallel, compile_ = model, None, train_cfg.compile and device.type == "cuda"
+    if dist.enabled:
+        torch.manual_seed(distributed.rank_seed(train_cfg.seed, dist.rank, start))
+        parallel = distributed.wrap(LossModule(model), dist, device)
+        if dist.fsdp:  # sharding replaced the parameters: a new optimizer, holding the restored state
+            full_optimizer, optimizer = optimizer, build_optimizer(model, train_cfg, device)[0]
+            distributed.move_optimizer_state(full_optimizer, names, model, optimizer)
+    elif compile_:
         step_model = torch.compile(model)
     peak = train_cfg.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     return Run(
         model_cfg=model_cfg, train_cfg=train_cfg, out_dir=out_dir, data_dir=data_dir, meta=meta, device=device,
         dtype=resolve_dtype(train_cfg, device), model=model, step_model=step_model, optimizer=optimizer,
         param_names=names, batches=TrainBatches(load_split(data_dir, "train"), train_cfg.batch_size,
-                                                train_cfg.seq_len, train_cfg.seed, device),
+                                                train_cfg.seq_len, train_cfg.seed, device, dist.rank, dist.world_size,
+                                                task_mix=train_cfg.task_mix,
+                                                tokenizer=meta["tokenizer"]["name"]),
         eval_sets=eval_sets, domains=domains, total_steps=train_cfg.total_steps(params_total),
         peak_lr=train_cfg.lr_for(model_cfg.arch), fingerprint=fingerprint,
-        flops_per_token=flops_per_token(model_cfg, params_total, train_cfg.seq_len), peak_flops=peak,
-        start_step=start, progress=progress,
+        flops_per_token=flops_per_token(model_cfg, params_total, train_cfg.seq_len),
+        peak_flops=peak and peak * dist.world_size,  # tokens/s are the whole world's
+        start_step=start, progress=progress if dist.is_main else None, dist=dist, parallel=parallel,
+        parallel_step=torch.compile(parallel) if parallel is not None and compile_ else parallel,
     )
 
 
@@ -214,24 +260,23 @@ def set_lr(run: Run, step: int) -> float:
 
 
 def train_step(run: Run, step: int, probe: DepthProbe | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer update on the batch of `step`; returns (loss, grad norm) as device tensors."""
+    """One optimizer update on the batch of `step` (this rank's rows of it); returns this rank's
+    (loss, grad norm) as device tensors. Gradients are reduced across ranks on the last micro-step."""
     inputs, targets = run.batches.batch(step)
-    micro = run.train_cfg.micro_batch_size or run.train_cfg.batch_size
-    n_micro = run.train_cfg.batch_size // micro
+    rows, micro = distributed.rows_per_rank(run.train_cfg.batch_size, run.train_cfg.micro_batch_size, run.dist)
+    n_micro = rows // micro
     total = torch.zeros((), device=run.device)
     for i in range(n_micro):
-        rows = slice(i * micro, (i + 1) * micro)
+        chunk = slice(i * micro, (i + 1) * micro)
         watch = probe if i == 0 else None  # depth norms from the first micro-batch
-        model = run.model if watch is not None else run.step_model
-        with run.autocast():
-            loss = forward_loss(model, inputs[rows], targets[rows], watch)
-        (loss / n_micro).backward()
+        with distributed.grad_sync(run.parallel, sync=i == n_micro - 1):
+            with run.autocast():
+                loss = run.loss(inputs[chunk], targets[chunk], watch)
+            (loss / n_micro).backward()
         total += loss.detach() / n_micro
+    distributed.reduce_replicated_grads(run.parallel, run.dist)
     params = [p for group in run.optimizer.param_groups for p in group["params"]]
-    if run.train_cfg.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, run.train_cfg.grad_clip)
-    else:
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    grad_norm = distributed.clip_grads(params, run.train_cfg.grad_clip, run.dist)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     return total, grad_norm
@@ -247,7 +292,7 @@ def evaluate(run: Run) -> dict[str, float]:
         for start in range(0, len(windows), chunk):
             data = windows[start:start + chunk].to(run.device)
             with run.autocast():
-                loss = forward_loss(run.step_model, data[:, :-1], data[:, 1:])
+                loss = run.loss(data[:, :-1], data[:, 1:])
             total += loss.double() * data[:, 1:].numel()
             count += data[:, 1:].numel()
         out["val" if key == "val" else run.domains[key]] = float(total / count)
@@ -255,6 +300,8 @@ def evaluate(run: Run) -> dict[str, float]:
 
 
 def _append_metrics(run: Run, record: dict[str, Any]) -> None:
+    if not run.dist.is_main:
+        return
     with open(run.out_dir / METRICS, "a", encoding="utf-8") as handle:
         handle.write(json.dumps(record) + "\n")
 
@@ -262,6 +309,8 @@ def _append_metrics(run: Run, record: dict[str, Any]) -> None:
 def _truncate_metrics(run: Run) -> None:
     """Keep only records up to the resumed step (a killed run may have logged past its checkpoint)."""
     path = run.out_dir / METRICS
+    if not run.dist.is_main:
+        return
     if run.start_step == 0:
         path.unlink(missing_ok=True)
         return
@@ -280,16 +329,37 @@ def _check_finite(run: Run, bad: torch.Tensor, step: int, last_good: int) -> Non
 
 
 def _checkpoint(run: Run, step: int) -> None:
+    """Rank 0 writes train_state (under FSDP every rank first helps gather the full state)."""
     info = {"tokens": step * run.tokens_per_step, "total_steps": run.total_steps, "fingerprint": run.fingerprint,
             "data": {"seed": run.train_cfg.seed, "next_step": step, "rule": "offsets = default_rng([seed, step])"}}
-    save_train_state(run.out_dir / STATE_DIR, step, run.model, run.optimizer, run.param_names, info)
+    model, optimizer = run.model, run.optimizer
+    if run.dist.fsdp:
+        model, optimizer = distributed.full_state(run.model, run.optimizer, run.param_names)
+    if run.dist.is_main:
+        save_train_state(run.out_dir / STATE_DIR, step, model, optimizer, run.param_names, info)
 
 
-def _probe_for(cfg: TrainConfig, step: int) -> DepthProbe | None:
-    """A depth probe on every depth_stats_every-th step (and the first), else None (no overhead)."""
+def write_heartbeat(out_dir: Path, **fields: Any) -> None:
+    """heartbeat.json: who trains this cell (host, pid) and how far; or, with state "failed", why it stopped.
+
+    Replaced by rename (never half a file) but not fsynced: it is a liveness hint, not a checkpoint.
+    """
+    record = {"state": "running", "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **fields}
+    path = Path(out_dir) / HEARTBEAT
+    tmp = path.with_name(f".{HEARTBEAT}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+def _probe_for(cfg: TrainConfig, step: int, world_size: int = 1) -> DepthProbe | None:
+    """A depth probe on every depth_stats_every-th step (and the first), else None (no overhead).
+
+    grad_scale undoes the loss scaling of this rank's micro-batches, so gradient norms read as those
+    of one micro_batch_size-row mean loss whatever the world size.
+    """
     if not (_every(step, cfg.depth_stats_every) or (cfg.depth_stats_every and step == 1)):
         return None
-    return DepthProbe(grad_scale=cfg.batch_size / (cfg.micro_batch_size or cfg.batch_size))
+    return DepthProbe(grad_scale=cfg.batch_size / world_size / (cfg.micro_batch_size or cfg.batch_size))
 
 
 def _record(run: Run, step: int, lr: float, mean_loss: float, grad_norm: torch.Tensor, tokens_per_s: float | None,
@@ -317,10 +387,10 @@ def run_steps(run: Run) -> dict[str, Any]:
     cfg = run.train_cfg
     bad = torch.zeros((), dtype=torch.bool, device=run.device)
     loss_sum, loss_count, last_good, record = torch.zeros((), device=run.device), 0, run.start_step, {}
-    clock, clock_tokens = time.perf_counter(), 0
+    clock, clock_tokens, beat = time.perf_counter(), 0, time.monotonic()
     for step in range(run.start_step + 1, run.total_steps + 1):
         lr = set_lr(run, step - 1)
-        probe = _probe_for(cfg, step)
+        probe = _probe_for(cfg, step, run.dist.world_size)
         loss, grad_norm = train_step(run, step - 1, probe)
         bad |= ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         loss_sum += loss
@@ -330,11 +400,15 @@ def run_steps(run: Run) -> dict[str, Any]:
         do_eval = _every(step, cfg.eval_every) or last
         if not (_every(step, cfg.log_every) or last or step == 1 or do_eval or probe or save_now):
             continue
-        _check_finite(run, bad, step, last_good)
+        loss_all, bad_all = distributed.reduce_log(run.dist, loss_sum, bad)  # identity in one process
+        _check_finite(run, bad_all, step, last_good)
         elapsed = time.perf_counter() - clock
-        record = _record(run, step, lr, float(loss_sum) / loss_count, grad_norm,
+        record = _record(run, step, lr, float(loss_all) / loss_count, grad_norm,
                          clock_tokens / elapsed if elapsed > 0 else None, probe, do_eval)
         _append_metrics(run, record)
+        if run.dist.is_main and time.monotonic() - beat >= HEARTBEAT_EVERY_S:
+            write_heartbeat(run.out_dir, step=step, total_steps=run.total_steps, world_size=run.dist.world_size)
+            beat = time.monotonic()
         run.emit("step", step=step, tokens=record["tokens"], train_loss=record["train_loss"],
                  val_loss=record.get("val_loss"), tokens_per_s=record["tokens_per_s"])
         if save_now and not last:
@@ -356,26 +430,44 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
             "total_steps": run.total_steps, "total_tokens": run.total_steps * run.tokens_per_step,
             "device": run.device.type, "dtype": str(run.dtype).replace("torch.", ""),
             "depth_scaling": None if scaling is None else {"block_lr_factor": scaling[0], "block_eps_factor": scaling[1]},
-            "flops_per_token": run.flops_per_token, "elapsed_s": elapsed,
+            "flops_per_token": run.flops_per_token, "elapsed_s": elapsed, "world_size": run.dist.world_size,
         },
         "tokenizer": meta["tokenizer"],
         "data": {"name": meta.get("name"), "path": str(run.data_dir), "data_fingerprint": meta["data_fingerprint"],
                  "settings": meta.get("settings"), "domains": meta.get("domains")},
     }
-    save(run.model, run.out_dir, extra=extra)
+    model = _plain_model(run)
     domains = {k: v for k, v in last.items() if k.startswith("val_loss_")}
     result = {"step": last["step"], "tokens": last["tokens"], "val_loss": last.get("val_loss"),
               "domains": {k[len("val_loss_"):]: v for k, v in domains.items()}, "train_loss": last["train_loss"],
               "eval_tokens_per_split": {k: int(w[:, 1:].numel()) for k, w in run.eval_sets.items()}}
+    if not run.dist.is_main:
+        return result
+    save(model, run.out_dir, extra=extra)
     atomic_write_json(run.out_dir / EVAL, result)
     if not cfg.keep_train_state:
         shutil.rmtree(run.out_dir / STATE_DIR, ignore_errors=True)
+    (run.out_dir / HEARTBEAT).unlink(missing_ok=True)
     return result
+
+
+def _plain_model(run: Run) -> DepthModel | None:
+    """The trained model as a plain module to save: itself, or under FSDP one rebuilt from the gathered
+    weights (collective; rank 0 gets the model, other ranks None)."""
+    if not run.dist.fsdp:
+        return run.model
+    weights = distributed.full_weights(run.model)
+    if not run.dist.is_main:
+        return None
+    with torch.device("meta"):
+        model = DepthModel(run.model_cfg)
+    model.load_state_dict(weights, assign=True)
+    return model
 
 
 def clear_cell(out_dir: Path) -> None:
     """Remove a previous run's outputs (for force=True); other files in the folder are left alone."""
-    for name in (EVAL, WEIGHTS, CONFIG, METRICS):
+    for name in (EVAL, WEIGHTS, CONFIG, METRICS, HEARTBEAT):
         (out_dir / name).unlink(missing_ok=True)
     shutil.rmtree(out_dir / STATE_DIR, ignore_errors=True)
 
@@ -387,17 +479,40 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     Resumes from `out_dir/train_state` when an earlier run was interrupted (bit-identical on CPU).
     A finished cell raises CellFinishedError unless force=True, which retrains from scratch (and
     also discards an interrupted run's state). NaN/inf stops the run with TrainingDivergedError.
+    Under torchrun (WORLD_SIZE > 1) every rank calls this: it joins the process group, trains its
+    share of each batch, and leaves the group after a final barrier; only rank 0 writes.
     """
     out_dir = Path(out_dir)
     if is_finished(out_dir) and not force:
         raise CellFinishedError(f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it")
-    if force:
-        clear_cell(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    dist = distributed.setup(resolve_device(train_cfg).type, train_cfg.parallel)  # torchrun: join the group
+    ok = False
+    try:
+        if dist.is_main:
+            if force:
+                clear_cell(out_dir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+        distributed.barrier(dist)
+        summary = _train(model_cfg, train_cfg, data_dir, out_dir, progress, dist)
+        ok = True
+        return summary
+    except BaseException as exc:
+        if dist.is_main and out_dir.is_dir():
+            write_heartbeat(out_dir, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
+    finally:
+        distributed.teardown(dist, ok)
+
+
+def _train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir, out_dir: Path, progress: Progress | None,
+           dist: Dist) -> dict[str, Any]:
+    """The body of `train_cell` once the folder is ready: prepare, step loop, finish, summary."""
     t0 = time.perf_counter()
     with _threads(train_cfg.threads):
-        run = prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress)
+        run = prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist)
         _truncate_metrics(run)
+        if dist.is_main:
+            write_heartbeat(out_dir, step=run.start_step, total_steps=run.total_steps, world_size=dist.world_size)
         run.emit("start", tokens=run.start_step * run.tokens_per_step)
         last = run_steps(run)
         result = finish(run, last, time.perf_counter() - t0)
@@ -411,4 +526,4 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     return summary
 
 
-__all__ = ["CellFinishedError", "TrainingDivergedError", "is_finished", "train_cell"]
+__all__ = ["CellFinishedError", "TrainingDivergedError", "is_finished", "train_cell", "write_heartbeat"]

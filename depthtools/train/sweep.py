@@ -3,10 +3,20 @@
 Cells land in `<root>/<grid name>/<cell name>/`. Finished cells are skipped, interrupted ones
 resume from their train_state, and the grid's corpus is prepared on first use. A grid never mixes
 tokenizers: if finished cells recorded another tokenizer than the data now gives, it refuses.
+
+Every cell is a pure function of its `cell_specs` entry and the cell folder: `run_cell` (top level,
+picklable) is what every launcher (process pool, Slurm via submitit, Ray; `depthtools.train.launch`)
+runs, so a cell that died is simply resumed by running it again. `grid_status` tells done / running /
+failed / pending cells from their folders alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +25,8 @@ from depthtools.config import TrainConfig
 from depthtools.data import prepare, read_meta
 from depthtools.errors import DepthToolsError
 from depthtools.grid import Cell, load_grid
-from depthtools.train.loop import Progress, is_finished, train_cell
+from depthtools.train.loop import HEARTBEAT, METRICS, Progress, is_finished, train_cell
+from depthtools.train.state import STATE_DIR, latest_step
 
 DEFAULT_DATA = {"corpus": "default", "tokenizer": "byte"}
 
@@ -30,6 +41,17 @@ def load_spec(grid: str | Path | dict[str, Any]) -> dict[str, Any]:
     except (KeyError, TypeError) as exc:
         raise DepthToolsError(f"grid spec is not valid: {exc}") from None
     return spec
+
+
+def select_cells(spec: dict[str, Any], names: list[str] | None) -> dict[str, Any]:
+    """The spec restricted to the named cells (all when names is None); unknown names are an error."""
+    if not names:
+        return spec
+    known = [c.name for c in spec["cells"]]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise DepthToolsError(f"unknown cell(s) {unknown} in grid {spec.get('name')}; valid: {', '.join(known)}")
+    return {**spec, "cells": [c for c in spec["cells"] if c.name in set(names)]}
 
 
 def grid_data_dir(spec: dict[str, Any], data_root: str | Path = "data") -> Path:
@@ -78,3 +100,100 @@ def train_grid(grid: str | Path | dict[str, Any], root: str | Path = "checkpoint
         relay = None if progress is None else (lambda event, tag=tag: progress({**event, **tag}))
         summaries.append(train_cell(model_cfg, train_cfg, data_dir, out_dir, force=force, progress=relay))
     return summaries
+
+
+# -- one cell, as every launcher runs it ---------------------------------------------------------
+def cell_specs(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One JSON-able dict per cell with all a cell needs: grid name, cell, recipe and data settings."""
+    spec = load_spec(spec)
+    return [{"grid": spec.get("name", "grid"), "cell": dataclasses.asdict(cell), "train": spec.get("train") or {},
+             "data": spec.get("data")} for cell in spec["cells"]]
+
+
+def run_cell(spec_cell: dict[str, Any], root: str | Path, data_root: str | Path = "data", threads: int | None = None,
+             force: bool = False, distributed: bool = False) -> dict[str, Any]:
+    """Train (or resume) one grid cell into `<root>/<grid>/<cell>/`; returns its summary.
+
+    A pure function of `spec_cell` and the folder, so any launcher can run it anywhere the folder and
+    the prepared data are visible, and rerunning it after a crash resumes. `threads` sets torch's
+    threads in this (worker) process; `distributed` joins a multi-task Slurm job as one torch rank.
+    """
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    if distributed:
+        from submitit.helpers import TorchDistributedEnvironment
+
+        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    cell = Cell(**spec_cell["cell"])
+    recipe = {**spec_cell.get("train", {}), **({"threads": threads} if threads else {})}
+    out_dir = Path(root) / spec_cell["grid"] / cell.name
+    if is_finished(out_dir) and not force:
+        return {"name": cell.name, "out_dir": str(out_dir), "skipped": True}
+    data_dir = grid_data_dir({"data": spec_cell.get("data")}, data_root)
+    return train_cell(cell.model_config(), TrainConfig.from_dict(recipe), data_dir, out_dir, force=force)
+
+
+# -- status from the folders alone ---------------------------------------------------------------
+STATES = ("done", "running", "failed", "pending")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def cell_status(out_dir: str | Path, stale_after: float = 900.0) -> dict[str, Any]:
+    """{"state": done|running|failed|pending, "step", "total_steps", "detail"} of one cell folder.
+
+    done: eval.json. running: heartbeat.json of a live pid on this host, or (another host) one
+    updated within `stale_after` seconds. failed: a recorded error (NaN stop, exception), a stale
+    heartbeat (killed, timed out), or an interrupted run without one. pending: nothing there yet.
+    """
+    out_dir = Path(out_dir)
+    saved = latest_step(out_dir / STATE_DIR)
+    if is_finished(out_dir):
+        evals = read_json(out_dir / "eval.json")
+        loss = evals.get("val_loss")
+        return {"state": "done", "step": evals.get("step"), "total_steps": evals.get("step"),
+                "detail": f"val loss {loss:.4f}" if loss is not None else ""}
+    beat = _read_heartbeat(out_dir)
+    if beat is not None:
+        status = {"step": beat.get("step", saved), "total_steps": beat.get("total_steps")}
+        if beat.get("state") == "failed":
+            return {**status, "step": saved, "state": "failed", "detail": beat.get("error", "failed")}
+        age = time.time() - (out_dir / HEARTBEAT).stat().st_mtime
+        here = beat.get("host") == socket.gethostname()
+        if (here and _pid_alive(int(beat.get("pid", -1)))) or (not here and age < stale_after):
+            return {**status, "state": "running", "detail": f"pid {beat.get('pid')} on {beat.get('host')}"}
+        why = f"process {beat.get('pid')} is gone" if here else f"no heartbeat from {beat.get('host')} for {age:.0f}s"
+        return {**status, "step": saved, "state": "failed", "detail": f"stale heartbeat: {why}; rerun to resume"}
+    if saved is not None or (out_dir / METRICS).is_file():
+        return {"state": "failed", "step": saved, "total_steps": None, "detail": "interrupted (no heartbeat)"}
+    return {"state": "pending", "step": None, "total_steps": None, "detail": ""}
+
+
+def _read_heartbeat(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out_dir / HEARTBEAT).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def grid_status(grid: str | Path | dict[str, Any], root: str | Path = "checkpoints",
+                stale_after: float = 900.0) -> list[dict[str, Any]]:
+    """`cell_status` of every cell of a grid, in spec order, each with its name and folder."""
+    spec = load_spec(grid)
+    grid_dir = Path(root) / spec.get("name", "grid")
+    return [{"cell": c.name, "out_dir": str(grid_dir / c.name), **cell_status(grid_dir / c.name, stale_after)}
+            for c in spec["cells"]]
