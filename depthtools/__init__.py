@@ -4,15 +4,36 @@ Notebook entry points (each returns plain objects or tidy DataFrames):
     ModelConfig, DepthModel, Plan, build_model, list_archs  -- the architecture zoo
     plan_grid                                               -- iso-parameter grid planner
     load, save                                              -- safetensors + JSON checkpoints
+    TrainConfig, train_cell, train_grid                     -- the trainer (one cell, a whole grid)
+    analyze_grid, summarize_grid                            -- the depth-probe suite over a grid
+    grid_report, model_report                               -- self-contained HTML reports
+Probes live in depthtools.analysis.* (lens, ablate, causal, geometry, contrib, routing, summary).
 """
 
 from depthtools.arch import DepthModel, Plan, build_model, get_arch, list_archs
-from depthtools.config import ModelConfig
+from depthtools.checkpoint import load, save
+from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import CheckpointError, DepthToolsError
+from depthtools.grid import plan_grid
 
 __version__ = "0.1.0"
 
+_LAZY = {  # heavier entry points, imported on first use so `import depthtools` stays quick
+    "train_cell": "depthtools.train", "train_grid": "depthtools.train",
+    "analyze_grid": "depthtools.analysis.suite", "summarize_grid": "depthtools.analysis.suite",
+    "grid_report": "depthtools.report", "model_report": "depthtools.report",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'depthtools' has no attribute {name!r}")
+
+
 __all__ = [
-    "CheckpointError", "DepthModel", "DepthToolsError", "ModelConfig", "Plan",
-    "build_model", "get_arch", "list_archs", "__version__",
+    "CheckpointError", "DepthModel", "DepthToolsError", "ModelConfig", "Plan", "TrainConfig",
+    "build_model", "get_arch", "list_archs", "load", "plan_grid", "save", *_LAZY, "__version__",
 ]

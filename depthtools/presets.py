@@ -24,6 +24,7 @@ class Preset:
     plan: dict[str, Any]  # keyword arguments of depthtools.grid.plan_grid
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
     data: dict[str, Any] = field(default_factory=dict)  # corpus / tokenizer
+    analysis: dict[str, Any] = field(default_factory=dict)  # depthtools.analysis.suite.analyze_grid arguments
 
     def grid_spec(self, name: str | None = None) -> dict[str, Any]:
         """Plan the preset's cells and return the grid spec (see depthtools.grid.grid_spec)."""
@@ -45,14 +46,17 @@ PRESETS: dict[str, Preset] = {
         train=dict(tokens=60_000, batch_size=8, seq_len=64, lr=3e-3, eval_every=50, eval_tokens=8192,
                    log_every=10, depth_stats_every=25, checkpoint_every=50),
         data=dict(corpus="default", tokenizer="byte"),
+        analysis=dict(n_tokens=1024, seq_len=64, batch_size=8),
     ),
     "demo": Preset(
         "demo", "embedded default: preln, lns, hc, attnres at 3 depths, minutes on 2 CPU cores",
         plan=dict(arch=["preln", "lns", "hc", "attnres"], budget=500_000, vocab_size=256, layers=[2, 4, 8],
                   n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.05, max_seq_len=128),
         train=dict(tokens=300_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=50, eval_tokens=16384,
-                   log_every=10, depth_stats_every=25, checkpoint_every=50),
+                   log_every=10, depth_stats_every=25, checkpoint_every=50,
+                   task_mix=dict(fraction=0.05, tasks=["chase", "s5", "add"], k_min=1, k_max=4)),
         data=dict(corpus="default", tokenizer="byte"),
+        analysis=dict(n_tokens=4096, seq_len=128, batch_size=8),
     ),
     "cpu-small": Preset(
         "cpu-small", "~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU",
@@ -61,6 +65,7 @@ PRESETS: dict[str, Preset] = {
         train=dict(tokens_per_param=20, batch_size=32, seq_len=256, lr=2e-3, eval_every=250, eval_tokens=131072,
                    log_every=25, depth_stats_every=250, checkpoint_every=250),
         data=dict(corpus="default", tokenizer="byte"),
+        analysis=dict(n_tokens=16384, seq_len=256, batch_size=8),
     ),
     "depthbench-400m": Preset(
         "depthbench-400m", "the paper's 400M shapes and recipe (GPUs)",
@@ -70,6 +75,7 @@ PRESETS: dict[str, Preset] = {
                    lr_overrides={"lns": 1e-2}, warmup_fraction=0.1, final_lr_fraction=0.1, eval_every=500,
                    eval_tokens=4_194_304, log_every=10, depth_stats_every=500, checkpoint_every=500, compile=True),
         data=dict(corpus="default", tokenizer="bpe8k"),
+        analysis=dict(n_tokens=65536, seq_len=1024, batch_size=4),
     ),
 }
 

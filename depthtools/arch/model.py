@@ -159,7 +159,10 @@ class DepthModel(HookedRootModule):
             raise DepthToolsError(
                 f"sequence length {tokens.shape[1]} exceeds the model's context {self.config.max_seq_len}"
             )
-        if tokens.numel() and (int(tokens.max()) >= self.config.vocab_size or int(tokens.min()) < 0):
+        # The id-range check reads two values back from the device; on CUDA it would stall every training
+        # step, so it runs on CPU only (the trainer checks the data's vocabulary once, before training).
+        if tokens.device.type == "cpu" and tokens.numel() and (
+                int(tokens.max()) >= self.config.vocab_size or int(tokens.min()) < 0):
             raise DepthToolsError(
                 f"token ids must lie in 0..{self.config.vocab_size - 1} (wrong tokenizer?); "
                 f"got {int(tokens.min())}..{int(tokens.max())}"
