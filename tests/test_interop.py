@@ -70,6 +70,8 @@ def captured_hf_messages():
     stream, logger = io.StringIO(), logging.getLogger("transformers")
     handler = logging.StreamHandler(stream)
     logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # another library may have silenced transformers earlier in the session
     messages: list[str] = []
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -78,6 +80,7 @@ def captured_hf_messages():
             messages.extend(str(w.message) for w in caught)
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
         messages.extend(stream.getvalue().splitlines())
 
 
