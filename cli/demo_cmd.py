@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -15,7 +16,9 @@ def demo_command(
     root: Path = typer.Option(Path("checkpoints"), "--root", help="Cells land in ROOT/<preset>/<cell>/."),
     data_root: Path = typer.Option(Path("data"), "--data-root", help="Where the corpus is prepared."),
     reports: Path = typer.Option(Path("reports"), "--reports", help="The report lands in REPORTS/<preset>/index.html."),
-    threads: int = typer.Option(0, "--threads", help="torch CPU threads (0: leave torch's default)."),
+    threads: int = typer.Option(0, "--threads", help="torch CPU threads of this process (0: leave torch's default)."),
+    workers: int = typer.Option(min(2, os.cpu_count() or 1), "--workers",
+                                help="Cells trained at once in 1-thread worker processes (1: train in this process)."),
     tasks: bool = typer.Option(True, "--tasks/--no-tasks", help="Also evaluate the synthetic depth tasks."),
 ):
     """Prepare the default corpus, train the preset's iso-parameter grid, run every depth probe, write the report.
@@ -44,7 +47,7 @@ def demo_command(
                 progress.update(bar, completed=fraction, stage=stage, description=detail)
 
             result = run_demo(preset, root=root, data_root=data_root, reports_root=reports, on_progress=show,
-                              tasks=tasks)
+                              tasks=tasks, workers=workers)
     except KeyboardInterrupt:
         console.print("interrupted; run the same command again to continue where it stopped")
         raise typer.Exit(130) from None
