@@ -1,22 +1,29 @@
 """CPU training-step cost of every registered architecture, relative to Pre-LN in the same run.
 
 One step = forward + cross-entropy + backward + AdamW step, at a deep-narrow shape (default L=32,
-d=64, 4 heads, batch 8, seq 128, vocab 256). Each architecture runs in its own fresh subprocess so
-its peak memory can be read cleanly:
+d=64, 4 heads, batch 8, seq 128, vocab 256), torch pinned to `--threads` (default 1) threads.
+Each architecture's peak memory is read in its own fresh subprocess; the times are measured in
+ONE process, steps interleaved round-robin (the order shuffled every round, so drifting machine
+load and cache effects hit all architectures alike), Pre-LN included:
 
-    ms/step   median wall time over the interleaved timed reps (after warmup)
-    x preln   ms/step ÷ Pre-LN's ms/step measured in this run
+    ms/step   median wall time over the timed rounds (after warmup)
+    x preln   median over rounds of (this arch's step time ÷ Pre-LN's in the same round), wall clock
+    cpu x     the same ratio on process CPU time: on a shared machine this leaves out the time the
+              process waits for a core (the more stable figure when other jobs run; memory-bandwidth
+              contention still counts)
     peak MiB  ru_maxrss after two steps − RSS just before the first step (model already built):
               the step's working set (activations, grads, AdamW state, temporaries)
     mem x     peak MiB ÷ Pre-LN's
 
-Usage: python benchmarks/bench_arch_step.py [--threads 2] [--reps 5] [--warmup 2] [--arch attnres ...]
+Usage: python benchmarks/bench_arch_step.py [--threads 1] [--reps 9] [--warmup 2] [--arch hc mhc ...]
+       [--no-memory] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import resource
 import statistics
 import subprocess
@@ -25,6 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
 
 def rss_mib() -> float:
     """Current resident set size (Linux /proc)."""
@@ -73,8 +81,8 @@ def measure_memory(arch: str, args) -> dict:
     return {"arch": arch, "peak_mib": peak - base_rss, "params": model.param_counts()["total"]}
 
 
-def measure_times(names: list[str], args) -> dict[str, float]:
-    """Median ms/step per architecture, reps interleaved round-robin so load drifts hit all alike."""
+def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
+    """Per architecture: median wall ms/step and the median per-round ratios to Pre-LN (wall, CPU)."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -82,19 +90,28 @@ def measure_times(names: list[str], args) -> dict[str, float]:
     for step in steps.values():
         for _ in range(args.warmup):
             step()
-    times = {name: [] for name in names}
+    wall = {name: [] for name in names}
+    cpu = {name: [] for name in names}
+    order, rng = list(names), random.Random(0)
     for _ in range(args.reps):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+        rng.shuffle(order)
+        for name in order:
+            w0, c0 = time.perf_counter(), time.process_time()
+            steps[name]()
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+    base = names[0]
+    return {name: {
+        "ms": 1000 * statistics.median(wall[name]),
+        "x": statistics.median(w / b for w, b in zip(wall[name], wall[base])),
+        "cpu_x": statistics.median(c / b for c, b in zip(cpu[name], cpu[base])),
+    } for name in names}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--n-layer", dest="n_layer", type=int, default=32)
     parser.add_argument("--d-model", dest="d_model", type=int, default=64)
@@ -103,6 +120,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--arch", nargs="*", help="architectures to run (default: all registered)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory subprocesses")
+    parser.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -117,6 +136,9 @@ def main() -> None:
     passthrough = _strip_arch_values(sys.argv[1:])
     rows = []
     for name in names:
+        if not args.memory:
+            rows.append({"arch": name, "peak_mib": float("nan"), "params": 0})
+            continue
         out = subprocess.run([sys.executable, __file__, *passthrough, "--child", name],
                              capture_output=True, text=True)
         if out.returncode:
@@ -125,14 +147,21 @@ def main() -> None:
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     times = measure_times([row["arch"] for row in rows], args)
     for row in rows:
-        row["ms"] = times[row["arch"]]
+        row.update(times[row["arch"]])
         _print_row(row, rows[0])
-    print(f"\nL={args.n_layer} d={args.d_model} heads={args.n_heads} batch={args.batch} seq={args.seq} "
-          f"vocab={args.vocab} threads={args.threads} reps={args.reps} (median) warmup={args.warmup}")
+    settings = (f"L={args.n_layer} d={args.d_model} heads={args.n_heads} batch={args.batch} seq={args.seq} "
+                f"vocab={args.vocab} threads={args.threads} reps={args.reps} (median) warmup={args.warmup}")
+    print(f"\n{settings}")
+    if args.markdown:
+        print("\n| arch | params | ms/step | x preln (wall) | x preln (CPU time) | peak MiB | mem x |")
+        print("|---|---|---|---|---|---|---|")
+        for row in rows:
+            print(f"| {row['arch']} | {row['params']:,} | {row['ms']:.0f} | {row['x']:.2f} | {row['cpu_x']:.2f} | "
+                  f"{row['peak_mib']:.0f} | {row['peak_mib'] / rows[0]['peak_mib']:.2f} |")
 
 
 def _strip_arch_values(argv: list[str]) -> list[str]:
-    """argv without `--arch a b c` (the parent picks the architectures)."""
+    """argv without `--arch a b c` and the parent-only flags (the parent picks the architectures)."""
     out, skipping = [], False
     for a in argv:
         if a == "--arch":
@@ -141,7 +170,8 @@ def _strip_arch_values(argv: list[str]) -> list[str]:
         if skipping and not a.startswith("--"):
             continue
         skipping = False
-        out.append(a)
+        if a not in ("--markdown", "--no-memory"):
+            out.append(a)
     return out
 
 
@@ -151,9 +181,9 @@ _HEADER_PRINTED = False
 def _print_row(row: dict, base: dict) -> None:
     global _HEADER_PRINTED
     if not _HEADER_PRINTED:
-        print(f"{'arch':14s} {'params':>9s} {'ms/step':>9s} {'x preln':>8s} {'peak MiB':>9s} {'mem x':>6s}")
+        print(f"{'arch':14s} {'params':>9s} {'ms/step':>9s} {'x preln':>8s} {'cpu x':>6s} {'peak MiB':>9s} {'mem x':>6s}")
         _HEADER_PRINTED = True
-    print(f"{row['arch']:14s} {row['params']:9d} {row['ms']:9.1f} {row['ms'] / base['ms']:8.2f} "
+    print(f"{row['arch']:14s} {row['params']:9d} {row['ms']:9.1f} {row['x']:8.2f} {row['cpu_x']:6.2f} "
           f"{row['peak_mib']:9.1f} {row['peak_mib'] / base['peak_mib']:6.2f}", flush=True)
 
 

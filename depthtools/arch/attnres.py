@@ -32,6 +32,16 @@ at l = L) computes over the sources so far; at l = L it is exactly what the logi
 `final_query_readout` is the optional "final-query lens" (the final mixer over the sources so far).
 Geometry = readout.
 
+Computation (performance; same function either way). A run keeps its sources in one append-only
+`DepthBank` (bankops.py) shared by its states: each pushed source gets its key dots with every
+mixer's query at once, a mix reads n stored dots + one batched matmul over the buffer, and the
+sources' gradients are formed lazily, in bulk for several mixes (O(L²) work in few passes instead
+of ~10 per-source operations per (mix, source) pair). A step from a cached state that is not the
+bank's newest (a sweep) re-pushes that state's sources into a fresh bank (copy-on-branch); a bank
+whose mixer parameters changed since it was filled (optimizer step, edits) is not used. When a
+`hook_attnres_weights_*` hook is attached, mixes run source by source (bankops' per-source
+functions) so the weights can be read and edited.
+
 Skip rules (`skip_rules`, first = default):
   * "mask" (default): block l's outputs never enter the bank (later softmaxes renormalise over the
     remaining sources); the next mix uses the mixer the intact model would use there. With zero
@@ -52,13 +62,14 @@ Queries are excluded from weight decay (routing parameters, as DepthBench does f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch.bankops import bank_logits, inv_rms, weighted_sum
+from depthtools.arch.bankops import DepthBank, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import ResidualScheme
@@ -72,18 +83,24 @@ class SourceBank:
 
     sources:  completed sources, each [B,T,d] (Full: embedding + every sublayer output so far;
               Block: embedding b_0 + completed block sums).
-    scales:   1/rms of each completed source [B,T] (the key RMSNorm's divisor, computed once).
     partial:  Block AttnRes' running sum of the current block's outputs [B,T,d], or None.
     depth:    positions applied so far (0 = the embedding state).
     consumer: block whose consuming mixer makes the next mix; None = identity on the newest
               source (depth 0, or after a "next-output" skip).
+    bank:     the run's `DepthBank` holding `sources` in its first len(sources) slots (the fast
+              path; append-only, shared by the states of one run), or None.
+    handle:   the autograd handle of the bank's slot len(sources) - 1 (None without gradients).
     """
 
     sources: tuple[torch.Tensor, ...]
-    scales: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None = None
     depth: int = 0
     consumer: int | None = None
+    bank: DepthBank | None = field(default=None, compare=False, repr=False)
+    handle: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+
+_VERSION = attrgetter("_version")
 
 
 class DepthMixer(nn.Module):
@@ -93,6 +110,7 @@ class DepthMixer(nn.Module):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(d_model))
         self.key_norm = RMSNorm(d_model, eps)
+        self.column = -1  # this mixer's row in the bank's query matrix (set by the scheme)
 
     def forward(self, sources: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Depth-attention weights [B,T,n] = softmax_i(w · RMSNorm_gamma(v_i))."""
@@ -120,12 +138,19 @@ class AttnResScheme(ResidualScheme):
         self.attn_res = nn.ModuleList(DepthMixer(d, eps) for _ in range(L - 1))  # consumes block b's output
         self.final_res = DepthMixer(d, eps)  # consumes block L-1's output
         self.hook_attnres_weights_final = HookPoint()  # [B,T,n]
+        self._mixers: list[DepthMixer] = [*self.attn_res, self.final_res]  # + each block's mlp_res
+        for column, mixer in enumerate(self._mixers):
+            mixer.column = column
+        # bank slots: the embedding + every block boundary (Full: every sublayer but the last)
+        self.capacity = 2 + (2 * L) // block_size
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
         d, eps = self.cfg.d_model, self.cfg.norm_eps
         block.attn_norm, block.mlp_norm = RMSNorm(d, eps), RMSNorm(d, eps)
         block.mlp_res = DepthMixer(d, eps)
+        block.mlp_res.column = len(self._mixers)
+        self._mixers.append(block.mlp_res)
         for name in ("attn", "mlp"):
             setattr(block, f"hook_attnres_weights_{name}", HookPoint())  # [B,T,n]
             setattr(block, f"hook_{name}_in", HookPoint())  # [B,T,d]
@@ -135,7 +160,8 @@ class AttnResScheme(ResidualScheme):
 
     # -- the depth-state contract -------------------------------------------------------------
     def embed_state(self, x0: torch.Tensor) -> SourceBank:
-        return SourceBank(sources=(x0,), scales=(self._scale(x0),))
+        bank, handle = self._new_bank((x0,))
+        return SourceBank(sources=(x0,), bank=bank, handle=handle)
 
     def step(self, position, block, state: SourceBank, home, rope) -> SourceBank:
         attn = lambda x: block.attn(x, *rope)  # noqa: E731
@@ -178,26 +204,54 @@ class AttnResScheme(ResidualScheme):
         """At a block boundary (sublayer mod S == 0) push the running partial sum into the bank."""
         if sublayer % self.block_size or state.partial is None:
             return state
-        p = state.partial
-        return replace(state, sources=state.sources + (p,), scales=state.scales + (self._scale(p),), partial=None)
-
-    def _bank(self, state: SourceBank):
-        """All sources a mix may read now (completed + partial) and their key scales."""
-        if state.partial is None:
-            return state.sources, state.scales
-        return state.sources + (state.partial,), state.scales + (self._scale(state.partial),)
+        p, sources = state.partial, state.sources + (state.partial,)
+        bank = state.bank
+        if bank is not None and bank.fill == len(state.sources) and self._bank_current(bank):
+            handle = bank_push(bank, state.handle, p)  # the bank's newest state: append in place
+        else:
+            bank, handle = self._new_bank(sources)  # branching from an older state: copy-on-branch
+        return replace(state, sources=sources, partial=None, bank=bank, handle=handle)
 
     def _mix(self, state: SourceBank, mixer: DepthMixer | None, hook) -> torch.Tensor:
         """Σ_i alpha_i v_i [B,T,d]; alpha from `mixer`, or one-hot on the newest source if None."""
-        sources, scales = self._bank(state)
-        if mixer is None or len(sources) == 1:
-            weights = sources[-1].new_zeros(*sources[-1].shape[:-1], len(sources))
-            weights[..., -1] = 1.0  # identity on the newest source (a 1-source softmax is this too)
+        n = len(state.sources) + (state.partial is not None)
+        hooked = hook is not None and bool(hook._forward_hooks or hook._backward_hooks)
+        if mixer is None or n == 1:
+            if not hooked:  # identity on the newest source (a 1-source softmax is this too)
+                return state.partial if state.partial is not None else state.sources[-1]
+        elif not hooked and state.bank is not None and self._bank_current(state.bank):
+            return bank_mix(state.bank, state.handle, len(state.sources), mixer.column, state.partial)
+        # per-source path (the depth-attention weights are hooked, or no usable bank)
+        sources = state.sources if state.partial is None else state.sources + (state.partial,)
+        if mixer is None or n == 1:
+            weights = sources[-1].new_zeros(*sources[-1].shape[:-1], n)
+            weights[..., -1] = 1.0
         else:
-            weights = mixer(sources, scales)  # [B,T,n]
+            weights = mixer(sources, tuple(self._scale(v) for v in sources))  # [B,T,n]
         if hook is not None:
             weights = hook(weights)
         return weighted_sum(weights, sources)
+
+    # -- the fast path's bank -----------------------------------------------------------------
+    def _fingerprint(self) -> tuple:
+        """Storage and versions of the mixer parameters: the bank's dots are valid while unchanged
+        (an optimizer step or any in-place edit bumps a version; .to()/.double() move the storage)."""
+        params = self.__dict__.get("_mixer_params")
+        if params is None:  # flat list once (nn.Module attribute lookups cost ~2 µs each)
+            params = self.__dict__["_mixer_params"] = [p for m in self._mixers for p in (m.query, m.key_norm.weight)]
+        return params[0].data_ptr(), tuple(map(_VERSION, params))
+
+    def _bank_current(self, bank: DepthBank) -> bool:
+        return bank.fingerprint == self._fingerprint()
+
+    def _new_bank(self, sources: tuple[torch.Tensor, ...]):
+        """(bank, handle) holding `sources` (the queries of all mixers as they are now)."""
+        queries = torch.stack([m.query * m.key_norm.weight for m in self._mixers])  # [M,d]
+        bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.cfg.norm_eps, self._fingerprint())
+        handle = None
+        for v in sources:
+            handle = bank_push(bank, handle, v)
+        return bank, handle
 
     def _scale(self, source: torch.Tensor) -> torch.Tensor:
         return inv_rms(source, self.cfg.norm_eps)

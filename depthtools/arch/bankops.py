@@ -13,6 +13,11 @@ gradient would keep it alive until every source's gradient is accumulated. First
 
 With r_i = 1/rms(v_i) and q = query ⊙ gamma, `bank_logits` is query · RMSNorm_gamma(v_i) — the
 AttnRes key logits — without materialising the n normalised keys.
+
+These two serve DenseFormer (static weights, ≤ L+1 sources) and AttnRes when its depth-attention
+weights are hooked. AttnRes' training path is `DepthBank` (`bank_push` / `bank_mix`, second half
+of this file): one append-only buffer per run, key dots precomputed at push time, and source
+gradients formed lazily and in bulk — see the comment above `DepthBank`.
 """
 
 from __future__ import annotations
@@ -94,3 +99,217 @@ def weighted_sum(weights: torch.Tensor, sources: tuple[torch.Tensor, ...]) -> to
 def bank_logits(query: torch.Tensor, sources: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """[B,T,n] logits r_i · (v_i · query) for sources n × [B,T,d] and scales n × [B,T]."""
     return _BankLogits.apply(query, len(sources), *sources, *scales)
+
+
+# -- the depth-attention bank (AttnRes fast path) ----------------------------------------------
+#
+# AttnRes mixes, at each of 2L sublayers, all n earlier sources: per step the work is O(n·B·T·d),
+# O(L²·B·T·d) per pass, and on CPU at d = 64 it is memory traffic and per-source call overhead.
+# `DepthBank` keeps the sources of one run in ONE append-only buffer and organises the
+# arithmetic so that the O(L²) part is as few passes over that buffer as possible (slot-major
+# [cap,N,d]: appends are contiguous, and CPU bmm reads a token's slots at a fixed stride well):
+#
+#   * key logits: logit_{m,i} = r_i · (v_i · q_m) with q_m = w_m ⊙ gamma_m. The dots v_i · q_m are
+#     formed for ALL M mixers when v_i is pushed (one [N,d]x[d,M] GEMM), so a mix reads n stored
+#     numbers per token instead of the n sources: O(L) instead of O(L²) (`_Push`).
+#   * forward mix: h = Σ_i α_i v_i is one batched matmul over the buffer (`_Mix`).
+#   * backward: a mix only records its output gradient g (and ρ = g·h). The gradient of source j
+#     is formed in j's `_Push` backward, which autograd runs after every mix that read v_j (all of
+#     them hold a later handle of the chain). There the recorded mixes are flushed: with K or more
+#     pending, in bulk, for ALL sources ≤ j at once (two batched matmuls with K rows: one read of
+#     the buffer, one read-modify-write of its gradient, shared by K mixes); else only for v_j.
+#     dα_i = g·v_i, dlogit_i = α_i (dα_i - ρ) (softmax backward: ρ = Σ α g·v = g·h).
+#
+# Buffers (N = B·T tokens, cap slots, M mixers): values [cap,N,d], inverse RMS [cap,N], dots
+# [cap,M,N]; gradient accumulators of the same shapes. A bank is append-only: a run that branches
+# from a cached state that is not the bank's newest (a sweep) re-pushes that state's sources into
+# a fresh bank (copy-on-branch), so every state stays valid and immutable from the caller's view.
+#
+# First-order only; the mixes' weights are not hookable here (the scheme uses the per-source
+# functions above when a weights hook is attached).
+
+FLUSH_AT = 8  # pending mixes that trigger a bulk flush (~4 passes over the sources it covers; 6-10 measured alike)
+
+
+class _MixRecord:
+    """A mix that read sources 0..n-1 of a bank: what the sources' gradients need from it."""
+
+    __slots__ = ("col", "n", "weights", "grad", "rho", "flushed_to")
+
+    def __init__(self, col: int, n: int, weights: torch.Tensor):
+        self.col, self.n, self.weights = col, n, weights  # weights [n, N] (tokens last)
+        self.grad = self.rho = None  # [N,d], [N] once its backward ran
+        self.flushed_to = n  # sources >= flushed_to already hold this mix's contribution
+
+
+class DepthBank:
+    """One run's sources v_0..v_{fill-1} in append-only buffers (see the section comment)."""
+
+    def __init__(self, first: torch.Tensor, queries: torch.Tensor, capacity: int, eps: float, fingerprint):
+        N, d = first.numel() // first.shape[-1], first.shape[-1]
+        M = queries.shape[0]
+        self.shape, self.eps, self.fingerprint = first.shape, eps, fingerprint
+        self.queries = queries  # [M,d]: w_m ⊙ gamma_m of every mixer (part of the graph)
+        self.values = first.new_empty(capacity, N, d)
+        self.inv_rms = first.new_empty(capacity, N)
+        self.dots = first.new_empty(capacity, M, N)
+        self.fill = 0
+        self.records: list[_MixRecord] = []
+        self.grad_values = self.grad_dots = self.grad_inv_rms = None
+
+    @property
+    def capacity(self) -> int:
+        return self.values.shape[0]
+
+    def _grads(self):
+        if self.grad_values is None:
+            self.grad_values = torch.zeros_like(self.values)
+            self.grad_dots = torch.zeros_like(self.dots)
+            self.grad_inv_rms = torch.zeros_like(self.inv_rms)
+        return self.grad_values, self.grad_dots, self.grad_inv_rms
+
+    def flush(self, j: int) -> None:
+        """Add every pending mix's contribution to source j (and, in bulk, to all sources < j)."""
+        pending = [r for r in self.records if r.grad is not None and r.flushed_to > j]
+        if not pending:
+            return
+        gv, gdots, ginv = self._grads()
+        if len(pending) < FLUSH_AT:  # only source j, mix by mix
+            v, r_j = self.values[j], self.inv_rms[j]
+            for rec in pending:
+                a = rec.weights[j]  # [N]
+                dlogit = (torch.linalg.vecdot(rec.grad, v) - rec.rho).mul_(a)
+                gv[j].addcmul_(rec.grad, a.unsqueeze(1))
+                gdots[j, rec.col].addcmul_(dlogit, r_j)
+                ginv[j].addcmul_(dlogit, self.dots[j, rec.col])
+                rec.flushed_to = j
+            return
+        J = j + 1  # bulk: sources 0..j at once
+        G = torch.stack([r.grad for r in pending], 1)  # [N,K,d]
+        W = torch.stack([r.weights[:J] for r in pending], 0)  # [K,J,N]
+        rho = torch.stack([r.rho for r in pending], 0)  # [K,N]
+        cols = torch.tensor([r.col for r in pending], device=G.device)
+        dalpha = torch.bmm(G, self.values[:J].permute(1, 2, 0)).permute(1, 2, 0)  # [K,J,N] = g·v
+        dlogit = dalpha.sub_(rho.unsqueeze(1)).mul_(W)  # softmax backward
+        # Σ_mixes α g: [N,J,K] @ [N,K,d]. (bmm wants unit-stride items and an unstrided output, else
+        # it falls back to a per-token loop: hence the contiguous copy and the separate add.)
+        gv[:J] += torch.bmm(W.permute(2, 1, 0).contiguous(), G).transpose(0, 1)
+        gdots[:J].index_add_(1, cols, (dlogit * self.inv_rms[:J]).transpose(0, 1))  # logit = dot · r
+        ginv[:J] += (dlogit.transpose(0, 1) * self.dots[:J, cols]).sum(1)
+        for rec in pending:
+            rec.flushed_to = 0
+
+    def source_grad(self, j: int, v: torch.Tensor):
+        """(dL/dv_j [N,d], dL/dqueries [M,d]) once every mix that read v_j has been flushed."""
+        self.flush(j)
+        if self.grad_values is None:
+            return None, None
+        gv, gdots, ginv = self.grad_values[j], self.grad_dots[j], self.grad_inv_rms[j]
+        vf = v.reshape(-1, v.shape[-1]).to(gv.dtype)
+        r = self.inv_rms[j]
+        grad = torch.addmm(gv, gdots.t(), self.queries.to(gv.dtype))  # through the dots v · q_m
+        grad.addcmul_(vf, (ginv * r.pow(3) * (-1.0 / vf.shape[-1])).unsqueeze(1))  # through r = 1/rms(v)
+        grad_q = gdots @ vf  # [M,d]
+        if j == 0:  # the backward pass is complete: forget the mixes' gradients
+            for rec in self.records:
+                rec.grad = rec.rho = None
+                rec.flushed_to = rec.n
+            self.grad_values = self.grad_dots = self.grad_inv_rms = None
+        return grad, grad_q
+
+
+class _Push(torch.autograd.Function):
+    """Append source v [B,T,d] to a bank (slot j): returns the new handle (an empty tensor whose
+    autograd node orders the bank's backward; see the section comment)."""
+
+    @staticmethod
+    def forward(ctx, handle, v, queries, bank: DepthBank):
+        j = bank.fill
+        vf = v.reshape(-1, v.shape[-1])
+        bank.values[j] = vf
+        r = bank.inv_rms[j]
+        torch.linalg.vector_norm(vf, dim=-1, out=r)
+        r.square_().div_(vf.shape[-1]).add_(bank.eps).rsqrt_()
+        torch.mm(queries.to(vf.dtype), vf.t(), out=bank.dots[j])  # [M,N]
+        bank.fill = j + 1
+        ctx.bank, ctx.j = bank, j
+        ctx.save_for_backward(v)
+        return v.new_empty(0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, _):
+        (v,) = ctx.saved_tensors
+        grad, grad_q = ctx.bank.source_grad(ctx.j, v)
+        if grad is not None:
+            grad = grad.view(v.shape).to(v.dtype)
+        return None, grad, grad_q, None
+
+
+def bank_push(bank: DepthBank, handle, v: torch.Tensor):
+    """Append v to `bank` (must be the bank's newest state) and return the new handle."""
+    if bank.fill >= bank.capacity:
+        raise RuntimeError("depth bank is full")  # capacity is sized from the model; a bug if hit
+    return _Push.apply(handle, v, bank.queries, bank)
+
+
+class _Mix(torch.autograd.Function):
+    """h = Σ_{i<n} α_i v_i (+ α_p p) with α = softmax over the sources of logit_i = r_i (v_i·q_m)
+    (+ the partial source p's own logit); the banked sources' gradients are deferred to the bank."""
+
+    @staticmethod
+    def forward(ctx, handle, queries, partial, bank: DepthBank, n: int, col: int):
+        N = bank.values.shape[1]
+        logits = bank.dots[:n, col] * bank.inv_rms[:n]  # [n,N]
+        q = queries[col].to(bank.values.dtype)
+        if partial is not None:
+            pf = partial.reshape(N, -1).to(bank.values.dtype)
+            p_dot = pf @ q  # [N]
+            p_inv = torch.linalg.vector_norm(pf, dim=-1).square_().div_(pf.shape[-1]).add_(bank.eps).rsqrt_()
+            logits = torch.cat([logits, (p_dot * p_inv).unsqueeze(0)], 0)
+        alpha = torch.softmax(logits, dim=0)  # [n(+1), N]
+        if n * bank.values.shape[-1] < 400:  # (bmm's slow per-item kernel below this size: a loop)
+            h = bank.values[0] * alpha[0].unsqueeze(1)
+            for i in range(1, n):
+                h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
+        else:
+            h = torch.bmm(alpha[:n].t().contiguous().unsqueeze(1), bank.values[:n].transpose(0, 1)).squeeze(1)  # [N,d]
+        if partial is not None:
+            h.addcmul_(pf, alpha[n].unsqueeze(1))
+            ctx.save_for_backward(pf, p_dot, p_inv, q)
+            ctx.partial_shape, ctx.partial_dtype = partial.shape, partial.dtype
+        ctx.bank, ctx.n, ctx.col, ctx.has_partial = bank, n, col, partial is not None
+        ctx.shape, ctx.q_dtype = queries.shape, queries.dtype
+        ctx.record = None
+        if any(ctx.needs_input_grad):  # (False when run without gradients)
+            ctx.record = _MixRecord(col, n, alpha[:n])
+            bank.records.append(ctx.record)
+        ctx.alpha, ctx.h = alpha, h
+        return h.view(*bank.shape[:-1], h.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        g = grad.reshape(ctx.h.shape).to(ctx.h.dtype).contiguous()
+        rho = torch.linalg.vecdot(g, ctx.h)  # [N] = Σ_i α_i g·v_i
+        if ctx.record is not None:
+            ctx.record.grad, ctx.record.rho = g, rho
+        grad_partial = grad_q = None
+        if ctx.has_partial:
+            pf, p_dot, p_inv, q = ctx.saved_tensors
+            a_p = ctx.alpha[ctx.n]
+            dl = (torch.linalg.vecdot(g, pf) - rho) * a_p  # d logit_p
+            gp = g * a_p.unsqueeze(1)
+            gp.addmm_(dl.mul(p_inv).unsqueeze(1), q.unsqueeze(0))  # through p·q
+            gp.addcmul_(pf, (dl * p_dot * p_inv.pow(3) * (-1.0 / pf.shape[-1])).unsqueeze(1))  # through r_p
+            grad_partial = gp.view(ctx.partial_shape).to(ctx.partial_dtype)
+            if ctx.needs_input_grad[1]:
+                grad_q = q.new_zeros(ctx.shape)
+                grad_q[ctx.col] = (dl * p_inv) @ pf
+                grad_q = grad_q.to(ctx.q_dtype)
+        return None, grad_q, grad_partial, None, None, None
+
+
+def bank_mix(bank: DepthBank, handle, n: int, col: int, partial: torch.Tensor | None) -> torch.Tensor:
+    """Depth attention of mixer column `col` over the first n banked sources (+ a partial source)."""
+    return _Mix.apply(handle, bank.queries, partial, bank, n, col)

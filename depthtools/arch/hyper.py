@@ -58,6 +58,14 @@ as DepthBench; not in the papers), head_mixer (False), connector_norm_eps (1e-8 
 and for mHC mhc_init ("hc_like") and sinkhorn_iters (20). Weight decay: static routing params,
 gates and biases are excluded (`no_decay_names`, as DepthBench's disable_static_weight_decay);
 the dynamic projections (dynamic_alpha/beta, φ, head_fn) decay like other matrices.
+
+Computation (performance; same function either way). At d = 64 a connector is many small
+operations on a 1 MB stream state, so its cost is call overhead and extra passes. Unless a
+weights hook (width/res/depth) is attached, each connector runs as ONE autograd node
+(`_HCConnect` with forward-mode jvp, so torch.func.jvp works; `_MHCConnect`, whose Sinkhorn has
+no jvp, like `sinkhorn_knopp`) with a hand-written backward, and the update H ← R H + β ⊗ y is
+`_Update`. With a weights hook the connector is formed step by step (`weights`) so the hooked
+tensors can be read and edited.
 """
 
 from __future__ import annotations
@@ -145,42 +153,66 @@ def _tokens_last(x: torch.Tensor) -> torch.Tensor:
     return out.view(n, n, tokens)
 
 
+def _sinkhorn_loop(p: torch.Tensor, t_max: int, tiny: float):
+    """2·t_max - 1 half-steps y = m / s on [n_out, n_in, N] (columns first): (result, ys, ss)."""
+    m = p
+    ys: list[torch.Tensor] = []
+    ss: list[torch.Tensor] = []
+    for step in range(2 * t_max - 1):
+        s = m.sum(step % 2, keepdim=True).clamp_min_(tiny)  # dim 0 = column sums, 1 = row sums
+        m = m / s
+        ys.append(m)
+        ss.append(s)
+    return m, ys, ss
+
+
+def _sinkhorn_loop_backward(g: torch.Tensor, p: torch.Tensor, ys: list[torch.Tensor], ss: list[torch.Tensor]):
+    """Gradient of the softmax logits from the gradient g of the result."""
+    for step in range(len(ys) - 1, -1, -1):
+        g = (g - (g * ys[step]).sum(step % 2, keepdim=True)) / ss[step]
+    return p * (g - (g * p).sum(1, keepdim=True))  # softmax backward
+
+
+def _sinkhorn_forward(z: torch.Tensor, t_max: int):
+    """Sinkhorn of tokens-last logits z [n_out, n_in, N]: (result [n,n,N], saved for backward).
+
+    Softmax over n_in (exp + first row normalisation), then 2·t_max - 1 half-steps y = m / s,
+    s = m.sum(dim) (columns first; clamped at the smallest normal so an underflowed line cannot
+    give 0/0).
+    """
+    p = torch.softmax(z, dim=1)
+    m, ys, ss = _sinkhorn_loop(p, t_max, torch.finfo(z.dtype).tiny)
+    return m, (p, ys, ss)
+
+
+def _sinkhorn_backward(saved, g: torch.Tensor) -> torch.Tensor:
+    """Gradient of the logits from the gradient g [n,n,N] of the result: half-step backward
+    dm = (g - Σ_dim g·y) / s, then the softmax backward."""
+    p, ys, ss = saved
+    return _sinkhorn_loop_backward(g, p, ys, ss)
+
+
 class _SinkhornKnopp(torch.autograd.Function):
     """The unrolled Sinkhorn iteration with a hand-written backward, run with tokens last.
 
     Why: n is tiny (4), and PyTorch's CPU kernels for reductions/softmax over a size-4 last
     dimension are ~10-100x slower than over a contiguous token dimension; autograd would also
     record ~6 nodes per half-step. Layout inside: [n_out, n_in, N] with N = all leading dims.
-    Each half-step is y = m / s with s = m.sum(dim) (clamped at the smallest normal so an
-    underflowed line cannot give 0/0); its backward is dm = (g - sum(g·y, dim)) / s.
+    See `_sinkhorn_forward` / `_sinkhorn_backward`.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, t_max: int) -> torch.Tensor:
         n = logits.shape[-1]
-        z = _tokens_last(logits)  # [n, n, N]
-        m = p = torch.softmax(z, dim=1)  # exp + first row normalisation
-        tiny = torch.finfo(m.dtype).tiny
-        trace = []  # (y, s) of each half-step: columns, rows, columns, ..., columns
-        for step in range(2 * t_max - 1):
-            s = m.sum(dim=0 if step % 2 == 0 else 1, keepdim=True).clamp_min_(tiny)
-            m = m / s
-            trace += [m, s]
-        ctx.save_for_backward(p, *trace)
-        return m.view(n * n, -1).T.reshape(logits.shape)
+        m, saved = _sinkhorn_forward(_tokens_last(logits), t_max)
+        ctx.saved = saved  # internal buffers (not inputs/outputs of this Function)
+        return m.reshape(n * n, -1).T.reshape(logits.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
-        p, *trace = ctx.saved_tensors
-        n = p.shape[0]
-        g = _tokens_last(grad)  # a fresh copy: updated in place below
-        gy = torch.empty_like(g)
-        for step in reversed(range(len(trace) // 2)):
-            y, s = trace[2 * step], trace[2 * step + 1]
-            torch.mul(g, y, out=gy)
-            g.sub_(gy.sum(dim=0 if step % 2 == 0 else 1, keepdim=True)).div_(s)
-        g = p * (g - (g * p).sum(dim=1, keepdim=True))  # softmax backward
+        n = grad.shape[-1]
+        g = _sinkhorn_backward(ctx.saved, _tokens_last(grad))
         return g.view(n * n, -1).T.reshape(grad.shape), None
 
 
@@ -201,8 +233,20 @@ class _Connector(nn.Module):
     def weights(self, H: torch.Tensor):
         raise NotImplementedError
 
+    def fused(self, H: torch.Tensor):
+        """(u [N,d], R @ H [N,n,d], β [N,n]) for H [N,n,d] in one autograd node, or None if n/a."""
+        return None
+
     def forward(self, H: torch.Tensor):
         """(u [B,T,d], R @ H [B,T,n,d], β [B,T,n]) for streams H [B,T,n,d]."""
+        lead, (n, d) = H.shape[:-2], H.shape[-2:]
+        weight_hooks = (self.hook_width_weights, self.hook_res_weights, self.hook_depth_weights)
+        if H.dtype == _compute_dtype(H) and not any(h._forward_hooks or h._backward_hooks for h in weight_hooks):
+            with _full_precision(H):
+                out = self.fused(H.reshape(-1, n, d))
+            if out is not None:  # (weights not hooked: the fused connector, same function)
+                u, mixed, depth = out
+                return self.hook_branch_in(u.view(*lead, d)), mixed.view(*lead, n, d), depth.view(*lead, n)
         with _full_precision(H):
             routing, depth = self.weights(H)  # [B,T,n+1,n], [B,T,n]
             if self.hook_width_weights._forward_hooks or self.hook_res_weights._forward_hooks:
@@ -210,19 +254,333 @@ class _Connector(nn.Module):
                 width = self.hook_width_weights(width.squeeze(-2)).unsqueeze(-2)
                 routing = torch.cat([width, self.hook_res_weights(res)], dim=-2)
             depth = self.hook_depth_weights(depth)
-            # one batched matmul per token (a 3-d bmm: CPU's 4-d matmul path is ~30x slower here)
-            mixed = torch.bmm(routing.to(H.dtype).flatten(0, -3), H.flatten(0, -3))  # [B·T, n+1, d]
-            u, mixed = mixed.view(*H.shape[:-2], self.n + 1, H.shape[-1]).split([1, self.n], dim=-2)
-        return self.hook_branch_in(u.squeeze(-2)), mixed, depth.to(H.dtype)
+            u, mixed = _Mix.apply(routing.to(H.dtype).reshape(-1, n + 1, n), H.reshape(-1, n, d))
+        return self.hook_branch_in(u.view(*lead, d)), mixed.view(*lead, n, d), depth.to(H.dtype)
+
+
+# -- fused pieces (custom autograd with forward-mode jvp, so torch.func.jvp still works) ---------
+#
+# Why: at d = 64 every HC/mHC sublayer is a few small operations on a 1 MB stream state, and their
+# cost is per-call overhead and extra passes (CPU GEMM with 6 output columns, x² temporaries, the
+# split/cat of the mixed streams, broadcast-multiply-sum backward of the update), not arithmetic.
+
+class _ProjRms(torch.autograd.Function):
+    """(x @ w [M,m], 1/rms(x) [M,1]) for rows x [M,k] and a thin projection w [k,m].
+
+    x @ w is formed as (wᵀ xᵀ)ᵀ: MKL's CPU GEMM is ~5x faster for m = 6 output columns in that
+    orientation; mean(x²) is one fused dot product (no x² temporary).
+    """
+
+    @staticmethod
+    def forward(x, w, eps):
+        proj = (w.t() @ x.t()).t().contiguous()
+        inv = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps))
+        return proj, inv
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, _ = inputs
+        ctx.save_for_backward(x, w, output[1])
+        ctx.save_for_forward(x, w, output[1])
+
+    @staticmethod
+    def backward(ctx, g_proj, g_inv):
+        x, w, inv = ctx.saved_tensors
+        gx = gw = None
+        if g_proj is not None:
+            if ctx.needs_input_grad[0]:
+                gx = g_proj @ w.t()
+            if ctx.needs_input_grad[1]:
+                gw = (g_proj.t() @ x).t()
+        if g_inv is not None and ctx.needs_input_grad[0]:
+            coef = g_inv * inv.pow(3) * (-1.0 / x.shape[-1])  # d inv / dx = -inv³ x / k
+            gx = x * coef if gx is None else gx.addcmul_(x, coef)
+        return gx, gw, None
+
+    @staticmethod
+    def jvp(ctx, dx, dw, _):
+        x, w, inv = ctx.saved_tensors
+        d_proj = None
+        if dx is not None:
+            d_proj = dx @ w
+        if dw is not None:
+            d_proj = x @ dw if d_proj is None else d_proj + x @ dw
+        if d_proj is None:
+            d_proj = x.new_zeros(x.shape[0], w.shape[1])
+        d_inv = (-inv.pow(3) / x.shape[-1]) * torch.linalg.vecdot(x, dx).unsqueeze(-1) if dx is not None else torch.zeros_like(inv)
+        return d_proj, d_inv
+
+
+class _Mix(torch.autograd.Function):
+    """(u, R H) = rows of bmm([w; R], H) for routing [N,n+1,n] and streams H [N,n,d], as two outputs
+    (views of one product), so the backward assembles their gradients once instead of autograd's
+    split/cat."""
+
+    @staticmethod
+    def forward(routing, H):
+        out = torch.bmm(routing.contiguous(), H)
+        return out[:, 0], out[:, 1:]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.save_for_forward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g_u, g_mixed):
+        routing, H = ctx.saved_tensors
+        N, n, d = H.shape
+        g_u = H.new_zeros(N, d) if g_u is None else g_u
+        g_mixed = H.new_zeros(N, n, d) if g_mixed is None else g_mixed
+        g = torch.cat([g_u.view(N, 1, d), g_mixed.view(N, n, d)], 1)
+        g_routing = torch.bmm(g, H.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        g_H = torch.bmm(routing.transpose(1, 2), g) if ctx.needs_input_grad[1] else None
+        return g_routing, g_H
+
+    @staticmethod
+    def jvp(ctx, d_routing, d_H):
+        routing, H = ctx.saved_tensors
+        out = None
+        if d_routing is not None:
+            out = torch.bmm(d_routing, H)
+        if d_H is not None:
+            out = torch.bmm(routing, d_H) if out is None else out.baddbmm_(routing, d_H)
+        if out is None:
+            out = H.new_zeros(routing.shape[0], routing.shape[1], H.shape[-1])
+        return out[:, 0], out[:, 1:]
+
+
+class _Update(torch.autograd.Function):
+    """H' = mixed + β ⊗ y for mixed [...,n,d], β [...,n], y [...,d] (same dtype)."""
+
+    @staticmethod
+    def forward(mixed, depth, y):
+        return torch.addcmul(mixed, depth.unsqueeze(-1), y.unsqueeze(-2))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], inputs[2])
+        ctx.save_for_forward(inputs[1], inputs[2])
+
+    @staticmethod
+    def backward(ctx, g):
+        depth, y = ctx.saved_tensors
+        g_depth = torch.linalg.vecdot(g, y.unsqueeze(-2)) if ctx.needs_input_grad[1] else None
+        g_y = None
+        if ctx.needs_input_grad[2]:  # Σ_s β_s g_s: n fused multiply-adds beat a multiply-sum
+            g_y = g[..., 0, :] * depth[..., 0, None]
+            for s in range(1, g.shape[-2]):
+                g_y.addcmul_(g[..., s, :], depth[..., s, None])
+        return g, g_depth, g_y
+
+    @staticmethod
+    def jvp(ctx, d_mixed, d_depth, d_y):
+        depth, y = ctx.saved_tensors
+        out = torch.zeros(*depth.shape, y.shape[-1], dtype=y.dtype, device=y.device) if d_mixed is None else d_mixed.clone()
+        if d_depth is not None:
+            out.addcmul_(d_depth.unsqueeze(-1), y.unsqueeze(-2))
+        if d_y is not None:
+            out.addcmul_(depth.unsqueeze(-1), d_y.unsqueeze(-2))
+        return out
 
 
 def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """1 / sqrt(mean(x²) + eps) over the last dim, keepdim: RMSNorm without gamma is x · this.
 
     Projections of a normalised vector are computed as (x @ W) · inverse_rms (as in Liger's
-    reference), which avoids materialising the normalised [B,T,n,d] copy.
+    reference), which avoids materialising the normalised [B,T,n,d] copy. mean(x²) as one fused
+    dot product (no x² temporary; pow's backward is ~4x slower on CPU).
     """
-    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
+
+
+def _zero_or(t, like_shape, ref):
+    return t if t is not None else ref.new_zeros(like_shape)
+
+
+class _HCConnect(torch.autograd.Function):
+    """The whole HC connector as one autograd node: (u, R H, β) from H [N,n,d] and its parameters.
+
+        proj = H @ [W_m | W_r | W_b] (rows = streams), inv = 1/rms(H_s), t = tanh(proj·inv)
+        coeffs = [S_m | S_r | S_b] + [s_a … s_a | s_b] ⊙ t        [N, n, n+2]
+        [w; R] = coeffs[..., :n+1]ᵀ, β = coeffs[..., n+1], (u; R H) = bmm([w; R], H)
+
+    Same arithmetic as `HyperConnection.weights` + `_Connector.forward`, with a hand-written
+    backward and forward-mode jvp (torch.func.jvp keeps working). Intermediates are returned as
+    extra non-differentiable outputs (the functorch-compatible way to save them).
+    """
+
+    @staticmethod
+    def forward(H, Wa, wb, Sa, sb, sa, sbeta, eps):
+        H = H.contiguous()
+        N, n, d = H.shape
+        P = torch.cat([Wa, wb.unsqueeze(1)], 1)  # [d, n+2]
+        Hf = H.view(N * n, d)
+        raw = (P.t() @ Hf.t()).t().contiguous()  # [Nn, n+2]; (Pᵀ Hᵀ)ᵀ: ~5x faster CPU GEMM than H @ P at n+2 = 6
+        inv = torch.linalg.vector_norm(Hf, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
+        t = torch.tanh(raw * inv)
+        scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
+        coeffs = (t.view(N, n, n + 2) * scale).add_(torch.cat([Sa, sb.unsqueeze(1)], 1))
+        routing = coeffs[..., : n + 1].transpose(1, 2).contiguous()  # [N, n+1, n]
+        out = torch.bmm(routing, H)
+        return out[:, 0], out[:, 1:], coeffs[..., n + 1].contiguous(), routing, raw, inv, t, scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        H, Wa, wb = inputs[:3]
+        routing, raw, inv, t, scale = output[3:]
+        ctx.mark_non_differentiable(routing, raw, inv, t, scale)
+        ctx.eps = inputs[7]
+        ctx.save_for_backward(H, Wa, wb, routing, raw, inv, t, scale)
+        ctx.save_for_forward(H, Wa, wb, routing, raw, inv, t, scale)
+
+    @staticmethod
+    def backward(ctx, g_u, g_mixed, g_depth, *_):
+        H, Wa, wb, routing, raw, inv, t, scale = ctx.saved_tensors
+        H = H.contiguous()
+        N, n, d = H.shape
+        need = ctx.needs_input_grad
+        g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
+        g_coeffs = H.new_empty(N, n, n + 2)
+        g_coeffs[..., : n + 1] = torch.bmm(H, g_out.transpose(1, 2))  # = (g_out Hᵀ)ᵀ = dL/d[w; R]ᵀ
+        if g_depth is None:
+            g_coeffs[..., n + 1].zero_()
+        else:
+            g_coeffs[..., n + 1] = g_depth
+        gH = torch.bmm(routing.transpose(1, 2), g_out) if need[0] else None
+        g_flat = g_coeffs.view(N * n, n + 2)
+        g_S = g_coeffs.sum(0) if need[3] or need[4] else None  # [n, n+2]
+        g_scale = (g_flat * t).sum(0) if need[5] or need[6] else None
+        g_a = (g_flat * scale).mul_(1 - t * t)  # through tanh
+        g_raw = g_a * inv
+        P = torch.cat([Wa, wb.unsqueeze(1)], 1)
+        Hf = H.view(N * n, d)
+        if gH is not None:
+            g_inv = (g_a * raw).sum(-1, keepdim=True)
+            gHf = gH.view(N * n, d)
+            gHf.addmm_(g_raw, P.t())
+            gHf.addcmul_(Hf, g_inv * inv.pow(3) * (-1.0 / d))  # d inv / dH = -inv³ H / d
+        g_P = (g_raw.t() @ Hf).t() if need[1] or need[2] else None
+        return (gH,
+                g_P[:, : n + 1] if g_P is not None and need[1] else None,
+                g_P[:, n + 1] if g_P is not None and need[2] else None,
+                g_S[:, : n + 1] if need[3] else None,
+                g_S[:, n + 1] if need[4] else None,
+                g_scale[: n + 1].sum() if need[5] else None,
+                g_scale[n + 1] if need[6] else None,
+                None)
+
+    @staticmethod
+    def jvp(ctx, dH, dWa, dwb, dSa, dsb, dsa, dsbeta, _):
+        H, Wa, wb, routing, raw, inv, t, scale = ctx.saved_tensors
+        H = H.contiguous()
+        N, n, d = H.shape
+        Hf = H.view(N * n, d)
+        da = None
+        if dWa is not None or dwb is not None:
+            dP = torch.cat([_zero_or(dWa, Wa.shape, Wa), _zero_or(dwb, wb.shape, wb).unsqueeze(1)], 1)
+            da = (Hf @ dP) * inv
+        if dH is not None:
+            P = torch.cat([Wa, wb.unsqueeze(1)], 1)
+            dHf = dH.reshape(N * n, d)
+            dinv = inv.pow(3) * (-1.0 / d) * torch.linalg.vecdot(Hf, dHf).unsqueeze(-1)
+            term = (dHf @ P) * inv + raw * dinv
+            da = term if da is None else da + term
+        dcoeffs = torch.zeros(N * n, n + 2, dtype=H.dtype, device=H.device) if da is None else (da * (1 - t * t)) * scale
+        if dsa is not None or dsbeta is not None:
+            dscale = torch.cat([_zero_or(dsa, (), scale).expand(n + 1), _zero_or(dsbeta, (), scale).reshape(1)])
+            dcoeffs = dcoeffs + t * dscale
+        dcoeffs = dcoeffs.view(N, n, n + 2)
+        if dSa is not None or dsb is not None:
+            dcoeffs = dcoeffs + torch.cat([_zero_or(dSa, (n, n + 1), scale), _zero_or(dsb, (n,), scale).unsqueeze(1)], 1)
+        d_routing = dcoeffs[..., : n + 1].transpose(1, 2)
+        dout = torch.bmm(d_routing, H)
+        if dH is not None:
+            dout = dout.baddbmm_(routing, dH.reshape(N, n, d))
+        return dout[:, 0], dout[:, 1:], dcoeffs[..., n + 1], None, None, None, None, None
+
+
+class _MHCConnect(torch.autograd.Function):
+    """The whole mHC connector as one autograd node: (u, H_res H, H_post) from H [N,n,d].
+
+        x = vec H, mix = (Φᵀ xᵀ)·inv  [2n+n², N] (tokens last), inv = 1/rms(x)
+        H_pre = σ(g_pre·mix_pre + b_pre), H_post = 2σ(g_post·mix_post + b_post),
+        H_res = Sinkhorn(g_res·mix_res + b_res), (u; H_res H) = bmm([H_pre; H_res], H)
+
+    Same arithmetic as `ManifoldHyperConnection.weights` + `_Connector.forward` with a
+    hand-written backward (no forward-mode jvp, like `sinkhorn_knopp`).
+    """
+
+    @staticmethod
+    def forward(ctx, H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max):
+        H = H.contiguous()
+        N, n, d = H.shape
+        x = H.view(N, n * d)
+        Phi = torch.cat([phi_pre, phi_post, phi_res], 1)  # [nd, 2n+n²]
+        raw = Phi.t() @ x.t()  # [2n+n², N]: coefficients first, tokens last
+        inv = torch.linalg.vector_norm(x, dim=-1).square_().div_(n * d).add_(eps).rsqrt_()  # [N]
+        mix = raw * inv
+        h_pre = torch.sigmoid(mix[:n] * g_pre + b_pre.unsqueeze(1))  # [n, N]
+        h_post = torch.sigmoid(mix[n : 2 * n] * g_post + b_post.unsqueeze(1)).mul_(2)  # [n, N]
+        logits = mix[2 * n :].view(n, n, N) * g_res + b_res.unsqueeze(-1)  # [n_out, n_in, N]
+        h_res, sk_saved = _sinkhorn_forward(logits, t_max)
+        routing = H.new_empty(N, n + 1, n)
+        routing[:, 0] = h_pre.t()
+        routing[:, 1:] = h_res.permute(2, 0, 1)
+        out = torch.bmm(routing, H)
+        ctx.save_for_backward(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, routing, raw, inv, mix, h_pre, h_post)
+        ctx.sk_saved = sk_saved
+        return out[:, 0], out[:, 1:], h_post.t()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_u, g_mixed, g_depth):
+        H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, routing, raw, inv, mix, h_pre, h_post = ctx.saved_tensors
+        N, n, d = H.shape
+        need = ctx.needs_input_grad
+        g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
+        g_routing = torch.bmm(H, g_out.transpose(1, 2))  # [N, n_in, n+1] = (g_out Hᵀ)ᵀ
+        gH = torch.bmm(routing.transpose(1, 2), g_out) if need[0] else None
+        g_mix = torch.empty_like(mix)  # [2n+n², N]
+        # H_pre = σ(z): dz = g σ (1 - σ)
+        g_mix[:n] = g_routing[:, :, 0].t()
+        g_mix[:n].mul_(h_pre * (1 - h_pre))
+        # H_post = 2σ(z): dz = g · H_post (1 - H_post / 2)
+        if g_depth is None:
+            g_mix[n : 2 * n].zero_()
+        else:
+            g_mix[n : 2 * n] = g_depth.t()
+            g_mix[n : 2 * n].mul_(h_post * (1 - h_post * 0.5))
+        g_logits = _sinkhorn_backward(ctx.sk_saved, g_routing[:, :, 1:].permute(2, 1, 0).contiguous())  # [n_out,n_in,N]
+        g_mix[2 * n :] = g_logits.view(n * n, N)
+        grads = [None] * 12
+        if need[7]:
+            grads[7] = g_mix[:n].sum(1)
+        if need[8]:
+            grads[8] = g_mix[n : 2 * n].sum(1)
+        if need[9]:
+            grads[9] = g_logits.sum(2)
+        for i, (lo, hi) in zip((4, 5, 6), ((0, n), (n, 2 * n), (2 * n, 2 * n + n * n))):
+            if need[i]:
+                grads[i] = (g_mix[lo:hi] * mix[lo:hi]).sum()
+        g_mix[:n].mul_(g_pre)
+        g_mix[n : 2 * n].mul_(g_post)
+        g_mix[2 * n :].mul_(g_res)
+        g_raw = g_mix * inv  # [m, N]
+        x = H.view(N, n * d)
+        if gH is not None:
+            Phi = torch.cat([phi_pre, phi_post, phi_res], 1)
+            gx = gH.view(N, n * d)
+            gx.addmm_(g_raw.t(), Phi.t())
+            g_inv = (g_mix * raw).sum(0)  # [N]
+            gx.addcmul_(x, (g_inv * inv.pow(3) * (-1.0 / (n * d))).unsqueeze(1))
+            grads[0] = gH
+        if need[1] or need[2] or need[3]:
+            g_Phi = g_raw @ x  # [m, nd]
+            for i, (lo, hi) in zip((1, 2, 3), ((0, n), (n, 2 * n), (2 * n, 2 * n + n * n))):
+                if need[i]:
+                    grads[i] = g_Phi[lo:hi].t()
+        return tuple(grads)
 
 
 class HyperConnection(_Connector):
@@ -242,6 +600,10 @@ class HyperConnection(_Connector):
         self.dynamic_beta = nn.Parameter(torch.zeros(d))
         self.beta_scale = nn.Parameter(torch.tensor(0.01))
 
+    def fused(self, H):
+        return _HCConnect.apply(H, self.dynamic_alpha, self.dynamic_beta, self.static_alpha, self.static_beta,
+                                self.alpha_scale, self.beta_scale, self.eps)[:3]
+
     def weights(self, H):
         n, dtype = self.n, _compute_dtype(H)
         H = H.to(dtype)
@@ -249,7 +611,8 @@ class HyperConnection(_Connector):
         static = torch.cat([self.static_alpha, self.static_beta[:, None]], 1).to(dtype)  # [n, n+2]
         scale = torch.cat([self.alpha_scale.expand(n + 1), self.beta_scale[None]]).to(dtype)  # [n+2]
         proj = torch.cat([self.dynamic_alpha, self.dynamic_beta[:, None]], 1).to(dtype)  # [d, n+2]
-        coeffs = static + scale * torch.tanh((H @ proj) * _inverse_rms(H, self.eps))  # tanh(Hbar @ proj)
+        raw, inv = _ProjRms.apply(H.reshape(-1, H.shape[-1]), proj, self.eps)  # H @ proj, 1/rms per stream
+        coeffs = static + scale * torch.tanh((raw * inv).view(*H.shape[:-1], n + 2))  # tanh(Hbar @ proj)
         return coeffs[..., : n + 1].transpose(-1, -2), coeffs[..., n + 1]  # [A_m | A_r]^T = [w; R], β
 
 
@@ -277,11 +640,16 @@ class ManifoldHyperConnection(_Connector):
         self.bias_pre, self.bias_post = nn.Parameter(bias_pre), nn.Parameter(bias_post)
         self.bias_res = nn.Parameter(bias_res)
 
+    def fused(self, H):
+        return _MHCConnect.apply(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre, self.gate_post,
+                                 self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps, self.t_max)
+
     def weights(self, H):
         n, dtype = self.n, _compute_dtype(H)
         x = H.flatten(-2).to(dtype)  # [B,T,n·d]
         phi = torch.cat([self.phi_pre, self.phi_post, self.phi_res], 1).to(dtype)  # [n·d, 2n+n²]
-        mix = (x @ phi) * _inverse_rms(x, self.eps)  # [B,T,2n+n²] = x' @ phi
+        raw, inv = _ProjRms.apply(x.reshape(-1, x.shape[-1]), phi, self.eps)
+        mix = (raw * inv).view(*x.shape[:-1], phi.shape[1])  # [B,T,2n+n²] = x' @ phi
         pre, post, res = mix.split([n, n, n * n], dim=-1)
         p = lambda t: t.to(dtype)  # noqa: E731
         h_pre = torch.sigmoid(p(self.gate_pre) * pre + p(self.bias_pre))
@@ -362,7 +730,8 @@ class HyperScheme(ResidualScheme):
         """H ← R @ H + β ⊗ f(Norm(u)) for one sublayer."""
         u, mixed, depth = connector(H)  # [B,T,d], [B,T,n,d], [B,T,n]
         y = hook_out(fn(norm(u)))  # [B,T,d]
-        return torch.addcmul(mixed, depth.unsqueeze(-1), y.unsqueeze(-2))
+        dtype = torch.promote_types(mixed.dtype, y.dtype)
+        return _Update.apply(mixed.to(dtype), depth.to(dtype), y.to(dtype))
 
     def skip(self, position, state, rule=None):
         """"identity": streams unchanged; "branch": R mixing of both sublayers, no branch output."""

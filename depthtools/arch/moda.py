@@ -25,8 +25,16 @@ what DepthBench's call of the official kernel computes (rotated q, pre-RoPE cach
 score depends on the absolute position t. Use "query" to load DepthBench-trained weights.
 
 State = `MoDAState(h, keys, values, valid)`: the residual stream h [B,T,d] plus the depth cache
-keys/values [B,T,n_kv,S,hd] (None while S = 0) and a per-slot validity tuple. Steps never modify
-a state in place (they concatenate into new tensors), so cached states can be reused by sweeps.
+keys/values [B,T,n_kv,S,hd] (None while S = 0) and a per-slot validity tuple. States are immutable
+from the caller's view, so cached states can be reused by sweeps. Storage (performance): the
+keys/values of a run are (permuted) prefix views of ONE preallocated append-only buffer pair
+[2(L-1), n_kv, hd, B, T]; a step writes its two slots past the end (never inside anyone's view),
+so the per-step O(S) copy of an immutable concatenation (O(L^2) traffic and memory) is gone.
+Appending to a state that is not the buffer's newest (a sweep branching from a cached state) or
+to foreign tensors copies the prefix into a fresh buffer (copy-on-branch). See `_AppendSlots`.
+Attention without pattern hooks is `_DepthAttention`: PyTorch's fused flash attention for the
+sequence part, merged with the depth part through the log-sum-exp (no [B,H,T,T] tensor), and
+depth-slot gradients accumulated in place in the buffer's gradient side channel.
 Readout = geometry = h; the blocks are single-stream (hook_resid_* carry h; TransformerLens'
 logit lens accepts them). The depth cache is side state, invisible to the lens.
 
@@ -49,6 +57,7 @@ place), and any block run at position L-1 writes no slots.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -95,15 +104,152 @@ def moda_options(cfg: ModelConfig) -> tuple[str, str]:
     return norm, depth_rope
 
 
-def append_slots(state: MoDAState, h, keys: list, values: list, valid: tuple[bool, ...]) -> MoDAState:
-    """A new state with slots appended (keys/values: lists of [B,T,n_kv,hd])."""
+# -- the append-only depth K/V buffer ----------------------------------------------------------
+#
+# Layout: slots first, tokens last: [cap, n_kv, hd, B, T]. A state's keys are the permuted prefix
+# view buffer[:S].permute(3, 4, 1, 0, 2) = [B,T,n_kv,S,hd]. Tokens last because every depth
+# operation is a per-token contraction over S or hd, which PyTorch's CPU kernels vectorise well
+# along a long contiguous token axis (a batched matmul per token and head is dominated by its
+# per-item overhead: ~3x slower measured at L=32, d=64).
+
+_TO_VIEW = (3, 4, 1, 0, 2)  # [S,Hkv,hd,B,T] -> [B,T,Hkv,S,hd]
+_TO_BUFFER = (3, 2, 4, 0, 1)  # [B,T,Hkv,S,hd] -> [S,Hkv,hd,B,T]
+
+
+class _SlotStore:
+    """Bookkeeping of one key/value buffer pair, attached to both buffers as `_moda_slots`.
+
+    fill: slots written so far (a state whose views end at `fill` is the buffer's newest and may
+    append in place). grad_keys/grad_values: gradient side channel (buffer-shaped, allocated by the
+    first attention backward that reads this buffer); attention backwards accumulate into its
+    first `ready` slots (and initialise slots beyond `ready` by writing, so it is never
+    zero-filled). Each `_AppendSlots` backward (run by autograd after every reader of its slots)
+    takes its slots out and lowers `ready`, so a retained graph can be backpropagated again.
+    """
+
+    __slots__ = ("fill", "grad_keys", "grad_values", "ready")
+
+    def __init__(self, fill: int = 0):
+        self.fill = fill
+        self.grad_keys = self.grad_values = None
+        self.ready = 0
+
+    def grads(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor):
+        if self.grad_keys is None:
+            self.grad_keys, self.grad_values = torch.empty_like(keys_buffer), torch.empty_like(values_buffer)
+        return self.grad_keys, self.grad_values
+
+    def take(self, start: int, stop: int):
+        """Gradients of slots start..stop-1 [n,Hkv,hd,B,T] (views; None if no reader wrote them)."""
+        if self.grad_keys is None or stop <= start or self.ready <= start:
+            return None, None
+        if self.ready < stop:  # slots no reader touched in this pass
+            self.grad_keys[self.ready : stop].zero_()
+            self.grad_values[self.ready : stop].zero_()
+        self.ready = start
+        return self.grad_keys[start:stop], self.grad_values[start:stop]
+
+
+def _buffer_of(view: torch.Tensor | None):
+    """(buffer, store) when `view` is the prefix view of a slot buffer (see _TO_VIEW), else None."""
+    if view is None:
+        return None
+    base = view._base
+    store = getattr(base, "_moda_slots", None) if base is not None else None
+    if store is None or view.dim() != 5 or view.shape[3] > base.shape[0]:
+        return None
+    expect = base[: view.shape[3]].permute(*_TO_VIEW)
+    if view.shape != expect.shape or view.stride() != expect.stride() or view.storage_offset() != base.storage_offset():
+        return None
+    return base, store
+
+
+def _shared_store(keys, values):
+    """(keys buffer, values buffer, store) for keys/values that are prefix views of one pair, else None."""
+    k, v = _buffer_of(keys), _buffer_of(values)
+    if k is None or v is None or k[1] is not v[1] or keys.shape != values.shape:
+        return None
+    return k[0], v[0], k[1]
+
+
+def _slots_first(t: torch.Tensor) -> torch.Tensor:
+    """[B,T,Hkv,S,hd] -> [S,Hkv,hd,B·T] (a view for buffer views, else a copy)."""
+    t = t.permute(*_TO_BUFFER)
+    S, Hkv, hd, B, T = t.shape
+    return t.reshape(S, Hkv, hd, B * T)
+
+
+class _AppendSlots(torch.autograd.Function):
+    """(keys, values) + new slots -> (keys', values'), logically a concatenation on the slot axis.
+
+    In place when `keys`/`values` are the newest prefix of their buffer (the common case: a run
+    appends block after block), else a fresh buffer of `capacity` slots gets a copy of the prefix
+    (copy-on-branch; also for tensors that are not buffer views). Writes go through `.data`, so
+    views saved for backward elsewhere keep their version counter: the slots they cover never
+    change. The outputs are prefix views of the buffer.
+
+    Backward: the gradient of a new slot = what fast-path attention backwards accumulated in the
+    store's side channel + the slot's part of any ordinary gradient of the outputs (explicit
+    attention path, or user code). The previous slots get the ordinary gradient's prefix, plus, if
+    this append branched, the side-channel gradients the branch's readers left in the new buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, capacity: int, keys, values, *new):
+        ctx.set_materialize_grads(False)
+        n = len(new) // 2
+        S = 0 if keys is None else keys.shape[3]
+        shared = _shared_store(keys, values)
+        inplace = shared is not None and shared[2].fill == S and shared[0].shape[0] >= S + n
+        if inplace:
+            kbuf, vbuf, store = shared
+        else:
+            B, T, Hkv, hd = new[0].shape
+            dtype = keys.dtype if keys is not None else new[0].dtype
+            kbuf = new[0].new_empty(max(capacity, S + n), Hkv, hd, B, T, dtype=dtype)
+            vbuf = torch.empty_like(kbuf)
+            store = _SlotStore()
+            kbuf._moda_slots = vbuf._moda_slots = store
+            if S:
+                kbuf[:S].copy_(keys.permute(*_TO_BUFFER))
+                vbuf[:S].copy_(values.permute(*_TO_BUFFER))
+        kraw, vraw = kbuf.data, vbuf.data  # no version-counter bump for views saved elsewhere
+        for j in range(n):
+            kraw[S + j].copy_(new[2 * j].permute(2, 3, 0, 1))
+            vraw[S + j].copy_(new[2 * j + 1].permute(2, 3, 0, 1))
+        store.fill = S + n
+        ctx.S, ctx.n, ctx.store, ctx.branched = S, n, store, not inplace
+        return kbuf[: S + n].permute(*_TO_VIEW), vbuf[: S + n].permute(*_TO_VIEW)
+
+    @staticmethod
+    def backward(ctx, grad_keys, grad_values):
+        S, n, store = ctx.S, ctx.n, ctx.store
+        side_k, side_v = store.take(S, S + n)  # [n,Hkv,hd,B,T]
+        slot_grads = []
+        for j in range(n):
+            for side, dense in ((side_k, grad_keys), (side_v, grad_values)):
+                parts = [] if side is None else [side[j].permute(2, 3, 0, 1)]  # -> [B,T,Hkv,hd]
+                if dense is not None:
+                    parts.append(dense[:, :, :, S + j])
+                slot_grads.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
+        prev = [None, None]
+        if S:  # (S = 0: there were no previous keys/values)
+            branch_k, branch_v = store.take(0, S) if ctx.branched else (None, None)
+            for i, (branch, dense) in enumerate(((branch_k, grad_keys), (branch_v, grad_values))):
+                branch = None if branch is None else branch.permute(*_TO_VIEW)
+                g = None if dense is None else dense[:, :, :, :S]
+                prev[i] = branch if g is None else g if branch is None else branch + g
+        slot_grads = [g if need else None for g, need in zip(slot_grads, ctx.needs_input_grad[3:])]
+        return (None, *prev, *slot_grads)
+
+
+def append_slots(state: MoDAState, h, keys: list, values: list, valid: tuple[bool, ...],
+                 capacity: int = 0) -> MoDAState:
+    """A new state with slots appended (keys/values: lists of [B,T,n_kv,hd]); `state` is unchanged."""
     if not keys:
         return MoDAState(h, state.keys, state.values, state.valid)
-    new_k = torch.stack(keys, dim=3)  # [B,T,n_kv,n_new,hd]
-    new_v = torch.stack(values, dim=3)
-    if state.keys is not None:
-        new_k = torch.cat([state.keys, new_k], dim=3)
-        new_v = torch.cat([state.values, new_v], dim=3)
+    new = [t for pair in zip(keys, values) for t in pair]
+    new_k, new_v = _AppendSlots.apply(capacity, state.keys, state.values, *new)
     return MoDAState(h, new_k, new_v, state.valid + valid)
 
 
@@ -116,6 +262,7 @@ class MoDAScheme(ResidualScheme):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.norm, self.depth_rope = moda_options(cfg)
+        self.capacity = 2 * (cfg.n_layer - 1)  # slots of a full run: the preallocated buffer size
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
@@ -175,7 +322,7 @@ class MoDAScheme(ResidualScheme):
         y = block.hook_mlp_out(block.mlp(x))
         h = h + y if pre else block.mlp_post_norm(h + y)
         h = block.hook_resid_post(h)
-        return append_slots(state, h, keys, values, (True,) * len(keys))
+        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity)
 
     def skip(self, position: int, state: MoDAState, rule: str | None = None) -> MoDAState:
         """Identity on h; the position's slots are written as zeros ("zero") or masked ("mask")."""
@@ -184,23 +331,43 @@ class MoDAScheme(ResidualScheme):
             return state
         B, T, _ = state.h.shape
         zero = state.h.new_zeros(B, T, self.cfg.n_kv_heads, self.cfg.head_dim)
-        return append_slots(state, state.h, [zero, zero], [zero, zero], (rule == "zero",) * 2)
+        return append_slots(state, state.h, [zero, zero], [zero, zero], (rule == "zero",) * 2, self.capacity)
+
+
+def _hooked(*hooks: HookPoint) -> bool:
+    return any(h._forward_hooks or h._backward_hooks or h._backward_pre_hooks for h in hooks)
 
 
 def moda_attend(block, q, k, v, q_depth, state: MoDAState) -> torch.Tensor:
     """One softmax over [causal sequence keys ; same-position depth keys]; returns z [B,T,H,hd].
 
     q [B,T,H,hd] and k, v [B,T,Hkv,hd] are the sequence part (rotated); q_depth [B,T,H,hd] is the
-    query used against the depth keys. Never materialises T x T x S: sequence scores [B,H,T,T]
-    and depth scores [B,H,T,S] are concatenated on the key axis for one softmax, then split.
-    Cost: the depth part is a memory-bound batched mat-vec over S slots per position, and the
-    immutable cache is re-concatenated per block (O(L²·B·T·d) traffic per pass); on CPU a training
-    step is ~3x Pre-LN's at L=32, d=64 (benchmarks/moda_step_time.py). A shared copy-on-write
-    slot buffer with a custom autograd Function is the next step if that matters.
+    query used against the depth keys. Without pattern hooks: `_DepthAttention` (PyTorch's fused
+    CPU flash attention for the sequence part, merged with the depth part through log-sum-exp; no
+    [B,H,T,T] tensor). With a hook on `attn.hook_pattern` or `hook_moda_depth_pattern`: the same
+    function formed explicitly, so the split pattern can be read or edited.
     """
     attn = block.attn
+    H, Hkv = q.shape[2], attn.n_kv_heads
+    invalid = None
+    if not all(state.valid):
+        invalid = torch.tensor([not ok for ok in state.valid], device=q.device)
+    if _hooked(attn.hook_pattern, block.hook_moda_depth_pattern):
+        return attn.hook_z(_explicit_moda_attention(block, q, k, v, q_depth, state.keys, state.values, invalid))
+    if H != Hkv:  # GQA: the fused kernel wants one K/V head per query head
+        k, v = k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2)
+    keys, values = state.keys, state.values
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    z = _DepthAttention.apply(q, k, v, q_depth, keys, values, invalid)
+    return attn.hook_z(z)
+
+
+def _explicit_moda_attention(block, q, k, v, q_depth, keys, values, invalid) -> torch.Tensor:
+    """The joint softmax with both pattern parts materialised (and hooked)."""
+    attn = block.attn
     B, T, H, hd = q.shape
-    Hkv, S = attn.n_kv_heads, state.n_slots
+    Hkv, S = attn.n_kv_heads, keys.shape[3]
     groups = H // Hkv
     scale = hd**-0.5
 
@@ -212,13 +379,11 @@ def moda_attend(block, q, k, v, q_depth, state: MoDAState) -> torch.Tensor:
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     seq_scores = seq_scores.masked_fill(~causal, float("-inf"))
 
-    # depth scores [B,H,T,S]: per position t, its query against its own S depth keys (a batched
-    # mat-vec per (b,t,kv-head); measured a little faster in the full model than multiply+sum)
+    # depth scores [B,H,T,S]: per position t, its query against its own S depth keys
     qd = q_depth.reshape(B, T, Hkv, groups, hd)  # q head = kv head * groups + g (as GQA)
-    depth_scores = (qd @ state.keys.transpose(-1, -2)) * scale  # [B,T,Hkv,g,S]
+    depth_scores = (qd @ keys.to(q.dtype).transpose(-1, -2)) * scale  # [B,T,Hkv,g,S]
     depth_scores = depth_scores.reshape(B, T, H, S).transpose(1, 2)  # [B,H,T,S]
-    if not all(state.valid):
-        invalid = torch.tensor([not ok for ok in state.valid], device=q.device)
+    if invalid is not None:
         depth_scores = depth_scores.masked_fill(invalid, float("-inf"))
 
     probs = torch.cat([seq_scores, depth_scores], dim=-1).softmax(-1)  # [B,H,T,T+S]
@@ -228,8 +393,115 @@ def moda_attend(block, q, k, v, q_depth, state: MoDAState) -> torch.Tensor:
 
     z = (seq_pattern @ vh).transpose(1, 2)  # [B,T,H,hd]
     depth_p = depth_pattern.transpose(1, 2).reshape(B, T, Hkv, groups, S)
-    z_depth = (depth_p @ state.values).reshape(B, T, H, hd)  # [B,T,Hkv,g,hd] -> [B,T,H,hd]
-    return attn.hook_z(z + z_depth)
+    z_depth = (depth_p @ values.to(q.dtype)).reshape(B, T, H, hd)  # [B,T,Hkv,g,hd] -> [B,T,H,hd]
+    return z + z_depth
+
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _DepthAttention(torch.autograd.Function):
+    """z [B,T,H,hd] = one softmax over the causal sequence keys and the S same-position depth keys.
+
+    Forward: (o, lse) = fused flash attention over the sequence (its log-sum-exp per row); depth
+    scores s = q_d·K_s/sqrt(hd); lse' = logaddexp(lse, logsumexp_s s); z = exp(lse - lse')·o +
+    Σ_s exp(s - lse') V_s. Backward: the fused kernel's backward with the JOINT output and
+    log-sum-exp gives the exact sequence-part gradients (its probabilities are exp(score - lse')
+    and its row term is Σ dz·z); the depth part is dS = P ⊙ (dz·V - Σ dz·z). The depth part runs
+    slots-first / tokens-last (see the buffer layout above). Depth-slot gradients go to the
+    buffer's side channel when keys/values are buffer views (in place: no per-reader gradient
+    tensors), else they are returned.
+
+    Inputs: q, k, v [B,T,H,hd] (k, v already expanded to H heads), q_depth [B,T,H,hd], keys/values
+    [B,T,Hkv,S,hd], invalid [S] bool or None (masked slots).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_depth, keys, values, invalid):
+        B, T, H, hd = q.shape
+        Hkv, S = keys.shape[2], keys.shape[3]
+        g, N = H // Hkv, B * T
+        scale = 1.0 / math.sqrt(hd)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,hd] views
+        out, lse_seq = _flash(qh, kh, vh, 0.0, True, scale=scale)  # [B,H,T,hd], [B,H,T]
+        K, V = _slots_first(keys), _slots_first(values)  # [S,Hkv,hd,N]
+        qs = q_depth.permute(2, 3, 0, 1).contiguous().mul_(scale).view(Hkv, g, hd, N)  # scaled depth query
+        scores = torch.mul(K[:, :, None, 0], qs[:, :, 0])  # [S,Hkv,g,N]
+        for i in range(1, hd):
+            scores.addcmul_(K[:, :, None, i], qs[:, :, i])
+        if invalid is not None:
+            scores.masked_fill_(invalid.view(S, 1, 1, 1), float("-inf"))
+        lse_seq = lse_seq.permute(1, 0, 2).reshape(Hkv, g, N)
+        top = torch.maximum(scores.amax(0), lse_seq)  # [Hkv,g,N]
+        probs = scores.sub_(top).exp_()  # [S,Hkv,g,N], unnormalised
+        seq_weight = (lse_seq - top).exp_()
+        total = probs.sum(0).add_(seq_weight)  # joint normaliser / exp(top)
+        probs.div_(total)  # depth probabilities
+        seq_weight.div_(total)  # = exp(lse_seq - lse), the sequence part's total probability
+        lse = total.log_().add_(top)  # [Hkv,g,N] joint log-sum-exp
+        zt = out.permute(1, 3, 0, 2).contiguous().view(Hkv, g, hd, N).mul_(seq_weight.unsqueeze(2))
+        for s in range(S):
+            zt.addcmul_(V[s, :, None], probs[s].unsqueeze(2))
+        z = zt.reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous()  # [B,T,H,hd]
+        lse = lse.view(H, B, T).permute(1, 2, 0).contiguous()  # [B,T,H]: the fused kernel's layout
+        ctx.save_for_backward(qh, kh, vh, qs, z, zt, lse, probs)
+        ctx.keys, ctx.values = keys, values  # not saved: their buffer grows past them in place
+        ctx.scale = scale
+        return z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dz):
+        qh, kh, vh, qs, z, zt, lse, probs = ctx.saved_tensors
+        keys, values, scale = ctx.keys, ctx.values, ctx.scale
+        B, T, H, hd = z.shape
+        Hkv, S = keys.shape[2], keys.shape[3]
+        g, N = H // Hkv, B * T
+        dz = dz.contiguous()
+        need_q, need_k, need_v, need_qd, need_keys, need_values = ctx.needs_input_grad[:6]
+        dq = dk = dv = None
+        if need_q or need_k or need_v:
+            dq, dk, dv = _flash_backward(dz.transpose(1, 2), qh, kh, vh, z.transpose(1, 2),
+                                         lse.transpose(1, 2), 0.0, True, scale=scale)
+            dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+        K, V = _slots_first(keys), _slots_first(values)
+        dzt = dz.permute(2, 3, 0, 1).contiguous().view(Hkv, g, hd, N)
+        dscores = torch.mul(V[:, :, None, 0], dzt[:, :, 0])  # [S,Hkv,g,N] = dz·V_s
+        for i in range(1, hd):
+            dscores.addcmul_(V[:, :, None, i], dzt[:, :, i])
+        dscores.sub_((dzt * zt).sum(2)).mul_(probs)  # dL/dscore = P ⊙ (dz·V_s - Σ dz·z)
+        dqd = None
+        if need_qd:
+            dqt = torch.mul(K[0, :, None], dscores[0].unsqueeze(2))  # [Hkv,g,hd,N]
+            for s in range(1, S):
+                dqt.addcmul_(K[s, :, None], dscores[s].unsqueeze(2))
+            dqd = dqt.mul_(scale).reshape(H, hd, B, T).permute(2, 3, 0, 1)
+        dkeys = dvalues = None
+        shared = _shared_store(keys, values) if (need_keys or need_values) else None
+        if shared is not None:  # side channel: accumulate into the buffer's gradient, in place
+            kbuf, vbuf, store = shared
+            gk, gv = store.grads(kbuf, vbuf)
+            gk, gv = gk.view(gk.shape[0], Hkv, hd, N), gv.view(gv.shape[0], Hkv, hd, N)
+            fresh = min(max(S - store.ready, 0), S)  # slots ready..S-1 are written, not accumulated
+            for start, stop, write in ((0, S - fresh, False), (S - fresh, S, True)):
+                if stop <= start:
+                    continue
+                for j in range(g):  # rank-1 updates per query head of a kv head (g = 1 without GQA)
+                    sk, sv = dscores[start:stop, :, j, None], probs[start:stop, :, j, None]
+                    if write and j == 0:
+                        torch.mul(sk, qs[:, j], out=gk[start:stop])
+                        torch.mul(sv, dzt[:, j], out=gv[start:stop])
+                    else:
+                        gk[start:stop].addcmul_(sk, qs[:, j])
+                        gv[start:stop].addcmul_(sv, dzt[:, j])
+            store.ready = max(store.ready, S)
+        elif need_keys or need_values:
+            dk_t = (dscores.unsqueeze(3) * qs.unsqueeze(0)).sum(2)  # [S,Hkv,hd,N]
+            dv_t = (probs.unsqueeze(3) * dzt.unsqueeze(0)).sum(2)
+            dkeys = dk_t.view(S, Hkv, hd, B, T).permute(*_TO_VIEW)
+            dvalues = dv_t.view(S, Hkv, hd, B, T).permute(*_TO_VIEW)
+        return dq, dk, dv, dqd, dkeys, dvalues, None
 
 
 ARCH_SPECS = [
