@@ -29,6 +29,7 @@ import numpy as np
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
 from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import replace_dir
 
 FORMAT = "depthtools.data/1"
 META_FILE = "meta.json"
@@ -262,7 +263,7 @@ def _write_dataset(target: Path, parts: list[_Part], tok, settings: dict, seed: 
         _write_json(tmp / SPLITS_FILE, {"train": sorted(f"{c.name}/{d.name}" for c, d in train_docs),
                                          "val": sorted(f"{c.name}/{d.name}" for c, d in val_docs)})
         _write_json(tmp / META_FILE, _meta(target.name, parts, tok, settings, splits))
-        _swap_in(tmp, target)
+        replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -299,16 +300,6 @@ def _write_json(path: Path, obj) -> None:
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
-
-def _swap_in(tmp: Path, target: Path) -> None:
-    """Replace `target` by the finished `tmp` folder; the old one is only removed once the new one is in place."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- reading back

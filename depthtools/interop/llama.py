@@ -25,6 +25,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import replace_dir
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -381,23 +382,12 @@ def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = 
             "checkpoint": str(directory.resolve()), "arch": model.config.arch, "model": model.config.to_dict(),
             "depthtools_version": config.get("depthtools_version"), "tokenizer": plan.describe(),
             "weights_sha256": _sha256(directory / "model.safetensors")})
-        _replace_dir(staging, out)
+        replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return {"out": str(out), "checkpoint": str(directory), "arch": model.config.arch,
             "tensors": len(tensors), "tokenizer": plan.describe(), "notes": list(plan.notes)}
-
-
-def _replace_dir(staging: Path, out: Path) -> None:
-    """Move a fully written staging directory to `out` (an old `out` is removed only afterwards)."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old{os.getpid()}")
-        os.replace(out, old)
-    os.replace(staging, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
 
 
 def _copy_atomic(src: Path, dst: Path) -> None:
