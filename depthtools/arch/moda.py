@@ -147,7 +147,10 @@ class _SlotStore:
             self.grad_keys[self.ready : stop].zero_()
             self.grad_values[self.ready : stop].zero_()
         self.ready = start
-        return self.grad_keys[start:stop], self.grad_values[start:stop]
+        out = self.grad_keys[start:stop], self.grad_values[start:stop]
+        if start == 0:  # the pass is complete: release the buffers (the views keep what is returned)
+            self.grad_keys = self.grad_values = None
+        return out
 
 
 def _buffer_of(view: torch.Tensor | None):
