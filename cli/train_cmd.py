@@ -214,12 +214,18 @@ def _grid_spec(grid: Optional[Path], preset: Optional[str]) -> dict[str, Any]:
     return load_spec(grid)
 
 
+# Options shared by `grid train` and `grid status` (one grid named the same way in both).
+GRID_SPEC = typer.Argument(None, help="Grid spec JSON from `depthtools grid plan --out`.")
+GRID_PRESET = typer.Option(None, "--preset", help="A named grid (tiny, demo, cpu-small, depthbench-400m) instead of a spec file.")
+GRID_ROOT = typer.Option(Path("checkpoints"), "--root", envvar="DEPTHTOOLS_CHECKPOINTS",
+                         help="Cells live in ROOT/<grid name>/<cell>/ (default $DEPTHTOOLS_CHECKPOINTS or checkpoints).")
+
+
 @grid_app.command("train")
 def grid_train_command(
-    grid: Optional[Path] = typer.Argument(None, help="Grid spec JSON from `depthtools grid plan --out`."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Train a named grid instead of a spec file."),
-    root: Path = typer.Option(Path("checkpoints"), "--root", envvar="DEPTHTOOLS_CHECKPOINTS",
-                              help="Cells land in ROOT/<grid name>/<cell>/ (default $DEPTHTOOLS_CHECKPOINTS or checkpoints)."),
+    grid: Optional[Path] = GRID_SPEC,
+    preset: Optional[str] = GRID_PRESET,
+    root: Path = GRID_ROOT,
     data_root: Path = typer.Option(Path("data"), "--data-root", help="Where the grid's corpus is prepared."),
     cells: Optional[str] = typer.Option(None, "--cells", help="Only these cells (comma-separated names)."),
     launcher: str = typer.Option("local", "--launcher", help="local (processes here), slurm (job array via submitit) or ray."),
@@ -338,10 +344,9 @@ def _grid_slurm(spec, grid_path, root: Path, data_root: Path, force: bool, dry_r
 
 @grid_app.command("status")
 def grid_status_command(
-    grid: Optional[Path] = typer.Argument(None, help="Grid spec JSON."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="A named grid instead of a spec file."),
-    root: Path = typer.Option(Path("checkpoints"), "--root", envvar="DEPTHTOOLS_CHECKPOINTS",
-                              help="Cells live in ROOT/<grid name>/<cell>/ (default $DEPTHTOOLS_CHECKPOINTS or checkpoints)."),
+    grid: Optional[Path] = GRID_SPEC,
+    preset: Optional[str] = GRID_PRESET,
+    root: Path = GRID_ROOT,
     stale_after: float = typer.Option(900.0, "--stale-after", help="Seconds without a heartbeat (from another host) before a running cell counts as failed."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON record per cell."),
 ):
