@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,6 +130,20 @@ def test_finished_cell_has_everything_and_loads(data_dir, tmp_path):
     assert {"step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "tokens_per_s"} <= set(record)
     model = load(out)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in tensors_of(out).items())
+
+
+def test_bpe_cell_carries_its_tokenizer_and_exports_after_the_data_is_gone(tmp_path):
+    from depthtools.interop.tokenizer import resolve_tokenizer
+
+    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3, tokenizer="bpe4k")
+    vocab = json.loads((data / "meta.json").read_text())["tokenizer"]["vocab_size"]
+    out = tmp_path / "cell"
+    train_cell(ModelConfig(arch="preln", **{**SMALL, "vocab_size": vocab}), TrainConfig(tokens=2 * 8 * 32, **FAST), data, out)
+    assert (out / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()
+    shutil.rmtree(data)  # the data folder is gone: the cell alone names and holds its tokenizer
+    config = read_json(out / "config.json")
+    plan = resolve_tokenizer(out, config, load(out).config)  # fingerprint-checked against config.json
+    assert plan.kind == "bpe" and plan.source == str(out / "tokenizer.json"), plan
 
 
 def test_refuses_finished_cell_unless_forced(data_dir, tmp_path):

@@ -419,6 +419,19 @@ def run_steps(run: Run) -> dict[str, Any]:
     return record
 
 
+def _carry_tokenizer(run: Run) -> None:
+    """Copy a trained tokenizer's file (BPE tokenizer.json) from the data folder into the cell, so
+    the cell still decodes and exports after the data folder is moved or deleted (the byte
+    tokenizer needs no file: its name defines it). The checkpoint's fingerprint still vouches for it."""
+    record = run.meta["tokenizer"]
+    name = record.get("file")
+    if record.get("name") == "byte" or not name:
+        return
+    source = run.data_dir / name
+    if source.is_file():
+        atomic_write_bytes(run.out_dir / name, source.read_bytes())
+
+
 def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
     """Write model.safetensors + config.json, then eval.json (the "finished" marker); drop train_state."""
     cfg, meta = run.train_cfg, run.meta
@@ -443,6 +456,7 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
               "eval_tokens_per_split": {k: int(w[:, 1:].numel()) for k, w in run.eval_sets.items()}}
     if not run.dist.is_main:
         return result
+    _carry_tokenizer(run)
     save(model, run.out_dir, extra=extra)
     atomic_write_json(run.out_dir / EVAL, result)
     if not cfg.keep_train_state:
