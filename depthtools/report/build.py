@@ -18,7 +18,7 @@ import os
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pandas as pd
 
@@ -116,6 +116,17 @@ def _left_out(names: list[str], what: str) -> NoteBlock | None:
     if not names:
         return None
     return NoteBlock(f"Not shown (no {what}): {', '.join(names)}.", level="missing")
+
+
+def _table_figures(section: Section, cells: list[CellData], table: str, names: list[str],
+                   figure_specs: Sequence[tuple[str, str, str, Callable]]) -> Section:
+    """The shape every per-probe section shares: draw each (id, title, caption, plot function)
+    from analysis table `table` when any checkpoint has it, then name the checkpoints without it."""
+    df, absent = frames.table_of(cells, table)
+    if len(df):
+        for fig_id, title, caption, plot in figure_specs:
+            section.add(figure_block(fig_id, title, caption, plot, df, names))
+    return section.add(_left_out(absent, f"{table} table"))
 
 
 # -- grid report ------------------------------------------------------------------------------------
@@ -357,63 +368,42 @@ def _ablation_section(cells: list[CellData], names: list[str]) -> Section:
         section.add(table_block("table-skip", "Skip ablation per block", skip, "One row per model × skipped block.",
                                 columns=cols))
     section.add(_left_out(no_skip, "ablate_skip table"))
-    prune, no_prune = frames.table_of(cells, "ablate_prune")
-    if len(prune):
-        section.add(figure_block(
-            "fig-prune", "Greedy pruning curve", "Loss increase as blocks are removed one by one (each time the "
-            "least harmful); dotted line: tolerance τ. The fraction removed before the curve crosses τ is f_τ.",
-            figures.plot_prune_curves, prune, names))
-    section.add(_left_out(no_prune, "ablate_prune table"))
-    swap, no_swap = frames.table_of(cells, "ablate_swap")
-    if len(swap):
-        section.add(figure_block(
-            "fig-swap", "Block swaps (permutation score)", "Cell (i, j): relative loss change when blocks i and j "
-            "swap places. Dark everywhere = layer order barely matters; bright cells = blocks that depend on "
-            "their position.", figures.plot_swap_heatmaps, swap, names))
-    section.add(_left_out(no_swap, "ablate_swap table"))
-    return section
+    _table_figures(section, cells, "ablate_prune", names, [(
+        "fig-prune", "Greedy pruning curve", "Loss increase as blocks are removed one by one (each time the "
+        "least harmful); dotted line: tolerance τ. The fraction removed before the curve crosses τ is f_τ.",
+        figures.plot_prune_curves)])
+    return _table_figures(section, cells, "ablate_swap", names, [(
+        "fig-swap", "Block swaps (permutation score)", "Cell (i, j): relative loss change when blocks i and j "
+        "swap places. Dark everywhere = layer order barely matters; bright cells = blocks that depend on "
+        "their position.", figures.plot_swap_heatmaps)])
 
 
 def _causal_section(cells: list[CellData], names: list[str]) -> Section:
     section = Section("causal", "Causal scores", "DepthBench's causal score between layer pairs.")
-    causal, absent = frames.table_of(cells, "causal")
-    if len(causal):
-        section.add(figure_block(
-            "fig-causal", "Causal score C(s, l)", "Row s: the skipped block; column l: a later block whose update "
-            "‖Δu_l‖/‖u_l‖ changes. Bright cells far right of the diagonal = long-range dependencies between "
-            "layers (sequential computation).", figures.plot_causal_heatmaps, causal, names))
-    section.add(_left_out(absent, "causal table"))
-    return section
+    return _table_figures(section, cells, "causal", names, [(
+        "fig-causal", "Causal score C(s, l)", "Row s: the skipped block; column l: a later block whose update "
+        "‖Δu_l‖/‖u_l‖ changes. Bright cells far right of the diagonal = long-range dependencies between "
+        "layers (sequential computation).", figures.plot_causal_heatmaps)])
 
 
 def _similarity_section(cells: list[CellData], names: list[str]) -> Section:
     section = Section("similarity", "Representation similarity", "How the depth states relate to each other.")
-    sim, absent = frames.table_of(cells, "similarity")
-    if len(sim):
-        section.add(figure_block(
-            "fig-cka", "CKA between depth states", "Debiased minibatch CKA between depth states i and j (1 = same "
-            "representation up to rotation and scale). Large bright blocks = runs of layers that do not change the "
-            "representation.", figures.plot_cka_heatmaps, sim, names))
-        section.add(figure_block(
-            "fig-geometry", "Geometry per depth", "Adjacent CKA and angular distance (how much each block moves the "
-            "state), effective rank (how many directions the tokens spread over) and mean token cosine (token "
-            "collapse when it approaches 1).", figures.plot_geometry, sim, names))
-    section.add(_left_out(absent, "similarity table"))
-    return section
+    return _table_figures(section, cells, "similarity", names, [
+        ("fig-cka", "CKA between depth states", "Debiased minibatch CKA between depth states i and j (1 = same "
+         "representation up to rotation and scale). Large bright blocks = runs of layers that do not change the "
+         "representation.", figures.plot_cka_heatmaps),
+        ("fig-geometry", "Geometry per depth", "Adjacent CKA and angular distance (how much each block moves the "
+         "state), effective rank (how many directions the tokens spread over) and mean token cosine (token "
+         "collapse when it approaches 1).", figures.plot_geometry)])
 
 
 def _contrib_section(cells: list[CellData], names: list[str]) -> Section:
     section = Section("contributions", "Block contributions", "How large each block's update is relative to the "
                       "state it writes into.")
-    contrib, absent = frames.table_of(cells, "contrib")
-    if len(contrib):
-        section.add(figure_block(
-            "fig-contrib", "Contribution norms", "Left: ‖Δ_l‖/‖z_{l−1}‖ (a block that writes little is a candidate "
-            "for removal); middle: cosine of the update with the incoming state (negative = the block erases what "
-            "is there); right: how far the block's Jacobian is from the identity.", figures.plot_contributions,
-            contrib, names))
-    section.add(_left_out(absent, "contrib table"))
-    return section
+    return _table_figures(section, cells, "contrib", names, [(
+        "fig-contrib", "Contribution norms", "Left: ‖Δ_l‖/‖z_{l−1}‖ (a block that writes little is a candidate "
+        "for removal); middle: cosine of the update with the incoming state (negative = the block erases what "
+        "is there); right: how far the block's Jacobian is from the identity.", figures.plot_contributions)])
 
 
 def _routing_section(cells: list[CellData], names: list[str]) -> Section:
