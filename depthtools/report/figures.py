@@ -287,14 +287,22 @@ def plot_task_accuracy(tasks: pd.DataFrame) -> Figure:
 
 # -- model / compare figures -----------------------------------------------------------------------
 
+def _model_hue(df: pd.DataFrame, models: Sequence[str], *more_labels: str):
+    """(data with printable labels, hue order, palette) for per-model plots: the models in the
+    caller's order that have rows, each in its fixed colour (the same model, the same colour in
+    every figure)."""
+    data = _labelled(df, "model", *more_labels)
+    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
+    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
+    return data, order, palette
+
+
 def _model_lines(data: pd.DataFrame, panels: Sequence[tuple[str, str]], x: str, xlabel: str, models: Sequence[str],
                  style: str | None = None, width: float = PANEL_W) -> Figure:
     """Shared layout: one panel per (column, label), one line per model (hue), optional dash style."""
     import seaborn as sns
 
-    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
-    data = _labelled(data, "model")
-    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
+    data, order, palette = _model_hue(data, models)
     fig, axes = new_figure(len(panels), width=width)
     for i, (ax, (column, label)) in enumerate(zip(axes, panels)):
         sub = data.dropna(subset=[column]).sort_values(x)
@@ -338,9 +346,7 @@ def plot_prediction_depth(pd_table: pd.DataFrame, models: Sequence[str]) -> Figu
     """
     import seaborn as sns
 
-    data = _labelled(pd_table, "model")
-    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
-    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
+    data, order, palette = _model_hue(pd_table, models)
     per_token = "prediction_depth" in data.columns
     fig, (ax,) = new_figure(1, width=4.8 if per_token else min(6.0, 2.4 + 0.7 * len(order)), height=2.6)
     if per_token:
@@ -366,9 +372,7 @@ def plot_skip_bars(skip: pd.DataFrame, models: Sequence[str]) -> Figure:
     import seaborn as sns
 
     _require(skip, ["model", "layer", "delta_ce"], "skip ablation")
-    data = _labelled(skip, "model")
-    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
-    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
+    data, order, palette = _model_hue(skip, models)
     data = data.assign(block=data["layer"].astype(int))
     panels = [(c, l) for c, l in (("delta_ce", "ΔCE when skipped (nats)"),
                                   ("kl_intact_ablated", "KL(intact ‖ skipped) (nats)")) if c in data.columns]
@@ -403,9 +407,7 @@ def plot_model_tasks(tasks: pd.DataFrame, models: Sequence[str]) -> Figure:
     import seaborn as sns
 
     _require(tasks, ["model", "task", "k", "value"], "depth tasks")
-    data = _labelled(tasks.dropna(subset=["value"]), "model", "task")
-    order = [mpl_text(m) for m in models if mpl_text(m) in set(data["model"])]
-    palette = {mpl_text(m): c for m, c in model_palette(list(models)).items()}
+    data, order, palette = _model_hue(tasks.dropna(subset=["value"]), models, "task")
     names = sorted(data["task"].unique())
     fig, axes = new_figure(len(names), width=2.8, height=2.2, sharey=True)
     for i, (ax, task) in enumerate(zip(axes, names)):
