@@ -27,7 +27,6 @@ from typer.testing import CliRunner
 
 from depthtools.checkpoint import read_metrics, read_tensors
 from depthtools.config import ModelConfig, TrainConfig
-from depthtools.data import prepare
 from depthtools.errors import DepthToolsError
 from depthtools.grid import grid_spec, plan_grid, save_grid
 from depthtools.train import train_cell
@@ -46,11 +45,6 @@ RECIPE = TrainConfig(tokens=20 * 8 * 32, batch_size=8, micro_batch_size=2, seq_l
                      eval_every=10, checkpoint_every=10, log_every=5)
 FINISHED = ["config.json", "eval.json", "metrics.jsonl", "model.safetensors"]
 RTOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    return prepare("text-dir", out_dir=tmp_path_factory.mktemp("data"), text_dir=FIXTURE, val_fraction=0.3)
 
 
 @pytest.fixture(scope="module")

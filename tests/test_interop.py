@@ -129,13 +129,6 @@ def test_rope_pairing_is_hf_rotate_half():
 
 # -- export: round trip through transformers -----------------------------------------------------------
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    from depthtools.data import prepare
-
-    return prepare("text-dir", out_dir=tmp_path_factory.mktemp("data"), text_dir=FIXTURE, val_fraction=0.3)
-
-
-@pytest.fixture(scope="module")
 def trained_ckpt(data_dir, tmp_path_factory) -> Path:
     """A trained tiny preln cell (GQA, untied), byte tokenizer recorded in its config.json."""
     from depthtools.train import train_cell

@@ -38,12 +38,6 @@ FAST = dict(batch_size=8, seq_len=32, lr=1e-2, eval_tokens=512, log_every=10, ev
             depth_stats_every=0, checkpoint_every=0, threads=1)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    """The tiny fixture corpus as a byte-level dataset (one 'text' domain)."""
-    return prepare("text-dir", out_dir=tmp_path_factory.mktemp("data"), text_dir=FIXTURE, val_fraction=0.3)
-
-
 def tensors_of(directory: Path) -> dict[str, torch.Tensor]:
     return read_tensors(Path(directory) / "model.safetensors")
 
