@@ -233,6 +233,25 @@ def test_grid_train_cli_trains_every_cell_then_does_nothing(tmp_path):
     assert again.exit_code == 0, again.output
     assert [s["skipped"] for s in json.loads(again.output)] == [True] * 4
     assert stamps == {c: (root / "mini" / c / "model.safetensors").stat().st_mtime_ns for c in cells}
+
+
+def test_grid_folder_keeps_its_spec_and_the_report_names_untrained_cells(tmp_path):
+    from cli.main import app
+    from depthtools.report.data import read_grid
+
+    spec_path, root = _tiny_grid(tmp_path), tmp_path / "ck"
+    args = ["grid", "train", str(spec_path), "--root", str(root), "--data-root", str(tmp_path / "data")]
+    result = CliRunner().invoke(app, args + ["--cells", "preln_L1,hc_L1"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    recorded = root / "mini" / "grid.json"
+    assert sorted(c["name"] for c in json.loads(recorded.read_text())["cells"]) == ["hc_L1", "preln_L1"]
+    stamp = recorded.stat().st_mtime_ns
+    assert CliRunner().invoke(app, args + ["--cells", "hc_L1"]).exit_code == 0  # a subset forgets nothing
+    assert recorded.stat().st_mtime_ns == stamp  # and an unchanged spec is not rewritten
+    assert sorted(c["name"] for c in json.loads(recorded.read_text())["cells"]) == ["hc_L1", "preln_L1"]
+    shutil.rmtree(root / "mini" / "preln_L1")  # a planned cell whose folder is gone
+    missing = read_grid(root / "mini").missing
+    assert ("preln_L1", "cell directory") in {(where, what) for where, what, _ in missing}
     config_path = root / "mini" / "hc_L1" / "config.json"  # pretend one cell used another tokenizer
     config = json.loads(config_path.read_text())
     config["tokenizer"]["fingerprint"] = "0" * 64

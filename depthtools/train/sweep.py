@@ -77,6 +77,28 @@ def check_tokenizer(grid_dir: Path, meta: dict[str, Any]) -> None:
             )
 
 
+GRID_SPEC_FILE = "grid.json"
+
+
+def record_spec(spec: dict[str, Any], grid_dir: Path) -> Path:
+    """Keep the grid's spec in its folder (`grid.json`), so a report can name the cells that were
+    planned but never trained. Cells already recorded stay (training a subset with --cells does not
+    forget the rest); the file is rewritten only when it changes (a re-run touches nothing)."""
+    from depthtools.checkpoint import atomic_write_json
+
+    path = grid_dir / GRID_SPEC_FILE
+    cells = [dataclasses.asdict(c) if isinstance(c, Cell) else dict(c) for c in spec["cells"]]
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        kept = [c for c in old["cells"] if c["name"] not in {n["name"] for n in cells}]
+    except (OSError, ValueError, KeyError, TypeError):
+        old, kept = None, []
+    record = json.loads(json.dumps({**spec, "cells": kept + cells}))  # as it reads back (tuples -> lists)
+    if record != old:
+        atomic_write_json(path, record)
+    return path
+
+
 def train_grid(grid: str | Path | dict[str, Any], root: str | Path = "checkpoints", force: bool = False,
                progress: Progress | None = None, data_root: str | Path = "data") -> list[dict[str, Any]]:
     """Train all cells of a grid; returns one summary per cell (skipped ones have skipped=True)."""
@@ -88,6 +110,7 @@ def train_grid(grid: str | Path | dict[str, Any], root: str | Path = "checkpoint
     meta = read_meta(data_dir)
     if not force:
         check_tokenizer(grid_dir, meta)
+    record_spec(spec, grid_dir)
     summaries = []
     for index, (cell, model_cfg) in enumerate(zip(spec["cells"], model_cfgs)):
         out_dir = grid_dir / cell.name
