@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from depthtools.arch.layers import fused_inverse_rms
+
 
 def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """1/sqrt(mean(x²) + eps) over the last dimension: [B,T,d] -> [B,T] (what RMSNorm divides by)."""
@@ -228,8 +230,7 @@ class _Push(torch.autograd.Function):
         vf = v.reshape(-1, v.shape[-1])
         bank.values[j] = vf
         r = bank.inv_rms[j]
-        torch.linalg.vector_norm(vf, dim=-1, out=r)
-        r.square_().div_(vf.shape[-1]).add_(bank.eps).rsqrt_()
+        fused_inverse_rms(vf, bank.eps, out=r)
         torch.mm(queries.to(vf.dtype), vf.t(), out=bank.dots[j])  # [M,N]
         bank.fill = j + 1
         ctx.bank, ctx.j = bank, j
@@ -265,7 +266,7 @@ class _Mix(torch.autograd.Function):
         if partial is not None:
             pf = partial.reshape(N, -1).to(bank.values.dtype)
             p_dot = pf @ q  # [N]
-            p_inv = torch.linalg.vector_norm(pf, dim=-1).square_().div_(pf.shape[-1]).add_(bank.eps).rsqrt_()
+            p_inv = fused_inverse_rms(pf, bank.eps)
             logits = torch.cat([logits, (p_dot * p_inv).unsqueeze(0)], 0)
         alpha = torch.softmax(logits, dim=0)  # [n(+1), N]
         if n * bank.values.shape[-1] < 400:  # (bmm's slow per-item kernel below this size: a loop)

@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch.layers import RMSNorm
+from depthtools.arch.layers import RMSNorm, fused_inverse_rms
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import ResidualScheme
 from depthtools.config import ModelConfig
@@ -274,7 +274,7 @@ class _ProjRms(torch.autograd.Function):
     @staticmethod
     def forward(x, w, eps):
         proj = (w.t() @ x.t()).t().contiguous()
-        inv = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps))
+        inv = fused_inverse_rms(x, eps, keepdim=True)
         return proj, inv
 
     @staticmethod
@@ -417,7 +417,7 @@ class _HCConnect(torch.autograd.Function):
         P = torch.cat([Wa, wb.unsqueeze(1)], 1)  # [d, n+2]
         Hf = H.view(N * n, d)
         raw = (P.t() @ Hf.t()).t().contiguous()  # [Nn, n+2]; (Pᵀ Hᵀ)ᵀ: ~5x faster CPU GEMM than H @ P at n+2 = 6
-        inv = torch.linalg.vector_norm(Hf, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
+        inv = fused_inverse_rms(Hf, eps, keepdim=True)
         t = torch.tanh(raw * inv)
         scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
         coeffs = (t.view(N, n, n + 2) * scale).add_(torch.cat([Sa, sb.unsqueeze(1)], 1))
@@ -518,7 +518,7 @@ class _MHCConnect(torch.autograd.Function):
         x = H.view(N, n * d)
         Phi = torch.cat([phi_pre, phi_post, phi_res], 1)  # [nd, 2n+n²]
         raw = Phi.t() @ x.t()  # [2n+n², N]: coefficients first, tokens last
-        inv = torch.linalg.vector_norm(x, dim=-1).square_().div_(n * d).add_(eps).rsqrt_()  # [N]
+        inv = fused_inverse_rms(x, eps)  # [N]
         mix = raw * inv
         h_pre = torch.sigmoid(mix[:n] * g_pre + b_pre.unsqueeze(1))  # [n, N]
         h_post = torch.sigmoid(mix[n : 2 * n] * g_post + b_post.unsqueeze(1)).mul_(2)  # [n, N]

@@ -15,6 +15,15 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.config import ModelConfig
 
 
+def fused_inverse_rms(x: torch.Tensor, eps: float, keepdim: bool = False,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """1/sqrt(mean(x²) + eps) over the last dim, from one fused norm (no x² temporary) and in-place
+    arithmetic on its result: only where autograd does not record, i.e. inside the forward of a
+    custom autograd Function (the hand-written HC/mHC connectors and AttnRes bank operations)."""
+    r = torch.linalg.vector_norm(x, dim=-1, keepdim=keepdim, out=out)
+    return r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) · gamma over the last dimension (gamma init 1); `affine=False` drops gamma."""
 
