@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from depthtools.errors import DepthToolsError
 from depthtools.train.loop import is_finished
-from depthtools.train.sweep import cell_specs, check_tokenizer, grid_data_dir, load_spec, record_spec, run_cell
+from depthtools.train.sweep import cell_specs, load_spec, prepare_grid_data, run_cell
 
 Log = Callable[[str], None]
 
@@ -31,19 +31,6 @@ Log = Callable[[str], None]
 def pending_specs(spec: dict[str, Any], root: str | Path, force: bool = False) -> list[dict[str, Any]]:
     """The cell specs still to train (all of them with force)."""
     return [c for c in cell_specs(spec) if force or not is_finished(Path(root) / c["grid"] / c["cell"]["name"])]
-
-
-def prepare_grid_data(spec: dict[str, Any], root: str | Path, data_root: str | Path, force: bool) -> Path:
-    """Prepare (or find) the corpus once, before workers start, check the grid's tokenizer and
-    record the spec in the grid folder (as `train_grid` does)."""
-    data_dir = grid_data_dir(spec, data_root)
-    grid_dir = Path(root) / spec.get("name", "grid")
-    if not force:
-        from depthtools.data import read_meta
-
-        check_tokenizer(grid_dir, read_meta(data_dir))
-    record_spec(spec, grid_dir)
-    return data_dir
 
 
 # -- local process pool --------------------------------------------------------------------------

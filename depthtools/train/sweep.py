@@ -90,13 +90,25 @@ def record_spec(spec: dict[str, Any], grid_dir: Path) -> Path:
     cells = [dataclasses.asdict(c) if isinstance(c, Cell) else dict(c) for c in spec["cells"]]
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
-        kept = [c for c in old["cells"] if c["name"] not in {n["name"] for n in cells}]
+        names = {c["name"] for c in cells}
+        kept = [c for c in old["cells"] if c["name"] not in names]
     except (OSError, ValueError, KeyError, TypeError):
         old, kept = None, []
     record = json.loads(json.dumps({**spec, "cells": kept + cells}))  # as it reads back (tuples -> lists)
     if record != old:
         atomic_write_json(path, record)
     return path
+
+
+def prepare_grid_data(spec: dict[str, Any], root: str | Path, data_root: str | Path, force: bool) -> Path:
+    """Prepare (or find) the grid's corpus once, before any cell trains, check the grid's tokenizer
+    and record the spec in the grid folder; every launcher and `train_grid` start here."""
+    data_dir = grid_data_dir(spec, data_root)
+    grid_dir = Path(root) / spec.get("name", "grid")
+    if not force:
+        check_tokenizer(grid_dir, read_meta(data_dir))
+    record_spec(spec, grid_dir)
+    return data_dir
 
 
 def train_grid(grid: str | Path | dict[str, Any], root: str | Path = "checkpoints", force: bool = False,
@@ -106,11 +118,7 @@ def train_grid(grid: str | Path | dict[str, Any], root: str | Path = "checkpoint
     train_cfg = TrainConfig.from_dict(spec.get("train") or {})
     model_cfgs = [cell.model_config() for cell in spec["cells"]]  # validate every cell before training any
     grid_dir = Path(root) / spec.get("name", "grid")
-    data_dir = grid_data_dir(spec, data_root)
-    meta = read_meta(data_dir)
-    if not force:
-        check_tokenizer(grid_dir, meta)
-    record_spec(spec, grid_dir)
+    data_dir = prepare_grid_data(spec, root, data_root, force)
     summaries = []
     for index, (cell, model_cfg) in enumerate(zip(spec["cells"], model_cfgs)):
         out_dir = grid_dir / cell.name
