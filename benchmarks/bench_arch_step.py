@@ -1,6 +1,7 @@
 """CPU training-step cost of every registered architecture, relative to Pre-LN in the same run.
 
-One step = forward + cross-entropy + backward + AdamW step, at a deep-narrow shape (default L=32,
+One step = forward + cross-entropy + backward + the trainer's AdamW step (`build_optimizer`: its
+parameter groups, fused kernel), at a deep-narrow shape (default L=32,
 d=64, 4 heads, batch 8, seq 128, vocab 256), torch pinned to `--threads` (default 1) threads.
 Each architecture's peak memory is read in its own fresh subprocess; the times are measured in
 ONE process, steps interleaved round-robin (the order shuffled every round, so drifting machine
@@ -48,12 +49,13 @@ def build_step(arch: str, args):
     import torch
 
     from depthtools.arch import DepthModel
-    from depthtools.config import ModelConfig
+    from depthtools.config import ModelConfig, TrainConfig
+    from depthtools.train.optim import build_optimizer
 
     cfg = ModelConfig(arch=arch, vocab_size=args.vocab, d_model=args.d_model, n_layer=args.n_layer,
                       n_heads=args.n_heads, max_seq_len=args.seq)
     model = DepthModel(cfg, seed=0).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer, _ = build_optimizer(model, TrainConfig(), torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -86,7 +88,8 @@ def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
     import torch
 
     torch.set_num_threads(args.threads)
-    steps = {name: build_step(name, args)[1] for name in names}
+    built = {name: build_step(name, args) for name in names}
+    steps = {name: step for name, (_, step) in built.items()}
     for step in steps.values():
         for _ in range(args.warmup):
             step()
@@ -105,6 +108,7 @@ def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
         "ms": 1000 * statistics.median(wall[name]),
         "x": statistics.median(w / b for w, b in zip(wall[name], wall[base])),
         "cpu_x": statistics.median(c / b for c, b in zip(cpu[name], cpu[base])),
+        "params": built[name][0].param_counts()["total"],
     } for name in names}
 
 
@@ -137,7 +141,7 @@ def main() -> None:
     rows = []
     for name in names:
         if not args.memory:
-            rows.append({"arch": name, "peak_mib": float("nan"), "params": 0})
+            rows.append({"arch": name, "peak_mib": float("nan")})
             continue
         out = subprocess.run([sys.executable, __file__, *passthrough, "--child", name],
                              capture_output=True, text=True)

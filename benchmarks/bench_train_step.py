@@ -83,7 +83,7 @@ def baseline_stepper(cfg: ModelConfig, tcfg: TrainConfig, device, dtype):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=(device.type == "cuda") or None)
+                            lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=device.type in ("cuda", "cpu") or None)  # as build_optimizer
     data = torch.randint(0, cfg.vocab_size, (tcfg.batch_size, tcfg.seq_len + 1), device=device)
     params = list(model.parameters())
 
