@@ -317,3 +317,59 @@ def test_swap_exchanges_core_mlp_mixer_and_consuming_mixer(i, j):
     swapped = model.run(toks, plan=Plan.swapping(i, j, L))
     assert torch.allclose(swapped, exchanged(toks), atol=1e-12)
     assert not torch.allclose(swapped, model(toks), atol=1e-4)
+
+
+# -- two-phase forward (bankops.DepthBank.prefix_mix) --------------------------------------------
+def _count_two_phase_mixes(monkeypatch):
+    """Counts mixes that used a two-phase group entry."""
+    from depthtools.arch import bankops
+
+    used = {"mixes": 0}
+    original = bankops.DepthBank.prefix_mix
+
+    def counting(self, col, n):
+        entry = original(self, col, n)
+        used["mixes"] += entry is not None
+        return entry
+
+    monkeypatch.setattr(bankops.DepthBank, "prefix_mix", counting)
+    return used
+
+
+@pytest.mark.parametrize("arch,block_size", [("attnres", None), ("blockattnres", 2)])
+def test_two_phase_mixes_match_paper_equations_and_gradients(monkeypatch, arch, block_size):
+    """At L=12 most mixes read >= 6 sources, so the grouped log-sum-exp merge is on the path: output
+    and every parameter gradient equal the slow paper reference's (autograd through it)."""
+    options = {} if block_size is None else {"attnres_block_size": block_size}
+    model = build(arch, n_layer=12, **options)
+    perturb(model)
+    toks = tokens()
+    used = _count_two_phase_mixes(monkeypatch)
+    ours = model(toks)
+    ours.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert used["mixes"] >= (15 if block_size is None else 3)
+    model.zero_grad()
+    ref = reference_full_attnres(model, toks) if block_size is None else reference_block_attnres(model, toks, block_size)
+    ref.square().sum().backward()
+    assert torch.allclose(ours, ref, atol=1e-10)
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-9, rtol=1e-9), name
+
+
+def test_two_phase_gives_way_when_mixes_leave_the_intact_order(monkeypatch):
+    """A swapped plan mixes out of the predicted order: it must still equal the exchanged model
+    (which itself runs in intact order, two-phase)."""
+    model = build("attnres", n_layer=12)
+    perturb(model)
+    toks = tokens()
+    i, j, L = 7, 9, model.n_layer
+    exchanged = copy.deepcopy(model)
+    exchanged.blocks[i].load_state_dict(model.blocks[j].state_dict())
+    exchanged.blocks[j].load_state_dict(model.blocks[i].state_dict())
+    exchanged.scheme.attn_res[i].load_state_dict(model.scheme.attn_res[j].state_dict())
+    exchanged.scheme.attn_res[j].load_state_dict(model.scheme.attn_res[i].state_dict())
+    used = _count_two_phase_mixes(monkeypatch)
+    expected = exchanged(toks)
+    assert used["mixes"] >= 15
+    assert torch.allclose(model.run(toks, plan=Plan.swapping(i, j, L)), expected, atol=1e-12)

@@ -247,11 +247,19 @@ class AttnResScheme(ResidualScheme):
     def _new_bank(self, sources: tuple[torch.Tensor, ...]):
         """(bank, handle) holding `sources` (the queries of all mixers as they are now)."""
         queries = torch.stack([m.query * m.key_norm.weight for m in self._mixers])  # [M,d]
-        bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.cfg.norm_eps, self._fingerprint())
+        bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.cfg.norm_eps,
+                         self._fingerprint(), self._mix_order())
         handle = None
         for v in sources:
             handle = bank_push(bank, handle, v)
         return bank, handle
+
+    def _mix_order(self) -> dict[int, int]:
+        """Mixer column -> the column of the next mix in the intact model: block b's MLP mixer
+        (column L+b), block b+1's attention-side mixer (column b), ..., the final mixer (L-1)."""
+        L = self.cfg.n_layer
+        order = [c for b in range(L) for c in ((b - 1, L + b) if b else (L,))] + [L - 1]
+        return dict(zip(order, order[1:]))
 
     def _scale(self, source: torch.Tensor) -> torch.Tensor:
         return inv_rms(source, self.cfg.norm_eps)

@@ -127,10 +127,22 @@ def bank_logits(query: torch.Tensor, sources: tuple[torch.Tensor, ...], scales: 
 # from a cached state that is not the bank's newest (a sweep) re-pushes that state's sources into
 # a fresh bank (copy-on-branch), so every state stays valid and immutable from the caller's view.
 #
+#   * forward mix, two-phase (AttnRes paper §5, "two-phase computation"): the queries are
+#     parameters, so the mixes of the next G mixers over the sources that already exist can be
+#     formed together, in ONE batched matmul that reads each source once for all G of them:
+#     P_m = Σ_{i<n0} exp(l_{m,i} - μ_m) v_i with μ_m = max_{i<n0} l_{m,i} (`DepthBank.prefix_mix`).
+#     Mixer m's later mix over n ≥ n0 sources is then exact by the log-sum-exp merge
+#     h = exp(μ_m - lse) P_m + Σ_{n0≤i<n} α_i v_i, lse = log Σ_{i<n} exp(l_{m,i}). The bank
+#     follows the intact model's mixer order (`successor`, given by the scheme); a mix that
+#     departs from it (a swapped plan, a lens readout of an older state) switches the bank back to
+#     the one-mix-at-a-time path, so a wrong guess costs at most one group.
+#
 # First-order only; the mixes' weights are not hookable here (the scheme uses the per-source
 # functions above when a weights hook is attached).
 
 FLUSH_AT = 8  # pending mixes that trigger a bulk flush (~4 passes over the sources it covers; 6-10 measured alike)
+TWO_PHASE_FROM = 6  # a mix over this many banked sources or more starts / uses a two-phase group (4-12 measured: 6 best)
+TWO_PHASE_GROUP = 16  # mixers per group (one [N,G,n0] x [N,n0,d] batched matmul; 8-32 measured: 16 best)
 
 
 class _MixRecord:
@@ -147,10 +159,14 @@ class _MixRecord:
 class DepthBank:
     """One run's sources v_0..v_{fill-1} in append-only buffers (see the section comment)."""
 
-    def __init__(self, first: torch.Tensor, queries: torch.Tensor, capacity: int, eps: float, fingerprint):
+    def __init__(self, first: torch.Tensor, queries: torch.Tensor, capacity: int, eps: float, fingerprint,
+                 successor: dict[int, int] | None = None):
         N, d = first.numel() // first.shape[-1], first.shape[-1]
         M = queries.shape[0]
         self.shape, self.eps, self.fingerprint = first.shape, eps, fingerprint
+        self.successor = successor  # mixer column -> the column that mixes next in the intact model
+        self.prefix: dict[int, tuple] = {}  # column -> (n0, μ [N], P [N,d]) of the current group
+        self.two_phase = successor is not None
         self.queries = queries  # [M,d]: w_m ⊙ gamma_m of every mixer (part of the graph)
         self.values = first.new_empty(capacity, N, d)
         self.inv_rms = first.new_empty(capacity, N)
@@ -162,6 +178,29 @@ class DepthBank:
     @property
     def capacity(self) -> int:
         return self.values.shape[0]
+
+    def prefix_mix(self, col: int, n: int):
+        """(n0, μ [N], P [N,d]) with n0 ≤ n: mixer `col`'s unnormalised mix over the first n0 sources
+        (see the section comment), from the current group or a new one; None off the intact order."""
+        entry = self.prefix.pop(col, None)
+        if entry is not None and entry[0] <= n:
+            return entry
+        if not self.two_phase:
+            return None
+        if self.prefix or entry is not None:  # not the mix the intact order predicted: stop predicting
+            self.two_phase = False
+            self.prefix.clear()
+            return None
+        cols = [col]
+        while len(cols) < TWO_PHASE_GROUP and cols[-1] in self.successor:
+            cols.append(self.successor[cols[-1]])
+        logits = self.dots[:n, cols] * self.inv_rms[:n].unsqueeze(1)  # [n,G,N]
+        mu = logits.amax(0)  # [G,N]
+        weights = logits.sub_(mu).exp_().permute(2, 1, 0).contiguous()  # [N,G,n]
+        P = torch.bmm(weights, self.values[:n].transpose(0, 1))  # [N,G,d]
+        for k, c in enumerate(cols[1:], 1):
+            self.prefix[c] = (n, mu[k], P[:, k])
+        return n, mu[0], P[:, 0]
 
     def _grads(self):
         if self.grad_values is None:
@@ -268,13 +307,22 @@ class _Mix(torch.autograd.Function):
             p_dot = pf @ q  # [N]
             p_inv = fused_inverse_rms(pf, bank.eps)
             logits = torch.cat([logits, (p_dot * p_inv).unsqueeze(0)], 0)
-        alpha = torch.softmax(logits, dim=0)  # [n(+1), N]
-        if n * bank.values.shape[-1] < 400:  # (bmm's slow per-item kernel below this size: a loop)
-            h = bank.values[0] * alpha[0].unsqueeze(1)
-            for i in range(1, n):
+        prefix = bank.prefix_mix(col, n) if n >= TWO_PHASE_FROM else None
+        if prefix is not None:  # two-phase: h = exp(μ - lse) P + Σ_{n0≤i<n} α_i v_i
+            n0, mu, P = prefix
+            lse = torch.logsumexp(logits, dim=0)  # [N]
+            alpha = (logits - lse).exp_()  # [n(+1), N]
+            h = P * (mu - lse).exp_().unsqueeze(1)
+            for i in range(n0, n):
                 h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
         else:
-            h = torch.bmm(alpha[:n].t().contiguous().unsqueeze(1), bank.values[:n].transpose(0, 1)).squeeze(1)  # [N,d]
+            alpha = torch.softmax(logits, dim=0)  # [n(+1), N]
+            if n * bank.values.shape[-1] < 400:  # (bmm's slow per-item kernel below this size: a loop)
+                h = bank.values[0] * alpha[0].unsqueeze(1)
+                for i in range(1, n):
+                    h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
+            else:
+                h = torch.bmm(alpha[:n].t().contiguous().unsqueeze(1), bank.values[:n].transpose(0, 1)).squeeze(1)  # [N,d]
         if partial is not None:
             h.addcmul_(pf, alpha[n].unsqueeze(1))
             ctx.save_for_backward(pf, p_dot, p_inv, q)
