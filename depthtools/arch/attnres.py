@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch.bankops import DepthBank, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
+from depthtools.arch.bankops import DepthBank, MixGroups, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import ResidualScheme
@@ -248,18 +248,22 @@ class AttnResScheme(ResidualScheme):
         """(bank, handle) holding `sources` (the queries of all mixers as they are now)."""
         queries = torch.stack([m.query * m.key_norm.weight for m in self._mixers])  # [M,d]
         bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.cfg.norm_eps,
-                         self._fingerprint(), self._mix_order())
+                         self._fingerprint(), self._mix_groups())
         handle = None
         for v in sources:
             handle = bank_push(bank, handle, v)
         return bank, handle
 
-    def _mix_order(self) -> dict[int, int]:
-        """Mixer column -> the column of the next mix in the intact model: block b's MLP mixer
-        (column L+b), block b+1's attention-side mixer (column b), ..., the final mixer (L-1)."""
-        L = self.cfg.n_layer
-        order = [c for b in range(L) for c in ((b - 1, L + b) if b else (L,))] + [L - 1]
-        return dict(zip(order, order[1:]))
+    def _mix_groups(self) -> MixGroups:
+        """The two-phase groups (bankops), from the intact model's mixes: sublayer s of block b mixes
+        over 1 + floor(s/S) banked sources with column b-1 (attention, b ≥ 1) or L+b (MLP); the
+        final mix over 1 + floor((2L-1)/S) with column L-1."""
+        groups = self.__dict__.get("_groups")
+        if groups is None:
+            L, S = self.cfg.n_layer, self.block_size
+            mixes = [(b - 1 if s % 2 == 0 else L + b, 1 + s // S) for s in range(1, 2 * L) for b in (s // 2,)]
+            groups = self.__dict__["_groups"] = MixGroups(mixes + [(L - 1, 1 + (2 * L - 1) // S)])
+        return groups
 
     def _scale(self, source: torch.Tensor) -> torch.Tensor:
         return inv_rms(source, self.cfg.norm_eps)

@@ -128,21 +128,36 @@ def bank_logits(query: torch.Tensor, sources: tuple[torch.Tensor, ...], scales: 
 # a fresh bank (copy-on-branch), so every state stays valid and immutable from the caller's view.
 #
 #   * forward mix, two-phase (AttnRes paper §5, "two-phase computation"): the queries are
-#     parameters, so the mixes of the next G mixers over the sources that already exist can be
-#     formed together, in ONE batched matmul that reads each source once for all G of them:
-#     P_m = Σ_{i<n0} exp(l_{m,i} - μ_m) v_i with μ_m = max_{i<n0} l_{m,i} (`DepthBank.prefix_mix`).
-#     Mixer m's later mix over n ≥ n0 sources is then exact by the log-sum-exp merge
-#     h = exp(μ_m - lse) P_m + Σ_{n0≤i<n} α_i v_i, lse = log Σ_{i<n} exp(l_{m,i}). The bank
-#     follows the intact model's mixer order (`successor`, given by the scheme); a mix that
-#     departs from it (a swapped plan, a lens readout of an older state) switches the bank back to
-#     the one-mix-at-a-time path, so a wrong guess costs at most one group.
+#     parameters, so the mixes of a group of G mixers over the sources that exist when the first
+#     of them runs can be formed together, in ONE batched matmul that reads each source once for
+#     all G: P_m = Σ_{i<n0} exp(l_{m,i} - μ_m) v_i, μ_m = max_{i<n0} l_{m,i} (`prefix_mix`).
+#     Mixer m's mix over n ≥ n0 sources is then exact by the log-sum-exp merge
+#     h = exp(μ_m - lse) P_m + Σ_{n0≤i<n} α_i v_i, lse = log Σ_{i<n} exp(l_{m,i}).
+#     The groups are fixed by the scheme from the intact model (`MixGroups`: G consecutive mixers
+#     of the intact order, n0 = the sources its first one reads), never by a run's history, so a
+#     mix gives bit-identical results whatever ran before it (a run from a cached state equals the
+#     full run exactly; sweeps rely on that). A mix outside its group's range (a swapped plan) takes
+#     the one-mix path.
 #
 # First-order only; the mixes' weights are not hookable here (the scheme uses the per-source
 # functions above when a weights hook is attached).
 
 FLUSH_AT = 8  # pending mixes that trigger a bulk flush (~4 passes over the sources it covers; 6-10 measured alike)
-TWO_PHASE_FROM = 6  # a mix over this many banked sources or more starts / uses a two-phase group (4-12 measured: 6 best)
+TWO_PHASE_FROM = 6  # mixes over fewer banked sources are not grouped (4-12 measured: 6 best)
 TWO_PHASE_GROUP = 16  # mixers per group (one [N,G,n0] x [N,n0,d] batched matmul; 8-32 measured: 16 best)
+GROUPS_KEPT = 2  # computed groups a bank keeps (a lens readout and the next step share one)
+
+
+class MixGroups:
+    """The two-phase groups of a model: mixer column -> (group id, row in the group), and per group
+    its columns and n0, built from the intact model's mixes as (column, banked sources) in order."""
+
+    def __init__(self, intact_mixes: list[tuple[int, int]]):
+        grouped = [(col, n) for col, n in intact_mixes if n >= TWO_PHASE_FROM]
+        self.groups = [grouped[i : i + TWO_PHASE_GROUP] for i in range(0, len(grouped), TWO_PHASE_GROUP)]
+        self.columns = [[col for col, _ in g] for g in self.groups]
+        self.n0 = [g[0][1] for g in self.groups]
+        self.of = {col: (gid, row) for gid, cols in enumerate(self.columns) for row, col in enumerate(cols)}
 
 
 class _MixRecord:
@@ -160,13 +175,12 @@ class DepthBank:
     """One run's sources v_0..v_{fill-1} in append-only buffers (see the section comment)."""
 
     def __init__(self, first: torch.Tensor, queries: torch.Tensor, capacity: int, eps: float, fingerprint,
-                 successor: dict[int, int] | None = None):
+                 groups: MixGroups | None = None):
         N, d = first.numel() // first.shape[-1], first.shape[-1]
         M = queries.shape[0]
         self.shape, self.eps, self.fingerprint = first.shape, eps, fingerprint
-        self.successor = successor  # mixer column -> the column that mixes next in the intact model
-        self.prefix: dict[int, tuple] = {}  # column -> (n0, μ [N], P [N,d]) of the current group
-        self.two_phase = successor is not None
+        self.groups = groups  # two-phase groups (None: every mix on its own)
+        self.prefix: dict[int, tuple] = {}  # group id -> (μ [G,N], P [N,G,d]), the newest GROUPS_KEPT
         self.queries = queries  # [M,d]: w_m ⊙ gamma_m of every mixer (part of the graph)
         self.values = first.new_empty(capacity, N, d)
         self.inv_rms = first.new_empty(capacity, N)
@@ -180,27 +194,24 @@ class DepthBank:
         return self.values.shape[0]
 
     def prefix_mix(self, col: int, n: int):
-        """(n0, μ [N], P [N,d]) with n0 ≤ n: mixer `col`'s unnormalised mix over the first n0 sources
-        (see the section comment), from the current group or a new one; None off the intact order."""
-        entry = self.prefix.pop(col, None)
-        if entry is not None and entry[0] <= n:
-            return entry
-        if not self.two_phase:
+        """(n0, μ [N], P [N,d]): mixer `col`'s unnormalised mix over the first n0 ≤ n sources (see the
+        section comment), or None when `col` is in no group or n lies outside its group's range."""
+        where = None if self.groups is None else self.groups.of.get(col)
+        if where is None:
             return None
-        if self.prefix or entry is not None:  # not the mix the intact order predicted: stop predicting
-            self.two_phase = False
-            self.prefix.clear()
+        gid, row = where
+        n0 = self.groups.n0[gid]
+        if not n0 <= n < n0 + TWO_PHASE_GROUP:
             return None
-        cols = [col]
-        while len(cols) < TWO_PHASE_GROUP and cols[-1] in self.successor:
-            cols.append(self.successor[cols[-1]])
-        logits = self.dots[:n, cols] * self.inv_rms[:n].unsqueeze(1)  # [n,G,N]
-        mu = logits.amax(0)  # [G,N]
-        weights = logits.sub_(mu).exp_().permute(2, 1, 0).contiguous()  # [N,G,n]
-        P = torch.bmm(weights, self.values[:n].transpose(0, 1))  # [N,G,d]
-        for k, c in enumerate(cols[1:], 1):
-            self.prefix[c] = (n, mu[k], P[:, k])
-        return n, mu[0], P[:, 0]
+        if gid not in self.prefix:
+            logits = self.dots[:n0, self.groups.columns[gid]] * self.inv_rms[:n0].unsqueeze(1)  # [n0,G,N]
+            mu = logits.amax(0)  # [G,N]
+            weights = logits.sub_(mu).exp_().permute(2, 1, 0).contiguous()  # [N,G,n0]
+            self.prefix[gid] = mu, torch.bmm(weights, self.values[:n0].transpose(0, 1))  # [N,G,d]
+            while len(self.prefix) > GROUPS_KEPT:
+                del self.prefix[next(iter(self.prefix))]
+        mu, P = self.prefix[gid]
+        return n0, mu[row], P[:, row]
 
     def _grads(self):
         if self.grad_values is None:
@@ -307,7 +318,7 @@ class _Mix(torch.autograd.Function):
             p_dot = pf @ q  # [N]
             p_inv = fused_inverse_rms(pf, bank.eps)
             logits = torch.cat([logits, (p_dot * p_inv).unsqueeze(0)], 0)
-        prefix = bank.prefix_mix(col, n) if n >= TWO_PHASE_FROM else None
+        prefix = bank.prefix_mix(col, n)
         if prefix is not None:  # two-phase: h = exp(μ - lse) P + Σ_{n0≤i<n} α_i v_i
             n0, mu, P = prefix
             lse = torch.logsumexp(logits, dim=0)  # [N]
