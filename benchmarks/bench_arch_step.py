@@ -3,9 +3,16 @@
 One step = forward + cross-entropy + backward + the trainer's AdamW step (`build_optimizer`: its
 parameter groups, fused kernel), at a deep-narrow shape (default L=32,
 d=64, 4 heads, batch 8, seq 128, vocab 256), torch pinned to `--threads` (default 1) threads.
-Each architecture's peak memory is read in its own fresh subprocess; the times are measured in
-ONE process, steps interleaved round-robin (the order shuffled every round, so drifting machine
-load and cache effects hit all architectures alike), Pre-LN included:
+Each architecture's peak memory is read in its own fresh subprocess. Steps are interleaved
+round-robin, the order shuffled every round (drifting machine load hits all architectures alike),
+Pre-LN included, in one of two ways:
+
+    --processes one   (default) every model in its OWN worker process, as in training, where one
+                      model owns its process: its allocator state and page reuse are its own. The
+                      coordinator runs one worker's step at a time (the others wait on a pipe).
+    --processes shared  all models in ONE process (the script's earlier method): each step then
+                      also pays for the other models' heap (fragmentation, freed-and-refaulted
+                      pages, evicted caches), which no training run sees.
 
     ms/step   median wall time over the timed rounds (after warmup)
     x preln   median over rounds of (this arch's step time ÷ Pre-LN's in the same round), wall clock
@@ -17,7 +24,7 @@ load and cache effects hit all architectures alike), Pre-LN included:
     mem x     peak MiB ÷ Pre-LN's
 
 Usage: python benchmarks/bench_arch_step.py [--threads 1] [--reps 9] [--warmup 2] [--arch hc mhc ...]
-       [--no-memory] [--markdown]
+       [--processes one|shared] [--no-memory] [--markdown]
 """
 
 from __future__ import annotations
@@ -83,32 +90,74 @@ def measure_memory(arch: str, args) -> dict:
     return {"arch": arch, "peak_mib": peak - base_rss, "params": model.param_counts()["total"]}
 
 
-def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
-    """Per architecture: median wall ms/step and the median per-round ratios to Pre-LN (wall, CPU)."""
+def timed(step) -> tuple[float, float]:
+    """(wall s, process CPU s) of one call."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    step()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def run_worker(arch: str, args) -> None:
+    """Worker process: build one model, warm up, then time one step per "step" line on stdin."""
     import torch
 
     torch.set_num_threads(args.threads)
-    built = {name: build_step(name, args) for name in names}
-    steps = {name: step for name, (_, step) in built.items()}
-    for step in steps.values():
-        for _ in range(args.warmup):
-            step()
+    model, step = build_step(arch, args)
+    for _ in range(args.warmup):
+        step()
+    print(json.dumps({"params": model.param_counts()["total"]}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        print(json.dumps(timed(step)), flush=True)
+
+
+def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
+    """Per architecture: median wall ms/step and the median per-round ratios to Pre-LN (wall, CPU)."""
+    if args.processes == "one":
+        workers, params = {}, {}
+        for name in names:  # started one after another: only one process works at a time
+            workers[name] = subprocess.Popen([sys.executable, __file__, *_strip_arch_values(sys.argv[1:]), "--worker", name],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            params[name] = json.loads(workers[name].stdout.readline())["params"]
+
+        def step_of(worker):
+            def step():
+                worker.stdin.write("step\n")
+                worker.stdin.flush()
+                return tuple(json.loads(worker.stdout.readline()))
+            return step
+
+        steps = {name: step_of(worker) for name, worker in workers.items()}
+    else:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        built = {name: build_step(name, args) for name in names}
+        params = {name: model.param_counts()["total"] for name, (model, _) in built.items()}
+        for _, step in built.values():
+            for _ in range(args.warmup):
+                step()
+        steps = {name: (lambda step=step: timed(step)) for name, (_, step) in built.items()}
     wall = {name: [] for name in names}
     cpu = {name: [] for name in names}
     order, rng = list(names), random.Random(0)
     for _ in range(args.reps):
         rng.shuffle(order)
         for name in order:
-            w0, c0 = time.perf_counter(), time.process_time()
-            steps[name]()
-            cpu[name].append(time.process_time() - c0)
-            wall[name].append(time.perf_counter() - w0)
+            w, c = steps[name]()
+            wall[name].append(w)
+            cpu[name].append(c)
+    if args.processes == "one":
+        for worker in workers.values():
+            worker.stdin.close()
+            worker.wait()
     base = names[0]
     return {name: {
         "ms": 1000 * statistics.median(wall[name]),
         "x": statistics.median(w / b for w, b in zip(wall[name], wall[base])),
         "cpu_x": statistics.median(c / b for c, b in zip(cpu[name], cpu[base])),
-        "params": built[name][0].param_counts()["total"],
+        "params": params[name],
     } for name in names}
 
 
@@ -126,9 +175,15 @@ def main() -> None:
     parser.add_argument("--arch", nargs="*", help="architectures to run (default: all registered)")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory subprocesses")
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown")
+    parser.add_argument("--processes", choices=("one", "shared"), default="one",
+                        help="one worker process per model (default, as in training) or all models in one process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.worker:  # a timing worker (--processes one)
+        run_worker(args.worker, args)
+        return
     if args.child:  # inside the subprocess: measure one architecture, print JSON
         print(json.dumps(measure_memory(args.child, args)))
         return
@@ -154,7 +209,8 @@ def main() -> None:
         row.update(times[row["arch"]])
         _print_row(row, rows[0])
     settings = (f"L={args.n_layer} d={args.d_model} heads={args.n_heads} batch={args.batch} seq={args.seq} "
-                f"vocab={args.vocab} threads={args.threads} reps={args.reps} (median) warmup={args.warmup}")
+                f"vocab={args.vocab} threads={args.threads} reps={args.reps} (median) warmup={args.warmup} "
+                f"processes={args.processes}")
     print(f"\n{settings}")
     if args.markdown:
         print("\n| arch | params | ms/step | x preln (wall) | x preln (CPU time) | peak MiB | mem x |")

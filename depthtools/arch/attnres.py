@@ -216,15 +216,15 @@ class AttnResScheme(ResidualScheme):
     def _mix(self, state: SourceBank, mixer: DepthMixer | None, hook) -> torch.Tensor:
         """Σ_i alpha_i v_i [B,T,d]; alpha from `mixer`, or one-hot on the newest source if None."""
         n = len(state.sources) + (state.partial is not None)
-        hooked = hook is not None and bool(hook._forward_hooks or hook._backward_hooks)
-        if mixer is None or n == 1:
-            if not hooked:  # identity on the newest source (a 1-source softmax is this too)
+        identity = mixer is None or n == 1  # one-hot on the newest source (a 1-source softmax is this too)
+        if hook is None or not (hook._forward_hooks or hook._backward_hooks):
+            if identity:
                 return state.partial if state.partial is not None else state.sources[-1]
-        elif not hooked and state.bank is not None and self._bank_current(state.bank):
-            return bank_mix(state.bank, state.handle, len(state.sources), mixer.column, state.partial)
+            if state.bank is not None and self._bank_current(state.bank):
+                return bank_mix(state.bank, state.handle, len(state.sources), mixer.column, state.partial)
         # per-source path (the depth-attention weights are hooked, or no usable bank)
         sources = state.sources if state.partial is None else state.sources + (state.partial,)
-        if mixer is None or n == 1:
+        if identity:
             weights = sources[-1].new_zeros(*sources[-1].shape[:-1], n)
             weights[..., -1] = 1.0
         else:

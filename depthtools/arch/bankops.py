@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from depthtools.arch.layers import fused_inverse_rms
+from depthtools.arch.layers import fused_inverse_rms, inverse_rms_derivative
 
 
 def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -276,7 +276,7 @@ class DepthBank:
         vf = v.reshape(-1, v.shape[-1]).to(gv.dtype)
         r = self.inv_rms[j]
         grad = torch.addmm(gv, gdots.t(), self.queries.to(gv.dtype))  # through the dots v · q_m
-        grad.addcmul_(vf, (ginv * r.pow(3) * (-1.0 / vf.shape[-1])).unsqueeze(1))  # through r = 1/rms(v)
+        grad.addcmul_(vf, inverse_rms_derivative(ginv, r, vf.shape[-1]).unsqueeze(1))  # through r = 1/rms(v)
         grad_q = gdots @ vf  # [M,d]
         if j == 0:  # the backward pass is complete: forget the mixes' gradients
             for rec in self.records:
@@ -377,7 +377,7 @@ class _Mix(torch.autograd.Function):
             dl = (torch.linalg.vecdot(g, pf) - rho) * a_p  # d logit_p
             gp = g * a_p.unsqueeze(1)
             gp.addmm_(dl.mul(p_inv).unsqueeze(1), q.unsqueeze(0))  # through p·q
-            gp.addcmul_(pf, (dl * p_dot * p_inv.pow(3) * (-1.0 / pf.shape[-1])).unsqueeze(1))  # through r_p
+            gp.addcmul_(pf, inverse_rms_derivative(dl * p_dot, p_inv, pf.shape[-1]).unsqueeze(1))  # through r_p
             grad_partial = gp.view(ctx.partial_shape).to(ctx.partial_dtype)
             if ctx.needs_input_grad[1]:
                 grad_q = q.new_zeros(ctx.shape)

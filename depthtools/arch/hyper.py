@@ -78,7 +78,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch.layers import RMSNorm, fused_inverse_rms
+from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import ResidualScheme
 from depthtools.config import ModelConfig
@@ -293,7 +293,7 @@ class _ProjRms(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 gw = (g_proj.t() @ x).t()
         if g_inv is not None and ctx.needs_input_grad[0]:
-            coef = g_inv * inv.pow(3) * (-1.0 / x.shape[-1])  # d inv / dx = -inv³ x / k
+            coef = inverse_rms_derivative(g_inv, inv, x.shape[-1])
             gx = x * coef if gx is None else gx.addcmul_(x, coef)
         return gx, gw, None
 
@@ -307,7 +307,10 @@ class _ProjRms(torch.autograd.Function):
             d_proj = x @ dw if d_proj is None else d_proj + x @ dw
         if d_proj is None:
             d_proj = x.new_zeros(x.shape[0], w.shape[1])
-        d_inv = (-inv.pow(3) / x.shape[-1]) * torch.linalg.vecdot(x, dx).unsqueeze(-1) if dx is not None else torch.zeros_like(inv)
+        if dx is None:
+            d_inv = torch.zeros_like(inv)
+        else:
+            d_inv = inverse_rms_derivative(torch.linalg.vecdot(x, dx).unsqueeze(-1), inv, x.shape[-1])
         return d_proj, d_inv
 
 
@@ -459,7 +462,7 @@ class _HCConnect(torch.autograd.Function):
             g_inv = (g_a * raw).sum(-1, keepdim=True)
             gHf = gH.view(N * n, d)
             gHf.addmm_(g_raw, P.t())
-            gHf.addcmul_(Hf, g_inv * inv.pow(3) * (-1.0 / d))  # d inv / dH = -inv³ H / d
+            gHf.addcmul_(Hf, inverse_rms_derivative(g_inv, inv, d))
         g_P = (g_raw.t() @ Hf).t() if need[1] or need[2] else None
         return (gH,
                 g_P[:, : n + 1] if g_P is not None and need[1] else None,
@@ -483,7 +486,7 @@ class _HCConnect(torch.autograd.Function):
         if dH is not None:
             P = torch.cat([Wa, wb.unsqueeze(1)], 1)
             dHf = dH.reshape(N * n, d)
-            dinv = inv.pow(3) * (-1.0 / d) * torch.linalg.vecdot(Hf, dHf).unsqueeze(-1)
+            dinv = inverse_rms_derivative(torch.linalg.vecdot(Hf, dHf).unsqueeze(-1), inv, d)
             term = (dHf @ P) * inv + raw * dinv
             da = term if da is None else da + term
         dcoeffs = torch.zeros(N * n, n + 2, dtype=H.dtype, device=H.device) if da is None else (da * (1 - t * t)) * scale
@@ -573,7 +576,7 @@ class _MHCConnect(torch.autograd.Function):
             gx = gH.view(N, n * d)
             gx.addmm_(g_raw.t(), Phi.t())
             g_inv = (g_mix * raw).sum(0)  # [N]
-            gx.addcmul_(x, (g_inv * inv.pow(3) * (-1.0 / (n * d))).unsqueeze(1))
+            gx.addcmul_(x, inverse_rms_derivative(g_inv, inv, n * d).unsqueeze(1))
             grads[0] = gH
         if need[1] or need[2] or need[3]:
             g_Phi = g_raw @ x  # [m, nd]

@@ -24,6 +24,13 @@ def fused_inverse_rms(x: torch.Tensor, eps: float, keepdim: bool = False,
     return r.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
+def inverse_rms_derivative(t: torch.Tensor, inv: torch.Tensor, dim: int) -> torch.Tensor:
+    """-t · inv³ / dim, the derivative of inv = 1/rms(x) over `dim` features (d inv/dx = -inv³ x / dim):
+    backward, dL/dx += inverse_rms_derivative(dL/d inv, inv, dim) · x; forward mode,
+    d inv = inverse_rms_derivative(x · dx, inv, dim). Companion of `fused_inverse_rms`."""
+    return t * inv.pow(3) * (-1.0 / dim)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) · gamma over the last dimension (gamma init 1); `affine=False` drops gamma."""
 
