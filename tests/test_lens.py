@@ -65,6 +65,10 @@ def test_lens_summary_columns():
     row = result.summary.iloc[0]
     assert 0 <= row["pd_mean_over_L"] <= 1 and row["pd_mean"] == pytest.approx(result.prediction_depth.mean())
     assert len(result.prediction_depth) == len(result.token_loss) == 4 * 11
+    tokens = result.tokens  # the per-token table `analyze` saves (prediction_depth.parquet)
+    assert list(tokens.columns) == ["model", "arch", "n_layer", "d_model", "lens", "token", "prediction_depth", "loss"]
+    assert (tokens["prediction_depth"].to_numpy() == result.prediction_depth).all()
+    assert (tokens["loss"].to_numpy() == result.token_loss).all() and (tokens["lens"] == "logit").all()
     assert -1 <= row["pd_loss_spearman"] <= 1 or pd.isna(row["pd_loss_spearman"])
 
 

@@ -259,6 +259,12 @@ def test_model_report_shows_every_probe_of_one_checkpoint(tiny_grid: TinyGrid, t
     row = next(row for row in metrics.rows if row[:2] == ["causal", "global_score"])
     assert float(row[2]) == causal.loc["global_score", "value"]
     assert any(f.startswith("hc_L4: skipping block") for f in r.findings)
+    # `analyze` saved the per-token prediction depths, so the figure is their histogram (no fallback note)
+    tokens = pd.read_parquet(tiny_grid.grid / "hc_L4" / "analysis" / "prediction_depth.parquet")
+    summary = pd.read_parquet(tiny_grid.grid / "hc_L4" / "analysis" / "lens_logit_summary.parquet").iloc[0]
+    assert len(tokens) == summary["n_tokens"] and tokens["prediction_depth"].between(0, 4).all()
+    assert tokens["prediction_depth"].mean() == pytest.approx(summary["pd_mean"])
+    assert not any("prediction-depth table" in note for note in r.notes)
 
 
 def test_compare_report_puts_checkpoints_side_by_side(tiny_grid: TinyGrid, tmp_path, monkeypatch):
@@ -303,3 +309,17 @@ def test_report_command_default_output_and_one_line_errors(tiny_grid: TinyGrid, 
     empty.mkdir()
     code, err = run("--grid", str(empty))
     assert code == 2 and "no checkpoints" in err
+
+
+def test_prediction_depth_histogram_keeps_its_model_legend():
+    """The per-token histogram's legend (seaborn's, no labelled artists) survives being moved outside."""
+    import numpy as np
+
+    from depthtools.report import figures
+
+    rng = np.random.default_rng(0)
+    table = pd.concat([pd.DataFrame({"model": name, "n_layer": 8, "prediction_depth": rng.integers(0, 9, 200)})
+                       for name in ("hc_L8", "preln_L8")])
+    fig = figures.plot_prediction_depth(table, ["hc_L8", "preln_L8"])
+    legend = fig.axes[0].get_legend()
+    assert legend is not None and [t.get_text() for t in legend.get_texts()] == ["hc_L8", "preln_L8"]

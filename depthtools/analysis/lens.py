@@ -114,6 +114,7 @@ class LensResult:
     summary: pd.DataFrame
     prediction_depth: np.ndarray  # [n_tokens] int, 0..L
     token_loss: np.ndarray  # [n_tokens] final CE per token
+    tokens: pd.DataFrame | None = None  # per token: model columns, lens, token, prediction_depth, loss
 
 
 def prediction_depths(top1: torch.Tensor) -> torch.Tensor:
@@ -164,7 +165,9 @@ def lens_analysis(
     kind = "logit" if translators is None else "tuned"
     depths = _depth_frame(model, kind, sums)
     summary = _summary_frame(model, kind, depths, pd_tokens, token_loss)
-    return LensResult(depths, summary, pd_tokens, token_loss)
+    tokens_frame = pd.DataFrame({**model_columns(model), "lens": kind, "token": np.arange(len(pd_tokens)),
+                                 "prediction_depth": pd_tokens, "loss": token_loss})
+    return LensResult(depths, summary, pd_tokens, token_loss, tokens_frame)
 
 
 def _depth_frame(model, kind: str, sums: _DepthSums) -> pd.DataFrame:

@@ -19,7 +19,8 @@ from typing import Any, Callable
 from depthtools.errors import DepthToolsError
 
 # (analysis name) -> the tables it writes, when they differ from its own name
-OUTPUTS = {"lens_logit": ("lens_logit", "lens_logit_summary"), "lens_tuned": ("lens_tuned", "lens_tuned_summary")}
+OUTPUTS = {"lens_logit": ("lens_logit", "lens_logit_summary", "prediction_depth"),
+           "lens_tuned": ("lens_tuned", "lens_tuned_summary", "prediction_depth_tuned")}
 
 
 # -- the evaluation token set and what a saved table depends on ------------------------------------
@@ -77,7 +78,7 @@ def _lens(model, tokens, batch_size):
     from depthtools.analysis.lens import lens_analysis
 
     result = lens_analysis(model, tokens, batch_size=batch_size)
-    return {"lens_logit": result.depths, "lens_logit_summary": result.summary}
+    return {"lens_logit": result.depths, "lens_logit_summary": result.summary, "prediction_depth": result.tokens}
 
 
 def _ablate(mode: str):
@@ -145,7 +146,7 @@ def _tuned_lens_tables(model, tokens, ckpt_dir, data, n_tokens, seq_len, seed, b
     train_tokens = check_tokens(model, eval_tokens(ckpt_dir, data, 4 * n_tokens, seq_len, "train", seed))
     lens = fit_tuned_lens(model, train_tokens, ckpt_dir, batch_size=batch_size)
     result = lens_analysis(model, tokens, lens, batch_size=batch_size)
-    return {"lens_tuned": result.depths, "lens_tuned_summary": result.summary}
+    return {"lens_tuned": result.depths, "lens_tuned_summary": result.summary, "prediction_depth_tuned": result.tokens}
 
 
 def analyze_grid(grid: str | Path, data: str | Path | None = None, n_tokens: int = 4096, seq_len: int = 128,

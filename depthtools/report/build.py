@@ -345,12 +345,13 @@ def _lens_section(cells: list[CellData], names: list[str]) -> Section:
     pd_table = pd_tokens if len(pd_tokens) else summary
     if len(pd_table):
         section.add(figure_block(
-            "fig-prediction-depth", "Prediction depth", "Per-token histogram of prediction depth / L when saved; "
-            "otherwise the mean prediction depth / L per lens. Low = tokens are decided early.",
+            "fig-prediction-depth", "Prediction depth", "Per-token histogram of the logit lens' prediction depth / L "
+            "(tables saved by `depthtools analyze`); for older tables the mean prediction depth / L per lens. Low = "
+            "tokens are decided early.",
             figures.plot_prediction_depth, pd_table, names))
         if not len(pd_tokens):
-            section.add(NoteBlock("Per-token prediction depths are not saved by `depthtools analyze`, so the figure "
-                                  "shows the mean only."))
+            section.add(NoteBlock("These analysis tables predate the per-token prediction-depth table, so the "
+                                  "figure shows the mean only; re-run `depthtools analyze` for the histogram."))
     return section
 
 

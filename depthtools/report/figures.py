@@ -120,8 +120,12 @@ def model_palette(models: Sequence[str]) -> dict[str, tuple]:
 
 
 def _legend_outside(ax) -> None:
+    """Move an existing legend to the right of the axes, keeping its handles (seaborn's histogram
+    legend has no labelled artists, so a fresh `ax.legend()` would come out empty)."""
+    import seaborn as sns
+
     if ax.get_legend() is not None:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+        sns.move_legend(ax, "upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
 # -- grid figures --------------------------------------------------------------------------------
