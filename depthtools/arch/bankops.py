@@ -154,9 +154,9 @@ class MixGroups:
 
     def __init__(self, intact_mixes: list[tuple[int, int]]):
         grouped = [(col, n) for col, n in intact_mixes if n >= TWO_PHASE_FROM]
-        self.groups = [grouped[i : i + TWO_PHASE_GROUP] for i in range(0, len(grouped), TWO_PHASE_GROUP)]
-        self.columns = [[col for col, _ in g] for g in self.groups]
-        self.n0 = [g[0][1] for g in self.groups]
+        groups = [grouped[i : i + TWO_PHASE_GROUP] for i in range(0, len(grouped), TWO_PHASE_GROUP)]
+        self.columns = [[col for col, _ in g] for g in groups]
+        self.n0 = [g[0][1] for g in groups]
         self.of = {col: (gid, row) for gid, cols in enumerate(self.columns) for row, col in enumerate(cols)}
 
 
