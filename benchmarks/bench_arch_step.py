@@ -112,6 +112,14 @@ def run_worker(arch: str, args) -> None:
         print(json.dumps(timed(step)), flush=True)
 
 
+def _reply(name: str, worker: subprocess.Popen) -> str:
+    """The worker's next output line; a one-line exit if it died (its traceback is on stderr above)."""
+    line = worker.stdout.readline()
+    if not line:
+        raise SystemExit(f"{name}: the timing worker exited with {worker.wait()} (its error is printed above)")
+    return line
+
+
 def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
     """Per architecture: median wall ms/step and the median per-round ratios to Pre-LN (wall, CPU)."""
     if args.processes == "one":
@@ -119,16 +127,16 @@ def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
         for name in names:  # started one after another: only one process works at a time
             workers[name] = subprocess.Popen([sys.executable, __file__, *_strip_arch_values(sys.argv[1:]), "--worker", name],
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            params[name] = json.loads(workers[name].stdout.readline())["params"]
+            params[name] = json.loads(_reply(name, workers[name]))["params"]
 
-        def step_of(worker):
+        def step_of(name, worker):
             def step():
                 worker.stdin.write("step\n")
                 worker.stdin.flush()
-                return tuple(json.loads(worker.stdout.readline()))
+                return tuple(json.loads(_reply(name, worker)))
             return step
 
-        steps = {name: step_of(worker) for name, worker in workers.items()}
+        steps = {name: step_of(name, worker) for name, worker in workers.items()}
     else:
         import torch
 
