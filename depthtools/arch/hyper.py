@@ -421,7 +421,7 @@ class _HCConnect(torch.autograd.Function):
         Hf = H.view(N * n, d)
         raw = (P.t() @ Hf.t()).t().contiguous()  # [Nn, n+2]; (Pᵀ Hᵀ)ᵀ: ~5x faster CPU GEMM than H @ P at n+2 = 6
         inv = fused_inverse_rms(Hf, eps, keepdim=True)
-        t = torch.tanh(raw * inv)
+        t = torch.sigmoid(raw * inv * 2).mul_(2).sub_(1)  # tanh(x) = 2σ(2x) - 1: CPU tanh is ~3x slower here
         scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
         coeffs = (t.view(N, n, n + 2) * scale).add_(torch.cat([Sa, sb.unsqueeze(1)], 1))
         routing = coeffs[..., : n + 1].transpose(1, 2).contiguous()  # [N, n+1, n]
