@@ -300,3 +300,30 @@ def test_extra_params_and_options():
         build(moda_norm="sandwich")
     with pytest.raises(DepthToolsError, match="moda_depth_rope"):
         build(moda_depth_rope="both")
+
+
+# -- buffer reuse (moda._reusable) --------------------------------------------------------------
+def _train_step(model, toks):
+    model(toks).square().sum().backward()
+
+
+def test_slot_buffers_are_reused_across_steps_but_never_while_a_state_views_them():
+    model = build(n_layer=4).float().train()
+    toks = tokens(length=8)
+    _train_step(model, toks)
+    first = model.run_states(toks)[-1].keys._base.data_ptr()
+    _train_step(model, toks)  # the states above are gone: the same buffer serves the next run
+    kept = model.run_states(toks)  # ... and these stay alive
+    assert kept[-1].keys._base.data_ptr() == first
+    snapshot = [(s.keys.clone(), s.values.clone()) for s in kept if s.keys is not None]
+    _train_step(model, tokens(length=8, seed=5))  # other tokens, while `kept` still views its buffer
+    assert model.run_states(toks)[-1].keys._base.data_ptr() != first
+    for s, (k, v) in zip([s for s in kept if s.keys is not None], snapshot):
+        assert torch.equal(s.keys, k) and torch.equal(s.values, v)
+    model.zero_grad()
+    _train_step(model, tokens(length=8, seed=5))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    _train_step(model, tokens(length=8, seed=5))  # on the reused gradient buffers: the same gradients
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n

@@ -127,16 +127,19 @@ class _SlotStore:
     takes its slots out and lowers `ready`, so a retained graph can be backpropagated again.
     """
 
-    __slots__ = ("fill", "grad_keys", "grad_values", "ready")
+    __slots__ = ("fill", "grad_keys", "grad_values", "ready", "pool")
 
-    def __init__(self, fill: int = 0):
+    def __init__(self, fill: int = 0, pool: dict | None = None):
         self.fill = fill
         self.grad_keys = self.grad_values = None
         self.ready = 0
+        self.pool = pool  # the scheme's reusable buffers (see `_reusable`)
 
     def grads(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor):
         if self.grad_keys is None:
-            self.grad_keys, self.grad_values = torch.empty_like(keys_buffer), torch.empty_like(values_buffer)
+            self.grad_keys = _reusable(self.pool, "grad_keys", keys_buffer.shape, keys_buffer.dtype, keys_buffer.device)
+            self.grad_values = _reusable(self.pool, "grad_values", values_buffer.shape, values_buffer.dtype,
+                                         values_buffer.device)
         return self.grad_keys, self.grad_values
 
     def take(self, start: int, stop: int):
@@ -151,6 +154,31 @@ class _SlotStore:
         if start == 0:  # the pass is complete: release the buffers (the views keep what is returned)
             self.grad_keys = self.grad_values = None
         return out
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether nothing but `t` references its storage: no state, view or saved gradient still uses it.
+    (`t` itself and the temporary storage object below are the two expected users.)"""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # private API: without it, never reuse
+    return use_count is not None and use_count(t.untyped_storage()._cdata) <= 2
+
+
+def _reusable(pool: dict | None, role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised buffer: the pool's last one for this role and shape when nothing else
+    uses it any more, else a new one (which the pool then keeps).
+
+    Why: a MoDA run allocates ~64 MB of depth K/V and gradient buffers at L=32, 8x128 tokens; fresh
+    allocations of that size come back from the OS as page faults every step (~8-10k minor faults,
+    ~8% of the step). Reuse is safe because a buffer some state or gradient still views is never
+    handed out again (`_unshared`); a kept state simply makes the next run allocate anew."""
+    key = (role, tuple(shape), dtype, device)
+    kept = pool.get(key) if pool is not None else None
+    if kept is not None and _unshared(kept):
+        return kept
+    fresh = torch.empty(shape, dtype=dtype, device=device)
+    if pool is not None:
+        pool[key] = fresh
+    return fresh
 
 
 def _buffer_of(view: torch.Tensor | None):
@@ -198,7 +226,7 @@ class _AppendSlots(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, capacity: int, keys, values, *new):
+    def forward(ctx, capacity: int, pool: dict | None, keys, values, *new):
         ctx.set_materialize_grads(False)
         n = len(new) // 2
         S = 0 if keys is None else keys.shape[3]
@@ -209,9 +237,10 @@ class _AppendSlots(torch.autograd.Function):
         else:
             B, T, Hkv, hd = new[0].shape
             dtype = keys.dtype if keys is not None else new[0].dtype
-            kbuf = new[0].new_empty(max(capacity, S + n), Hkv, hd, B, T, dtype=dtype)
-            vbuf = torch.empty_like(kbuf)
-            store = _SlotStore()
+            shape = (max(capacity, S + n), Hkv, hd, B, T)
+            kbuf = _reusable(pool, "keys", shape, dtype, new[0].device)
+            vbuf = _reusable(pool, "values", shape, dtype, new[0].device)
+            store = _SlotStore(pool=pool)
             kbuf._moda_slots = vbuf._moda_slots = store
             if S:
                 kbuf[:S].copy_(keys.permute(*_TO_BUFFER))
@@ -242,17 +271,17 @@ class _AppendSlots(torch.autograd.Function):
                 branch = None if branch is None else branch.permute(*_TO_VIEW)
                 g = None if dense is None else dense[:, :, :, :S]
                 prev[i] = branch if g is None else g if branch is None else branch + g
-        slot_grads = [g if need else None for g, need in zip(slot_grads, ctx.needs_input_grad[3:])]
-        return (None, *prev, *slot_grads)
+        slot_grads = [g if need else None for g, need in zip(slot_grads, ctx.needs_input_grad[4:])]
+        return (None, None, *prev, *slot_grads)
 
 
 def append_slots(state: MoDAState, h, keys: list, values: list, valid: tuple[bool, ...],
-                 capacity: int = 0) -> MoDAState:
+                 capacity: int = 0, pool: dict | None = None) -> MoDAState:
     """A new state with slots appended (keys/values: lists of [B,T,n_kv,hd]); `state` is unchanged."""
     if not keys:
         return MoDAState(h, state.keys, state.values, state.valid)
     new = [t for pair in zip(keys, values) for t in pair]
-    new_k, new_v = _AppendSlots.apply(capacity, state.keys, state.values, *new)
+    new_k, new_v = _AppendSlots.apply(capacity, pool, state.keys, state.values, *new)
     return MoDAState(h, new_k, new_v, state.valid + valid)
 
 
@@ -266,6 +295,7 @@ class MoDAScheme(ResidualScheme):
         super().__init__(cfg)
         self.norm, self.depth_rope = moda_options(cfg)
         self.capacity = 2 * (cfg.n_layer - 1)  # slots of a full run: the preallocated buffer size
+        self._buffers: dict = {}  # reusable slot and slot-gradient buffers (see `_reusable`)
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
@@ -325,7 +355,7 @@ class MoDAScheme(ResidualScheme):
         y = block.hook_mlp_out(block.mlp(x))
         h = h + y if pre else block.mlp_post_norm(h + y)
         h = block.hook_resid_post(h)
-        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity)
+        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._buffers)
 
     def skip(self, position: int, state: MoDAState, rule: str | None = None) -> MoDAState:
         """Identity on h; the position's slots are written as zeros ("zero") or masked ("mask")."""
@@ -334,7 +364,8 @@ class MoDAScheme(ResidualScheme):
             return state
         B, T, _ = state.h.shape
         zero = state.h.new_zeros(B, T, self.cfg.n_kv_heads, self.cfg.head_dim)
-        return append_slots(state, state.h, [zero, zero], [zero, zero], (rule == "zero",) * 2, self.capacity)
+        return append_slots(state, state.h, [zero, zero], [zero, zero], (rule == "zero",) * 2, self.capacity,
+                            self._buffers)
 
 
 def _hooked(*hooks: HookPoint) -> bool:
@@ -458,6 +489,7 @@ class _DepthAttention(torch.autograd.Function):
     def backward(ctx, dz):
         qh, kh, vh, qs, z, zt, lse, probs = ctx.saved_tensors
         keys, values, scale = ctx.keys, ctx.values, ctx.scale
+        ctx.keys = ctx.values = None  # (once-differentiable: let the slot buffer be reused, see `_reusable`)
         B, T, H, hd = z.shape
         Hkv, S = keys.shape[2], keys.shape[3]
         g, N = H // Hkv, B * T
