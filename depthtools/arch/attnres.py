@@ -70,7 +70,7 @@ from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.bankops import DepthBank, MixGroups, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
-from depthtools.arch.layers import RMSNorm
+from depthtools.arch.layers import BufferPool, RMSNorm
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import ResidualScheme
 from depthtools.config import ModelConfig
@@ -143,7 +143,7 @@ class AttnResScheme(ResidualScheme):
             mixer.column = column
         # bank slots: the embedding + every block boundary (Full: every sublayer but the last)
         self.capacity = 2 + (2 * L) // block_size
-        self._spare_grads: dict = {}  # the banks' gradient buffers, reused from one backward to the next
+        self._spare_grads = BufferPool()  # the banks' gradient buffers, reused from one backward to the next
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:

@@ -31,6 +31,14 @@ def inverse_rms_derivative(t: torch.Tensor, inv: torch.Tensor, dim: int) -> torc
     return t * inv.pow(3) * (-1.0 / dim)
 
 
+class BufferPool(dict):
+    """Work buffers a scheme keeps from one step to the next (AttnRes gradients, MoDA depth K/V), to
+    avoid re-faulting tens of MB per step. Not model state: a deep copy of the model starts empty."""
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) · gamma over the last dimension (gamma init 1); `affine=False` drops gamma."""
 

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch.layers import RMSNorm, apply_rope
+from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import ResidualScheme
 from depthtools.config import ModelConfig
@@ -165,11 +165,11 @@ def _unshared(t: torch.Tensor) -> bool:
 
 def _reusable(pool: dict | None, role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised buffer: the pool's last one for this role and shape when nothing else
-    uses it any more, else a new one (which the pool then keeps).
+    uses it any more, else a new one (which the pool then keeps, in place of any other shape).
 
     Why: a MoDA run allocates ~64 MB of depth K/V and gradient buffers at L=32, 8x128 tokens; fresh
     allocations of that size come back from the OS as page faults every step (~8-10k minor faults,
-    ~8% of the step). Reuse is safe because a buffer some state or gradient still views is never
+    ~6% of the step). Reuse is safe because a buffer some state or gradient still views is never
     handed out again (`_unshared`); a kept state simply makes the next run allocate anew."""
     key = (role, tuple(shape), dtype, device)
     kept = pool.get(key) if pool is not None else None
@@ -177,6 +177,8 @@ def _reusable(pool: dict | None, role: str, shape, dtype: torch.dtype, device: t
         return kept
     fresh = torch.empty(shape, dtype=dtype, device=device)
     if pool is not None:
+        for other in [k for k in pool if k[0] == role]:  # one buffer per role: a new shape replaces the old
+            del pool[other]
         pool[key] = fresh
     return fresh
 
@@ -295,7 +297,7 @@ class MoDAScheme(ResidualScheme):
         super().__init__(cfg)
         self.norm, self.depth_rope = moda_options(cfg)
         self.capacity = 2 * (cfg.n_layer - 1)  # slots of a full run: the preallocated buffer size
-        self._buffers: dict = {}  # reusable slot and slot-gradient buffers (see `_reusable`)
+        self._buffers = BufferPool()  # reusable slot and slot-gradient buffers (see `_reusable`)
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
