@@ -113,3 +113,21 @@ def test_hooks_exist_and_run_with_cache_returns_activation_cache(arch):
         assert f"blocks.0.{name}" in cache, name
     pattern = cache["blocks.0.attn.hook_pattern"]
     assert torch.allclose(pattern.sum(-1), torch.ones_like(pattern.sum(-1)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_training_steps_leave_the_state_dict_as_it_was(arch, tmp_path):
+    """Work buffers a scheme keeps between steps are not model state: after two training steps the
+    state dict has the same entries, and the checkpoint saves and loads (to the same logits)."""
+    from depthtools.checkpoint import load, save
+
+    model, toks = tiny(arch), tokens()
+    before = model.state_dict()
+    for _ in range(2):
+        model.train()(toks).square().mean().backward()
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k].shape == before[k].shape for k in before)
+    save(model.float(), tmp_path / "ckpt")
+    loaded = load(tmp_path / "ckpt")
+    assert torch.equal(loaded.eval()(toks), model.eval()(toks))

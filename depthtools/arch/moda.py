@@ -297,7 +297,7 @@ class MoDAScheme(ResidualScheme):
         super().__init__(cfg)
         self.norm, self.depth_rope = moda_options(cfg)
         self.capacity = 2 * (cfg.n_layer - 1)  # slots of a full run: the preallocated buffer size
-        self._buffers = BufferPool()  # reusable slot and slot-gradient buffers (see `_reusable`)
+        self._slot_pool = BufferPool()  # reusable slot and slot-gradient buffers (see `_reusable`)
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
@@ -357,7 +357,7 @@ class MoDAScheme(ResidualScheme):
         y = block.hook_mlp_out(block.mlp(x))
         h = h + y if pre else block.mlp_post_norm(h + y)
         h = block.hook_resid_post(h)
-        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._buffers)
+        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._slot_pool)
 
     def skip(self, position: int, state: MoDAState, rule: str | None = None) -> MoDAState:
         """Identity on h; the position's slots are written as zeros ("zero") or masked ("mask")."""
@@ -367,7 +367,7 @@ class MoDAScheme(ResidualScheme):
         B, T, _ = state.h.shape
         zero = state.h.new_zeros(B, T, self.cfg.n_kv_heads, self.cfg.head_dim)
         return append_slots(state, state.h, [zero, zero], [zero, zero], (rule == "zero",) * 2, self.capacity,
-                            self._buffers)
+                            self._slot_pool)
 
 
 def _hooked(*hooks: HookPoint) -> bool:
