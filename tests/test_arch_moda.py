@@ -302,7 +302,7 @@ def test_extra_params_and_options():
         build(moda_depth_rope="both")
 
 
-# -- buffer reuse (moda._reusable) --------------------------------------------------------------
+# -- buffer reuse (layers.BufferPool) ----------------------------------------------------------
 def _train_step(model, toks):
     model(toks).square().sum().backward()
 

@@ -143,7 +143,7 @@ class AttnResScheme(ResidualScheme):
             mixer.column = column
         # bank slots: the embedding + every block boundary (Full: every sublayer but the last)
         self.capacity = 2 + (2 * L) // block_size
-        self._spare_grads = BufferPool()  # the banks' gradient buffers, reused from one backward to the next
+        self._grad_pool = BufferPool()  # the banks' gradient buffers, reused from one backward to the next
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
@@ -249,7 +249,7 @@ class AttnResScheme(ResidualScheme):
         """(bank, handle) holding `sources` (the queries of all mixers as they are now)."""
         queries = torch.stack([m.query * m.key_norm.weight for m in self._mixers])  # [M,d]
         bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.cfg.norm_eps,
-                         self._fingerprint(), self._mix_groups(), self._spare_grads)
+                         self._fingerprint(), self._mix_groups(), self._grad_pool)
         handle = None
         for v in sources:
             handle = bank_push(bank, handle, v)

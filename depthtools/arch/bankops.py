@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from depthtools.arch.layers import fused_inverse_rms, inverse_rms_derivative
+from depthtools.arch.layers import BufferPool, fused_inverse_rms, inverse_rms_derivative
 
 
 def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -175,12 +175,12 @@ class DepthBank:
     """One run's sources v_0..v_{fill-1} in append-only buffers (see the section comment)."""
 
     def __init__(self, first: torch.Tensor, queries: torch.Tensor, capacity: int, eps: float, fingerprint,
-                 groups: MixGroups | None = None, spare: dict | None = None):
+                 groups: MixGroups | None = None, pool: BufferPool | None = None):
         N, d = first.numel() // first.shape[-1], first.shape[-1]
         M = queries.shape[0]
         self.shape, self.eps, self.fingerprint = first.shape, eps, fingerprint
         self.groups = groups  # two-phase groups (None: every mix on its own)
-        self.spare = spare  # the scheme's gradient buffers from the last backward pass, for reuse
+        self.pool = BufferPool() if pool is None else pool  # the scheme's reusable gradient buffers
         self.prefix: dict[int, tuple] = {}  # group id -> (μ [G,N], P [N,G,d]), the newest GROUPS_KEPT
         self.queries = queries  # [M,d]: w_m ⊙ gamma_m of every mixer (part of the graph)
         self.values = first.new_empty(capacity, N, d)
@@ -215,26 +215,14 @@ class DepthBank:
         return n0, mu[row], P[:, row]
 
     def _grads(self):
-        """The gradient accumulators, zeroed: the previous backward pass's buffers when the scheme
-        kept them (a fresh 35 MB zero-fill at L=32, 8x128 tokens is mostly page faults: ~15 ms)."""
+        """The gradient accumulators, zeroed (the scheme's buffers from the last backward pass when
+        nothing holds them any more: `BufferPool`)."""
         if self.grad_values is None:
-            key = (self.values.shape, self.dots.shape, self.values.dtype, self.values.device)
-            kept = self.spare.pop(key, None) if self.spare is not None else None
-            if kept is not None:
-                self.grad_values, self.grad_dots, self.grad_inv_rms = (t.zero_() for t in kept)
-            else:
-                self.grad_values = torch.zeros_like(self.values)
-                self.grad_dots = torch.zeros_like(self.dots)
-                self.grad_inv_rms = torch.zeros_like(self.inv_rms)
+            dtype, device = self.values.dtype, self.values.device
+            self.grad_values = self.pool.take("grad_values", self.values.shape, dtype, device).zero_()
+            self.grad_dots = self.pool.take("grad_dots", self.dots.shape, dtype, device).zero_()
+            self.grad_inv_rms = self.pool.take("grad_inv_rms", self.inv_rms.shape, dtype, device).zero_()
         return self.grad_values, self.grad_dots, self.grad_inv_rms
-
-    def _release_grads(self) -> None:
-        """End of a backward pass: hand the accumulators to the scheme for the next one."""
-        if self.spare is not None and self.grad_values is not None:
-            self.spare.clear()  # (one set: a changed batch shape replaces it)
-            key = (self.values.shape, self.dots.shape, self.values.dtype, self.values.device)
-            self.spare[key] = (self.grad_values, self.grad_dots, self.grad_inv_rms)
-        self.grad_values = self.grad_dots = self.grad_inv_rms = None
 
     def flush(self, j: int) -> None:
         """Add every pending mix's contribution to source j (and, in bulk, to all sources < j)."""
@@ -282,7 +270,7 @@ class DepthBank:
             for rec in self.records:
                 rec.grad = rec.rho = None
                 rec.flushed_to = rec.n
-            self._release_grads()
+            self.grad_values = self.grad_dots = self.grad_inv_rms = None
         return grad, grad_q
 
 

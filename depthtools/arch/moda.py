@@ -129,17 +129,16 @@ class _SlotStore:
 
     __slots__ = ("fill", "grad_keys", "grad_values", "ready", "pool")
 
-    def __init__(self, fill: int = 0, pool: dict | None = None):
+    def __init__(self, fill: int = 0, pool: BufferPool | None = None):
         self.fill = fill
         self.grad_keys = self.grad_values = None
         self.ready = 0
-        self.pool = pool  # the scheme's reusable buffers (see `_reusable`)
+        self.pool = BufferPool() if pool is None else pool  # the scheme's reusable buffers
 
     def grads(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor):
         if self.grad_keys is None:
-            self.grad_keys = _reusable(self.pool, "grad_keys", keys_buffer.shape, keys_buffer.dtype, keys_buffer.device)
-            self.grad_values = _reusable(self.pool, "grad_values", values_buffer.shape, values_buffer.dtype,
-                                         values_buffer.device)
+            like = (keys_buffer.shape, keys_buffer.dtype, keys_buffer.device)
+            self.grad_keys, self.grad_values = self.pool.take("grad_keys", *like), self.pool.take("grad_values", *like)
         return self.grad_keys, self.grad_values
 
     def take(self, start: int, stop: int):
@@ -154,33 +153,6 @@ class _SlotStore:
         if start == 0:  # the pass is complete: release the buffers (the views keep what is returned)
             self.grad_keys = self.grad_values = None
         return out
-
-
-def _unshared(t: torch.Tensor) -> bool:
-    """Whether nothing but `t` references its storage: no state, view or saved gradient still uses it.
-    (`t` itself and the temporary storage object below are the two expected users.)"""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)  # private API: without it, never reuse
-    return use_count is not None and use_count(t.untyped_storage()._cdata) <= 2
-
-
-def _reusable(pool: dict | None, role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised buffer: the pool's last one for this role and shape when nothing else
-    uses it any more, else a new one (which the pool then keeps, in place of any other shape).
-
-    Why: a MoDA run allocates ~64 MB of depth K/V and gradient buffers at L=32, 8x128 tokens; fresh
-    allocations of that size come back from the OS as page faults every step (~8-10k minor faults,
-    ~6% of the step). Reuse is safe because a buffer some state or gradient still views is never
-    handed out again (`_unshared`); a kept state simply makes the next run allocate anew."""
-    key = (role, tuple(shape), dtype, device)
-    kept = pool.get(key) if pool is not None else None
-    if kept is not None and _unshared(kept):
-        return kept
-    fresh = torch.empty(shape, dtype=dtype, device=device)
-    if pool is not None:
-        for other in [k for k in pool if k[0] == role]:  # one buffer per role: a new shape replaces the old
-            del pool[other]
-        pool[key] = fresh
-    return fresh
 
 
 def _buffer_of(view: torch.Tensor | None):
@@ -228,7 +200,7 @@ class _AppendSlots(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, capacity: int, pool: dict | None, keys, values, *new):
+    def forward(ctx, capacity: int, pool: BufferPool | None, keys, values, *new):
         ctx.set_materialize_grads(False)
         n = len(new) // 2
         S = 0 if keys is None else keys.shape[3]
@@ -239,10 +211,9 @@ class _AppendSlots(torch.autograd.Function):
         else:
             B, T, Hkv, hd = new[0].shape
             dtype = keys.dtype if keys is not None else new[0].dtype
-            shape = (max(capacity, S + n), Hkv, hd, B, T)
-            kbuf = _reusable(pool, "keys", shape, dtype, new[0].device)
-            vbuf = _reusable(pool, "values", shape, dtype, new[0].device)
             store = _SlotStore(pool=pool)
+            like = ((max(capacity, S + n), Hkv, hd, B, T), dtype, new[0].device)
+            kbuf, vbuf = store.pool.take("keys", *like), store.pool.take("values", *like)
             kbuf._moda_slots = vbuf._moda_slots = store
             if S:
                 kbuf[:S].copy_(keys.permute(*_TO_BUFFER))
@@ -278,7 +249,7 @@ class _AppendSlots(torch.autograd.Function):
 
 
 def append_slots(state: MoDAState, h, keys: list, values: list, valid: tuple[bool, ...],
-                 capacity: int = 0, pool: dict | None = None) -> MoDAState:
+                 capacity: int = 0, pool: BufferPool | None = None) -> MoDAState:
     """A new state with slots appended (keys/values: lists of [B,T,n_kv,hd]); `state` is unchanged."""
     if not keys:
         return MoDAState(h, state.keys, state.values, state.valid)
@@ -297,7 +268,7 @@ class MoDAScheme(ResidualScheme):
         super().__init__(cfg)
         self.norm, self.depth_rope = moda_options(cfg)
         self.capacity = 2 * (cfg.n_layer - 1)  # slots of a full run: the preallocated buffer size
-        self._slot_pool = BufferPool()  # reusable slot and slot-gradient buffers (see `_reusable`)
+        self._slot_pool = BufferPool()  # slot and slot-gradient buffers, reused from step to step
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
@@ -491,7 +462,7 @@ class _DepthAttention(torch.autograd.Function):
     def backward(ctx, dz):
         qh, kh, vh, qs, z, zt, lse, probs = ctx.saved_tensors
         keys, values, scale = ctx.keys, ctx.values, ctx.scale
-        ctx.keys = ctx.values = None  # (once-differentiable: let the slot buffer be reused, see `_reusable`)
+        ctx.keys = ctx.values = None  # (once-differentiable: let the slot buffer be reused, see BufferPool)
         B, T, H, hd = z.shape
         Hkv, S = keys.shape[2], keys.shape[3]
         g, N = H // Hkv, B * T
