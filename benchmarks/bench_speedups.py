@@ -1,0 +1,114 @@
+"""Same-run A/B checks of the CPU speed-ups behind issue 3 (each prints a ratio measured in one run).
+
+    optimizer   one AdamW step with random gradients per architecture: PyTorch's CPU default
+                (per-tensor loop) vs foreach vs fused (what `build_optimizer` uses)
+    two-phase   Full AttnRes training step with and without the two-phase mix groups
+    grad-pool   Full AttnRes training step with and without the reused bank gradient buffers
+    moda-pool   MoDA training step with and without the reused depth K/V and gradient buffers
+    tanh        the HC connector's tanh on its [4096, 6] coefficient block vs 2·sigmoid(2x) - 1
+
+The A/B modes time Pre-LN, the model as shipped ("on") and the same model with the feature
+switched off ("off") in one process, in shuffled rounds, and print the median per-round ratios
+to Pre-LN on process CPU time (the trainer's fused AdamW, L=32, d=64, batch 8 x 128, 1 thread).
+
+    python benchmarks/bench_speedups.py optimizer
+    python benchmarks/bench_speedups.py two-phase grad-pool moda-pool --rounds 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from bench_arch_step import build_step  # noqa: E402
+from depthtools.arch import DepthModel  # noqa: E402
+from depthtools.arch.bankops import MixGroups  # noqa: E402
+from depthtools.config import ModelConfig  # noqa: E402
+
+SWITCH_OFF = {  # mode -> (architecture, how to switch the feature off on a built model)
+    "two-phase": ("attnres", lambda m: m.scheme.__dict__.__setitem__("_groups", MixGroups([]))),
+    "grad-pool": ("attnres", lambda m: setattr(m.scheme, "_grad_pool", None)),
+    "moda-pool": ("moda", lambda m: setattr(m.scheme, "_slot_pool", None)),
+}
+
+
+def mean_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return 1000 * (time.perf_counter() - start) / reps
+
+
+def optimizer_ab(args) -> None:
+    print(f"{'arch':10s} {'tensors':>7s} {'loop ms':>8s} {'foreach':>8s} {'fused':>7s} {'loop/fused':>10s}")
+    for arch in ("preln", "hc", "mhc", "attnres", "moda"):
+        cfg = ModelConfig(arch=arch, vocab_size=256, d_model=64, n_layer=32, n_heads=4, max_seq_len=128)
+        model = DepthModel(cfg, seed=0)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        times = [mean_ms(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, **kw).step, 10)
+                 for kw in ({}, {"foreach": True}, {"fused": True})]
+        n = len(list(model.parameters()))
+        print(f"{arch:10s} {n:7d} {times[0]:8.1f} {times[1]:8.1f} {times[2]:7.1f} {times[0] / times[2]:10.2f}")
+
+
+def feature_ab(mode: str, args) -> None:
+    arch, switch_off = SWITCH_OFF[mode]
+    shape = argparse.Namespace(vocab=256, d_model=64, n_layer=32, n_heads=4, seq=128, batch=8)
+    steps = {"preln": build_step("preln", shape)[1], "on": build_step(arch, shape)[1]}
+    off_model, steps["off"] = build_step(arch, shape)
+    switch_off(off_model)
+    for step in steps.values():
+        step(), step()
+    ratios, rng = {"on": [], "off": []}, random.Random(0)
+    for _ in range(args.rounds):
+        order = list(steps)
+        rng.shuffle(order)
+        cpu = {}
+        for name in order:
+            start = time.process_time()
+            steps[name]()
+            cpu[name] = time.process_time() - start
+        for name in ratios:
+            ratios[name].append(cpu[name] / cpu["preln"])
+    on, off = (statistics.median(ratios[k]) for k in ("on", "off"))
+    print(f"{mode:10s} {arch}: x preln on {on:.3f}, off {off:.3f} (on/off {on / off:.3f}, {args.rounds} rounds)")
+
+
+def tanh_ab(args) -> None:
+    a = torch.randn(4096, 6)
+    tanh = mean_ms(lambda: torch.tanh(a), 500)
+    via_sigmoid = mean_ms(lambda: torch.sigmoid(a * 2).mul_(2).sub_(1), 500)
+    diff = (torch.sigmoid(a * 2) * 2 - 1 - torch.tanh(a)).abs().max().item()
+    print(f"tanh       {1000 * tanh:.1f} us, 2σ(2x)-1 {1000 * via_sigmoid:.1f} us (ratio {via_sigmoid / tanh:.2f}); "
+          f"max |difference| {diff:.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modes", nargs="+", choices=["optimizer", "tanh", *SWITCH_OFF])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for mode in args.modes:
+        if mode == "optimizer":
+            optimizer_ab(args)
+        elif mode == "tanh":
+            tanh_ab(args)
+        else:
+            feature_ab(mode, args)
+
+
+if __name__ == "__main__":
+    main()
