@@ -251,7 +251,8 @@ def summarize_command(
     as_json: bool = JSON,
     save: bool = typer.Option(True, "--save/--no-save", help="Save under <grid>/analysis/."),
 ):
-    """Effective-depth summary per model and marginal effective depth per architecture (with CIs).
+    """Effective-depth summary per model and marginal effective depth per architecture, with intervals
+    across training seeds (and a bootstrap over evaluation sequences).
 
     Reads the tables `analyze` (or the single commands) saved; a missing table leaves its fields
     empty with a note. Saved as <grid>/analysis/effective_depth_models.parquet and effective_depth_grid.parquet.
@@ -266,15 +267,16 @@ def summarize_command(
         print_json({"models": _records(models), "grid": _records(slopes)})
         return
     wide = Console(width=max(console.width, 200))
-    cols = ["model", *SUMMARY_FIELDS]
+    cols = ["model", "seed", *SUMMARY_FIELDS]
     wide.print(table(f"effective depth — {grid}", cols,
-                        [[_fmt(r[c]) for c in cols] for r in models.to_dict(orient="records")]))
+                        [[_fmt(r.get(c)) for c in cols] for r in models.to_dict(orient="records")]))
     for r in models.to_dict(orient="records"):
         if r.get("notes"):
             console.print(f"[yellow]{r['model']}:[/] {r['notes']}", highlight=False)
-    gcols = ["arch", "n_models", "slope_n_skip", "slope_n_skip_lo", "slope_n_skip_hi", "slope_loss_log_L",
-             "slope_loss_log_L_lo", "slope_loss_log_L_hi"]
-    wide.print(table("marginal effective depth (dN_skip/dL) and dLoss/dlog L, 95% bootstrap CI over sequences",
+    gcols = ["arch", "n_models", "n_seeds", "slope_n_skip", "slope_n_skip_lo", "slope_n_skip_hi", "slope_loss_log_L",
+             "slope_loss_log_L_lo", "slope_loss_log_L_hi", "slope_loss_log_L_boot_lo", "slope_loss_log_L_boot_hi"]
+    wide.print(table("marginal effective depth (dN_skip/dL) and dLoss/dlog L: mean over training seeds, 95% t-interval "
+                     "across seeds (_lo/_hi; none with one seed) and bootstrap over sequences (_boot_lo/_boot_hi)",
                         gcols, [[_fmt(r.get(c)) for c in gcols] for r in slopes.to_dict(orient="records")]))
     if save:
         console.print(f"saved {Path(grid) / 'analysis'}/effective_depth_{{models,grid}}.parquet")

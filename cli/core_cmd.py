@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from cli.main import app, console, grid_app, print_json, table
 from depthtools.errors import DepthToolsError
@@ -63,7 +64,8 @@ def grid_plan_command(
     ffn_multiple: int = typer.Option(16, "--ffn-multiple", help="d_ff = ratio·d rounded up to this multiple (0: no rounding)."),
     ffn_ratio: float = typer.Option(8 / 3, "--ffn-ratio", help="d_ff / d_model before rounding."),
     max_seq_len: int = typer.Option(256, "--max-seq-len", help="Context length of the models."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="A named grid (tiny, demo, cpu-small, depthbench-400m)."),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="Training seeds, e.g. 0,1,2: one cell per (arch, depth, seed); seed s > 0 is named <arch>_L<n>_s<s> (default: the preset's, else 0)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="A named grid (see `depthtools grid presets`)."),
     name: Optional[str] = typer.Option(None, "--name", help="Grid name (directory under checkpoints/)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the grid spec JSON that `grid train` consumes."),
     as_json: bool = typer.Option(False, "--json", help="Print the cells as JSON."),
@@ -74,13 +76,14 @@ def grid_plan_command(
       depthtools grid plan --arch preln --budget 405.4M --vocab-size 50280 --n-heads 16
         --head-dim-multiple 2 --ffn-multiple 16 --layers 16,20,24,28,32 --json
       depthtools grid plan --preset tiny --out grid.json
+      depthtools grid plan --preset demo --seeds 0,1,2 --out demo3.json
     """
-    from depthtools.grid import grid_spec, plan_grid, save_grid
+    from depthtools.grid import grid_spec, parse_seeds, plan_grid, save_grid
 
     if preset is not None:
         from depthtools.presets import get_preset
 
-        spec = get_preset(preset).grid_spec(name=name)
+        spec = get_preset(preset).grid_spec(name=name, seeds=seeds)
         cells = spec["cells"]
     else:
         if budget is None or (layers is None and aspect_ratios is None):
@@ -90,7 +93,7 @@ def grid_plan_command(
             layers=_split_list(layers, int), aspect_ratios=_split_list(aspect_ratios, float), basis=basis,
             tolerance=tolerance, n_heads=n_heads if (n_heads or head_dim) else 16, head_dim=head_dim,
             head_dim_multiple=head_dim_multiple, n_kv_heads=n_kv_heads, ffn_ratio=ffn_ratio,
-            ffn_multiple=ffn_multiple or None, max_seq_len=max_seq_len,
+            ffn_multiple=ffn_multiple or None, max_seq_len=max_seq_len, seeds=parse_seeds(seeds),
         )
         cells = plan_grid(**plan_args)
         spec = grid_spec(cells, name=name or "grid", plan={k: v for k, v in plan_args.items()})
@@ -102,13 +105,32 @@ def grid_plan_command(
         return
     console.print(table(
         f"grid {spec['name']} ({len(cells)} cells)",
-        ["name", "n_layer", "d_model", "heads", "head_dim", "d_ff", "params", "non-emb", "extra", "deviation", "d/L"],
-        [[c["name"], c["n_layer"], c["d_model"], c["n_heads"], c["head_dim"], c["d_ff"], f"{c['params_total']:,}",
+        ["name", "seed", "n_layer", "d_model", "heads", "head_dim", "d_ff", "params", "non-emb", "extra", "deviation", "d/L"],
+        [[c["name"], c.get("seed", 0), c["n_layer"], c["d_model"], c["n_heads"], c["head_dim"], c["d_ff"], f"{c['params_total']:,}",
           f"{c['params_non_embedding']:,}", f"{c['params_extra']:,}", f"{c['deviation']:+.2%}",
           f"{c['aspect_ratio']:.1f}"] for c in cells],
     ))
     if out is not None:
         console.print(f"wrote {out}")
+
+
+@grid_app.command("presets")
+def grid_presets_command(as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """List the named grids: what each holds, its training seeds and its measured cost.
+
+    Example: depthtools grid presets
+    """
+    from depthtools.presets import PRESETS
+
+    rows = [{"name": p.name, "archs": ",".join(p.plan["arch"]), "layers": ",".join(map(str, p.plan["layers"])),
+             "budget": p.plan["budget"], "seeds": ",".join(map(str, p.plan.get("seeds", [0]))),
+             "description": p.description} for p in PRESETS.values()]
+    if as_json:
+        print_json(rows)
+        return
+    for r in rows:
+        console.print(f"[bold]{escape(r['name'])}[/]: {escape(r['description'])}\n    archs {escape(r['archs'])}; "
+                      f"layers {r['layers']}; budget {r['budget']:,}; seeds {r['seeds']}", highlight=False)
 
 
 @app.command("info")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -86,9 +86,38 @@ class Cell:
     deviation: float  # (counted - budget) / budget, on the budget's basis
     aspect_ratio: float  # d_model / n_layer
     model: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0  # training seed (weights init + batch order); part of the name unless 0
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_dict(self.model)
+
+
+def cell_name(arch: str, n_layer: int, seed: int = 0) -> str:
+    """The readable cell name: `hc_L8` for seed 0, `hc_L8_s1`, `hc_L8_s2`, ... for the other seeds."""
+    return f"{arch}_L{n_layer}" if seed == 0 else f"{arch}_L{n_layer}_s{seed}"
+
+
+def parse_seeds(seeds: Iterable[int] | str | int | None) -> list[int]:
+    """Training seeds of a grid ('0,1,2', [0, 1, 2], 3 -> [0, 1, 2]; None -> [0]): distinct, >= 0."""
+    if seeds is None:
+        return [0]
+    if isinstance(seeds, bool):
+        raise DepthToolsError(f"seeds must be integers, got {seeds!r}")
+    if isinstance(seeds, int):
+        if seeds < 1:
+            raise DepthToolsError(f"a seed count must be >= 1, got {seeds}")
+        return list(range(seeds))
+    if isinstance(seeds, str):
+        try:
+            seeds = [int(v) for v in seeds.replace(" ", "").split(",") if v]
+        except ValueError:
+            raise DepthToolsError(f"cannot read seeds {seeds!r}; use comma-separated integers like 0,1,2") from None
+    out = list(seeds)
+    if not out or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in out):
+        raise DepthToolsError(f"seeds must be non-negative integers, got {out!r}")
+    if len(set(out)) != len(out):
+        raise DepthToolsError(f"seeds must be distinct, got {out!r}")
+    return out
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
@@ -152,8 +181,12 @@ def plan_grid(
     max_seq_len: int = 256,
     tie_embeddings: bool = False,
     options: dict[str, Any] | None = None,
+    seeds: Iterable[int] | str | int | None = None,
 ) -> list[Cell]:
-    """Plan an iso-parameter grid: one cell per (architecture, depth).
+    """Plan an iso-parameter grid: one cell per (architecture, depth, training seed).
+
+    `seeds` (default [0]) replicates every shape once per training seed, so grid-level comparisons can
+    carry their seed noise; cells of seed s > 0 are named `<arch>_L<n>_s<s>` (see `cell_name`).
 
     `layers` lists depths; alternatively `aspect_ratios` (d_model/n_layer) picks, for each ratio,
     the depth whose best-fitting width gives the closest ratio. Raises a one-line error naming the
@@ -170,6 +203,7 @@ def plan_grid(
         raise DepthToolsError(f"basis must be 'total' or 'non_embedding', got {basis!r}")
     if (layers is None) == (aspect_ratios is None):
         raise DepthToolsError("give exactly one of layers or aspect_ratios")
+    seed_list = parse_seeds(seeds)
     rules = ShapeRules(n_heads, head_dim, head_dim_multiple, n_kv_heads, ffn_ratio, ffn_multiple)
     base = dict(vocab_size=vocab_size, max_seq_len=max_seq_len, tie_embeddings=tie_embeddings, options=options or {})
     cells = []
@@ -178,7 +212,8 @@ def plan_grid(
         if not depths or any(int(n) < 1 for n in depths):
             raise DepthToolsError(f"layers must be positive integers, got {depths}")
         for n_layer in depths:
-            cells.append(_plan_cell(name, int(n_layer), budget, basis, tolerance, rules, base, get_arch(name)))
+            cell = _plan_cell(name, int(n_layer), budget, basis, tolerance, rules, base, get_arch(name))
+            cells += [replace(cell, seed=s, name=cell_name(name, cell.n_layer, s)) for s in seed_list]
     return cells
 
 
@@ -194,7 +229,7 @@ def _plan_cell(arch, n_layer, budget, basis, tolerance, rules, base, spec) -> Ce
         )
     preln = count_params(cfg.replace(arch="preln"))["total"] if arch != "preln" else counts["total"]
     return Cell(
-        name=f"{arch}_L{n_layer}", arch=arch, n_layer=n_layer, d_model=cfg.d_model, n_heads=cfg.n_heads,
+        name=cell_name(arch, n_layer), arch=arch, n_layer=n_layer, d_model=cfg.d_model, n_heads=cfg.n_heads,
         head_dim=cfg.head_dim, d_ff=cfg.d_ff, params_total=counts["total"],
         params_non_embedding=counts["non_embedding"], params_extra=counts["total"] - preln,
         deviation=deviation, aspect_ratio=cfg.d_model / n_layer, model=cfg.to_dict(),

@@ -26,14 +26,18 @@ class Preset:
     data: dict[str, Any] = field(default_factory=dict)  # corpus / tokenizer
     analysis: dict[str, Any] = field(default_factory=dict)  # depthtools.analysis.suite.analyze_grid arguments
 
-    def grid_spec(self, name: str | None = None) -> dict[str, Any]:
-        """Plan the preset's cells and return the grid spec (see depthtools.grid.grid_spec)."""
+    def grid_spec(self, name: str | None = None, seeds=None) -> dict[str, Any]:
+        """Plan the preset's cells and return the grid spec (see depthtools.grid.grid_spec).
+
+        `seeds` replaces the preset's training seeds (its plan's `seeds`, default [0]).
+        """
         from depthtools.arch import list_archs
-        from depthtools.grid import grid_spec, plan_grid
+        from depthtools.grid import grid_spec, parse_seeds, plan_grid
 
         known = {s.name for s in list_archs()}
         plan = dict(self.plan)
         plan["arch"] = [a for a in plan["arch"] if a in known]
+        plan["seeds"] = parse_seeds(seeds if seeds is not None else plan.get("seeds"))
         cells = plan_grid(**plan)
         return grid_spec(cells, name=name or self.name, train=self.train, data=self.data, plan=plan)
 
@@ -66,6 +70,16 @@ PRESETS: dict[str, Preset] = {
                    log_every=25, depth_stats_every=250, checkpoint_every=250),
         data=dict(corpus="default", tokenizer="byte"),
         analysis=dict(n_tokens=16384, seq_len=256, batch_size=8),
+    ),
+    "deep": Preset(
+        "deep", "preln and hc at L6/L24/L96 (~0.68M params, d_model 24 at L96), 200k tokens per cell: the cells "
+        "behind `depthtools ablate --ckpt hc_L96 --mode skip`",
+        plan=dict(arch=["preln", "hc"], budget=680_000, vocab_size=256, layers=[6, 24, 96], n_heads=2,
+                  head_dim_multiple=2, ffn_multiple=8, tolerance=0.05, max_seq_len=128),
+        train=dict(tokens=200_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=50, eval_tokens=16384,
+                   log_every=10, depth_stats_every=50, checkpoint_every=50),
+        data=dict(corpus="default", tokenizer="byte"),
+        analysis=dict(n_tokens=4096, seq_len=128, batch_size=8),
     ),
     "depthbench-400m": Preset(
         "depthbench-400m", "the paper's 400M shapes and recipe (GPUs)",

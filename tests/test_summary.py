@@ -68,15 +68,44 @@ def _synthetic_profile(n_layer, n_seqs, rng, loss_slope):
     return df
 
 
-def test_grid_slopes_recover_known_slopes_with_bootstrap_intervals():
+def test_grid_slopes_one_seed_has_a_bootstrap_but_no_seed_interval():
     rng = np.random.default_rng(0)
     profiles = [(L, _synthetic_profile(L, 40, rng, loss_slope=-0.2)) for L in (2, 4, 8, 16)]
     out = grid_slopes(profiles, n_boot=200, seed=0)
-    assert out["paired_bootstrap"] and out["n_models"] == 4
+    assert out["paired_bootstrap"] and out["n_models"] == 4 and out["n_seeds"] == 1
     assert out["slope_n_skip"] == pytest.approx(1.0, abs=0.02)  # near-equal importances: N_skip ≈ L
-    assert out["slope_n_skip_lo"] <= out["slope_n_skip"] <= out["slope_n_skip_hi"]
-    assert out["slope_loss_log_L_lo"] < -0.2 < out["slope_loss_log_L_hi"]
-    assert out["slope_loss_log_L_hi"] - out["slope_loss_log_L_lo"] < 0.1
+    assert math.isnan(out["slope_n_skip_lo"]) and math.isnan(out["slope_n_skip_hi"])  # one seed: no noise estimate
+    assert out["interval"] == "none (one seed)"
+    assert out["slope_n_skip_boot_lo"] <= out["slope_n_skip"] <= out["slope_n_skip_boot_hi"]
+    assert out["slope_loss_log_L_boot_lo"] < -0.2 < out["slope_loss_log_L_boot_hi"]
+    assert out["slope_loss_log_L_boot_hi"] - out["slope_loss_log_L_boot_lo"] < 0.1
+
+
+def test_grid_slopes_are_fitted_per_seed_with_a_t_interval_across_seeds():
+    """Three seeds with different true loss slopes: the mean and interval equal an explicit per-seed
+    polyfit followed by mean ± t(0.975, 2)·sd/sqrt(3)."""
+    rng = np.random.default_rng(1)
+    layers = (2, 4, 8)
+    true = {0: -0.30, 1: -0.10, 2: -0.20}
+    profiles = [(L, _synthetic_profile(L, 30, rng, loss_slope=true[s]), s) for s in true for L in layers]
+    out = grid_slopes(profiles, n_boot=50, seed=0)
+    assert out["n_seeds"] == 3 and out["n_models"] == 9 and out["seeds"] == "0,1,2"
+    fitted = []
+    for s in true:
+        loss = [_profile_ce(p) for L, p, seed in profiles if seed == s]
+        fitted.append(np.polyfit(np.log(layers), loss, 1)[0])
+    mean, sd = np.mean(fitted), np.std(fitted, ddof=1)
+    half = 4.302652729911275 * sd / math.sqrt(3)  # scipy-independent: t(0.975, df=2)
+    assert out["slope_loss_log_L"] == pytest.approx(mean, abs=1e-12)
+    assert out["slope_loss_log_L_lo"] == pytest.approx(mean - half, abs=1e-9)
+    assert out["slope_loss_log_L_hi"] == pytest.approx(mean + half, abs=1e-9)
+    # the seed interval is far wider than the evaluation-sequence bootstrap at this noise level
+    assert out["slope_loss_log_L_hi"] - out["slope_loss_log_L_lo"] > 2 * (
+        out["slope_loss_log_L_boot_hi"] - out["slope_loss_log_L_boot_lo"])
+
+
+def _profile_ce(profile: pd.DataFrame) -> float:
+    return float(profile[profile["metric"] == "ce_intact"]["value"].mean())
 
 
 def test_cli_single_commands_analyze_and_summarize(tmp_path, monkeypatch):

@@ -18,10 +18,13 @@ a note when that table is missing):
 
 Grid level (`grid_summary`): for each architecture, least-squares slopes over its depth sweep of
 N_skip against n_layer (marginal effective depth, metrics.md §9.12) and of the final loss against
-log n_layer, with percentile bootstrap CIs over evaluation sequences: each resample draws N of the
-N sequences with replacement — the same indices for every model of the architecture when they
-share one token set (paired) — recomputes every model's N_skip and loss from its per-sequence
-profile (`sequence_profile`: per-sequence intact CE and per-block skip KL) and refits the slopes.
+log n_layer, fitted once per training seed and averaged. The main interval is the Student-t
+interval across training seeds (the larger noise at CPU scale; none with one seed). A second,
+named interval (`_boot_lo/_boot_hi`) is a percentile bootstrap over evaluation sequences: each
+resample draws N of the N sequences with replacement — the same indices for every model of the
+architecture when they share one token set (paired) — recomputes every model's N_skip and loss from
+its per-sequence profile (`sequence_profile`: per-sequence intact CE and per-block skip KL) and
+refits the per-seed slopes.
 """
 
 from __future__ import annotations
@@ -252,9 +255,17 @@ def checkpoint_dirs(grid: str | Path) -> list[Path]:
 def _info_from_config(ckpt_dir: Path) -> dict[str, Any]:
     from depthtools.checkpoint import CONFIG, read_json
 
-    cfg = read_json(ckpt_dir / CONFIG).get("model", {})
+    config = read_json(ckpt_dir / CONFIG)
+    cfg = config.get("model", {})
     return {"model": ckpt_dir.name, "arch": cfg.get("arch"), "n_layer": int(cfg.get("n_layer", 0)),
-            "d_model": int(cfg.get("d_model", 0))}
+            "d_model": int(cfg.get("d_model", 0)), "seed": training_seed(config)}
+
+
+def training_seed(config: dict[str, Any]) -> int:
+    """The training seed a checkpoint's config.json records (0 for checkpoints saved without a recipe)."""
+    train = config.get("train") if isinstance(config, dict) else None
+    seed = train.get("seed", 0) if isinstance(train, dict) else 0
+    return int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else 0
 
 
 def model_summaries(grid: str | Path, **kwargs) -> pd.DataFrame:
@@ -271,54 +282,78 @@ def _slope(x: np.ndarray, y: np.ndarray) -> float:
     return float(np.polyfit(x[ok], y[ok], 1)[0])
 
 
-def grid_slopes(profiles: Sequence[tuple[int, pd.DataFrame]], n_boot: int = 1000, seed: int = 0,
-                ci: float = 0.95) -> dict[str, Any]:
-    """Slopes of N_skip vs n_layer and of loss vs log n_layer with bootstrap CIs (one architecture).
+def _fit(layers: np.ndarray, arrays, indices) -> tuple[float, float]:
+    """(dN_skip/dL, dLoss/dlog L) of one seed's depth sweep on the given sequence indices per model."""
+    n_skip = np.array([effective_count(kl[idx].mean(0)) for (_, kl), idx in zip(arrays, indices)])
+    loss = np.array([ce[idx].mean() for (ce, _), idx in zip(arrays, indices)])
+    return _slope(layers, n_skip), _slope(np.log(layers), loss)
 
-    profiles: (n_layer, sequence_profile table) per model. Resampling is paired (same sequence
-    indices for every model) when all profiles have the same number of sequences, else per model.
+
+def grid_slopes(profiles: Sequence[tuple], n_boot: int = 1000, seed: int = 0, ci: float = 0.95) -> dict[str, Any]:
+    """Slopes of N_skip vs n_layer and of loss vs log n_layer for one architecture, with two intervals.
+
+    profiles: (n_layer, sequence_profile table) or (n_layer, sequence_profile table, training seed) per
+    model. The slopes are fitted per training seed (over that seed's depth sweep) and averaged:
+
+      slope_*            mean of the per-seed slopes
+      slope_*_lo/_hi     Student-t interval across training seeds (NaN with one seed: no noise estimate)
+      slope_*_boot_lo/hi percentile bootstrap over evaluation sequences of the same mean (a second,
+                         smaller noise source). Resampling is paired (same sequence indices for every
+                         model) when all profiles have the same number of sequences, else per model.
     """
-    layers = np.array([n for n, _ in profiles], dtype=np.float64)
-    arrays = [_profile_arrays(p) for _, p in profiles]
-    n_seqs = {len(ce) for ce, _ in arrays}
+    from depthtools.analysis.seeds import seed_interval
+
+    by_seed: dict[int, list[tuple[int, pd.DataFrame]]] = {}
+    for item in profiles:
+        by_seed.setdefault(int(item[2]) if len(item) > 2 else 0, []).append((int(item[0]), item[1]))
+    sweeps = []  # per seed: (layers, arrays)
+    for s in sorted(by_seed):
+        models = sorted(by_seed[s], key=lambda p: p[0])
+        sweeps.append((np.array([n for n, _ in models], dtype=np.float64), [_profile_arrays(p) for _, p in models]))
+    all_arrays = [a for _, arrays in sweeps for a in arrays]
+    n_seqs = {len(ce) for ce, _ in all_arrays}
     paired = len(n_seqs) == 1
 
-    def stats(indices: Sequence[np.ndarray]) -> tuple[float, float]:
-        n_skip = np.array([effective_count(kl[idx].mean(0)) for (_, kl), idx in zip(arrays, indices)])
-        loss = np.array([ce[idx].mean() for (ce, _), idx in zip(arrays, indices)])
-        return _slope(layers, n_skip), _slope(np.log(layers), loss)
+    def per_seed(draw) -> np.ndarray:
+        return np.array([_fit(layers, arrays, draw(arrays)) for layers, arrays in sweeps], dtype=np.float64)
 
-    point = stats([np.arange(len(ce)) for ce, _ in arrays])
+    point = per_seed(lambda arrays: [np.arange(len(ce)) for ce, _ in arrays])  # [n_seeds, 2]
     rng = np.random.default_rng(seed)
     boots = []
     for _ in range(n_boot):
         if paired:
             idx = rng.integers(0, next(iter(n_seqs)), next(iter(n_seqs)))
-            indices = [idx] * len(arrays)
+            boots.append(np.nanmean(per_seed(lambda arrays: [idx] * len(arrays)), axis=0))
         else:
-            indices = [rng.integers(0, len(ce), len(ce)) for ce, _ in arrays]
-        boots.append(stats(indices))
+            boots.append(np.nanmean(per_seed(lambda arrays: [rng.integers(0, len(ce), len(ce)) for ce, _ in arrays]),
+                                    axis=0))
     boots_arr = np.array(boots, dtype=np.float64) if boots else np.full((1, 2), np.nan)
     lo_q, hi_q = (1 - ci) / 2 * 100, (1 + ci) / 2 * 100
 
-    def interval(col: int) -> tuple[float, float]:
+    def boot_interval(col: int) -> tuple[float, float]:
         vals = boots_arr[:, col]
         vals = vals[~np.isnan(vals)]
         return (float(np.percentile(vals, lo_q)), float(np.percentile(vals, hi_q))) if len(vals) else (math.nan, math.nan)
 
-    (n_lo, n_hi), (l_lo, l_hi) = interval(0), interval(1)
-    return {
-        "n_models": len(profiles), "n_layers": ",".join(str(int(n)) for n in sorted(layers)),
+    out: dict[str, Any] = {
+        "n_models": len(all_arrays), "n_seeds": len(sweeps),
+        "n_layers": ",".join(str(n) for n in sorted({int(n) for layers, _ in sweeps for n in layers})),
+        "seeds": ",".join(str(s) for s in sorted(by_seed)),
         "n_sequences": ",".join(str(n) for n in sorted(n_seqs)), "paired_bootstrap": paired,
-        "slope_n_skip": point[0], "slope_n_skip_lo": n_lo, "slope_n_skip_hi": n_hi,
-        "slope_loss_log_L": point[1], "slope_loss_log_L_lo": l_lo, "slope_loss_log_L_hi": l_hi,
-        "n_boot": n_boot, "ci": ci,
     }
+    for col, name in enumerate(("slope_n_skip", "slope_loss_log_L")):
+        iv = seed_interval(point[:, col], ci)
+        b_lo, b_hi = boot_interval(col)
+        out.update({name: iv.mean, f"{name}_lo": iv.lo, f"{name}_hi": iv.hi, f"{name}_sd": iv.sd,
+                    f"{name}_boot_lo": b_lo, f"{name}_boot_hi": b_hi})
+    out.update({"n_boot": n_boot, "ci": ci, "interval": "t over seeds" if len(sweeps) > 1 else "none (one seed)"})
+    return out
 
 
 def grid_summary(grid: str | Path, n_boot: int = 1000, seed: int = 0, ci: float = 0.95) -> pd.DataFrame:
-    """One row per architecture of a grid: marginal effective depth and loss-vs-depth slopes with CIs."""
-    by_arch: dict[str, list[tuple[int, pd.DataFrame]]] = {}
+    """One row per architecture of a grid: marginal effective depth and loss-vs-depth slopes, fitted per
+    training seed, with intervals across seeds and over evaluation sequences (see `grid_slopes`)."""
+    by_arch: dict[str, list[tuple[int, pd.DataFrame, int]]] = {}
     missing: dict[str, list[str]] = {}
     for d in checkpoint_dirs(grid):
         info = _info_from_config(d)
@@ -326,10 +361,10 @@ def grid_summary(grid: str | Path, n_boot: int = 1000, seed: int = 0, ci: float 
         if profile is None:
             missing.setdefault(info["arch"], []).append(d.name)
             continue
-        by_arch.setdefault(info["arch"], []).append((info["n_layer"], profile))
+        by_arch.setdefault(info["arch"], []).append((info["n_layer"], profile, info["seed"]))
     rows = []
     for arch in sorted(set(by_arch) | set(missing)):
-        profiles = sorted(by_arch.get(arch, []), key=lambda p: p[0])
+        profiles = by_arch.get(arch, [])
         row = {"arch": arch, **(grid_slopes(profiles, n_boot, seed, ci) if profiles else {"n_models": 0})}
         row["notes"] = f"no sequence profile for {', '.join(missing[arch])}" if arch in missing else ""
         rows.append(row)

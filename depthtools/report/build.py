@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
+from depthtools.analysis.seeds import depth_effects, seed_means
 from depthtools.report import figures, findings, frames
 from depthtools.report.blocks import ListBlock, NoteBlock, Section, figure_block, table_block
 from depthtools.report.data import CellData, GridData, read_cell, read_grid, resolve_checkpoints
@@ -29,12 +30,13 @@ from depthtools.report.data import CellData, GridData, read_cell, read_grid, res
 ANALYZE = "depthtools analyze --grid {grid}"
 TEMPLATE = "report.html.j2"
 
-SUMMARY_COLUMNS = ["model", "arch", "n_layer", "d_model", "n_skip_over_L", "f_tau", "n_lens_over_L", "kl_depth_over_L",
+SUMMARY_COLUMNS = ["model", "arch", "n_layer", "d_model", "seed", "n_skip_over_L", "f_tau", "n_lens_over_L", "kl_depth_over_L",
                    "pd_mean_over_L", "n_rep_over_L1", "cka_block_fraction", "causal_pair_fraction",
                    "perm_pair_fraction", "lens", "notes"]
-SLOPE_COLUMNS = ["arch", "n_models", "n_layers", "slope_n_skip", "slope_n_skip_lo", "slope_n_skip_hi",
-                 "slope_loss_log_L", "slope_loss_log_L_lo", "slope_loss_log_L_hi", "n_boot", "ci",
-                 "paired_bootstrap", "notes"]
+SLOPE_COLUMNS = ["arch", "n_models", "n_seeds", "n_layers", "slope_n_skip", "slope_n_skip_lo", "slope_n_skip_hi",
+                 "slope_n_skip_boot_lo", "slope_n_skip_boot_hi", "slope_loss_log_L", "slope_loss_log_L_lo",
+                 "slope_loss_log_L_hi", "slope_loss_log_L_boot_lo", "slope_loss_log_L_boot_hi", "interval", "n_boot",
+                 "ci", "paired_bootstrap", "notes"]
 
 PROBE_FIGURES = {  # profile kind -> (title, y label, caption, log y)
     "lens-kl": ("Logit lens: KL to the final output", "KL(p_L ‖ p_l) (nats)",
@@ -136,9 +138,12 @@ def _overview(grid: GridData, cells_df: pd.DataFrame) -> Section:
     depths = sorted({int(n) for n in cells_df["n_layer"]})
     params = pd.to_numeric(cells_df["params"], errors="coerce").dropna()
     span = f"{int(params.min()):,}–{int(params.max()):,} parameters" if len(params) else "parameter counts unknown"
+    seeds = sorted({int(s) for s in cells_df["seed"]}) if "seed" in cells_df else [0]
+    seeding = (f"training seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else
+               f"one training seed ({seeds[0]}), so no seed-noise estimate exists")
     intro = (f"{len(cells_df)} checkpoint(s) in {grid.directory}: architectures {', '.join(archs)}; depths "
-             f"{', '.join(f'L{d}' for d in depths)}; {span}. Every model of one architecture has about the same "
-             "parameter count, so moving along depth trades width for layers.")
+             f"{', '.join(f'L{d}' for d in depths)}; {seeding}; {span}. Every model of one architecture has about "
+             "the same parameter count, so moving along depth trades width for layers.")
     section = Section("overview", "Overview", intro)
     return section.add(table_block(
         "table-cells", "Cells", cells_df, "One row per trained checkpoint: shape (d_model/n_layer = width per layer), "
@@ -156,8 +161,19 @@ def _loss_sections(cells_df: pd.DataFrame, cells: list[CellData]) -> list[Sectio
             "fig-loss-vs-shape", "Final val loss vs d_model/n_layer", "Each line is one architecture at a fixed "
             "parameter budget; points are labelled with their depth. Left = deep and narrow, right = shallow and "
             "wide (log x). Lower is better: a line that falls to the left means extra depth pays for its lost "
-            "width.", figures.plot_loss_vs_shape, finished))
+            "width. " + _seed_caption(finished), figures.plot_loss_vs_shape, finished))
         headline.add(_left_out(sorted(set(cells_df["model"]) - set(finished["model"])), "eval.json"))
+        headline.add(table_block(
+            "table-seed-means", "Final val loss per architecture and depth, over training seeds",
+            seed_means(finished), "Mean final val loss over the seeds listed, with the 95% Student-t interval "
+            "across seeds (_lo, _hi; empty with one seed) and the seed standard deviation (_sd)."))
+        effects = depth_effects(finished)
+        if len(effects):
+            headline.add(table_block(
+                "table-depth-effects", "Loss change from shallowest to deepest, per architecture",
+                effects.assign(per_seed=[", ".join(f"{v:+.4f}" for v in p) for p in effects["per_seed"]]),
+                "effect = loss(deep) − loss(shallow) of the same seed, averaged over seeds, with the 95% t-interval "
+                "across seeds (negative: going deep-narrow helps). An interval that covers 0 is a tie."))
 
     domains = Section("domain-losses", "Per-domain loss vs depth",
                       "Final loss on each evaluation domain: whether depth helps some kinds of text more than others.")
@@ -184,6 +200,15 @@ def _loss_sections(cells_df: pd.DataFrame, cells: list[CellData]) -> list[Sectio
     return [headline, domains, training]
 
 
+def _seed_caption(cells_df: pd.DataFrame) -> str:
+    """What the headline's points and bars are, given how many training seeds each cell has."""
+    per_cell = cells_df.groupby(["arch", "n_layer"])["seed"].nunique() if "seed" in cells_df else pd.Series([1])
+    if per_cell.max() <= 1:
+        return "One training seed per cell: no error bars, because no seed-noise estimate exists."
+    return (f"Points: mean over {per_cell.min()}–{per_cell.max()} training seeds; bars: 95% Student-t interval "
+            "across seeds; small dots: the single seeds. Lines whose bars overlap are tied within seed noise.")
+
+
 def _effective_depth_section(grid: GridData) -> Section:
     section = Section("effective-depth", "Effective depth",
                       "How many layers each model actually uses, and how that grows with depth (marginal effective "
@@ -206,12 +231,14 @@ def _effective_depth_section(grid: GridData) -> Section:
             "fig-slopes", "Marginal effective depth and loss slope per architecture", "Left: dN_skip/dL, the "
             "least-squares slope of the effective number of layers against n_layer (dotted line at 1 = every "
             "added layer is fully used; 0 = added layers are wasted). Right: slope of final loss against log "
-            "n_layer (negative = deeper is better). Bars: bootstrap confidence intervals over evaluation "
-            "sequences.", figures.plot_slopes, grid.grid_summary))
+            "n_layer (negative = deeper is better). Slopes are fitted per training seed and averaged; bars: 95% "
+            "t-interval across seeds (none with one seed). The bootstrap over evaluation sequences, a smaller "
+            "noise source, is in the table's _boot_lo/_boot_hi columns.", figures.plot_slopes, grid.grid_summary))
         section.add(table_block(
             "table-slopes", "Marginal effective depth (slopes with CIs)", grid.grid_summary,
-            "One row per architecture: slopes over its depth sweep with the bootstrap interval bounds (_lo, _hi) "
-            "at level ci.", columns=SLOPE_COLUMNS))
+            "One row per architecture: slopes over its depth sweep, mean over training seeds, with the interval "
+            "across seeds (_lo, _hi; `interval` says which) and the evaluation-sequence bootstrap (_boot_lo, "
+            "_boot_hi), both at level ci.", columns=SLOPE_COLUMNS))
     return section
 
 
@@ -272,7 +299,7 @@ def grid_sections(grid: GridData) -> list[Section]:
         missing += [(c.name, "analysis/tasks_eval.parquet", f"run `depthtools tasks eval --grid {grid.directory}`")
                     for c in grid.cells if c.table("tasks_eval") is None]
     found = Section("findings", "Findings", "Computed from the tables below; each sentence quotes the numbers.")
-    items = (findings.loss_vs_depth(cells_df) + findings.lowest_loss(cells_df)
+    items = (findings.seed_noise(cells_df) + findings.loss_vs_depth(cells_df) + findings.lowest_loss(cells_df)
              + findings.marginal_depth(grid.grid_summary)
              + findings.deepest_usage(grid.models_summary) + findings.tasks(task_summary)
              + findings.depth_reached(frames.table_of(grid.cells, "tasks_depth_reached")[0])

@@ -59,9 +59,17 @@ class CellData:
     def d_model(self) -> int:
         return int(self.model_config.get("d_model", 0) or 0)
 
+    @property
+    def seed(self) -> int:
+        """The training seed recorded in config.json (0 when none is)."""
+        from depthtools.analysis.summary import training_seed
+
+        return training_seed(self.config)
+
     def info(self) -> dict[str, Any]:
         """The identifying columns every report table starts with."""
-        return {"model": self.name, "arch": self.arch, "n_layer": self.n_layer, "d_model": self.d_model}
+        return {"model": self.name, "arch": self.arch, "n_layer": self.n_layer, "d_model": self.d_model,
+                "seed": self.seed}
 
     def table(self, name: str) -> pd.DataFrame | None:
         return self.tables.get(name)

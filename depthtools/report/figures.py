@@ -134,21 +134,34 @@ def _legend_outside(ax) -> None:
 def plot_loss_vs_shape(cells: pd.DataFrame) -> Figure:
     """Headline: final val loss against d_model/n_layer (log x), one line per architecture.
 
-    cells: one row per model with arch, n_layer, d_model, val_loss. Points are labelled L<n>.
+    cells: one row per model with arch, n_layer, d_model, val_loss (and seed). Each point is the mean
+    over training seeds of one (arch, depth); error bars are the 95% t-interval across seeds and the
+    small dots the single seeds (one seed: no bars). Points are labelled L<n>.
     """
+    from depthtools.analysis.seeds import seed_means, with_seed
+
     _require(cells, ["arch", "n_layer", "d_model", "val_loss"], "loss vs shape")
-    data = _labelled(cells.dropna(subset=["val_loss"]), "arch")
-    data = data.assign(aspect=data["d_model"] / data["n_layer"]).sort_values("aspect")
+    data = with_seed(_labelled(cells.dropna(subset=["val_loss"]), "arch"))
+    data = data.assign(aspect=data["d_model"] / data["n_layer"])
+    means = seed_means(data, keys=("arch", "n_layer")).merge(
+        data.groupby(["arch", "n_layer"], as_index=False)["aspect"].mean(), on=["arch", "n_layer"]).sort_values("aspect")
     palette = arch_palette(data["arch"])
     fig, (ax,) = new_figure(1, width=6.0, height=3.4)
-    for arch, sub in data.groupby("arch", sort=True):
+    for arch, sub in means.groupby("arch", sort=True):
         ax.plot(sub["aspect"], sub["val_loss"], marker="o", color=palette[arch], label=arch)
+        lo, hi = sub["val_loss_lo"].to_numpy(dtype=float), sub["val_loss_hi"].to_numpy(dtype=float)
+        if np.isfinite(lo).any():
+            err = np.vstack([sub["val_loss"] - lo, hi - sub["val_loss"]])
+            ax.errorbar(sub["aspect"], sub["val_loss"], yerr=np.nan_to_num(err), fmt="none", ecolor=palette[arch],
+                        capsize=2, linewidth=0.8)
+            seeds = data[data["arch"] == arch]
+            ax.scatter(seeds["aspect"], seeds["val_loss"], s=5, color=palette[arch], alpha=0.45, linewidths=0)
         for x, y, n in zip(sub["aspect"], sub["val_loss"], sub["n_layer"]):
             ax.annotate(f"L{int(n)}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6,
                         color=palette[arch])
     ax.set_xscale("log")
     ax.set_xlabel("d_model / n_layer (log; left = deep-narrow, right = shallow-wide)")
-    ax.set_ylabel("final val loss (nats/token)")
+    ax.set_ylabel("final val loss (nats/token), mean over seeds")
     ax.legend(title="arch", loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     return fig
 

@@ -1,7 +1,10 @@
 """Findings: plain sentences computed from the report's tables, so a reader sees the numbers' story.
 
-Every sentence states a number read from a saved table (final losses, effective-depth slopes with
-their bootstrap intervals, depth-task accuracies); none is hand-written. Functions return lists of
+Every sentence states a number read from a saved table (final losses, effective-depth slopes,
+depth-task accuracies); none is hand-written. Comparisons carry their training-seed noise
+(`depthtools.analysis.seeds`): two architectures are ranked, or a trend is called, only when the
+95% intervals across seeds separate (or exclude zero); otherwise the sentence says "within seed
+noise (±x over n seeds)", and with one seed it says that no noise estimate exists. Functions return lists of
 strings; the template escapes them like every other string.
 """
 
@@ -11,9 +14,10 @@ import math
 
 import pandas as pd
 
+from depthtools.analysis.seeds import Interval, contrast, depth_effects, seed_means, with_seed
 from depthtools.report.data import finite
 
-TIE = 0.005  # nats: loss differences below this are "about the same"
+REFERENCE_ARCH = "preln"  # the baseline every architecture's depth effect is contrasted with
 
 
 def _nats(x: float) -> str:
@@ -25,75 +29,138 @@ def _ci(row, column: str) -> str:
     return f" [{lo:.3g}, {hi:.3g}]" if finite(lo) and finite(hi) else ""
 
 
-def loss_vs_depth(cells: pd.DataFrame) -> list[str]:
-    """Per architecture, how the final val loss changes from its shallowest to its deepest cell."""
-    done = cells.dropna(subset=["val_loss"])
-    parts = []
-    for arch, sub in sorted(done.groupby("arch"), key=lambda kv: str(kv[0])):
-        sub = sub.sort_values("n_layer")
-        if sub["n_layer"].nunique() < 2:
-            continue
-        first, last = sub.iloc[0], sub.iloc[-1]
-        delta = float(last["val_loss"] - first["val_loss"])
-        span = f"from L{int(first['n_layer'])} to L{int(last['n_layer'])}"
-        if abs(delta) < TIE:
-            parts.append((delta, f"{arch} stays within {TIE} nats {span}"))
-        else:
-            verb = "improves" if delta < 0 else "worsens"
-            parts.append((delta, f"{arch} {verb} by {_nats(delta)} nats {span}"))
-    if not parts:
+def _row_interval(row, column: str) -> Interval:
+    """The seed interval stored in a table row as <column>, <column>_lo, <column>_hi, n_seeds."""
+    n = row.get("n_seeds")
+    n = int(n) if finite(n) else 1
+    lo, hi = row.get(f"{column}_lo"), row.get(f"{column}_hi")
+    sd = row.get(f"{column}_sd")
+    return Interval(float(row[column]), float(lo) if finite(lo) else math.nan, float(hi) if finite(hi) else math.nan,
+                    n, float(sd) if finite(sd) else math.nan)
+
+
+def seed_noise(cells: pd.DataFrame) -> list[str]:
+    """How many training seeds stand behind each cell, and what the intervals below are."""
+    done = with_seed(cells.dropna(subset=["val_loss"]))
+    if done.empty:
         return []
-    return ["Deeper at fixed parameters: " + "; ".join(p for _, p in sorted(parts, key=lambda x: x[0])) + "."]
+    counts = done.groupby(["arch", "n_layer"])["seed"].nunique()
+    if counts.max() <= 1:
+        return ["One training seed per cell: no seed-noise estimate exists, so no difference between architectures "
+                "or depths below is resolved; rerun the grid with --seeds 0,1,2 to measure it."]
+    seeds = ",".join(str(s) for s in sorted(done["seed"].unique()))
+    spread = "" if counts.min() == counts.max() else f" (some cells have only {counts.min()})"
+    return [f"{counts.max()} training seeds per cell (seeds {seeds}){spread}: every interval below is a 95% "
+            "t-interval across seeds, and a difference inside it is called a tie."]
+
+
+def loss_vs_depth(cells: pd.DataFrame) -> list[str]:
+    """Per architecture, how the final val loss changes from its shallowest to its deepest cell (over seeds),
+    and how that change compares with the reference architecture's (DepthBench's question)."""
+    effects = depth_effects(cells.dropna(subset=["val_loss"]))
+    if effects.empty:
+        return []
+    parts = []
+    for row in effects.sort_values("effect").to_dict(orient="records"):
+        iv = _row_interval(row, "effect")
+        span = f"from L{row['shallow']} to L{row['deep']}"
+        if iv.excludes_zero():
+            verb = "improves" if iv.mean < 0 else "worsens"
+            parts.append(f"{row['arch']} {verb} by {_nats(iv.mean)} nats {span} ({iv.noise()})")
+        elif iv.has_noise:
+            parts.append(f"{row['arch']} changes by {iv.mean:+.3f} nats {span}, within seed noise ({iv.noise()})")
+        else:
+            parts.append(f"{row['arch']} changes by {iv.mean:+.3f} nats {span} ({iv.noise()})")
+    out = ["Deeper at fixed parameters: " + "; ".join(parts) + "."]
+    by_arch = effects.set_index("arch")
+    if REFERENCE_ARCH in by_arch.index and len(by_arch) > 1:
+        base = by_arch.loc[REFERENCE_ARCH]
+        bits = []
+        for arch, row in by_arch.drop(REFERENCE_ARCH).iterrows():
+            if (row["shallow"], row["deep"]) != (base["shallow"], base["deep"]):
+                continue
+            c = contrast(row["per_seed"], base["per_seed"])
+            if c.excludes_zero():
+                verb = "less" if c.mean < 0 else "more"
+                bits.append(f"{arch} loses {_nats(c.mean)} nats {verb} than {REFERENCE_ARCH} "
+                            f"(Welch ±{c.half_width:.3g}, {c.n}+ seeds)")
+            elif c.has_noise:
+                bits.append(f"{arch} vs {REFERENCE_ARCH}: {c.mean:+.3f} nats, a tie within seed noise "
+                            f"(Welch ±{c.half_width:.3g}, {c.n}+ seeds)")
+            else:
+                bits.append(f"{arch} vs {REFERENCE_ARCH}: {c.mean:+.3f} nats ({c.noise()})")
+        if bits:
+            out.append(f"Going deep-narrow, each architecture's loss change minus {REFERENCE_ARCH}'s: "
+                       + "; ".join(bits) + ".")
+    return out
 
 
 def lowest_loss(cells: pd.DataFrame) -> list[str]:
-    """The model with the lowest final val loss, and (several architectures) the best depth of each."""
+    """The (arch, depth) with the lowest mean final val loss over seeds, and whether the runner-up ties it."""
     done = cells.dropna(subset=["val_loss"])
     if done.empty:
         return []
-    best = done.loc[done["val_loss"].idxmin()]
-    out = [f"Lowest final val loss: {best['model']} ({best['arch']}, L{int(best['n_layer'])}, "
-           f"d_model {int(best['d_model'])}) at {best['val_loss']:.3f} nats."]
-    per_arch = done.loc[done.groupby("arch")["val_loss"].idxmin()].sort_values("val_loss")
-    if len(per_arch) > 1 and len(per_arch) < len(done):
-        out.append("Best depth per architecture: " + ", ".join(
+    means = seed_means(done, keys=("arch", "n_layer")).sort_values("val_loss").reset_index(drop=True)
+    best = means.iloc[0]
+    iv = _row_interval(best, "val_loss")
+    width = done[(done["arch"] == best["arch"]) & (done["n_layer"] == best["n_layer"])]["d_model"].iloc[0]
+    sentence = (f"Lowest final val loss: {best['arch']} L{int(best['n_layer'])} (d_model {int(width)}) at "
+                f"{best['val_loss']:.3f} nats ({iv.noise()})")
+    if len(means) > 1:
+        second = means.iloc[1]
+        other = _row_interval(second, "val_loss")
+        name = f"{second['arch']} L{int(second['n_layer'])} ({second['val_loss']:.3f})"
+        if not iv.has_noise:
+            sentence += f"; next is {name}, not ranked without a noise estimate"
+        elif iv.overlaps(other):
+            sentence += f"; tied within seed noise with {name}"
+        else:
+            sentence += f"; ahead of the next, {name}, beyond seed noise"
+    out = [sentence + "."]
+    per_arch = means.loc[means.groupby("arch")["val_loss"].idxmin()].sort_values("val_loss")
+    if 1 < len(per_arch) < len(means):
+        out.append("Best depth per architecture (mean over seeds): " + ", ".join(
             f"{r.arch} L{int(r.n_layer)} ({r.val_loss:.3f})" for r in per_arch.itertuples()) + ".")
     return out
 
 
 def marginal_depth(slopes: pd.DataFrame | None) -> list[str]:
-    """Which architecture turns extra layers into the most effective layers (dN_skip/dL), with CIs."""
+    """Which architecture turns extra layers into the most effective layers (dN_skip/dL), ranked only when
+    the seed intervals separate; and whether loss falls or rises with log depth beyond seed noise."""
     if slopes is None or "slope_n_skip" not in slopes:
         return []
     rows = slopes[[finite(v) for v in slopes["slope_n_skip"]]].sort_values("slope_n_skip", ascending=False)
     if rows.empty:
         return []
-    out = []
-    top = rows.iloc[0]
+    records = rows.to_dict(orient="records")
+    top = records[0]
+    top_iv = _row_interval(top, "slope_n_skip")
     sentence = (f"Largest marginal effective depth: {top['arch']}, dN_skip/dL = {top['slope_n_skip']:.3g}"
-                f"{_ci(top, 'slope_n_skip')} (each added layer adds that many effective layers)")
-    if len(rows) > 1:
-        second = rows.iloc[1]
-        overlap = all(finite(v) for v in (top.get("slope_n_skip_lo"), second.get("slope_n_skip_hi"))) and \
-            top["slope_n_skip_lo"] <= second["slope_n_skip_hi"]
-        sentence += (f"; next is {second['arch']} at {second['slope_n_skip']:.3g}{_ci(second, 'slope_n_skip')}"
-                     + (", and the intervals overlap, so the ranking is not resolved" if overlap else
-                        ", with non-overlapping intervals"))
-        low = rows.iloc[-1]
-        if len(rows) > 2:
+                f"{_ci(top, 'slope_n_skip')} ({top_iv.noise()}; each added layer adds that many effective layers)")
+    if len(records) > 1:
+        second = records[1]
+        second_iv = _row_interval(second, "slope_n_skip")
+        if not top_iv.has_noise:
+            sentence += f"; next is {second['arch']} at {second['slope_n_skip']:.3g}, not ranked without a noise estimate"
+        elif top_iv.overlaps(second_iv):
+            sentence += (f"; {second['arch']} at {second['slope_n_skip']:.3g}{_ci(second, 'slope_n_skip')} is "
+                         f"within seed noise of it, so the ranking is not resolved")
+        else:
+            sentence += (f"; ahead of {second['arch']} at {second['slope_n_skip']:.3g}{_ci(second, 'slope_n_skip')} "
+                         "beyond seed noise")
+        if len(records) > 2:
+            low = records[-1]
             sentence += f"; smallest is {low['arch']} at {low['slope_n_skip']:.3g}{_ci(low, 'slope_n_skip')}"
-    out.append(sentence + ".")
+    out = [sentence + "."]
     if "slope_loss_log_L" in rows:
         falls, rises, flat = [], [], []
-        for r in rows.to_dict(orient="records"):
-            value, lo, hi = r.get("slope_loss_log_L"), r.get("slope_loss_log_L_lo"), r.get("slope_loss_log_L_hi")
-            if not finite(value):
+        for r in records:
+            if not finite(r.get("slope_loss_log_L")):
                 continue
-            text = f"{r['arch']} ({value:+.3g} nats per e-fold of L{_ci(r, 'slope_loss_log_L')})"
-            if finite(hi) and hi < 0:
-                falls.append(text)
-            elif finite(lo) and lo > 0:
-                rises.append(text)
+            iv = _row_interval(r, "slope_loss_log_L")
+            text = f"{r['arch']} ({iv.mean:+.3g} nats per e-fold of L, {iv.noise()})"
+            if iv.excludes_zero():
+                (falls if iv.hi < 0 else rises).append(text)
             else:
                 flat.append(text)
         bits = []
@@ -102,61 +169,84 @@ def marginal_depth(slopes: pd.DataFrame | None) -> list[str]:
         if rises:
             bits.append("rises for " + ", ".join(rises))
         if flat:
-            bits.append("shows no clear trend (interval spans 0 or is missing) for " + ", ".join(flat))
+            bits.append("no trend beyond seed noise (interval spans 0, or one seed) for " + ", ".join(flat))
         if bits:
             out.append("Loss against log depth: " + "; ".join(bits) + ".")
     return out
 
 
 def deepest_usage(models: pd.DataFrame | None) -> list[str]:
-    """At each architecture's deepest cell: which keeps the largest share of its layers effective."""
+    """At each architecture's deepest setting: which keeps the largest share of its layers effective
+    (mean N_skip/L over seeds), ranked only when the seed intervals separate."""
     if models is None or "n_skip_over_L" not in models or models.empty:
         return []
     deep = models[models["n_layer"] == models.groupby("arch")["n_layer"].transform("max")]
-    deep = deep[[finite(v) for v in deep["n_skip_over_L"]]].sort_values("n_skip_over_L", ascending=False)
-    if len(deep) < 2:
+    means = seed_means(deep, value="n_skip_over_L", keys=("arch", "n_layer"))
+    if len(means) < 2:
         return []
-    hi, lo = deep.iloc[0], deep.iloc[-1]
-    return [f"At its deepest setting, {hi['arch']} keeps the largest share of layers effective "
-            f"(N_skip/L = {hi['n_skip_over_L']:.2f} at L{int(hi['n_layer'])}); {lo['arch']} the smallest "
-            f"({lo['n_skip_over_L']:.2f} at L{int(lo['n_layer'])})."]
+    means = means.sort_values("n_skip_over_L", ascending=False)
+    hi, lo = means.iloc[0], means.iloc[-1]
+    hi_iv, lo_iv = _row_interval(hi, "n_skip_over_L"), _row_interval(lo, "n_skip_over_L")
+    values = (f"{hi['arch']} N_skip/L = {hi['n_skip_over_L']:.2f} at L{int(hi['n_layer'])} ({hi_iv.noise()}), "
+              f"{lo['arch']} {lo['n_skip_over_L']:.2f} at L{int(lo['n_layer'])} ({lo_iv.noise()})")
+    if not (hi_iv.has_noise and lo_iv.has_noise):
+        return [f"At the deepest setting, layer usage is not ranked without a seed-noise estimate: {values}."]
+    if hi_iv.overlaps(lo_iv):
+        return [f"At the deepest setting, every architecture's share of effective layers is within seed noise: {values}."]
+    return [f"At its deepest setting, {hi['arch']} keeps the largest share of layers effective and {lo['arch']} the "
+            f"smallest, beyond seed noise: {values}."]
 
 
 def tasks(summary: pd.DataFrame) -> list[str]:
-    """Per depth task: the model with the best accuracy beyond the training range of k."""
+    """Per depth task: the (arch, depth) with the best mean accuracy beyond the training range of k, over seeds."""
     if summary is None or summary.empty:
         return []
     column = "accuracy_out_of_range" if summary["accuracy_out_of_range"].notna().any() else "accuracy_in_range"
     where = "beyond the trained k" if column == "accuracy_out_of_range" else "on the trained k"
     out = []
     for task, sub in summary.groupby("task"):
-        sub = sub.dropna(subset=[column])
-        if sub.empty:
+        means = seed_means(sub.dropna(subset=[column]), value=column, keys=("arch", "n_layer"))
+        if means.empty:
             continue
-        best, worst = sub.loc[sub[column].idxmax()], sub.loc[sub[column].idxmin()]
+        means = means.sort_values(column, ascending=False)
+        best, worst = means.iloc[0], means.iloc[-1]
         if best[column] == worst[column]:  # a tie (often: nobody solves anything) ranks nothing
             out.append(f"Depth task {task}: every model has accuracy {best[column]:.2f} {where}.")
             continue
-        out.append(f"Depth task {task}: best accuracy {where} is {best['model']} ({best[column]:.2f}); "
-                   f"worst {worst['model']} ({worst[column]:.2f}).")
+        b_iv, w_iv = _row_interval(best, column), _row_interval(worst, column)
+        names = (f"{best['arch']} L{int(best['n_layer'])} ({best[column]:.2f}, {b_iv.noise()}) and "
+                 f"{worst['arch']} L{int(worst['n_layer'])} ({worst[column]:.2f}, {w_iv.noise()})")
+        if not b_iv.has_noise:
+            out.append(f"Depth task {task}: accuracy {where} ranges between {names}; not ranked without a "
+                       "seed-noise estimate.")
+        elif b_iv.overlaps(w_iv):
+            out.append(f"Depth task {task}: accuracy {where} is within seed noise between {names}.")
+        else:
+            out.append(f"Depth task {task}: best accuracy {where} is {best['arch']} L{int(best['n_layer'])} "
+                       f"({best[column]:.2f}), worst {worst['arch']} L{int(worst['n_layer'])} ({worst[column]:.2f}), "
+                       f"beyond seed noise ({b_iv.noise()}).")
     return out
 
 
 def depth_reached(reached: pd.DataFrame | None) -> list[str]:
-    """Per task: which model solves the largest k at the accuracy threshold (tasks_depth_reached)."""
+    """Per task: the largest k solved at the accuracy threshold (tasks_depth_reached), per (arch, depth) over seeds."""
     if reached is None or reached.empty or "depth_reached" not in reached:
         return []
     out = []
     for task, sub in reached.groupby("task"):
-        best = sub.loc[sub["depth_reached"].idxmax()]
-        if int(best["depth_reached"]) == 0:
+        means = seed_means(sub, value="depth_reached", keys=("arch", "n_layer")).sort_values(
+            "depth_reached", ascending=False)
+        best = means.iloc[0]
+        if float(best["depth_reached"]) == 0:
             out.append(f"Depth task {task}: no model reaches the accuracy threshold even at the smallest k.")
             continue
-        threshold = f" at accuracy ≥ {best['threshold']:.2g}" if finite(best.get("threshold")) else ""
-        k_max = best.get("k_max_evaluated")
+        first = sub.iloc[0]
+        threshold = f" at accuracy ≥ {first['threshold']:.2g}" if finite(first.get("threshold")) else ""
+        k_max = first.get("k_max_evaluated")
         tested = f" (of k ≤ {int(k_max)} evaluated)" if finite(k_max) else ""
-        out.append(f"Depth task {task}: {best['model']} solves up to k = {int(best['depth_reached'])}{threshold}"
-                   f"{tested}.")
+        iv = _row_interval(best, "depth_reached")
+        out.append(f"Depth task {task}: {best['arch']} L{int(best['n_layer'])} solves up to k = "
+                   f"{best['depth_reached']:.3g}{threshold}{tested}, mean over seeds ({iv.noise()}).")
     return out
 
 

@@ -1,7 +1,7 @@
 """Tidy frames the report figures and tables need, assembled from saved tables (never recomputed).
 
 Each function takes the `CellData` read by `depthtools.report.data` and returns a plain DataFrame
-with the identity columns (model, arch, n_layer, d_model) first, plus, where a cell lacks the
+with the identity columns (model, arch, n_layer, d_model, seed) first, plus, where a cell lacks the
 input, the names of the cells left out (so captions can say what is not shown).
 """
 
@@ -13,7 +13,7 @@ import pandas as pd
 
 from depthtools.report.data import CellData, finite
 
-ID = ["model", "arch", "n_layer", "d_model"]
+ID = ["model", "arch", "n_layer", "d_model", "seed"]
 
 
 def concat(frames: Iterable[pd.DataFrame | None]) -> pd.DataFrame:
@@ -202,7 +202,7 @@ def task_summary(tasks: pd.DataFrame) -> pd.DataFrame:
     if acc.empty:
         return pd.DataFrame()
     in_range = acc["in_train_range"].astype(bool) if "in_train_range" in acc else pd.Series(True, index=acc.index)
-    keys = ["model", "arch", "n_layer", "task"]
+    keys = ["model", "arch", "n_layer", *(["seed"] if "seed" in acc else []), "task"]
     out = acc.groupby(keys, as_index=False).agg(k_min=("k", "min"), k_max=("k", "max"))
     inside = acc[in_range].groupby(keys)["value"].mean().rename("accuracy_in_range")
     outside = acc[~in_range].groupby(keys)["value"].mean().rename("accuracy_out_of_range")

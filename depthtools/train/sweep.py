@@ -111,16 +111,32 @@ def prepare_grid_data(spec: dict[str, Any], root: str | Path, data_root: str | P
     return data_dir
 
 
+def cell_recipe(train: dict[str, Any] | None, cell: Cell, threads: int | None = None) -> TrainConfig:
+    """The TrainConfig of one grid cell: the grid's shared recipe with the cell's training seed.
+
+    Seeds are a grid axis (`plan_grid(seeds=...)`), so a recipe that names another seed than its
+    cell is a contradiction and is refused rather than silently overridden.
+    """
+    recipe = dict(train or {})
+    if "seed" in recipe and recipe["seed"] != cell.seed:
+        raise DepthToolsError(
+            f"the grid recipe sets seed={recipe['seed']!r} but cell {cell.name} has seed {cell.seed}; "
+            "plan seeds as a grid axis (`depthtools grid plan --seeds 0,1,2`) and drop 'seed' from the recipe")
+    if threads:
+        recipe["threads"] = threads
+    return TrainConfig.from_dict({**recipe, "seed": cell.seed})
+
+
 def train_grid(grid: str | Path | dict[str, Any], root: str | Path = "checkpoints", force: bool = False,
                progress: Progress | None = None, data_root: str | Path = "data") -> list[dict[str, Any]]:
     """Train all cells of a grid; returns one summary per cell (skipped ones have skipped=True)."""
     spec = load_spec(grid)
-    train_cfg = TrainConfig.from_dict(spec.get("train") or {})
+    train_cfgs = [cell_recipe(spec.get("train"), cell) for cell in spec["cells"]]
     model_cfgs = [cell.model_config() for cell in spec["cells"]]  # validate every cell before training any
     grid_dir = Path(root) / spec.get("name", "grid")
     data_dir = prepare_grid_data(spec, root, data_root, force)
     summaries = []
-    for index, (cell, model_cfg) in enumerate(zip(spec["cells"], model_cfgs)):
+    for index, (cell, model_cfg, train_cfg) in enumerate(zip(spec["cells"], model_cfgs, train_cfgs)):
         out_dir = grid_dir / cell.name
         tag = {"cell_index": index, "n_cells": len(spec["cells"])}
         if is_finished(out_dir) and not force:
@@ -158,12 +174,12 @@ def run_cell(spec_cell: dict[str, Any], root: str | Path, data_root: str | Path 
 
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     cell = Cell(**spec_cell["cell"])
-    recipe = {**spec_cell.get("train", {}), **({"threads": threads} if threads else {})}
+    recipe = cell_recipe(spec_cell.get("train"), cell, threads)
     out_dir = Path(root) / spec_cell["grid"] / cell.name
     if is_finished(out_dir) and not force:
         return {"name": cell.name, "out_dir": str(out_dir), "skipped": True}
     data_dir = grid_data_dir({"data": spec_cell.get("data")}, data_root)
-    return train_cell(cell.model_config(), TrainConfig.from_dict(recipe), data_dir, out_dir, force=force)
+    return train_cell(cell.model_config(), recipe, data_dir, out_dir, force=force)
 
 
 # -- status from the folders alone ---------------------------------------------------------------
