@@ -127,8 +127,9 @@ def resolve(name: str | Path, root: str | Path | None = None) -> Path:
     if path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint directory (no {CONFIG})")
     candidates = sorted(p.parent for p in root.rglob(CONFIG)) if root.is_dir() else []
-    if "/" in str(name):
-        matches = [c for c in candidates if str(c).endswith(str(name).strip("/"))]
+    if "/" in str(name):  # a tail of whole path components: "gridC/preln_L4" is not "xgridC/preln_L4"
+        parts = tuple(p for p in Path(str(name).strip("/")).parts if p not in ("", "."))
+        matches = [c for c in candidates if c.parts[-len(parts):] == parts] if parts else []
     else:
         matches = [c for c in candidates if c.name == str(name)]
     if len(matches) == 1:
