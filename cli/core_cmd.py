@@ -88,10 +88,12 @@ def grid_plan_command(
     else:
         if budget is None or (layers is None and aspect_ratios is None):
             raise DepthToolsError("give --budget and --layers (or --aspect-ratios), or a --preset")
+        if n_heads is not None and n_heads < 1:  # 0 is a value, not "unset": never replaced by the default
+            raise DepthToolsError(f"--n-heads must be a positive integer, got {n_heads}")
         plan_args = dict(
             arch=_split_list(arch, str), budget=budget, vocab_size=vocab_size,
             layers=_split_list(layers, int), aspect_ratios=_split_list(aspect_ratios, float), basis=basis,
-            tolerance=tolerance, n_heads=n_heads if (n_heads or head_dim) else 16, head_dim=head_dim,
+            tolerance=tolerance, n_heads=n_heads if (n_heads is not None or head_dim) else 16, head_dim=head_dim,
             head_dim_multiple=head_dim_multiple, n_kv_heads=n_kv_heads, ffn_ratio=ffn_ratio,
             ffn_multiple=ffn_multiple or None, max_seq_len=max_seq_len, seeds=parse_seeds(seeds),
         )

@@ -120,8 +120,10 @@ def _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max_seq_le
 
     if (budget is None) == (d_model is None):
         raise DepthToolsError("give exactly one of --budget (width planned for the budget) or --d-model")
+    if n_heads is not None and n_heads < 1:  # 0 is a value, not "unset": never replaced by the preset's
+        raise DepthToolsError(f"--n-heads must be a positive integer, got {n_heads}")
     plan = dict(get_preset(preset_recipe).plan) if preset_recipe else {}
-    heads = n_heads or plan.get("n_heads", 16)
+    heads = n_heads if n_heads is not None else plan.get("n_heads", 16)
     if d_model is not None:
         return ModelConfig(arch=arch, d_model=d_model, n_layer=layers, n_heads=heads, vocab_size=vocab_size,
                            max_seq_len=max_seq_len)

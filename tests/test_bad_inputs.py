@@ -51,3 +51,16 @@ def test_names_with_a_slash_match_whole_path_components(tmp_path, monkeypatch):
     save_model(tmp_path / "gridC" / "preln_L2")  # the real one: found, and not ambiguous with xgridC
     assert ck.resolve("gridC/preln_L2") == tmp_path / "gridC" / "preln_L2"
     assert ck.resolve("xgridC/preln_L2/") == tmp_path / "xgridC" / "preln_L2"
+
+
+# -- a head count of 0 is an error, not "use the default" ------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["train", "--arch", "preln", "--layers", "2", "--d-model", "32", "--n-heads", "0"],
+    ["train", "--arch", "preln", "--layers", "2", "--budget", "100k", "--n-heads", "0", "--preset-recipe", "tiny"],
+    ["grid", "plan", "--arch", "preln", "--budget", "100k", "--layers", "2,4", "--n-heads", "0"],
+])
+def test_zero_heads_is_refused(args, data_dir, tmp_path):
+    if args[0] == "train":
+        args = [*args, "--data", data_dir, "--out", tmp_path / "cell", "--tokens", "64"]
+    refused(args, "--n-heads", "0")
+    assert not (tmp_path / "cell").exists()
