@@ -146,6 +146,20 @@ def read_config(name: str | Path) -> dict[str, Any]:
     return read_json(resolve(name) / CONFIG)
 
 
+def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """Refuse weights that cannot be a trained model: a non-floating dtype (int64 would be cast to a
+    meaningless model silently) or a NaN/inf entry (every metric would be NaN). One line, naming the tensor."""
+    for key in sorted(tensors):
+        tensor = tensors[key]
+        if not tensor.dtype.is_floating_point:
+            raise CheckpointError(f"weights in {directory}: tensor {key} has dtype "
+                                  f"{str(tensor.dtype).replace('torch.', '')}, expected a floating-point dtype")
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(f"weights in {directory}: tensor {key} has {bad} non-finite (NaN/inf) "
+                                  f"value(s) of {tensor.numel()}; the checkpoint is unusable")
+
+
 def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
     """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model."""
     from depthtools.arch import DepthModel
@@ -176,6 +190,7 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
             f"weights in {directory} do not match config: {k} has shape {tuple(tensors[k].shape)}, "
             f"config implies {tuple(expected[k].shape)}"
         )
+    check_weights(tensors, directory)
     with torch.no_grad():
         model.load_state_dict(tensors, strict=False)  # tied unembedding shares tok_embed's storage
     model.checkpoint_dir = directory

@@ -79,8 +79,10 @@ class ModelConfig:
             raise DepthToolsError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
             )
-        if self.norm_eps <= 0 or self.init_std <= 0:
-            raise DepthToolsError("norm_eps and init_std must be positive")
+        for name in ("rope_theta", "norm_eps", "init_std"):  # NaN/inf/0 would give NaN metrics, not an error
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise DepthToolsError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (re-validated)."""

@@ -64,3 +64,59 @@ def test_zero_heads_is_refused(args, data_dir, tmp_path):
         args = [*args, "--data", data_dir, "--out", tmp_path / "cell", "--tokens", "64"]
     refused(args, "--n-heads", "0")
     assert not (tmp_path / "cell").exists()
+
+
+# -- checkpoints that cannot be a trained model: wrong dtype, non-finite weights or config ---------
+def _break_weights(directory: Path, how: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = ck.read_tensors(directory / ck.WEIGHTS)
+    if how == "int64":
+        tensors = {k: v.to(torch.int64) for k, v in tensors.items()}
+    elif how == "nan":
+        tensors = {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}
+    elif how == "one_inf":
+        tensors["blocks.1.attn.w_q.weight"][3, 5] = float("inf")
+    save_file(tensors, str(directory / ck.WEIGHTS))
+
+
+def _break_config(directory: Path, field: str, value) -> None:
+    path = directory / ck.CONFIG
+    config = json.loads(path.read_text())
+    config["model"][field] = value
+    path.write_text(json.dumps(config))  # json writes NaN / Infinity, and reads them back
+
+
+BROKEN_CHECKPOINTS = [  # (how the checkpoint is broken, words the one line must hold)
+    (("weights", "int64"), ["dtype int64", "floating-point", "blocks."]),
+    (("weights", "nan"), ["non-finite", "tensor "]),
+    (("weights", "one_inf"), ["blocks.1.attn.w_q.weight", "1 non-finite"]),
+    (("config", "rope_theta", 0), ["rope_theta", "positive finite", "0"]),
+    (("config", "rope_theta", float("nan")), ["rope_theta", "nan"]),
+    (("config", "rope_theta", -10.0), ["rope_theta", "-10.0"]),
+    (("config", "norm_eps", float("nan")), ["norm_eps", "nan"]),
+    (("config", "init_std", float("inf")), ["init_std", "inf"]),
+    (("config", "norm_eps", 0.0), ["norm_eps"]),
+]
+
+
+@pytest.mark.parametrize("how,words", BROKEN_CHECKPOINTS, ids=lambda v: "-".join(map(str, v)) if isinstance(v, tuple) else None)
+def test_broken_checkpoints_are_refused(how, words, data_dir, tmp_path):
+    cell = save_model(tmp_path / "g" / "preln_L2")
+    if how[0] == "weights":
+        _break_weights(cell, how[1])
+    else:
+        _break_config(cell, how[1], how[2])
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.load(cell)
+    assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+    refused(["lens", "--ckpt", cell, "--data", data_dir, "--tokens", "64", "--seq-len", "16", "--no-save"], *words)
+    assert not (cell / "analysis").exists()
+
+
+@pytest.mark.parametrize("field,value", [("rope_theta", 0.0), ("rope_theta", float("nan")), ("rope_theta", float("inf")),
+                                         ("norm_eps", -1e-5), ("init_std", float("nan")), ("rope_theta", "1e4")])
+def test_model_config_refuses_non_finite_or_non_positive_scalars(field, value):
+    with pytest.raises(DepthToolsError, match=field):
+        ModelConfig(**{**SMALL, field: value})
