@@ -42,6 +42,8 @@ def candidate_spec(args) -> dict:
         plan["budget"] = int(float(args.budget))
     if args.seeds:
         plan["seeds"] = parse_seeds(args.seeds)
+    if args.tolerance:
+        plan["tolerance"] = args.tolerance
     for key in ("tokens", "batch_size", "lr"):
         value = getattr(args, key)
         if value is not None:
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--layers")
     parser.add_argument("--budget")
     parser.add_argument("--seeds")
+    parser.add_argument("--tolerance", type=float)
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--batch-size", dest="batch_size", type=int)
     parser.add_argument("--lr", type=float)

@@ -73,6 +73,7 @@ def test_overlapping_seed_intervals_are_worded_as_ties():
     assert "within seed noise" in text and "improves" not in text and "worsens" not in text
     assert "a tie within seed noise" in text  # hc's depth effect minus preln's
     assert "tied within seed noise with" in text  # the lowest loss is not a ranking
+    assert "the grid is a pipeline check" in text
 
 
 def test_separated_seed_intervals_are_ranked_and_one_seed_says_no_noise_estimate():
@@ -80,7 +81,7 @@ def test_separated_seed_intervals_are_ranked_and_one_seed_says_no_noise_estimate
                  ("hc", 2): [2.40, 2.41, 2.42], ("hc", 8): [2.30, 2.31, 2.33]}
     text = " ".join(findings.loss_vs_depth(_cells(separated)))
     assert "preln worsens by 0.200 nats from L2 to L8" in text and "hc improves by" in text
-    assert "hc loses 0.297 nats less than preln" in text
+    assert "hc loses 0.297 nats less than preln" in text and "pipeline check" not in text
     single = _cells({k: v[:1] for k, v in separated.items()})
     text = " ".join(findings.seed_noise(single) + findings.loss_vs_depth(single) + findings.lowest_loss(single))
     assert "no seed-noise estimate exists" in text and "one seed: no noise estimate" in text

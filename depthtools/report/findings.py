@@ -75,11 +75,12 @@ def loss_vs_depth(cells: pd.DataFrame) -> list[str]:
     by_arch = effects.set_index("arch")
     if REFERENCE_ARCH in by_arch.index and len(by_arch) > 1:
         base = by_arch.loc[REFERENCE_ARCH]
-        bits = []
+        bits, contrasts = [], []
         for arch, row in by_arch.drop(REFERENCE_ARCH).iterrows():
             if (row["shallow"], row["deep"]) != (base["shallow"], base["deep"]):
                 continue
             c = contrast(row["per_seed"], base["per_seed"])
+            contrasts.append(c)
             if c.excludes_zero():
                 verb = "less" if c.mean < 0 else "more"
                 bits.append(f"{arch} loses {_nats(c.mean)} nats {verb} than {REFERENCE_ARCH} "
@@ -92,6 +93,11 @@ def loss_vs_depth(cells: pd.DataFrame) -> list[str]:
         if bits:
             out.append(f"Going deep-narrow, each architecture's loss change minus {REFERENCE_ARCH}'s: "
                        + "; ".join(bits) + ".")
+        if contrasts and all(c.has_noise and not c.excludes_zero() for c in contrasts):
+            widest = max(c.half_width for c in contrasts)
+            out.append(f"No architecture's depth effect differs from {REFERENCE_ARCH}'s beyond seed noise (up to "
+                       f"±{widest:.3g} nats): at this scale the grid is a pipeline check, not evidence for or "
+                       "against a depth advantage.")
     return out
 
 
