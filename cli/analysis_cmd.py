@@ -66,19 +66,11 @@ def check_device(device: str) -> str:
 
 
 def data_dir_for(ckpt_dir: Path, data: Optional[Path]) -> Path:
-    """--data, else the data directory recorded in the checkpoint; a clear error if neither exists."""
-    from depthtools.analysis.tokens import recorded_data_dir
+    """--data, else the data directory recorded in the checkpoint, checked against the checkpoint's
+    tokenizer and data fingerprint (`depthtools.analysis.tokens.checkpoint_data_dir`)."""
+    from depthtools.analysis.tokens import checkpoint_data_dir
 
-    if data is not None:
-        if not data.is_dir():
-            raise DepthToolsError(f"--data {data} is not a directory (prepare one with `depthtools data prepare`)")
-        return data
-    recorded = recorded_data_dir(ckpt_dir)
-    if recorded is None:
-        raise DepthToolsError(f"checkpoint {ckpt_dir.name} records no data directory; pass --data DIR (a prepared data dir)")
-    if not recorded.is_dir():
-        raise DepthToolsError(f"data directory {recorded} recorded in {ckpt_dir.name} does not exist; pass --data DIR")
-    return recorded
+    return checkpoint_data_dir(ckpt_dir, data)
 
 
 class TokenSets:

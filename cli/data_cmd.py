@@ -36,6 +36,7 @@ def prepare_cmd(
     val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of documents held out for validation."),
     seed: int = typer.Option(0, "--seed", help="Seed of the train/val document split."),
     name: Optional[str] = typer.Option(None, "--name", help="Dataset folder name (default: from corpus and tokenizer)."),
+    force: bool = typer.Option(False, "--force", help="Rebuild a folder that holds a dataset with other settings (or other files)."),
 ) -> None:
     """Extract, split by whole documents, tokenize and write train/val/val_<domain>.bin + meta.json."""
     if tokenizer not in TOKENIZER_SPECS:
@@ -44,7 +45,7 @@ def prepare_cmd(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CorpusChecksumWarning)
         path = prepare(corpus, out_dir=out, tokenizer=tokenizer, val_fraction=val_fraction, seed=seed,
-                       max_bytes=max_bytes, text_dir=text_dir, name=name, log=lambda m: _console.print(m, markup=False, highlight=False, soft_wrap=True))
+                       max_bytes=max_bytes, text_dir=text_dir, name=name, force=force, log=lambda m: _console.print(m, markup=False, highlight=False, soft_wrap=True))
     for w in caught:
         _console.print(f"warning: {w.message}", style="yellow", markup=False, highlight=False)
     meta = read_meta(path)

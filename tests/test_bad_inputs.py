@@ -120,3 +120,80 @@ def test_broken_checkpoints_are_refused(how, words, data_dir, tmp_path):
 def test_model_config_refuses_non_finite_or_non_positive_scalars(field, value):
     with pytest.raises(DepthToolsError, match=field):
         ModelConfig(**{**SMALL, field: value})
+
+
+# -- datasets are never overwritten without --force, and evaluation checks the data it reads -------
+FAST = dict(batch_size=8, seq_len=32, lr=1e-2, eval_tokens=512, log_every=2, eval_every=0,
+            depth_stats_every=0, checkpoint_every=0, threads=1)
+EVAL = ["--tokens", "64", "--seq-len", "16"]
+
+
+def _prepare_args(out: Path, *extra) -> list:
+    return ["data", "prepare", "--corpus", "text-dir", "--text-dir", FIXTURE, "--out", out, "--val-fraction", "0.3", *extra]
+
+
+def test_prepare_refuses_to_overwrite_a_dataset_with_other_settings(tmp_path):
+    from depthtools.data import prepare, read_meta
+
+    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3)
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    refused(_prepare_args(tmp_path / "data", "--seed", "7"), str(data), "other settings", "seed: 0 -> 7", "--force")
+    refused(_prepare_args(tmp_path / "data", "--val-fraction", "0.5"), "val_fraction: 0.3 -> 0.5", "--force")
+    with pytest.raises(DepthToolsError, match=r"other settings \(seed: 0 -> 7\).*force=True"):
+        prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3, seed=7)
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before  # untouched
+    same = runner.invoke(app, [str(a) for a in _prepare_args(tmp_path / "data")])  # same settings: a no-op
+    assert same.exit_code == 0 and {p.name: p.read_bytes() for p in data.iterdir()} == before
+    forced = runner.invoke(app, [str(a) for a in _prepare_args(tmp_path / "data", "--seed", "7", "--force")])
+    assert forced.exit_code == 0, forced.output
+    assert read_meta(data)["settings"]["seed"] == 7
+    mine = tmp_path / "data" / "mine"  # a folder that is not a dataset is not replaced either
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    refused(_prepare_args(tmp_path / "data", "--name", "mine"), str(mine), "no readable dataset", "--force")
+    assert (mine / "notes.txt").read_text() == "keep me" and not (mine / "meta.json").exists()
+
+
+@pytest.fixture(scope="module")
+def trained_cell(tmp_path_factory):
+    """A real trained cell on its own dataset (which the tests then prepare again)."""
+    from depthtools.config import TrainConfig
+    from depthtools.data import prepare
+    from depthtools.train import train_cell
+
+    base = tmp_path_factory.mktemp("fingerprint")
+    data = prepare("text-dir", out_dir=base / "data", text_dir=FIXTURE, val_fraction=0.3)
+    cell = base / "g" / "preln_L2"
+    train_cell(ModelConfig(arch="preln", **SMALL), TrainConfig(tokens=4 * 8 * 32, **FAST), data, cell)
+    return base, data, cell
+
+
+EVALUATIONS = [  # every command that evaluates a checkpoint on data: (args, with --ckpt or --grid)
+    ["lens", "--ckpt", "{cell}", *EVAL, "--no-save"],
+    ["ablate", "--ckpt", "{cell}", *EVAL, "--no-save"],
+    ["causal", "--ckpt", "{cell}", *EVAL, "--no-save"],
+    ["similarity", "--ckpt", "{cell}", *EVAL, "--no-save"],
+    ["analyze", "--grid", "{grid}", *EVAL, "--only", "lens_logit"],
+]
+
+
+def _fill(args: list, cell: Path) -> list:
+    return [str(a).format(cell=cell, grid=cell.parent) for a in args]
+
+
+def test_evaluation_refuses_a_data_folder_prepared_again_since_training(trained_cell, data_dir):
+    from depthtools.analysis.suite import eval_tokens
+    from depthtools.data import prepare
+
+    base, data, cell = trained_cell
+    ok = runner.invoke(app, _fill(EVALUATIONS[0], cell))
+    assert ok.exit_code == 0, ok.output
+    prepare("text-dir", out_dir=base / "data", text_dir=FIXTURE, val_fraction=0.3, seed=7, force=True)
+    for args in EVALUATIONS:
+        refused(_fill(args, cell), str(data), "preln_L2", "data fingerprint", "--data")
+    refused([*_fill(EVALUATIONS[0], cell), "--data", data], "data fingerprint")  # naming the same folder
+    with pytest.raises(DepthToolsError, match="no longer holds the data"):
+        eval_tokens(cell, None, 64, 16)
+    assert not (cell / "analysis" / "lens_logit.parquet").exists()
+    other = runner.invoke(app, [*_fill(EVALUATIONS[0], cell), "--data", data_dir])  # other data, same tokenizer
+    assert other.exit_code == 0, other.output

@@ -129,11 +129,14 @@ def test_text_dir_prepare_writes_bins_meta_and_domain_val(tmp_path):
         load_split(out, "test")
 
 
-def test_prepare_is_idempotent_and_rebuilds_on_new_settings(tmp_path):
+def test_prepare_is_idempotent_and_rebuilds_on_new_settings_only_with_force(tmp_path):
     out = _tiny(tmp_path)
     stamp = (out / "meta.json").stat().st_mtime_ns
     assert _tiny(tmp_path) == out and (out / "meta.json").stat().st_mtime_ns == stamp
-    _tiny(tmp_path, seed=7)
+    with pytest.raises(DepthToolsError, match="other settings"):  # never overwritten without force
+        _tiny(tmp_path, seed=7)
+    assert read_meta(out)["settings"]["seed"] == 0
+    _tiny(tmp_path, seed=7, force=True)
     assert read_meta(out)["settings"]["seed"] == 7
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp folders left
 

@@ -27,12 +27,11 @@ OUTPUTS = {"lens_logit": ("lens_logit", "lens_logit_summary", "prediction_depth"
 
 def eval_tokens(ckpt_dir: str | Path, data: str | Path | None, n_tokens: int, seq_len: int, split: str = "val",
                 seed: int = 0):
-    """The fixed evaluation windows [n, seq_len] of a checkpoint (from `data` or its recorded data dir)."""
-    from depthtools.analysis.tokens import recorded_data_dir, sample_windows
+    """The fixed evaluation windows [n, seq_len] of a checkpoint (from `data` or its recorded data dir,
+    checked against the checkpoint's tokenizer and data fingerprint: `tokens.checkpoint_data_dir`)."""
+    from depthtools.analysis.tokens import checkpoint_data_dir, sample_windows
 
-    data_dir = data if data is not None else recorded_data_dir(Path(ckpt_dir))
-    if data_dir is None:
-        raise DepthToolsError(f"no data directory recorded for {Path(ckpt_dir).name}; pass --data DIR")
+    data_dir = checkpoint_data_dir(Path(ckpt_dir), data)
     return sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed)
 
 

@@ -112,3 +112,49 @@ def recorded_data_dir(ckpt_dir: str | Path) -> Path | None:
     data = read_json(path).get("data") or {}
     recorded = data.get("path") if isinstance(data, dict) else None
     return Path(recorded) if recorded else None
+
+
+def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) -> Path:
+    """The prepared data directory a checkpoint is evaluated on — `data`, else the one its config.json
+    records — after checking that it fits the checkpoint (one-line DepthToolsError otherwise):
+
+    - content: when the folder is the checkpoint's recorded data folder, its data fingerprint must be
+      the recorded one (a folder re-prepared since training no longer holds the training data).
+
+    Checkpoints without these records (saved outside the trainer) are not checked. Every command that
+    samples evaluation tokens for a checkpoint resolves its data folder here.
+    """
+    from depthtools.checkpoint import CONFIG, read_json
+    from depthtools.data import read_meta
+
+    ckpt_dir = Path(ckpt_dir)
+    recorded = recorded_data_dir(ckpt_dir)
+    if data is not None:
+        data_dir = Path(data)
+        if not data_dir.is_dir():
+            raise DepthToolsError(f"--data {data_dir} is not a directory (prepare one with `depthtools data prepare`)")
+    elif recorded is None:
+        raise DepthToolsError(f"checkpoint {ckpt_dir.name} records no data directory; pass --data DIR (a prepared data dir)")
+    elif not recorded.is_dir():
+        raise DepthToolsError(f"data directory {recorded} recorded in {ckpt_dir.name} does not exist; pass --data DIR")
+    else:
+        data_dir = recorded
+    meta = read_meta(data_dir)
+    config = read_json(ckpt_dir / CONFIG) if (ckpt_dir / CONFIG).is_file() else {}
+    config = config if isinstance(config, dict) else {}
+    record = config.get("data")
+    wanted = record.get("data_fingerprint") if isinstance(record, dict) else None
+    if wanted and recorded is not None and _same_dir(data_dir, recorded) and meta.get("data_fingerprint") != wanted:
+        raise DepthToolsError(
+            f"{data_dir} no longer holds the data checkpoint {ckpt_dir.name} was trained on (data fingerprint "
+            f"{str(meta.get('data_fingerprint'))[:12]}, config.json records {str(wanted)[:12]}): it was prepared "
+            "again with other settings; restore it, or prepare the new data under another name and pass --data"
+        )
+    return data_dir
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False

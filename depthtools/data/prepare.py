@@ -57,12 +57,15 @@ def prepare(
     text_dir: str | os.PathLike | None = None,
     name: str | None = None,
     log: Callable[[str], None] | None = None,
+    force: bool = False,
 ) -> Path:
     """Prepare a corpus or a MIX ("shakespeare+sympy", a list, or "default") and return its directory.
 
     `max_bytes` caps each corpus's extracted text (the mix `default` caps at 1.5 MB per corpus unless
-    you pass one). Idempotent: an existing dataset with identical settings is returned untouched;
-    different settings rebuild it in place.
+    you pass one). Idempotent: an existing dataset with identical settings is returned untouched (an
+    incomplete one is rebuilt). A folder holding anything else — a dataset with other settings, which
+    checkpoints trained on it still name, or files that are not a dataset — is refused
+    (DepthToolsError) unless force=True, which rebuilds it in place.
     """
     log = log or (lambda _msg: None)
     corpora, default_cap, mix_name = resolve_corpora(corpus, text_dir)
@@ -73,6 +76,8 @@ def prepare(
     if is_prepared(target, settings):
         log(f"{target}: already prepared with these settings")
         return target
+    if not force:
+        check_overwrite(target, settings)
     t0 = time.perf_counter()
     parts = [_extract_part(c, cap, val_fraction, seed, log) for c in corpora]
     tok = _make_tokenizer(tokenizer, parts, log)
@@ -135,6 +140,41 @@ def _dir_state(directory: Path) -> str:
             st = p.stat()
             h.update(f"{p.relative_to(directory)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
+
+
+def _short(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:12] + "…"
+
+
+def check_overwrite(target: Path, settings: dict) -> None:
+    """Refuse to replace `target` unless it is absent, empty, or an (incomplete) dataset with these settings.
+
+    A dataset's content is what trained checkpoints record (its data fingerprint), so rebuilding it
+    with other settings would silently change what they are later evaluated on.
+    """
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise DepthToolsError(f"{target} exists and is not a folder; pass force=True (depthtools data prepare --force) "
+                              "to replace it, or choose another --name")
+    if not any(target.iterdir()):
+        return
+    try:
+        meta = json.loads((target / META_FILE).read_text(encoding="utf-8"))
+        old = meta["settings"]
+        if not isinstance(old, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DepthToolsError(f"{target} is not empty and holds no readable dataset ({META_FILE}); pass force=True "
+                              "(depthtools data prepare --force) to replace it, or choose another --name") from None
+    if old == settings:
+        return  # the same dataset, incomplete: rebuilding it restores the same content
+    changed = [f"{k}: {_short(old.get(k))} -> {_short(settings.get(k))}"
+               for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
+    raise DepthToolsError(f"{target} already holds a dataset prepared with other settings ({'; '.join(changed)}); "
+                          "checkpoints trained on it record its fingerprint, so it is not overwritten: pass force=True "
+                          "(depthtools data prepare --force) to rebuild it, or choose another --name")
 
 
 def is_prepared(target: Path, settings: dict) -> bool:
