@@ -197,3 +197,29 @@ def test_evaluation_refuses_a_data_folder_prepared_again_since_training(trained_
     assert not (cell / "analysis" / "lens_logit.parquet").exists()
     other = runner.invoke(app, [*_fill(EVALUATIONS[0], cell), "--data", data_dir])  # other data, same tokenizer
     assert other.exit_code == 0, other.output
+
+
+def test_tokenizer_mismatch_is_refused_in_both_directions(tmp_path, data_dir):
+    from depthtools.data import prepare, read_meta
+
+    bpe = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3, tokenizer="bpe4k")
+    cells = {}
+    for name, data in (("bpe", bpe), ("byte", data_dir)):
+        meta = read_meta(data)
+        vocab = max(256, int(meta["tokenizer"]["vocab_size"]))
+        model = DepthModel(ModelConfig(arch="preln", **{**SMALL, "vocab_size": vocab}), seed=0)
+        cells[name] = ck.save(model, tmp_path / name / "preln_L2", extra={  # the records the trainer writes
+            "tokenizer": meta["tokenizer"], "data": {"path": str(data), "data_fingerprint": meta["data_fingerprint"],
+                                                     "settings": meta["settings"]}})
+    bpe_name = read_meta(bpe)["tokenizer"]["name"]  # "bpe<actual vocabulary>"
+    cases = [  # (checkpoint, --data, words)
+        (cells["bpe"], data_dir, [f"trained with tokenizer '{bpe_name}'", "'byte'", str(data_dir), "--tokenizer bpe4k"]),
+        (cells["byte"], bpe, ["trained with tokenizer 'byte'", f"'{bpe_name}'", str(bpe), "--tokenizer byte"]),
+    ]
+    for cell, data, words in cases:
+        for args in EVALUATIONS[:3]:
+            refused([*_fill(args, cell), "--data", data], *words)
+        refused(["analyze", "--grid", cell.parent, *EVAL, "--only", "lens_logit", "--data", data], *words)
+    for name, data in (("bpe", bpe), ("byte", data_dir)):  # the matching data still works
+        ok = runner.invoke(app, [*_fill(EVALUATIONS[0], cells[name]), "--data", data])
+        assert ok.exit_code == 0, ok.output

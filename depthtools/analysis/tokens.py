@@ -114,10 +114,17 @@ def recorded_data_dir(ckpt_dir: str | Path) -> Path | None:
     return Path(recorded) if recorded else None
 
 
+def _tokenizer_label(record: dict) -> str:
+    fingerprint = record.get("fingerprint")
+    return f"{record.get('name')!r}" + (f" ({str(fingerprint)[:12]})" if fingerprint else "")
+
+
 def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) -> Path:
     """The prepared data directory a checkpoint is evaluated on — `data`, else the one its config.json
     records — after checking that it fits the checkpoint (one-line DepthToolsError otherwise):
 
+    - tokenizer: the data's tokenizer must be the one the checkpoint was trained with (fingerprint,
+      else name), in both directions (byte data under a BPE model, BPE data under a byte model);
     - content: when the folder is the checkpoint's recorded data folder, its data fingerprint must be
       the recorded one (a folder re-prepared since training no longer holds the training data).
 
@@ -142,6 +149,24 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
     meta = read_meta(data_dir)
     config = read_json(ckpt_dir / CONFIG) if (ckpt_dir / CONFIG).is_file() else {}
     config = config if isinstance(config, dict) else {}
+    trained, given = config.get("tokenizer"), meta.get("tokenizer") or {}
+    if isinstance(trained, dict) and trained.get("name") is not None:
+        if trained.get("fingerprint") and given.get("fingerprint"):
+            same = trained["fingerprint"] == given["fingerprint"]
+        else:
+            same = trained.get("name") == given.get("name")
+        if not same:
+            from depthtools.data.tokenizer import TOKENIZER_SPECS
+
+            record = config.get("data") if isinstance(config.get("data"), dict) else {}
+            spec = (record.get("settings") or {}).get("tokenizer") if isinstance(record.get("settings"), dict) else None
+            spec = spec if spec in TOKENIZER_SPECS else trained.get("name") if trained.get("name") in TOKENIZER_SPECS else None
+            hint = f" (depthtools data prepare --tokenizer {spec})" if spec else ""
+            raise DepthToolsError(
+                f"checkpoint {ckpt_dir.name} was trained with tokenizer {_tokenizer_label(trained)} but {data_dir} "
+                f"is tokenized with {_tokenizer_label(given)}; pass --data a folder prepared with the checkpoint's "
+                f"tokenizer{hint}"
+            )
     record = config.get("data")
     wanted = record.get("data_fingerprint") if isinstance(record, dict) else None
     if wanted and recorded is not None and _same_dir(data_dir, recorded) and meta.get("data_fingerprint") != wanted:
