@@ -223,3 +223,62 @@ def test_tokenizer_mismatch_is_refused_in_both_directions(tmp_path, data_dir):
     for name, data in (("bpe", bpe), ("byte", data_dir)):  # the matching data still works
         ok = runner.invoke(app, [*_fill(EVALUATIONS[0], cells[name]), "--data", data])
         assert ok.exit_code == 0, ok.output
+
+
+# -- an unreadable latest.json never silently restarts a run from step 0 ----------------------------
+class _Stop(Exception):
+    pass
+
+
+def _interrupted(data_dir: Path, out: Path, recipe, at: int):
+    """Train until the progress event of step `at`, then stop (as a kill would), leaving train_state/."""
+    from depthtools.train import train_cell
+
+    def progress(event):
+        if event["event"] == "step" and event["step"] >= at:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        train_cell(ModelConfig(arch="preln", **SMALL), recipe, data_dir, out, progress=progress)
+
+
+def test_unreadable_latest_json_falls_back_to_the_newest_intact_step(data_dir, tmp_path, caplog):
+    import torch
+
+    from depthtools.config import TrainConfig
+    from depthtools.train import train_cell
+    from depthtools.train.state import latest_step
+
+    recipe = TrainConfig(tokens=12 * 8 * 32, **{**FAST, "checkpoint_every": 4})
+    out = tmp_path / "cell"
+    _interrupted(data_dir, out, recipe, at=6)
+    state = out / "train_state"
+    assert latest_step(state) == 4
+    (state / "latest.json").write_text('{"step": 4, "tens')  # cut short / garbled
+    starts = []
+    with caplog.at_level("WARNING", logger="depthtools.train.state"):
+        summary = train_cell(ModelConfig(arch="preln", **SMALL), recipe, data_dir, out,
+                             progress=lambda e: starts.append(e["step"]) if e["event"] == "start" else None)
+    assert summary["resumed_from"] == 4 and starts == [4]
+    assert any("latest.json" in r.message and "step 4" in r.message for r in caplog.records), caplog.text
+    reference = train_cell(ModelConfig(arch="preln", **SMALL), recipe, data_dir, tmp_path / "reference")
+    a = ck.read_tensors(out / ck.WEIGHTS)
+    b = ck.read_tensors(tmp_path / "reference" / ck.WEIGHTS)
+    assert all(torch.equal(a[k], b[k]) for k in b) and summary["val_loss"] == reference["val_loss"]
+
+
+def test_unreadable_latest_json_without_an_intact_step_is_refused(data_dir, tmp_path):
+    from depthtools.config import TrainConfig
+
+    recipe = TrainConfig(tokens=12 * 8 * 32, **{**FAST, "checkpoint_every": 4})
+    out = tmp_path / "cell"
+    _interrupted(data_dir, out, recipe, at=6)
+    state = out / "train_state"
+    (state / "latest.json").write_bytes(b"\xff\xfe not json")
+    (state / "step_00000004.json").write_text("{")
+    before = sorted(p.name for p in state.iterdir())
+    refused(["train", "--arch", "preln", "--layers", "2", "--d-model", "32", "--n-heads", "2", "--data", data_dir,
+             "--out", out, "--tokens", 12 * 8 * 32, "--batch-size", "8", "--seq-len", "32", "--lr", "1e-2",
+             "--checkpoint-every", "4", "--threads", "1"],
+            str(state), "latest.json", "no intact", "--force")
+    assert sorted(p.name for p in state.iterdir()) == before and (out / "metrics.jsonl").read_text().strip()  # kept

@@ -3,7 +3,9 @@
     step_<N>.safetensors  model/<param>, optim/<param>/<key>, rng/torch_cpu, rng/cuda
     step_<N>.json         step, tokens, run fingerprint, optimizer groups, data position
     latest.json           {"step": N, ...}: written last (atomically), so it only ever names a
-                          complete pair; older pairs are removed after it moves on.
+                          complete pair; older pairs are removed after it moves on. Should it be
+                          unreadable anyway (disk trouble, a hand edit), resume falls back to the
+                          newest intact pair and says so; with none intact it refuses.
 
 A crash at any moment leaves the previous `latest.json` and its files intact: the last good
 checkpoint is never overwritten in place.
@@ -12,6 +14,7 @@ checkpoint is never overwritten in place.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from depthtools.train.optim import load_optimizer_tensors, optimizer_tensors
 
 STATE_DIR = "train_state"
 LATEST = "latest.json"
+logger = logging.getLogger(__name__)
 
 
 def _stem(step: int) -> str:
@@ -49,32 +53,96 @@ def save_train_state(directory: Path, step: int, model, optimizer, names: list[s
 
 
 def latest_step(directory: Path) -> int | None:
-    """The step of the last complete train state in `directory`, or None if there is none."""
+    """The step latest.json names in `directory`, or None if there is none (or it cannot be read)."""
     path = Path(directory) / LATEST
     if not path.is_file():
         return None
     try:
         return int(json.loads(path.read_text())["step"])
-    except (json.JSONDecodeError, KeyError, ValueError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
+
+
+def _saved_steps(directory: Path) -> list[int]:
+    """Steps that have a step_<N>.json or step_<N>.safetensors file, newest first."""
+    steps = set()
+    for path in Path(directory).glob("step_*"):
+        digits = path.name[len("step_"):].split(".", 1)[0]
+        if digits.isdigit() and path.suffix in (".json", ".safetensors"):
+            steps.add(int(digits))
+    return sorted(steps, reverse=True)
+
+
+def _read_pair(directory: Path, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The JSON and tensors of one saved step; CheckpointError if either is missing or corrupt."""
+    stem = _stem(step)
+    info = read_json(directory / f"{stem}.json")
+    if not isinstance(info, dict) or info.get("step") != step or not isinstance(info.get("optimizer"), dict):
+        raise CheckpointError(f"{directory / (stem + '.json')} is not a complete train state")
+    tensors = read_tensors(directory / f"{stem}.safetensors")
+    if "rng/torch_cpu" not in tensors:
+        raise CheckpointError(f"{directory / (stem + '.safetensors')} lacks the RNG state")
+    return info, tensors
+
+
+def _latest_pair(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """The pair latest.json names; if latest.json or that pair cannot be read, the newest intact
+    step_<N> pair (saying so in a log line), so an unreadable pointer never restarts a run from step 0.
+
+    None when no state was ever completed (no latest.json and no intact pair: latest.json is written
+    last, so a run killed inside its first checkpoint starts over, as before); CheckpointError when
+    latest.json exists but neither it nor any step pair is intact.
+    """
+    steps = _saved_steps(directory)
+    named = latest_step(directory)
+    exists = (directory / LATEST).is_file()
+    if not exists and not steps:
+        return None
+    problem = None
+    if named is not None:
+        try:
+            latest = json.loads((directory / LATEST).read_text())
+            if latest.get("tensors") != f"{_stem(named)}.safetensors" or latest.get("state") != f"{_stem(named)}.json":
+                raise CheckpointError(f"{directory / LATEST} names unexpected files")
+            return _read_pair(directory, named)
+        except CheckpointError as exc:
+            problem = f"the state it names is unusable ({exc})"
+        except (OSError, ValueError, AttributeError) as exc:
+            problem = f"it cannot be read ({exc})"
+    else:
+        problem = "it is missing" if not (directory / LATEST).is_file() else "it cannot be read"
+    for step in steps:
+        if step == named:
+            continue
+        try:
+            pair = _read_pair(directory, step)
+        except CheckpointError:
+            continue
+        logger.warning("%s: %s %s; resuming from the newest intact train state instead, step %d",
+                       directory, LATEST, problem, step)
+        return pair
+    if not exists:
+        return None
+    raise CheckpointError(f"{directory}: {LATEST} {problem} and no intact step_*.json/.safetensors pair is left "
+                          "to resume from; pass force=True (--force) to discard it and start over")
 
 
 def load_train_state(directory: Path, model, optimizer, names: list[str], fingerprint: str) -> dict[str, Any] | None:
     """Restore model, optimizer and RNG from the latest state; returns its JSON (None if no state).
 
-    Refuses (CheckpointError) a state written by a different run (model, recipe or data).
+    An unreadable latest.json falls back to the newest intact step pair (logged), or is refused
+    (CheckpointError) when none is intact. Refuses a state written by a different run (model, recipe or data).
     """
     directory = Path(directory)
-    if latest_step(directory) is None:
+    pair = _latest_pair(directory)
+    if pair is None:
         return None
-    latest = read_json(directory / LATEST)
-    info = read_json(directory / latest["state"])
+    info, tensors = pair
     if info.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"{directory} belongs to a run with a different model, recipe or data; "
             "pass force=True (--force) to discard it and start over"
         )
-    tensors = read_tensors(directory / latest["tensors"])
     weights = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     missing = sorted(set(model_state(model)) - set(weights))
     if missing:
