@@ -72,7 +72,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.bankops import DepthBank, MixGroups, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
 from depthtools.arch.layers import BufferPool, RMSNorm
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import ResidualScheme
+from depthtools.arch.scheme import NormSite, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -186,6 +186,20 @@ class AttnResScheme(ResidualScheme):
 
     def geometry(self, state: SourceBank) -> torch.Tensor:
         return self.readout(state)
+
+    # -- TransformerLens' cache functions ------------------------------------------------------
+    def tl_limits(self) -> dict[str, str]:
+        """Per-sublayer head/neuron results are exact (hook_attn_out/hook_mlp_out are the raw sources);
+        there is no residual stream to accumulate or decompose."""
+        reason = (f"{self.cfg.arch} has no residual stream: every sublayer reads a learned softmax mix over the "
+                  "earlier sublayer outputs (hook_attn_in / hook_mlp_in, weights hook_attnres_weights_*), so there "
+                  "is no hook_resid_* and the final norm reads the final depth mix; read depths with "
+                  "model.readout / run_states (depthtools.analysis.lens) and use depthtools.analysis.contrib "
+                  "for its decomposition")
+        return {"stream": reason, "sum": reason}
+
+    def tl_norm_site(self, block, sublayer: str):
+        return NormSite(f"blocks.{block.index}.hook_{sublayer}_in", getattr(block, f"{sublayer}_norm"))
 
     # -- pieces -------------------------------------------------------------------------------
     def consuming_mixer(self, state: SourceBank) -> DepthMixer | None:

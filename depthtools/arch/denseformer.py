@@ -35,7 +35,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.bankops import weighted_sum
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import ResidualScheme
+from depthtools.arch.scheme import NormSite, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -112,6 +112,20 @@ class DenseFormerScheme(ResidualScheme):
 
     def geometry(self, state: DenseState) -> torch.Tensor:
         return state.mixed
+
+    # -- TransformerLens' cache functions ------------------------------------------------------
+    def tl_limits(self) -> dict[str, str]:
+        """Per-sublayer head/neuron results are exact; the stream functions are not (see the docstring)."""
+        reason = ("denseformer replaces the stream after every block by a depth-weighted average of all block "
+                  "outputs (hook_dwa_out): hook_resid_post is the raw block output, not what the next block or "
+                  "the final norm reads, and the stream is not a sum of hook_attn_out/hook_mlp_out; read depths "
+                  "with model.readout / run_states (depthtools.analysis.lens) and decompose with "
+                  "depthtools.analysis.contrib")
+        return {"stream": reason, "sum": reason}
+
+    def tl_norm_site(self, block, sublayer: str):
+        return NormSite(f"blocks.{block.index}.hook_resid_{'pre' if sublayer == 'attn' else 'mid'}",
+                        getattr(block, f"{sublayer}_norm"))
 
     def _after_block(self, position: int, retained: tuple[torch.Tensor, ...]) -> DenseState:
         """Apply the DWA that follows `position` (if any) to the retained states."""

@@ -80,7 +80,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import ResidualScheme
+from depthtools.arch.scheme import NormSite, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -756,6 +756,18 @@ class HyperScheme(ResidualScheme):
             logits = self.head_scale.to(dtype) * mix + self.head_base.to(dtype)  # [B,T,n]
             p = torch.sigmoid(logits) + HEAD_EPS  # [B,T,n]
         return (p.to(state.dtype).unsqueeze(-1) * state).sum(-2)
+
+    # -- TransformerLens' cache functions ------------------------------------------------------
+    def tl_limits(self) -> dict[str, str]:
+        """Per-sublayer head/neuron results are exact (hook_attn_out/hook_mlp_out are the branch outputs);
+        there is no single stream to accumulate or decompose."""
+        reason = (f"{self.cfg.arch} has {self.n} residual streams (blocks.{{l}}.hook_streams_pre|mid|post "
+                  f"[B,T,{self.n},d]) and no single hook_resid_* stream; read depths with model.readout / "
+                  "run_states (depthtools.analysis.lens) and use depthtools.analysis.contrib for its decomposition")
+        return {"stream": reason, "sum": reason}
+
+    def tl_norm_site(self, block, sublayer: str):
+        return NormSite(f"blocks.{block.index}.{sublayer}_hc.hook_branch_in", getattr(block, f"{sublayer}_norm"))
 
     def geometry(self, state: torch.Tensor) -> torch.Tensor:
         """The streams concatenated: [B,T,n,d] -> [B,T,n·d]."""

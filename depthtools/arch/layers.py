@@ -157,6 +157,11 @@ class Attention(nn.Module):
     def out(self, z: torch.Tensor) -> torch.Tensor:
         return self.w_o(z.flatten(2))
 
+    @property
+    def W_O(self) -> torch.Tensor:
+        """[H, hd, d] output projection per head, as TransformerLens reads it: out(z) = Σ_h z_h @ W_O[h]."""
+        return self.w_o.weight.T.reshape(self.n_heads, self.head_dim, -1)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return self.out(self.attend(*self.qkv(x, cos, sin)))
 
@@ -173,3 +178,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(self.hook_post(F.silu(self.w1(x)) * self.w3(x)))
+
+    @property
+    def W_out(self) -> torch.Tensor:
+        """[d_ff, d] output projection, as TransformerLens reads it: forward = hook_post @ W_out."""
+        return self.w2.weight.T

@@ -67,7 +67,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import ResidualScheme
+from depthtools.arch.scheme import NormSite, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -291,6 +291,19 @@ class MoDAScheme(ResidualScheme):
 
     def geometry(self, state: MoDAState) -> torch.Tensor:
         return state.h
+
+    def tl_limits(self) -> dict[str, str]:
+        """h is a plain residual stream (the depth K/V is side state); Post-LN placement renormalises it."""
+        if self.norm == "pre":
+            return {}
+        return {"sum": "moda with moda_norm='post' renormalises the stream after every residual add, so it is "
+                       "not hook_embed + the sum of hook_attn_out/hook_mlp_out; use depthtools.analysis.contrib"}
+
+    def tl_norm_site(self, block, sublayer: str):
+        if self.norm != "pre":
+            return f"moda with moda_norm='post' has no pre-norm before block {block.index}'s {sublayer} sublayer"
+        return NormSite(f"blocks.{block.index}.hook_resid_{'pre' if sublayer == 'attn' else 'mid'}",
+                        getattr(block, f"{sublayer}_norm"))
 
     def writes_slots(self, position: int) -> bool:
         """Whether the block at `position` writes depth slots (all but the last position)."""

@@ -14,12 +14,13 @@ from typing import Callable, Mapping
 
 import torch
 from torch import nn
-from transformer_lens import ActivationCache, HookedRootModule
+from transformer_lens import HookedRootModule
 from transformer_lens.config import TransformerLensConfig
 from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.layers import Attention, HookedRMSNorm, SwiGLU, rope_tables
 from depthtools.arch.scheme import ResidualScheme, State
+from depthtools.arch.tl_cache import DepthCache
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -133,6 +134,9 @@ class DepthModel(HookedRootModule):
     # -- TransformerLens compatibility --------------------------------------------------------
     @property
     def W_U(self) -> torch.Tensor:  # [d_model, d_vocab]
+        """The unembedding, NOT folded with ln_final's gain: TransformerLens' functions on this model's
+        cache apply the whole final norm (gain included; see tl_cache.py), so x_normed @ W_U + b_U
+        = unembed(x_normed) on every path."""
         return self.unembed.weight.T
 
     @property
@@ -143,11 +147,25 @@ class DepthModel(HookedRootModule):
     def n_layer(self) -> int:
         return self.config.n_layer
 
+    def tokens_to_residual_directions(self, tokens) -> torch.Tensor:
+        """[..., d_model] unembedding direction of each token id (TransformerLens' logit_attrs reads it)."""
+        if isinstance(tokens, str):
+            raise DepthToolsError("this model has no tokenizer: pass token ids, not strings")
+        return self.W_U.T[torch.as_tensor(tokens, device=self.W_U.device)]
+
+    def to_single_token(self, string: str) -> int:
+        raise DepthToolsError(f"this model has no tokenizer: pass the token id of {string!r}, not the string")
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> torch.Tensor:
+        """[d_model] zeros: no layer has a bias (TransformerLens' get_full_resid_decomposition reads it)."""
+        return self.W_U.new_zeros(self.config.d_model)
+
     def run_with_cache(self, *args, return_cache_object: bool = True, remove_batch_dim: bool = False, **kwargs):
-        """As HookedRootModule's, but returns a TransformerLens `ActivationCache` by default."""
+        """As HookedRootModule's, but returns a TransformerLens `ActivationCache` by default: a `DepthCache`,
+        whose functions are exact on this architecture or refuse with the reason (tl_cache.py)."""
         out, cache = super().run_with_cache(*args, remove_batch_dim=remove_batch_dim, **kwargs)
         if return_cache_object:
-            cache = ActivationCache(cache, self, has_batch_dim=not remove_batch_dim)
+            cache = DepthCache(cache, self, has_batch_dim=not remove_batch_dim)
         return out, cache
 
     # -- the depth-state contract -------------------------------------------------------------

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from depthtools.arch.layers import RMSNorm
-from depthtools.arch.scheme import ResidualScheme
+from depthtools.arch.scheme import NormSite, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -159,6 +159,42 @@ class NormFamilyScheme(ResidualScheme):
         if spec.post_norm:
             h = self._part(block, home, f"{name}_post_norm")(h)
         return h
+
+    # -- TransformerLens' cache functions ------------------------------------------------------
+    def tl_limits(self) -> dict[str, str]:
+        """The stream is always the depth state; it is a plain sum of the sublayer outputs unless a
+        sublayer rescales (alpha) or renormalises (post-norm) it; an output norm makes the branch
+        output nonlinear in its heads / neurons."""
+        arch, limits = self.cfg.arch, {}
+        specs = [(p, name, spec) for p in range(self.cfg.n_layer)
+                 for name, spec in zip(SUBLAYERS, sublayer_specs(self.cfg, p))]
+        for p, name, spec in specs:
+            if spec.post_norm or spec.alpha != 1.0:
+                how = ("renormalises the stream after the residual add (post-norm)" if spec.post_norm
+                       else f"scales the stream by alpha = {spec.alpha:g} before adding")
+                limits["sum"] = (f"{arch} is not an additive residual stream: block {p}'s {name} sublayer {how}, "
+                                 "so the stream is not hook_embed + the sum of hook_attn_out/hook_mlp_out; "
+                                 "use depthtools.analysis.contrib for its per-block decomposition")
+                break
+        if any(spec.out_norm for _, _, spec in specs):
+            why = (f"{arch} normalises each sublayer's output (output norm) before adding it, so hook_{{}}_out "
+                   "is not linear in the {}; use depthtools.analysis.contrib for per-block contributions")
+            limits["heads"], limits["neurons"] = why.format("attn", "per-head results"), why.format("mlp", "neurons")
+        return limits
+
+    def tl_norm_site(self, block, sublayer: str):
+        spec = sublayer_specs(self.cfg, block.index)[SUBLAYERS.index(sublayer)]
+        if not spec.pre_norm:
+            return (f"{self.cfg.arch} block {block.index}'s {sublayer} sublayer reads the stream without a "
+                    "pre-norm, so there is no norm scale to apply at its input")
+        hook = f"blocks.{block.index}.hook_resid_{'pre' if sublayer == 'attn' else 'mid'}"
+        return NormSite(hook, getattr(block, f"{sublayer}_norm"),
+                        1.0 / math.sqrt(block.index + 1) if spec.lns_scale else 1.0)
+
+    def tl_branch_scale(self, block, sublayer: str):
+        spec = sublayer_specs(self.cfg, block.index)[SUBLAYERS.index(sublayer)]
+        scale = spec.branch_mult
+        return scale if spec.gain is None else getattr(block, f"{sublayer}_gain") * scale
 
     @staticmethod
     def _part(block, home, name: str):

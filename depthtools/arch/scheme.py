@@ -14,7 +14,7 @@ from `home`, as DepthBench's swap leaves mismatched tensors in place.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -22,6 +22,26 @@ from torch import nn
 from depthtools.config import ModelConfig
 
 State = Any  # architecture-specific and opaque to analyses (tensor, stream stack, source bank...)
+
+# What TransformerLens' ActivationCache functions assume of a model (see `ResidualScheme.tl_limits`):
+TL_CAPABILITIES = {
+    "stream": "blocks.{l}.hook_resid_pre|mid|post carry the depth state and the final norm reads the last "
+              "hook_resid_post (accumulated_resid, logit_lens)",
+    "sum": "the stream is hook_embed plus every earlier hook_attn_out and hook_mlp_out "
+           "(decompose_resid, stack_head_results, stack_neuron_results, get_full_resid_decomposition)",
+    "heads": "hook_attn_out is the sum over heads of hook_z · W_O (compute_head_results)",
+    "neurons": "hook_mlp_out is the sum over neurons of mlp.hook_post · W_out (get_neuron_results)",
+}
+
+
+class NormSite(NamedTuple):
+    """Where a block's pre-norm sits, for TransformerLens' `apply_ln_to_stack(layer=l)`: the cache key of
+    the [B,T,d] tensor the norm reads, the RMSNorm (its eps and gain), and a constant factor applied
+    after it (LNS' 1/sqrt(l+1); 1 elsewhere)."""
+
+    hook: str
+    norm: nn.Module
+    factor: float = 1.0
 
 
 class ResidualScheme(nn.Module):
@@ -78,6 +98,22 @@ class ResidualScheme(nn.Module):
                 f"skip rule {rule!r} is not defined for {self.cfg.arch}; valid: {list(self.skip_rules)}"
             )
         return rule
+
+    # -- TransformerLens' ActivationCache functions (DepthCache, tl_cache.py) ------------------
+    def tl_limits(self) -> dict[str, str]:
+        """{capability: why it fails here} for the `TL_CAPABILITIES` this architecture does not meet;
+        the cache refuses the functions that rely on one, with this reason. Default: none is met."""
+        reason = f"{self.cfg.arch} does not declare how TransformerLens' cache functions read it"
+        return dict.fromkeys(TL_CAPABILITIES, reason)
+
+    def tl_norm_site(self, block: nn.Module, sublayer: str) -> "NormSite | str":
+        """The pre-norm of `block`'s sublayer ("attn" | "mlp") as a `NormSite`, or why there is none."""
+        return f"{self.cfg.arch} does not declare where block {block.index}'s {sublayer} pre-norm reads"
+
+    def tl_branch_scale(self, block: nn.Module, sublayer: str) -> "torch.Tensor | float":
+        """The constant (or [d] vector) factor between the sublayer's projection output (attn.w_o /
+        mlp.w2) and its hook_{attn,mlp}_out, for per-head and per-neuron results (1 = none)."""
+        return 1.0
 
     # -- parameter bookkeeping ----------------------------------------------------------------
     def no_decay_names(self) -> tuple[str, ...]:
