@@ -162,10 +162,15 @@ def train_command(
     eval_every: Optional[int] = typer.Option(None, "--eval-every"),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every"),
     log_every: Optional[int] = typer.Option(None, "--log-every"),
+    divergence_margin: Optional[float] = typer.Option(None, "--divergence-margin", help="Stop when the train loss rises this many nats above its lowest (default 5; 0 = only NaN/inf)."),
+    resume_with_changed_lr: bool = typer.Option(False, "--resume-with-changed-lr", help="Resume a stopped run (e.g. diverged) from its last checkpoint with another --lr; recorded in config.json."),
     force: bool = typer.Option(False, "--force", help="Retrain a finished cell from scratch."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ):
     """Train one model (one grid cell); re-running resumes an interrupted run.
+
+    A run stopped for divergence (NaN/inf, or loss far above its minimum) keeps its last good
+    checkpoint; continue it with a lower LR: the same command with --lr LOWER --resume-with-changed-lr.
 
     Example: depthtools train --arch hc --layers 8 --budget 250k --preset-recipe tiny --out checkpoints/one/hc_L8
 
@@ -180,7 +185,7 @@ def train_command(
         tokens=tokens, tokens_per_param=tokens_per_param, batch_size=batch_size, micro_batch_size=micro_batch_size,
         seq_len=seq_len, lr=lr, schedule=schedule, seed=seed, device=device, dtype=dtype, compile=compile,
         threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every, log_every=log_every,
-        parallel=parallel,
+        parallel=parallel, divergence_margin=divergence_margin,
     ))
     data_dir = _data_dir(data, tokenizer, data_root)
     vocab_size = int(read_meta(data_dir)["tokenizer"]["vocab_size"])
@@ -191,7 +196,8 @@ def train_command(
     main_rank = env_rank() == 0
     quiet = as_json or not main_rank
     with _interruptible(), _display(recipe.total_steps(params) * recipe.batch_size * recipe.seq_len, 1, quiet=quiet) as display:
-        summary = train_cell(model_cfg, recipe, data_dir, out, force=force, progress=display)
+        summary = train_cell(model_cfg, recipe, data_dir, out, force=force, progress=display,
+                             allow_lr_change=resume_with_changed_lr)
     if not main_rank:
         return
     if as_json:

@@ -124,7 +124,13 @@ class TrainConfig:
     ("cosine"), or warmup-stable-decay with a linear decay over the last `decay_fraction` ("wsd").
     `lr_overrides` maps an architecture name to its own peak LR; the LR actually used is recorded
     in config.json. Steps: `eval_every`, `log_every`, `depth_stats_every`, `checkpoint_every`
-    (0 = never; the final step always evaluates and saves). `dtype`/`device` "auto" mean bf16
+    (0 = never; the final step always evaluates and saves). Divergence: besides a NaN/inf loss or
+    gradient, a logged train loss (the mean over its log window) more than `divergence_margin` nats
+    above the lowest logged train loss so far stops the run before that step's checkpoint, and drops
+    the checkpoint saved just before it, whose weights produced that loss (0 = only NaN/inf). The default, 5 nats (~150x the best perplexity so far), is far beyond the
+    noise and recovering loss spikes of a healthy run (a tiny model at 30x its usual LR spikes by
+    3.5 nats and recovers); it is checked from the second logged step on, warmup included, so that
+    every checkpoint a run keeps was followed by a logged loss that passed the check. `dtype`/`device` "auto" mean bf16
     autocast on CUDA and float32 on CPU; `threads` sets torch's intra-op threads (None: leave).
     `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
     sharding, for models whose weights + AdamW state do not fit one device); one process ignores it.
@@ -153,6 +159,7 @@ class TrainConfig:
     depth_stats_every: int = 100
     checkpoint_every: int = 200
     keep_train_state: bool = False  # keep train_state/ after finishing (to continue training)
+    divergence_margin: float = 5.0  # nats above the lowest logged train loss that stop the run (0 = off)
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False
@@ -192,6 +199,9 @@ class TrainConfig:
             raise DepthToolsError(f"learning rates must be positive, got lr={self.lr}, lr_overrides={self.lr_overrides}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0:
             raise DepthToolsError(f"need 0 <= beta1, beta2 < 1 and eps > 0, got {self.beta1}, {self.beta2}, {self.eps}")
+        margin = self.divergence_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
+            raise DepthToolsError(f"TrainConfig.divergence_margin must be a finite number >= 0 (0 = off), got {margin!r}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise DepthToolsError("weight_decay and grad_clip must be >= 0 (grad_clip 0 = no clipping)")
         if self.schedule not in SCHEDULES:

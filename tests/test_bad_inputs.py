@@ -282,3 +282,71 @@ def test_unreadable_latest_json_without_an_intact_step_is_refused(data_dir, tmp_
              "--checkpoint-every", "4", "--threads", "1"],
             str(state), "latest.json", "no intact", "--force")
     assert sorted(p.name for p in state.iterdir()) == before and (out / "metrics.jsonl").read_text().strip()  # kept
+
+
+# -- divergence: a loss far above its running minimum stops the run; resume with a lower LR ---------
+def _train_args(data_dir: Path, out: Path, lr: float, *extra, steps: int = 24) -> list:
+    return ["train", "--arch", "preln", "--layers", "2", "--d-model", "32", "--n-heads", "2", "--data", data_dir,
+            "--out", out, "--tokens", steps * 8 * 32, "--batch-size", "8", "--seq-len", "32", "--lr", lr,
+            "--log-every", "2", "--checkpoint-every", "2", "--eval-every", "0", "--threads", "1", *extra]
+
+
+def test_divergence_stops_the_run_and_a_lower_lr_resumes_it(data_dir, tmp_path, caplog):
+    import math
+
+    import torch
+
+    from depthtools.train.state import latest_step
+
+    out = tmp_path / "cell"
+    # lr 1 (100x the usual): the loss falls to 5.1 (step 2), then, still finite, climbs to ~14 nats by
+    # step 8. Checkpoint 6 holds the weights that produced that climb (steps 7-8 ran on them), so it is
+    # dropped: the last good checkpoint is step 4 (its weights gave the window 5-6, within the margin).
+    refused(_train_args(data_dir, out, 1.0, steps=60), "diverged", "step 8", "divergence_margin=5",
+            "last good checkpoint", "(step 4)", "--resume-with-changed-lr")
+    beat = json.loads((out / "heartbeat.json").read_text())
+    assert beat["state"] == "failed" and "diverged" in beat["error"]
+    assert beat["diverged"]["reason"] == "loss_above_min" and beat["diverged"]["step"] == 8
+    assert beat["diverged"]["last_good_step"] == 4 and beat["diverged"]["train_loss"] > beat["diverged"]["min_train_loss"] + 5
+    assert latest_step(out / "train_state") == 4 and not (out / "model.safetensors").exists()
+    assert sorted(p.name for p in (out / "train_state").iterdir()) == [
+        "latest.json", "step_00000004.json", "step_00000004.safetensors"]
+    saved = ck.read_tensors(out / "train_state" / "step_00000004.safetensors")
+    assert all(torch.isfinite(v).all() for v in saved.values())
+    # a lower LR changes the run fingerprint: refused unless asked for, and then recorded
+    refused(_train_args(data_dir, out, 0.01, steps=60), "another learning rate", "--resume-with-changed-lr", "--force")
+    refused(_train_args(data_dir, out, 0.01, "--seed", "1", "--resume-with-changed-lr", steps=60),
+            "more than the learning rate changed")
+    result = runner.invoke(app, [str(a) for a in _train_args(data_dir, out, 0.01, "--resume-with-changed-lr", "--json",
+                                                             steps=60)])
+    assert result.exit_code == 0, (result.output, result.stderr)
+    assert "resuming from step 4 with peak lr 0.01 instead of 1.0" in caplog.text  # said on the way (a log line)
+    summary = json.loads(result.stdout)
+    assert summary["resumed_from"] == 4 and math.isfinite(summary["val_loss"]) and summary["train_loss"] < 4.5
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["lr"] == 0.01
+    change = config["train_resolved"]["lr_changes"]
+    assert len(change) == 1 and change[0]["step"] == 4 and change[0]["from_lr"] == 1.0 and change[0]["to_lr"] == 0.01
+    records = ck.read_metrics(out)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)) and steps[-1] == 60
+    assert [(r["step"], r["lr_changed_from"]) for r in records if "lr_changed_from" in r] == [(6, 1.0)]
+    assert not (out / "heartbeat.json").exists()
+
+
+def test_a_recovering_loss_spike_does_not_stop_a_run(data_dir, tmp_path):
+    """lr 0.3 (30x the usual) spikes the tiny model's loss by ~3.5 nats after warmup, then recovers."""
+    result = runner.invoke(app, [str(a) for a in _train_args(data_dir, tmp_path / "cell", 0.3, "--json", steps=60)])
+    assert result.exit_code == 0, (result.output, result.stderr)
+    losses = [r["train_loss"] for r in ck.read_metrics(tmp_path / "cell")]
+    assert max(losses[i] - min(losses[:i]) for i in range(1, len(losses))) > 2  # there was a spike
+    assert losses[-1] < 4
+
+
+def test_divergence_margin_is_validated():
+    from depthtools.config import TrainConfig
+
+    assert TrainConfig().divergence_margin == 5.0 and TrainConfig(divergence_margin=0).divergence_margin == 0
+    for bad in (-1.0, float("nan"), float("inf"), "3"):
+        with pytest.raises(DepthToolsError, match="divergence_margin"):
+            TrainConfig(divergence_margin=bad)

@@ -4,8 +4,14 @@ Read top to bottom: `prepare_run` builds everything a run needs (model, optimize
 windows) and restores `train_state/` if a previous run was interrupted; `run_steps` is the step
 loop (LR from the step, forward/backward with optional gradient accumulation, clip, AdamW, logs,
 evals, checkpoints); `finish` writes the finished cell. The step loop makes no host syncs except
-on log/eval/checkpoint steps, and a non-finite loss or gradient is detected at the next of those
-and stops the run (`TrainingDivergedError`) before any checkpoint could store it.
+on log/eval/checkpoint steps, and a non-finite loss or gradient, or a logged train loss more than
+`divergence_margin` nats above its running minimum, is detected at the next of those
+and stops the run (`TrainingDivergedError`) before any checkpoint could store it; a checkpoint saved
+just before, whose weights produced those losses, is dropped (train_state rolls back to the one
+before it, see `run_steps`). Such a run can
+resume from its last good checkpoint with a lower LR: `train_cell(..., allow_lr_change=True)`
+(`depthtools train --resume-with-changed-lr`), which records the change in config.json
+(train_resolved.lr_changes) and on the first metrics record after it (lr_changed_from).
 
 Under `torchrun` the same code runs data-parallel (`depthtools.train.distributed`): each rank trains
 on its share of the step's global batch through a DDP/FSDP2 wrapper that reduces gradients on the
@@ -23,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
+import math
 import os
 import shutil
 import socket
@@ -47,7 +55,8 @@ from depthtools.train.flops import flops_per_token, peak_flops
 from depthtools.train.optim import build_optimizer, depth_scaling
 from depthtools.train.probe import DepthProbe
 from depthtools.train.schedule import lr_multiplier
-from depthtools.train.state import STATE_DIR, load_train_state, save_train_state
+from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state,
+                                    roll_back_train_state, save_train_state)
 
 EVAL = "eval.json"
 METRICS = "metrics.jsonl"
@@ -55,13 +64,20 @@ HEARTBEAT = "heartbeat.json"
 HEARTBEAT_EVERY_S = 30.0  # at most this often from the step loop (`grid status` waits 900 s on other hosts)
 # Fields that change when things are logged/evaluated/saved but not the trained weights.
 CADENCE_FIELDS = ("eval_every", "eval_tokens", "log_every", "depth_stats_every", "checkpoint_every",
-                  "keep_train_state", "threads", "compile", "peak_flops", "parallel")
+                  "keep_train_state", "threads", "compile", "peak_flops", "parallel", "divergence_margin")
+LR_FIELDS = ("lr", "lr_overrides")  # what --resume-with-changed-lr may change
 
 Progress = Callable[[dict[str, Any]], None]
+logger = logging.getLogger(__name__)
 
 
 class TrainingDivergedError(DepthToolsError):
-    """The loss or gradient became NaN/inf; the last good train_state is kept."""
+    """The loss or gradient became NaN/inf, or the loss rose far above its running minimum; the last
+    good train_state is kept. `details` (step, loss, last good step, ...) goes into heartbeat.json."""
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.details = details or {}
 
 
 class CellFinishedError(DepthToolsError):
@@ -90,9 +106,14 @@ def resolve_dtype(train_cfg: TrainConfig, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if train_cfg.dtype == "bfloat16" else torch.float32
 
 
-def run_fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, data_fingerprint: str) -> str:
-    """Hash of everything that determines the trained weights (resume refuses a different run)."""
-    recipe = {k: v for k, v in train_cfg.to_dict().items() if k not in CADENCE_FIELDS}
+def run_fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, data_fingerprint: str,
+                    without_lr: bool = False) -> str:
+    """Hash of everything that determines the trained weights (resume refuses a different run).
+
+    without_lr: the same hash leaving out the learning rates, so a resume with a changed LR can
+    check that nothing else changed."""
+    skip = CADENCE_FIELDS + (LR_FIELDS if without_lr else ())
+    recipe = {k: v for k, v in train_cfg.to_dict().items() if k not in skip}
     text = json.dumps({"model": model_cfg.to_dict(), "train": recipe, "data": data_fingerprint}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -162,6 +183,9 @@ class Run:
     start_step: int = 0
     progress: Progress | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    lr_free_fingerprint: str = ""
+    min_train_loss: float = math.inf  # lowest logged train loss so far (carried through resumes)
+    lr_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes with a changed LR
     dist: Dist = field(default_factory=Dist)
     parallel: Any = None  # under torchrun: the DDP/FSDP-wrapped LossModule (eager, for probe steps)
     parallel_step: Any = None  # ... and the one the step runs (compiled or the same)
@@ -204,8 +228,10 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
         raise DepthToolsError(f"seq_len={train_cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
 
 
-def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = Dist()) -> Run:
-    """Build model, optimizer, batches and eval windows; restore train_state if there is one."""
+def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = Dist(),
+                allow_lr_change: bool = False) -> Run:
+    """Build model, optimizer, batches and eval windows; restore train_state if there is one
+    (with allow_lr_change also one saved with another learning rate: the change is recorded)."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     meta = read_meta(data_dir)
     check_inputs(model_cfg, train_cfg, meta, data_dir)
@@ -215,8 +241,17 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
     optimizer, names = build_optimizer(model, train_cfg, device)
     params_total = model.param_counts()["total"]
     fingerprint = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"])
-    info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint)
+    lr_free = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"], without_lr=True)
+    info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint, lr_free, allow_lr_change)
     start = int(info["step"]) if info else 0
+    lr_changes = list(info.get("lr_changes") or []) if info else []
+    peak_lr = train_cfg.lr_for(model_cfg.arch)
+    if info and info.get("fingerprint") != fingerprint:  # accepted by allow_lr_change
+        lr_changes.append({"step": start, "from_lr": info.get("peak_lr"), "to_lr": peak_lr,
+                           "from_lr_overrides": info.get("lr_overrides"), "to_lr_overrides": dict(train_cfg.lr_overrides)})
+        logger.warning("%s: resuming from step %d with peak lr %g instead of %s (--resume-with-changed-lr)",
+                       out_dir, start, peak_lr, info.get("peak_lr"))
+    min_loss = info.get("min_train_loss") if info else None
     eval_sets, domains = {}, {}
     for key, split in meta["splits"].items():
         if key == "val" or "domain" in split:
@@ -243,7 +278,8 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
                                                 task_mix=train_cfg.task_mix,
                                                 tokenizer=meta["tokenizer"]["name"]),
         eval_sets=eval_sets, domains=domains, total_steps=train_cfg.total_steps(params_total),
-        peak_lr=train_cfg.lr_for(model_cfg.arch), fingerprint=fingerprint,
+        peak_lr=peak_lr, fingerprint=fingerprint, lr_free_fingerprint=lr_free, lr_changes=lr_changes,
+        min_train_loss=float(min_loss) if isinstance(min_loss, (int, float)) else math.inf,
         flops_per_token=flops_per_token(model_cfg, params_total, train_cfg.seq_len),
         peak_flops=peak and peak * dist.world_size,  # tokens/s are the whole world's
         start_step=start, progress=progress if dist.is_main else None, dist=dist, parallel=parallel,
@@ -324,19 +360,44 @@ def _check_finite(run: Run, bad: torch.Tensor, step: int, last_good: int) -> Non
         where = f"{run.out_dir / STATE_DIR} (step {last_good})" if last_good else "none (no checkpoint yet)"
         raise TrainingDivergedError(
             f"{run.name}: non-finite loss or gradient by step {step} (lr {run.peak_lr:g}); training stopped, "
-            f"last good checkpoint: {where}; lower the LR (lr_overrides) or check the data"
+            f"last good checkpoint: {where}; lower the LR (lr_overrides) or check the data "
+            "(resume with a lower --lr and --resume-with-changed-lr)",
+            details={"reason": "non_finite", "step": step, "lr": run.peak_lr, "last_good_step": last_good or None},
         )
 
 
-def _checkpoint(run: Run, step: int) -> None:
-    """Rank 0 writes train_state (under FSDP every rank first helps gather the full state)."""
+def _check_divergence(run: Run, mean_loss: float, step: int, last_good: int) -> None:
+    """Raise TrainingDivergedError if the logged train loss is more than divergence_margin nats above
+    the lowest logged train loss so far (TrainConfig documents the rule). Runs before the step's
+    checkpoint; the same decision on every rank (the loss is all-reduced)."""
+    margin = run.train_cfg.divergence_margin
+    if not margin or not math.isfinite(run.min_train_loss):
+        return
+    if mean_loss > run.min_train_loss + margin:
+        where = f"{run.out_dir / STATE_DIR} (step {last_good})" if last_good else "none (no checkpoint yet)"
+        raise TrainingDivergedError(
+            f"{run.name}: diverged: train loss {mean_loss:.4g} at step {step} is more than divergence_margin="
+            f"{margin:g} nats above its lowest {run.min_train_loss:.4g} (lr {run.peak_lr:g}); training stopped, "
+            f"last good checkpoint: {where}; resume it with a lower --lr and --resume-with-changed-lr",
+            details={"reason": "loss_above_min", "step": step, "train_loss": mean_loss,
+                     "min_train_loss": run.min_train_loss, "divergence_margin": margin, "lr": run.peak_lr,
+                     "last_good_step": last_good or None},
+        )
+
+
+def _checkpoint(run: Run, step: int, keep: int | None = None) -> None:
+    """Rank 0 writes train_state, keeping step `keep`'s pair too (under FSDP every rank first helps
+    gather the full state)."""
     info = {"tokens": step * run.tokens_per_step, "total_steps": run.total_steps, "fingerprint": run.fingerprint,
+            "fingerprint_without_lr": run.lr_free_fingerprint, "peak_lr": run.peak_lr,
+            "lr_overrides": dict(run.train_cfg.lr_overrides), "lr_changes": run.lr_changes,
+            "min_train_loss": run.min_train_loss if math.isfinite(run.min_train_loss) else None,
             "data": {"seed": run.train_cfg.seed, "next_step": step, "rule": "offsets = default_rng([seed, step])"}}
     model, optimizer = run.model, run.optimizer
     if run.dist.fsdp:
         model, optimizer = distributed.full_state(run.model, run.optimizer, run.param_names)
     if run.dist.is_main:
-        save_train_state(run.out_dir / STATE_DIR, step, model, optimizer, run.param_names, info)
+        save_train_state(run.out_dir / STATE_DIR, step, model, optimizer, run.param_names, info, keep=keep)
 
 
 def write_heartbeat(out_dir: Path, **fields: Any) -> None:
@@ -383,10 +444,20 @@ def run_steps(run: Run) -> dict[str, Any]:
 
     `step` counts updates done (1..total); the update at `step` uses the batch and LR of step-1.
     Host syncs happen only on log/eval/probe/checkpoint steps; the step 1 is always logged.
+
+    A checkpoint holds the weights after its step's update, which no logged loss has seen yet; it is
+    vouched for by the next logged window (its losses are computed with those weights). Until then
+    the previous vouched-for state is kept beside it, and a run stopped for divergence at that next
+    log step rolls train_state back to it. A resumed state counts as vouched for unless an older
+    pair is still there (it was saved while that one was the good one).
     """
     cfg = run.train_cfg
     bad = torch.zeros((), dtype=torch.bool, device=run.device)
-    loss_sum, loss_count, last_good, record = torch.zeros((), device=run.device), 0, run.start_step, {}
+    loss_sum, loss_count, record = torch.zeros((), device=run.device), 0, {}
+    lr_noted = False
+    state_dir = run.out_dir / STATE_DIR
+    older = older_states(state_dir, run.start_step) if run.start_step else []
+    good, pending = (older[0], run.start_step) if older else (run.start_step or None, None)
     clock, clock_tokens, beat = time.perf_counter(), 0, time.monotonic()
     for step in range(run.start_step + 1, run.total_steps + 1):
         lr = set_lr(run, step - 1)
@@ -401,10 +472,25 @@ def run_steps(run: Run) -> dict[str, Any]:
         if not (_every(step, cfg.log_every) or last or step == 1 or do_eval or probe or save_now):
             continue
         loss_all, bad_all = distributed.reduce_log(run.dist, loss_sum, bad)  # identity in one process
-        _check_finite(run, bad_all, step, last_good)
+        mean_loss = float(loss_all) / loss_count
+        try:
+            _check_finite(run, bad_all, step, good or 0)
+            _check_divergence(run, mean_loss, step, good or 0)
+        except TrainingDivergedError:
+            if pending is not None and run.dist.is_main:  # its weights produced these losses: not good
+                roll_back_train_state(state_dir, good, pending)
+            raise
+        if pending is not None:  # the window after checkpoint `pending` passed: its weights are good
+            if run.dist.is_main:
+                prune_train_state(state_dir, pending)
+            good, pending = pending, None
+        run.min_train_loss = min(run.min_train_loss, mean_loss)
         elapsed = time.perf_counter() - clock
-        record = _record(run, step, lr, float(loss_all) / loss_count, grad_norm,
+        record = _record(run, step, lr, mean_loss, grad_norm,
                          clock_tokens / elapsed if elapsed > 0 else None, probe, do_eval)
+        if run.lr_changes and run.lr_changes[-1]["step"] == run.start_step and not lr_noted:
+            record["lr_changed_from"] = run.lr_changes[-1]["from_lr"]  # the first record after the change
+            lr_noted = True
         _append_metrics(run, record)
         if run.dist.is_main and time.monotonic() - beat >= HEARTBEAT_EVERY_S:
             write_heartbeat(run.out_dir, step=step, total_steps=run.total_steps, world_size=run.dist.world_size)
@@ -412,8 +498,8 @@ def run_steps(run: Run) -> dict[str, Any]:
         run.emit("step", step=step, tokens=record["tokens"], train_loss=record["train_loss"],
                  val_loss=record.get("val_loss"), tokens_per_s=record["tokens_per_s"])
         if save_now and not last:
-            _checkpoint(run, step)
-            last_good = step
+            _checkpoint(run, step, keep=good)
+            pending = step
         loss_sum, loss_count = torch.zeros((), device=run.device), 0
         clock, clock_tokens = time.perf_counter(), 0
     return record
@@ -444,6 +530,7 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
             "device": run.device.type, "dtype": str(run.dtype).replace("torch.", ""),
             "depth_scaling": None if scaling is None else {"block_lr_factor": scaling[0], "block_eps_factor": scaling[1]},
             "flops_per_token": run.flops_per_token, "elapsed_s": elapsed, "world_size": run.dist.world_size,
+            **({"lr_changes": run.lr_changes} if run.lr_changes else {}),
         },
         "tokenizer": meta["tokenizer"],
         "data": {"name": meta.get("name"), "path": str(run.data_dir), "data_fingerprint": meta["data_fingerprint"],
@@ -487,12 +574,15 @@ def clear_cell(out_dir: Path) -> None:
 
 
 def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | Path, out_dir: str | Path,
-               force: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+               force: bool = False, progress: Progress | None = None, allow_lr_change: bool = False) -> dict[str, Any]:
     """Train one model to its token budget and write a finished cell into `out_dir`; returns a summary.
 
     Resumes from `out_dir/train_state` when an earlier run was interrupted (bit-identical on CPU).
     A finished cell raises CellFinishedError unless force=True, which retrains from scratch (and
-    also discards an interrupted run's state). NaN/inf stops the run with TrainingDivergedError.
+    also discards an interrupted run's state). NaN/inf, or a loss far above its running minimum
+    (TrainConfig.divergence_margin), stops the run with TrainingDivergedError; allow_lr_change lets such
+    a run (any interrupted run) resume from its train_state with another learning rate, recorded in
+    config.json (train_resolved.lr_changes); anything else changed is still refused.
     Under torchrun (WORLD_SIZE > 1) every rank calls this: it joins the process group, trains its
     share of each batch, and leaves the group after a final barrier; only rank 0 writes.
     """
@@ -507,23 +597,25 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
                 clear_cell(out_dir)
             out_dir.mkdir(parents=True, exist_ok=True)
         distributed.barrier(dist)
-        summary = _train(model_cfg, train_cfg, data_dir, out_dir, progress, dist)
+        summary = _train(model_cfg, train_cfg, data_dir, out_dir, progress, dist, allow_lr_change)
         ok = True
         return summary
     except BaseException as exc:
         if dist.is_main and out_dir.is_dir():
-            write_heartbeat(out_dir, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            details = getattr(exc, "details", None) if isinstance(exc, TrainingDivergedError) else None
+            write_heartbeat(out_dir, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000],
+                            **({"diverged": details} if details else {}))
         raise
     finally:
         distributed.teardown(dist, ok)
 
 
 def _train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir, out_dir: Path, progress: Progress | None,
-           dist: Dist) -> dict[str, Any]:
+           dist: Dist, allow_lr_change: bool = False) -> dict[str, Any]:
     """The body of `train_cell` once the folder is ready: prepare, step loop, finish, summary."""
     t0 = time.perf_counter()
     with _threads(train_cfg.threads):
-        run = prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist)
+        run = prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist, allow_lr_change)
         _truncate_metrics(run)
         if dist.is_main:
             write_heartbeat(out_dir, step=run.start_step, total_steps=run.total_steps, world_size=dist.world_size)

@@ -33,8 +33,11 @@ def _stem(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_train_state(directory: Path, step: int, model, optimizer, names: list[str], info: dict[str, Any]) -> Path:
-    """Write the state after `step` optimizer updates, then point latest.json at it."""
+def save_train_state(directory: Path, step: int, model, optimizer, names: list[str], info: dict[str, Any],
+                     keep: int | None = None) -> Path:
+    """Write the state after `step` optimizer updates, then point latest.json at it; every other pair
+    is removed except `keep`'s (the trainer keeps the last state a later loss has vouched for until
+    this one is vouched for too, see `prune_train_state` / `roll_back_train_state`)."""
     directory = Path(directory)
     tensors = {f"model/{k}": v for k, v in model_state(model).items()}
     optim_tensors, optim_meta = optimizer_tensors(optimizer, names)
@@ -46,10 +49,34 @@ def save_train_state(directory: Path, step: int, model, optimizer, names: list[s
     atomic_save_tensors(directory / f"{stem}.safetensors", tensors, metadata={"step": str(step)})
     atomic_write_json(directory / f"{stem}.json", {"step": step, "optimizer": optim_meta, **info})
     atomic_write_json(directory / LATEST, {"step": step, "tensors": f"{stem}.safetensors", "state": f"{stem}.json"})
-    for old in directory.glob("step_*"):
-        if not old.name.startswith(stem):
-            old.unlink(missing_ok=True)
+    prune_train_state(directory, step, keep)
     return directory
+
+
+def prune_train_state(directory: Path, step: int, keep: int | None = None) -> None:
+    """Remove every step pair but `step`'s (and `keep`'s)."""
+    kept = {_stem(step)} | ({_stem(keep)} if keep is not None else set())
+    for old in Path(directory).glob("step_*"):
+        if old.name.split(".", 1)[0] not in kept:
+            old.unlink(missing_ok=True)
+
+
+def roll_back_train_state(directory: Path, to: int | None, drop: int) -> None:
+    """Make step `to` the latest state again (None: no state at all) and delete step `drop`'s pair:
+    a run that diverged right after saving `drop` resumes from the last state known to be good."""
+    directory = Path(directory)
+    if to is not None:
+        atomic_write_json(directory / LATEST, {"step": to, "tensors": f"{_stem(to)}.safetensors",
+                                               "state": f"{_stem(to)}.json"})
+    else:
+        (directory / LATEST).unlink(missing_ok=True)
+    for old in directory.glob(f"{_stem(drop)}.*"):
+        old.unlink(missing_ok=True)
+
+
+def older_states(directory: Path, step: int) -> list[int]:
+    """Steps of the saved pairs older than `step` (newest first)."""
+    return [s for s in _saved_steps(directory) if s < step]
 
 
 def latest_step(directory: Path) -> int | None:
@@ -127,11 +154,14 @@ def _latest_pair(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
                           "to resume from; pass force=True (--force) to discard it and start over")
 
 
-def load_train_state(directory: Path, model, optimizer, names: list[str], fingerprint: str) -> dict[str, Any] | None:
+def load_train_state(directory: Path, model, optimizer, names: list[str], fingerprint: str,
+                     lr_free_fingerprint: str | None = None, allow_lr_change: bool = False) -> dict[str, Any] | None:
     """Restore model, optimizer and RNG from the latest state; returns its JSON (None if no state).
 
     An unreadable latest.json falls back to the newest intact step pair (logged), or is refused
-    (CheckpointError) when none is intact. Refuses a state written by a different run (model, recipe or data).
+    (CheckpointError) when none is intact. Refuses a state written by a different run (model, recipe or
+    data) — except, with allow_lr_change, one whose run differs only in its learning rate (the saved
+    `fingerprint_without_lr` equals `lr_free_fingerprint`): the caller records that change.
     """
     directory = Path(directory)
     pair = _latest_pair(directory)
@@ -139,10 +169,25 @@ def load_train_state(directory: Path, model, optimizer, names: list[str], finger
         return None
     info, tensors = pair
     if info.get("fingerprint") != fingerprint:
-        raise CheckpointError(
-            f"{directory} belongs to a run with a different model, recipe or data; "
-            "pass force=True (--force) to discard it and start over"
-        )
+        only_lr = lr_free_fingerprint is not None and info.get("fingerprint_without_lr") == lr_free_fingerprint
+        if only_lr and not allow_lr_change:
+            raise CheckpointError(
+                f"{directory} (step {info['step']}) was trained with another learning rate (peak lr "
+                f"{info.get('peak_lr')}); pass allow_lr_change=True (--resume-with-changed-lr) to continue it with "
+                "the new one, or force=True (--force) to discard it and start over"
+            )
+        if allow_lr_change and "fingerprint_without_lr" not in info:
+            raise CheckpointError(
+                f"{directory} (step {info['step']}) was saved by an older depthtools that did not record what a "
+                "learning-rate change must leave unchanged; it cannot resume with another run fingerprint: pass "
+                "force=True (--force) to start over"
+            )
+        if not only_lr:
+            raise CheckpointError(
+                f"{directory} belongs to a run with a different model, recipe or data"
+                + (" (more than the learning rate changed)" if allow_lr_change else "")
+                + "; pass force=True (--force) to discard it and start over"
+            )
     weights = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     missing = sorted(set(model_state(model)) - set(weights))
     if missing:
