@@ -2,8 +2,11 @@
 coarse, or where an architecture's extra parameters are absorbed by a narrower width): shapes, recipe and data in one place so `--preset NAME` means the same everywhere.
 
 tiny:            CI-sized (~0.25M params, 3 depths), 60k tokens per cell: ~80 s for all 12 cells on 2 CPU cores.
-demo:            the embedded default; 300k tokens per cell, ~5 min for all 12 cells on 2 CPU cores.
+demo:            the embedded default: 3 archs x 3 depths x 3 seeds, 600k tokens per cell (design study in
+                 benchmarks/RESULTS.md: no configuration that fits 15 minutes resolves a depth effect
+                 beyond seed noise, and the report says so).
 cpu-small:       ~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU.
+deep:            preln and hc at L6/L24/L96 (the `--ckpt hc_L96` example).
 depthbench-400m: the paper's shapes (V=50280, 16 heads, d_ff multiple 16, L16..L32), for GPUs.
 """
 
@@ -53,14 +56,15 @@ PRESETS: dict[str, Preset] = {
         analysis=dict(n_tokens=1024, seq_len=64, batch_size=8),
     ),
     "demo": Preset(
-        "demo", "embedded default: preln, lns, hc, attnres at 3 depths, minutes on 2 CPU cores",
-        plan=dict(arch=["preln", "lns", "hc", "attnres"], budget=500_000, vocab_size=256, layers=[2, 4, 8],
-                  n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.05, max_seq_len=128),
-        train=dict(tokens=300_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=50, eval_tokens=16384,
+        "demo", "embedded default: preln, hc, attnres at L2/L4/L8 x 3 training seeds (~0.25M params, 600k tokens "
+        "per cell), so every comparison carries its seed noise; about 15 min on 2 CPU cores",
+        plan=dict(arch=["preln", "hc", "attnres"], budget=250_000, vocab_size=256, layers=[2, 4, 8], seeds=[0, 1, 2],
+                  n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.06, max_seq_len=128),
+        train=dict(tokens=600_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=50, eval_tokens=16384,
                    log_every=10, depth_stats_every=25, checkpoint_every=50,
                    task_mix=dict(fraction=0.05, tasks=["chase", "s5", "add"], k_min=1, k_max=4)),
         data=dict(corpus="default", tokenizer="byte"),
-        analysis=dict(n_tokens=4096, seq_len=128, batch_size=8),
+        analysis=dict(n_tokens=2048, seq_len=128, batch_size=8),
     ),
     "cpu-small": Preset(
         "cpu-small", "~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU",
@@ -70,6 +74,16 @@ PRESETS: dict[str, Preset] = {
                    log_every=25, depth_stats_every=250, checkpoint_every=250),
         data=dict(corpus="default", tokenizer="byte"),
         analysis=dict(n_tokens=16384, seq_len=256, batch_size=8),
+    ),
+    "afternoon": Preset(
+        "afternoon", "preln, hc, attnres at L4/L8/L16/L32 x 3 training seeds (~0.42M params, 1.5M tokens per cell): "
+        "the CPU grid for DepthBench's question with seed noise; hours on 2 CPU cores (see benchmarks/RESULTS.md)",
+        plan=dict(arch=["preln", "hc", "attnres"], budget=420_000, vocab_size=256, layers=[4, 8, 16, 32],
+                  seeds=[0, 1, 2], n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.06, max_seq_len=128),
+        train=dict(tokens=1_500_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=100, eval_tokens=32768,
+                   log_every=10, depth_stats_every=100, checkpoint_every=100),
+        data=dict(corpus="default", tokenizer="byte"),
+        analysis=dict(n_tokens=4096, seq_len=128, batch_size=8),
     ),
     "deep": Preset(
         "deep", "preln and hc at L6/L24/L96 (~0.68M params, d_model 24 at L96), 200k tokens per cell: the cells "

@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from depthtools.errors import DepthToolsError
 
@@ -147,19 +148,25 @@ def plot_loss_vs_shape(cells: pd.DataFrame) -> Figure:
         data.groupby(["arch", "n_layer"], as_index=False)["aspect"].mean(), on=["arch", "n_layer"]).sort_values("aspect")
     palette = arch_palette(data["arch"])
     fig, (ax,) = new_figure(1, width=6.0, height=3.4)
-    for arch, sub in means.groupby("arch", sort=True):
-        ax.plot(sub["aspect"], sub["val_loss"], marker="o", color=palette[arch], label=arch)
+    archs = sorted(means["arch"].unique())
+    for i, (arch, sub) in enumerate(means.groupby("arch", sort=True)):
+        dodge = 1 + 0.025 * (i - (len(archs) - 1) / 2)  # archs share a width per depth: shift bars apart (log x)
+        x = sub["aspect"] * dodge
+        ax.plot(x, sub["val_loss"], marker="o", color=palette[arch], label=arch)
         lo, hi = sub["val_loss_lo"].to_numpy(dtype=float), sub["val_loss_hi"].to_numpy(dtype=float)
         if np.isfinite(lo).any():
             err = np.vstack([sub["val_loss"] - lo, hi - sub["val_loss"]])
-            ax.errorbar(sub["aspect"], sub["val_loss"], yerr=np.nan_to_num(err), fmt="none", ecolor=palette[arch],
+            ax.errorbar(x, sub["val_loss"], yerr=np.nan_to_num(err), fmt="none", ecolor=palette[arch],
                         capsize=2, linewidth=0.8)
             seeds = data[data["arch"] == arch]
-            ax.scatter(seeds["aspect"], seeds["val_loss"], s=5, color=palette[arch], alpha=0.45, linewidths=0)
-        for x, y, n in zip(sub["aspect"], sub["val_loss"], sub["n_layer"]):
+            ax.scatter(seeds["aspect"] * dodge, seeds["val_loss"], s=5, color=palette[arch], alpha=0.45, linewidths=0)
+        for x, y, n in zip(x, sub["val_loss"], sub["n_layer"]):
             ax.annotate(f"L{int(n)}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6,
                         color=palette[arch])
     ax.set_xscale("log")
+    ticks = sorted(means.groupby("n_layer")["aspect"].mean().round(1))  # one tick per depth
+    ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("d_model / n_layer (log; left = deep-narrow, right = shallow-wide)")
     ax.set_ylabel("final val loss (nats/token), mean over seeds")
     ax.legend(title="arch", loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
