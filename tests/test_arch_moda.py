@@ -327,3 +327,19 @@ def test_slot_buffers_are_reused_across_steps_but_never_while_a_state_views_them
     _train_step(model, tokens(length=8, seed=5))  # on the reused gradient buffers: the same gradients
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, grads[n]), n
+
+
+def test_the_cpu_only_fused_kernel_is_chosen_by_device_type(monkeypatch):
+    """The private CPU flash-attention op must never receive a CUDA (or any non-CPU) tensor: the choice
+    is a function of device.type, and a non-CPU forward takes the explicit joint softmax, which gives
+    the same logits as the fused path."""
+    from depthtools.arch import moda
+
+    assert moda.fused_kernel_for(torch.device("cpu"))
+    for device in ("cuda", "cuda:1", "mps", "meta"):
+        assert not moda.fused_kernel_for(torch.device(device))
+    model, toks = build(n_layer=3), tokens()
+    fused = model(toks)
+    monkeypatch.setattr(moda, "fused_kernel_for", lambda device: False)  # what a CUDA tensor sees
+    monkeypatch.setattr(moda._DepthAttention, "apply", staticmethod(lambda *a: pytest.fail("fused kernel called")))
+    assert torch.allclose(model(toks), fused, atol=1e-10)

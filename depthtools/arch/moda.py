@@ -358,21 +358,28 @@ def _hooked(*hooks: HookPoint) -> bool:
     return any(h._forward_hooks or h._backward_hooks or h._backward_pre_hooks for h in hooks)
 
 
+def fused_kernel_for(device: torch.device) -> bool:
+    """Whether `_DepthAttention` (built on PyTorch's private, CPU-only fused flash-attention op) may run on
+    `device`. Every other device (CUDA, MPS, meta) takes the explicit joint softmax, which is plain
+    device-generic PyTorch (it forms the [B,H,T,T] pattern, so it costs memory, never correctness)."""
+    return torch.device(device).type == "cpu"
+
+
 def moda_attend(block, q, k, v, q_depth, state: MoDAState) -> torch.Tensor:
     """One softmax over [causal sequence keys ; same-position depth keys]; returns z [B,T,H,hd].
 
     q [B,T,H,hd] and k, v [B,T,Hkv,hd] are the sequence part (rotated); q_depth [B,T,H,hd] is the
-    query used against the depth keys. Without pattern hooks: `_DepthAttention` (PyTorch's fused
+    query used against the depth keys. On CPU without pattern hooks: `_DepthAttention` (PyTorch's fused
     CPU flash attention for the sequence part, merged with the depth part through log-sum-exp; no
-    [B,H,T,T] tensor). With a hook on `attn.hook_pattern` or `hook_moda_depth_pattern`: the same
-    function formed explicitly, so the split pattern can be read or edited.
+    [B,H,T,T] tensor). With a hook on `attn.hook_pattern` or `hook_moda_depth_pattern`, or on any
+    other device (`fused_kernel_for`): the same function formed explicitly.
     """
     attn = block.attn
     H, Hkv = q.shape[2], attn.n_kv_heads
     invalid = None
     if not all(state.valid):
         invalid = torch.tensor([not ok for ok in state.valid], device=q.device)
-    if _hooked(attn.hook_pattern, block.hook_moda_depth_pattern):
+    if _hooked(attn.hook_pattern, block.hook_moda_depth_pattern) or not fused_kernel_for(q.device):
         return attn.hook_z(_explicit_moda_attention(block, q, k, v, q_depth, state.keys, state.values, invalid))
     if H != Hkv:  # GQA: the fused kernel wants one K/V head per query head
         k, v = k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2)
