@@ -94,6 +94,20 @@ def test_flops_per_token_counts_matmuls_and_attention():
     assert flops_per_token(cfg.replace(arch="hc"), params, 32) > flops_per_token(cfg, params, 32)
 
 
+def test_block_attnres_flops_use_the_models_own_block_size():
+    """MFU of Block AttnRes was computed for S = round(sqrt(L)) blocks of transformer blocks while the model
+    uses S = 2*ceil(L/8) sublayers: the default must count what the built model mixes (its bank capacity)."""
+    from depthtools.arch import DepthModel
+    from depthtools.train.flops import scheme_extra_flops
+
+    for L in (4, 12, 24):
+        cfg = ModelConfig(arch="blockattnres", d_model=32, n_layer=L, n_heads=2)
+        scheme = DepthModel(cfg).scheme
+        explicit = cfg.replace(options={"attnres_block_size": scheme.block_size})
+        assert scheme_extra_flops(cfg) == scheme_extra_flops(explicit)
+        assert scheme_extra_flops(cfg) == (2 * L + 1) * 4 * 32 * scheme.capacity  # sources per mix <= capacity
+
+
 # -- learning ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", [spec.name for spec in list_archs()])
 def test_loss_decreases_for_every_architecture(arch, data_dir, tmp_path):

@@ -35,9 +35,11 @@ def scheme_extra_flops(cfg: ModelConfig) -> float:
         return 2 * L * 2 * d * (n * n + 2 * n)
     if cfg.arch == "attnres":
         return sum(4 * d * (i + 1) for i in range(2 * L + 1))
-    if cfg.arch == "blockattnres":
-        size = int(cfg.options.get("attnres_block_size", max(1, round(math.sqrt(L)))))
-        return (2 * L + 1) * 4 * d * (math.ceil(L / size) + 2)
+    if cfg.arch == "blockattnres":  # S in sublayers, the model's own default: <= ceil(2L/S) blocks + embedding + partial
+        from depthtools.arch.attnres import default_block_size
+
+        size = int(cfg.options.get("attnres_block_size", default_block_size(L)))
+        return (2 * L + 1) * 4 * d * (math.ceil(2 * L / size) + 2)
     if cfg.arch == "denseformer":
         return sum(2 * d * (b + 2) for b in range(L))
     if cfg.arch == "moda":
