@@ -48,9 +48,10 @@ app.add_typer(grid_app, name="grid")
 
 console = Console()
 
-# Command modules that register themselves on `app` / `grid_app` when imported (optional ones may be absent).
+# Command modules that register themselves on `app` / `grid_app` when imported (all part of the package: a
+# missing one is an ImportError, not a silently absent command).
 COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.analysis_cmd", "cli.analysis2_cmd",
-                   "cli.report_cmd", "cli.demo_cmd", "cli.interop_cmd", "cli.tasks_cmd", "cli.dist_cmd")
+                   "cli.report_cmd", "cli.demo_cmd", "cli.interop_cmd", "cli.tasks_cmd")
 
 
 def print_json(obj) -> None:
@@ -68,14 +69,13 @@ def table(title: str, columns: list[str], rows: list[list]) -> Table:
 
 
 def _load_command_modules() -> None:
-    import importlib.util
+    import importlib
 
     for name in COMMAND_MODULES:
-        if importlib.util.find_spec(name) is not None:
-            module = importlib.import_module(name)
-            # A module with its own command group (`depthtools data ...`) names it in SUB_APPS.
-            for group, sub_app in getattr(module, "SUB_APPS", {}).items():
-                app.add_typer(sub_app, name=group)
+        module = importlib.import_module(name)
+        # A module with its own command group (`depthtools data ...`) names it in SUB_APPS.
+        for group, sub_app in getattr(module, "SUB_APPS", {}).items():
+            app.add_typer(sub_app, name=group)
 
 
 def main() -> None:
