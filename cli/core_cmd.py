@@ -54,7 +54,9 @@ def grid_plan_command(
     budget: Optional[str] = typer.Option(None, "--budget", help="Parameter budget, e.g. 405.4M, 1.6M, 200k."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Depths, e.g. 16,20,24,28,32."),
     aspect_ratios: Optional[str] = typer.Option(None, "--aspect-ratios", help="Instead of depths: d_model/n_layer targets."),
-    vocab_size: int = typer.Option(256, "--vocab-size", help="Vocabulary size (byte tokenizer: 256)."),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Vocabulary size (default: the --data tokenizer's, else 256 for bytes)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="A prepared data folder: its tokenizer sets the vocabulary, every cell's budget is checked against its tokens, and `grid train` uses it."),
+    data_root: Path = typer.Option(Path("data"), "--data-root", help="Where a preset's prepared data is looked for."),
     basis: str = typer.Option("total", "--basis", help="Budget counts 'total' or 'non_embedding' parameters."),
     tolerance: float = typer.Option(0.03, "--tolerance", help="Allowed relative deviation from the budget."),
     n_heads: Optional[int] = typer.Option(None, "--n-heads", help="Fixed head count (default 16 unless --head-dim)."),
@@ -80,16 +82,21 @@ def grid_plan_command(
     """
     from depthtools.grid import grid_spec, parse_seeds, plan_grid, save_grid
 
+    meta = _data_meta(data)
     if preset is not None:
         from depthtools.presets import get_preset
 
         spec = get_preset(preset).grid_spec(name=name, seeds=seeds)
+        if data is not None:
+            spec["data"] = {"dir": str(data.expanduser().resolve())}
         cells = spec["cells"]
     else:
         if budget is None or (layers is None and aspect_ratios is None):
             raise DepthToolsError("give --budget and --layers (or --aspect-ratios), or a --preset")
         if n_heads is not None and n_heads < 1:  # 0 is a value, not "unset": never replaced by the default
             raise DepthToolsError(f"--n-heads must be a positive integer, got {n_heads}")
+        if vocab_size is None:
+            vocab_size = int(meta["tokenizer"]["vocab_size"]) if meta else 256
         plan_args = dict(
             arch=_split_list(arch, str), budget=budget, vocab_size=vocab_size,
             layers=_split_list(layers, int), aspect_ratios=_split_list(aspect_ratios, float), basis=basis,
@@ -98,8 +105,10 @@ def grid_plan_command(
             ffn_multiple=ffn_multiple or None, max_seq_len=max_seq_len, seeds=parse_seeds(seeds),
         )
         cells = plan_grid(**plan_args)
-        spec = grid_spec(cells, name=name or "grid", plan={k: v for k, v in plan_args.items()})
+        spec = grid_spec(cells, name=name or "grid", plan={k: v for k, v in plan_args.items()},
+                         data={"dir": str(data.expanduser().resolve())} if data is not None else None)
         cells = spec["cells"]
+    _check_plan_data(spec, data_root)
     if out is not None:
         save_grid(spec, out)
     if as_json:
@@ -114,6 +123,44 @@ def grid_plan_command(
     ))
     if out is not None:
         console.print(f"wrote {out}")
+
+
+def _data_meta(data: Optional[Path]):
+    if data is None:
+        return None
+    from depthtools.data import read_meta
+
+    return read_meta(data)
+
+
+def _check_plan_data(spec, data_root: Path) -> None:
+    """Refuse a plan whose vocabulary does not fit its data's tokenizer, or whose cells' token budgets
+    exceed the recipe's max_epochs of the data (depthtools.data.budget; warnings above one epoch are
+    logged); say what a preset's data needs when it is not prepared yet."""
+    from depthtools.data.budget import NOMINAL_VOCAB, check_vocab
+    from depthtools.grid import Cell
+    from depthtools.train.sweep import check_grid_data
+
+    data = dict(spec.get("data") or {})
+    if not data:  # a plan that names no data: `grid train` checks it against the data it is given
+        return
+    spec = {**spec, "cells": [Cell(**c) for c in spec["cells"]]}
+    if "dir" in data:
+        folder = Path(data["dir"]).expanduser()
+        folder = folder if folder.is_absolute() else data_root / folder
+        if (folder / "meta.json").is_file():
+            check_grid_data(spec, folder)
+            return
+        needs = f"; it needs {data['needs']}" if data.get("needs") else ""
+        how = f"; prepare it with: {data['prepare'].replace('DATA_ROOT', str(data_root))}" if data.get("prepare") else ""
+        console.print(f"note: no prepared data in {folder} yet{needs}{how}", markup=False, highlight=False, soft_wrap=True)
+        return
+    tokenizer = data.get("tokenizer", "byte")
+    if tokenizer in NOMINAL_VOCAB:  # known before anything is prepared (a trained BPE has at most this many)
+        where = "the --input files" if "input" in data else f"corpus {data.get('corpus', 'default')!r}"
+        for cell in spec["cells"]:
+            check_vocab(cell.model_config().vocab_size, {"name": tokenizer, "vocab_size": NOMINAL_VOCAB[tokenizer]},
+                        where, cell.name)
 
 
 @grid_app.command("presets")

@@ -1,4 +1,4 @@
-"""`depthtools data …`: prepare token files from corpora and list which corpora can be used here.
+"""`depthtools data …`: prepare token files from corpora or the user's files, and list which corpora can be used here.
 
 A thin layer over `depthtools.data`; errors are `DepthToolsError` with a one-line message, which
 the main CLI prints. Registered in cli/main.py through SUB_APPS (`depthtools data ...`).
@@ -9,18 +9,20 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from depthtools.data import CORPORA, MIXES, available_corpora, prepare, read_meta
+from depthtools.data import CORPORA, MIXES, available_corpora, prepare, prepare_inputs, read_meta
+from depthtools.data.inputs import UNIT_BYTES
+from depthtools.data.shards import SHARD_TOKENS
 from depthtools.data.corpora import CorpusChecksumWarning
 from depthtools.data.tokenizer import TOKENIZER_SPECS
 from depthtools.errors import DepthToolsError
 
-data_app = typer.Typer(help="Prepare training data from package-shipped corpora (no hub downloads) and list corpora.",
+data_app = typer.Typer(help="Prepare training data from package-shipped corpora or your own local files (no hub downloads) and list corpora.",
                        no_args_is_help=True)
 SUB_APPS = {"data": data_app}
 _console = Console(stderr=True)
@@ -30,27 +32,55 @@ _console = Console(stderr=True)
 def prepare_cmd(
     corpus: Optional[str] = typer.Option(None, "--corpus", "-c", help="Corpus NAME or MIX like 'shakespeare+sympy' (default: 'default', or 'text-dir' with --text-dir)."),
     text_dir: Optional[Path] = typer.Option(None, "--text-dir", help="Folder of your own UTF-8 files; each file is one document."),
-    tokenizer: str = typer.Option("byte", "--tokenizer", "-t", help=f"One of: {', '.join(TOKENIZER_SPECS)}."),
+    inputs: Optional[List[str]] = typer.Option(None, "--input", "-i", help="Your corpus (repeatable; globs allowed): jsonl[.gz|.zst], parquet, a datasets save_to_disk folder, or a folder of text files. Written as token shards; see docs/data.md."),
+    text_field: str = typer.Option("text", "--text-field", help="--input: the record field holding the text (dotted for nested, e.g. meta.body)."),
+    domain_field: Optional[str] = typer.Option(None, "--domain-field", help="--input: a record field naming each document's domain (one validation split per domain)."),
+    tokenizer: str = typer.Option("byte", "--tokenizer", "-t", help=f"One of: {', '.join(TOKENIZER_SPECS)}, or a local tokenizer.json (any `tokenizers` file)."),
+    sep_token: Optional[str] = typer.Option(None, "--sep-token", help="The document separator of a tokenizer file (default: its <|endoftext|>, </s>, ...)."),
+    workers: int = typer.Option(1, "--workers", "-w", help="--input: tokenizer worker processes."),
+    shard_tokens: int = typer.Option(SHARD_TOKENS, "--shard-tokens", help="--input: tokens per shard file."),
+    unit_mb: float = typer.Option(UNIT_BYTES / 2**20, "--unit-mb", hidden=True, help="--input: MB of input per work unit."),
     out: Path = typer.Option(Path("data"), "--out", "-o", help="Parent folder; the dataset lands in OUT/<name>/."),
-    max_bytes: Optional[int] = typer.Option(None, "--max-bytes", help="Cap on each corpus's text in bytes (default: the mix's own cap)."),
-    val_fraction: float = typer.Option(0.05, "--val-fraction", help="Share of documents held out for validation."),
+    max_bytes: Optional[int] = typer.Option(None, "--max-bytes", help="--corpus: cap on each corpus's text in bytes (default: the mix's own cap)."),
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", help="Share of documents held out for validation (default 0.05 for --corpus, 0.01 for --input)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the train/val document split."),
-    name: Optional[str] = typer.Option(None, "--name", help="Dataset folder name (default: from corpus and tokenizer)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Dataset folder name (default: from corpus or input, and tokenizer)."),
     force: bool = typer.Option(False, "--force", help="Rebuild a folder that holds a dataset with other settings (or other files)."),
 ) -> None:
-    """Extract, split by whole documents, tokenize and write train/val/val_<domain>.bin + meta.json."""
-    if tokenizer not in TOKENIZER_SPECS:
-        raise DepthToolsError(f"--tokenizer {tokenizer!r} is not valid; use one of: {', '.join(TOKENIZER_SPECS)}")
-    corpus = corpus or ("text-dir" if text_dir is not None else "default")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", CorpusChecksumWarning)
-        path = prepare(corpus, out_dir=out, tokenizer=tokenizer, val_fraction=val_fraction, seed=seed,
-                       max_bytes=max_bytes, text_dir=text_dir, name=name, force=force, log=lambda m: _console.print(m, markup=False, highlight=False, soft_wrap=True))
-    for w in caught:
-        _console.print(f"warning: {w.message}", style="yellow", markup=False, highlight=False)
+    """Tokenize a corpus into a dataset folder: package corpora (--corpus, --text-dir) as train/val/val_<domain>.bin,
+    your own files (--input) as fixed-size token shards, streamed by --workers processes; re-running continues.
+
+    Examples:
+      depthtools data prepare --corpus default --tokenizer bpe8k
+      depthtools data prepare --input 'fineweb-edu/sample/10BT/*.parquet' --tokenizer gpt-neox/tokenizer.json --workers 16
+      depthtools data prepare --input dump.jsonl.zst --domain-field source --name mix
+    """
+    from depthtools.data.tokenizer import is_tokenizer_file
+
+    if tokenizer not in TOKENIZER_SPECS and not is_tokenizer_file(tokenizer):
+        raise DepthToolsError(f"--tokenizer {tokenizer!r} is not valid; use one of: {', '.join(TOKENIZER_SPECS)}, "
+                              "or a path to a local tokenizer.json")
+    log = lambda m: _console.print(m, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    if inputs:
+        if corpus is not None or text_dir is not None or max_bytes is not None:
+            raise DepthToolsError("--input reads your files; it does not combine with --corpus, --text-dir or --max-bytes")
+        path = prepare_inputs(inputs, out_dir=out, tokenizer=tokenizer, text_field=text_field, domain_field=domain_field,
+                              val_fraction=0.01 if val_fraction is None else val_fraction, seed=seed, name=name,
+                              workers=workers, shard_tokens=shard_tokens, sep_token=sep_token,
+                              unit_bytes=max(1, int(unit_mb * 2**20)), force=force, log=log)
+    else:
+        if sep_token is not None:
+            raise DepthToolsError("--sep-token applies to --input with a tokenizer file")
+        corpus = corpus or ("text-dir" if text_dir is not None else "default")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CorpusChecksumWarning)
+            path = prepare(corpus, out_dir=out, tokenizer=tokenizer, val_fraction=0.05 if val_fraction is None else val_fraction,
+                           seed=seed, max_bytes=max_bytes, text_dir=text_dir, name=name, force=force, log=log)
+        for w in caught:
+            _console.print(f"warning: {w.message}", style="yellow", markup=False, highlight=False)
     meta = read_meta(path)
     counts = ", ".join(f"{k}={v['tokens']:,}" for k, v in meta["splits"].items())
-    typer.echo(f"{path}  tokenizer={meta['tokenizer']['name']}  {counts}")
+    typer.echo(f"{path}  tokenizer={meta['tokenizer']['name']} (vocab {meta['tokenizer']['vocab_size']:,})  {counts}")
 
 
 @data_app.command("list")

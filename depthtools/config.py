@@ -132,7 +132,9 @@ class TrainConfig:
     3.5 nats and recovers); it is checked from the second logged step on, warmup included, so that
     every checkpoint a run keeps was followed by a logged loss that passed the check. `dtype`/`device` "auto" mean bf16
     autocast on CUDA and float32 on CPU; `threads` sets torch's intra-op threads (None: leave).
-    `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
+    `max_epochs` bounds the token budget by the data: a budget above max_epochs × the train split's
+    tokens is refused when planning and training (None: a warning above one epoch; recipes that claim
+    a paper's setting set 1). `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
     sharding, for models whose weights + AdamW state do not fit one device); one process ignores it.
     """
 
@@ -167,6 +169,7 @@ class TrainConfig:
     peak_flops: float | None = None  # for MFU; None: looked up from the CUDA device name
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (same maths; not part of the run fingerprint)
     task_mix: "TaskMix | None" = None  # synthetic task rows mixed into training (depthtools.data.tasks.TaskMix)
+    max_epochs: float | None = None  # refuse a budget above this many passes over the train split (None: warn above 1)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lr_overrides", {str(k): float(v) for k, v in dict(self.lr_overrides).items()})
@@ -215,6 +218,10 @@ class TrainConfig:
             raise DepthToolsError(f"unknown dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise DepthToolsError(f"TrainConfig.threads must be >= 1, got {self.threads!r}")
+        epochs = self.max_epochs
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, (int, float))
+                                   or not math.isfinite(epochs) or epochs <= 0):
+            raise DepthToolsError(f"TrainConfig.max_epochs must be a positive number (or None), got {epochs!r}")
         if self.parallel not in PARALLEL:
             raise DepthToolsError(f"unknown parallel {self.parallel!r}; valid: {', '.join(PARALLEL)}")
 
@@ -238,6 +245,8 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        if self.max_epochs is None:  # unset: config.json stays as before the field existed
+            del data["max_epochs"]
         if self.task_mix is None:  # runs without a task mix keep their config.json and run fingerprint
             del data["task_mix"]
         else:

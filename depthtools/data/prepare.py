@@ -9,6 +9,9 @@ document name, so they are deterministic, independent of file order, and no docu
 `val_<domain>.bin` holds the same validation documents grouped by domain, for per-domain losses.
 `meta.json` is written last and the directory is swapped in atomically, so a present meta.json
 means a complete dataset; calling `prepare` again with the same settings returns at once.
+
+The user's own corpora (`prepare_inputs`, `data prepare --input`) use the sharded layout of
+`depthtools.data.shards` instead; `read_meta` and `load_split` read either layout.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from typing import Callable
 import numpy as np
 
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
-from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer
+from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import replace_dir
 
 FORMAT = "depthtools.data/1"
+FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
 META_FILE = "meta.json"
 SPLITS_FILE = "splits.json"
 TOKEN_DTYPE = np.uint16
@@ -71,8 +75,10 @@ def prepare(
     corpora, default_cap, mix_name = resolve_corpora(corpus, text_dir)
     _validate(tokenizer, val_fraction, max_bytes)
     cap = max_bytes if max_bytes is not None else default_cap
-    target = Path(out_dir) / (name or _default_name(mix_name, tokenizer))
-    settings = _settings(corpora, tokenizer, val_fraction, seed, cap, text_dir)
+    file_tok = _file_tokenizer(tokenizer) if is_tokenizer_file(tokenizer) else None
+    target = Path(out_dir) / (name or _default_name(mix_name, file_tok.name if file_tok else tokenizer))
+    settings = _settings(corpora, f"file:{file_tok.fingerprint()}" if file_tok else tokenizer, val_fraction, seed,
+                         cap, text_dir)
     if is_prepared(target, settings):
         log(f"{target}: already prepared with these settings")
         return target
@@ -80,7 +86,7 @@ def prepare(
         check_overwrite(target, settings)
     t0 = time.perf_counter()
     parts = [_extract_part(c, cap, val_fraction, seed, log) for c in corpora]
-    tok = _make_tokenizer(tokenizer, parts, log)
+    tok = file_tok or _make_tokenizer(tokenizer, parts, log)
     _write_dataset(target, parts, tok, settings, seed, log)
     log(f"{target}: prepared in {time.perf_counter() - t0:.1f}s")
     return target
@@ -110,12 +116,24 @@ def resolve_corpora(corpus: str | list[str], text_dir) -> tuple[list[Corpus], in
 
 
 def _validate(tokenizer: str, val_fraction: float, max_bytes: int | None) -> None:
-    if tokenizer not in TOKENIZER_SPECS:
-        raise DepthToolsError(f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZER_SPECS)}")
+    if tokenizer not in TOKENIZER_SPECS and not is_tokenizer_file(tokenizer):
+        raise DepthToolsError(f"unknown tokenizer {tokenizer!r}; valid: {', '.join(TOKENIZER_SPECS)}, "
+                              "or a path to a tokenizer.json")
     if not 0.0 <= val_fraction < 1.0:
         raise DepthToolsError(f"val_fraction {val_fraction} must be in [0, 1)")
     if max_bytes is not None and max_bytes <= 0:
         raise DepthToolsError(f"max_bytes {max_bytes} must be a positive number of bytes")
+
+
+def _file_tokenizer(path) -> BPETokenizer:
+    """A user's tokenizer file for the single-file (uint16) layout of the package corpora."""
+    from depthtools.data.tokenizer import file_tokenizer_name
+
+    tok = BPETokenizer.from_file(path)
+    if tok.vocab_size > 65536:
+        raise DepthToolsError(f"{path}: {tok.vocab_size:,} tokens do not fit the uint16 token files of --corpus; "
+                              "prepare the text with --input (sharded, uint32 ids) instead")
+    return BPETokenizer.from_file(path, name=file_tokenizer_name(path, tok.vocab_size))
 
 
 def _default_name(mix_name: str, tokenizer: str) -> str:
@@ -187,8 +205,9 @@ def is_prepared(target: Path, settings: dict) -> bool:
         return False
     if not (target / meta.get("tokenizer", {}).get("file", "tokenizer.json")).is_file():
         return False
-    return all((target / s["file"]).is_file() and (target / s["file"]).stat().st_size == 2 * s["tokens"]
-               for s in meta.get("splits", {}).values())
+    itemsize = np.dtype(meta.get("dtype", "uint16")).itemsize
+    files = [(f["file"], f["tokens"]) for s in meta.get("splits", {}).values() for f in s.get("shards", [s])]
+    return all((target / f).is_file() and (target / f).stat().st_size == itemsize * n for f, n in files)
 
 
 # ---------------------------------------------------------------- extraction, capping, splitting
@@ -354,17 +373,26 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise DepthToolsError(f"{path}: corrupt JSON ({err.msg} at line {err.lineno}); prepare it again") from None
-    if meta.get("format") != FORMAT:
-        raise DepthToolsError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}; prepare it again")
+    if meta.get("format") not in (FORMAT, FORMAT_SHARDS):
+        raise DepthToolsError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} or {FORMAT_SHARDS!r}; "
+                              "prepare it again")
     return meta
 
 
 def load_split(data_dir: str | os.PathLike, split: str = "train") -> np.ndarray:
-    """Token ids of one split (train, val, or val_<domain>) as a read-only uint16 memmap."""
+    """Token ids of one split (train, val, or val_<domain>) as a read-only memmap of either layout.
+
+    Single-file datasets give a uint16 memmap; sharded ones (`data prepare --input`) the memmap of
+    their one shard or a `ShardedTokens` over several (uint16 or uint32): the same windows either way.
+    """
     meta = read_meta(data_dir)
     info = meta["splits"].get(split)
     if info is None:
         raise DepthToolsError(f"{data_dir}: no split {split!r}; valid: {', '.join(meta['splits'])}")
+    if "shards" in info:
+        from depthtools.data.shards import load_sharded
+
+        return load_sharded(Path(data_dir), info, meta.get("dtype", "uint16"))
     path = Path(data_dir) / info["file"]
     size = path.stat().st_size if path.is_file() else -1
     if size != 2 * info["tokens"]:

@@ -1,9 +1,13 @@
-"""Tokenizers with one small interface: bytes (default, V=256) or byte-level BPE (4k/8k).
+"""Tokenizers with one small interface: bytes (default, V=256), byte-level BPE (4k/8k) trained per
+dataset, or any local `tokenizers` file (`tokenizer.json`, e.g. a GPT-NeoX/OLMo 50k vocabulary).
 
-Both reserve id 0 as the document separator (`sep_id`): for bytes it is the NUL byte, which the
-corpus cleaner strips from every text, so it can never be confused with content; for BPE it is the
-special token `<|endoftext|>`. `fingerprint()` is a sha256 of the tokenizer definition, so a
-checkpoint can prove which tokenizer its data used.
+Each has a document separator `sep_id`: for bytes the NUL byte (id 0), which the corpus cleaner
+strips from every text, so it can never be confused with content; for BPE the special token
+`<|endoftext|>` (id 0 for the ones depthtools trains); for a user's file the first of
+SEPARATOR_CANDIDATES it defines (or the token named by `sep_token`). Special tokens written in a
+text are encoded as text, never as the separator. `fingerprint()` is a sha256 of the tokenizer
+definition, so a checkpoint can prove which tokenizer its data used. `dtype` is the smallest
+unsigned type holding every id (uint16 up to 65,536 tokens, else uint32).
 """
 
 from __future__ import annotations
@@ -22,6 +26,19 @@ TOKENIZER_FILE = "tokenizer.json"
 SEPARATOR = "<|endoftext|>"
 BPE_SIZES = {"bpe4k": 4096, "bpe8k": 8192}
 TOKENIZER_SPECS = ("byte", *BPE_SIZES)
+# Document separators tried, in order, in a user's tokenizer.json (GPT-2/NeoX/OLMo, Llama 3, Llama 2/Mistral, Gemma).
+SEPARATOR_CANDIDATES = (SEPARATOR, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+
+
+def token_dtype(vocab_size: int) -> type:
+    """uint16 when every id fits (vocab <= 65,536), else uint32."""
+    return np.uint16 if vocab_size <= 65536 else np.uint32
+
+
+def is_tokenizer_file(spec) -> bool:
+    """Whether a --tokenizer value names a file (or a folder holding tokenizer.json) rather than byte/bpe4k/bpe8k."""
+    text = str(spec)
+    return text not in TOKENIZER_SPECS and (text.endswith(".json") or os.sep in text or Path(text).exists())
 
 
 class ByteTokenizer:
@@ -30,6 +47,8 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 256
     sep_id = 0
+    sep_token = "\x00"
+    dtype = np.uint16
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -59,15 +78,27 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """Byte-level BPE (HuggingFace `tokenizers`), trained on the train split only and saved as tokenizer.json."""
+    """A HuggingFace `tokenizers` tokenizer: byte-level BPE trained on the train split, or a user's file.
 
-    def __init__(self, tokenizer, name: str | None = None):
+    `sep_token` names the document separator; None takes the first of SEPARATOR_CANDIDATES present.
+    """
+
+    def __init__(self, tokenizer, name: str | None = None, sep_token: str | None = None):
         self._tok = tokenizer
         tokenizer.encode_special_tokens = True  # a literal "<|endoftext|>" in text is text, not a separator
-        self.vocab_size = tokenizer.get_vocab_size()
-        self.sep_id = tokenizer.token_to_id(SEPARATOR)
-        if self.sep_id is None:
-            raise DepthToolsError(f"BPE tokenizer has no {SEPARATOR} token; it was not made by depthtools")
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(tokenizer.get_vocab_size(), max(vocab.values(), default=-1) + 1)
+        candidates = (sep_token,) if sep_token else SEPARATOR_CANDIDATES
+        found = [t for t in candidates if tokenizer.token_to_id(t) is not None]
+        if not found:
+            if sep_token:
+                raise DepthToolsError(f"tokenizer has no token {sep_token!r} to separate documents; "
+                                      f"pass --sep-token with one of its special tokens")
+            raise DepthToolsError(f"tokenizer defines none of {', '.join(SEPARATOR_CANDIDATES)} to separate documents; "
+                                  "pass --sep-token NAME (its end-of-text token)")
+        self.sep_token = found[0]
+        self.sep_id = tokenizer.token_to_id(self.sep_token)
+        self.dtype = token_dtype(self.vocab_size)
         self.name = name or _bpe_name(self.vocab_size)
 
     @classmethod
@@ -89,11 +120,12 @@ class BPETokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_array(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.uint16)
+        return np.asarray(self.encode(text), dtype=self.dtype)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        encs = self._tok.encode_batch(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.uint16) for e in encs]
+        # encode_batch_fast (tokenizers >= 0.20) skips the character offsets nobody here reads
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.asarray(e.ids, dtype=self.dtype) for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -110,13 +142,46 @@ class BPETokenizer:
 
     @classmethod
     def from_dir(cls, directory: Path) -> "BPETokenizer":
+        """The tokenizer.json in `directory`, with the separator and name recorded beside it (a data
+        folder's meta.json or a checkpoint's config.json), if any."""
+        record = _recorded_tokenizer(Path(directory))
+        return cls.from_file(Path(directory) / TOKENIZER_FILE, sep_token=record.get("sep_token"), name=record.get("name"))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, sep_token: str | None = None, name: str | None = None) -> "BPETokenizer":
+        """Any local `tokenizers` file (tokenizer.json), or a folder holding one; never downloads."""
         from tokenizers import Tokenizer
 
-        path = Path(directory) / TOKENIZER_FILE
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+        if not path.is_file():
+            raise DepthToolsError(f"tokenizer file {path} not found; pass a local tokenizer.json (nothing is downloaded)")
         try:
-            return cls(Tokenizer.from_file(str(path)))
+            tok = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises plain Exception subclasses on bad JSON
             raise DepthToolsError(f"{path}: not a valid tokenizer file ({str(err).splitlines()[0]})") from None
+        return cls(tok, name=name, sep_token=sep_token)
+
+
+def file_tokenizer_name(path: str | os.PathLike, vocab_size: int) -> str:
+    """A readable name for a user's tokenizer file: its folder (for .../gpt-neox-20b/tokenizer.json) or stem."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    stem = path.parent.name if path.name == TOKENIZER_FILE and path.parent.name else path.stem
+    return f"{stem}-{vocab_size}"
+
+
+def _recorded_tokenizer(directory: Path) -> dict:
+    for name, key in (("meta.json", "tokenizer"), ("config.json", "tokenizer")):
+        try:
+            record = json.loads((directory / name).read_text(encoding="utf-8")).get(key) or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(record, dict):
+            return {k: record[k] for k in ("sep_token", "name") if isinstance(record.get(k), str)}
+    return {}
 
 
 def _bpe_name(vocab_size: int) -> str:
@@ -124,7 +189,8 @@ def _bpe_name(vocab_size: int) -> str:
 
 
 def load_tokenizer(spec_or_dir: str | os.PathLike) -> ByteTokenizer | BPETokenizer:
-    """`"byte"` gives the byte tokenizer; a directory gives the tokenizer saved there (tokenizer.json).
+    """`"byte"` gives the byte tokenizer; a directory gives the tokenizer saved there (tokenizer.json);
+    a file gives that `tokenizers` file.
 
     A BPE spec like "bpe4k" cannot be loaded by name, because BPE is trained per dataset: pass the
     prepared data directory instead.
@@ -132,6 +198,8 @@ def load_tokenizer(spec_or_dir: str | os.PathLike) -> ByteTokenizer | BPETokeniz
     if str(spec_or_dir) == "byte":
         return ByteTokenizer()
     path = Path(spec_or_dir)
+    if path.is_file():
+        return BPETokenizer.from_file(path)
     if path.is_dir():
         file = path / TOKENIZER_FILE
         if not file.is_file():

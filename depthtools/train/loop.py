@@ -64,7 +64,8 @@ HEARTBEAT = "heartbeat.json"
 HEARTBEAT_EVERY_S = 30.0  # at most this often from the step loop (`grid status` waits 900 s on other hosts)
 # Fields that change when things are logged/evaluated/saved but not the trained weights.
 CADENCE_FIELDS = ("eval_every", "eval_tokens", "log_every", "depth_stats_every", "checkpoint_every",
-                  "keep_train_state", "threads", "compile", "peak_flops", "parallel", "divergence_margin")
+                  "keep_train_state", "threads", "compile", "peak_flops", "parallel", "divergence_margin",
+                  "max_epochs")
 LR_FIELDS = ("lr", "lr_overrides")  # what --resume-with-changed-lr may change
 
 Progress = Callable[[dict[str, Any]], None]
@@ -216,16 +217,21 @@ class Run:
                            "total_steps": self.total_steps, **fields})
 
 
-def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str, Any], data_dir: Path) -> None:
-    """One-line errors for a model that cannot read this data or this sequence length."""
-    vocab = int(meta["tokenizer"]["vocab_size"])
-    if model_cfg.vocab_size < vocab:
-        raise DepthToolsError(
-            f"model vocab_size={model_cfg.vocab_size} is smaller than the {meta['tokenizer']['name']} "
-            f"tokenizer's {vocab} tokens in {data_dir}; plan the grid with --vocab-size {vocab}"
-        )
+def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str, Any], data_dir: Path,
+                 cell: str | None = None) -> None:
+    """One-line errors for a model that cannot read this data or this sequence length (a vocabulary
+    planned for another tokenizer included), and for a token budget above max_epochs of the data
+    (a logged warning above one epoch when max_epochs is unset); see depthtools.data.budget."""
+    from depthtools.data.budget import check_epochs, check_vocab
+
+    check_vocab(model_cfg.vocab_size, meta["tokenizer"], str(data_dir), cell)
     if train_cfg.seq_len > model_cfg.max_seq_len:
         raise DepthToolsError(f"seq_len={train_cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
+    from depthtools.grid import count_params
+
+    steps = train_cfg.total_steps(count_params(model_cfg)["total"])
+    check_epochs(steps * train_cfg.batch_size * train_cfg.seq_len, int(meta["splits"]["train"]["tokens"]),
+                 train_cfg.max_epochs, str(data_dir), cell)
 
 
 def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = Dist(),
@@ -234,7 +240,7 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
     (with allow_lr_change also one saved with another learning rate: the change is recorded)."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     meta = read_meta(data_dir)
-    check_inputs(model_cfg, train_cfg, meta, data_dir)
+    check_inputs(model_cfg, train_cfg, meta, data_dir, out_dir.name)
     distributed.rows_per_rank(train_cfg.batch_size, train_cfg.micro_batch_size, dist)  # fail early
     device = distributed.local_device(resolve_device(train_cfg), dist)
     model = DepthModel(model_cfg, seed=train_cfg.seed).to(device)

@@ -54,14 +54,56 @@ def select_cells(spec: dict[str, Any], names: list[str] | None) -> dict[str, Any
     return {**spec, "cells": [c for c in spec["cells"] if c.name in set(names)]}
 
 
+DATA_NOTES = ("needs", "prepare")  # descriptive fields of a grid's data spec (what to prepare, and how)
+
+
 def grid_data_dir(spec: dict[str, Any], data_root: str | Path = "data") -> Path:
-    """Prepare (or find) the grid's corpus with `depthtools.data.prepare` and return its folder."""
-    data = {**DEFAULT_DATA, **(spec.get("data") or {})}
+    """The grid's prepared data folder.
+
+    The spec's "data" names a package corpus (`corpus`, `tokenizer`, ...: prepared here on first
+    use with `depthtools.data.prepare`), the user's files (`input`, ...: `prepare_inputs`), or a
+    folder prepared beforehand (`dir`, relative to data_root), which must exist: if it does not, the
+    error says what data the grid needs and the command that prepares it ("needs", "prepare").
+    """
+    data = dict(spec.get("data") or {})
+    notes = {k: data.pop(k) for k in DATA_NOTES if k in data}
+    if "dir" in data:
+        folder = Path(data.pop("dir")).expanduser()
+        folder = folder if folder.is_absolute() else Path(data_root) / folder
+        if data:
+            raise DepthToolsError(f"grid spec 'data' with 'dir' takes no other settings, got {sorted(data)}")
+        if not (folder / "meta.json").is_file():
+            needs = f"; it needs {notes['needs']}" if notes.get("needs") else ""
+            how = f"; prepare it with: {notes['prepare'].replace('DATA_ROOT', str(data_root))}" if notes.get("prepare") else ""
+            raise DepthToolsError(f"grid {spec.get('name', 'grid')}: no prepared data in {folder}{needs}{how} "
+                                  "(or pass --data-root to where it is)")
+        return folder
+    if "input" in data:
+        from depthtools.data import prepare_inputs
+
+        inputs = data.pop("input")
+        data.setdefault("out_dir", data_root)
+        try:
+            return prepare_inputs([inputs] if isinstance(inputs, str) else list(inputs), **data)
+        except TypeError as exc:
+            raise DepthToolsError(f"grid spec 'data' has an unknown field: {exc}") from None
+    data = {**DEFAULT_DATA, **data}
     data.setdefault("out_dir", data_root)
     try:
         return prepare(**data)
     except TypeError as exc:
         raise DepthToolsError(f"grid spec 'data' has an unknown field: {exc}") from None
+
+
+def check_grid_data(spec: dict[str, Any], data_dir: Path) -> list[str]:
+    """Every cell's vocabulary and token budget against the grid's data (depthtools.data.budget),
+    before any cell trains: raises for a refused cell, returns the epoch warnings."""
+    from depthtools.data.budget import check_grid
+
+    prepare_hint = (spec.get("data") or {}).get("prepare")
+    how = f"prepare it with: {prepare_hint}" if prepare_hint else None
+    return check_grid(spec["cells"], lambda cell: cell_recipe(spec.get("train"), cell), read_meta(data_dir),
+                      str(data_dir), how)
 
 
 def check_tokenizer(grid_dir: Path, meta: dict[str, Any]) -> None:
@@ -105,6 +147,7 @@ def prepare_grid_data(spec: dict[str, Any], root: str | Path, data_root: str | P
     and record the spec in the grid folder; every launcher and `train_grid` start here."""
     data_dir = grid_data_dir(spec, data_root)
     grid_dir = Path(root) / spec.get("name", "grid")
+    check_grid_data(spec, data_dir)
     if not force:
         check_tokenizer(grid_dir, read_meta(data_dir))
     record_spec(spec, grid_dir)
