@@ -96,13 +96,21 @@ PRESETS: dict[str, Preset] = {
         analysis=dict(n_tokens=4096, seq_len=128, batch_size=8),
     ),
     "depthbench-400m": Preset(
-        "depthbench-400m", "the paper's 400M shapes and recipe (GPUs)",
+        "depthbench-400m", "the paper's 400M shapes and recipe (GPUs); data: FineWeb-Edu tokenized with the "
+        "GPT-NeoX/OLMo 50k tokenizer, prepared beforehand (docs/data.md)",
         plan=dict(arch=list(DEPTHBENCH_TEN), budget=405_400_000, vocab_size=50280, layers=[16, 20, 24, 28, 32],
                   n_heads=16, head_dim_multiple=2, ffn_multiple=16, tolerance=0.04, max_seq_len=2048),
         train=dict(tokens_per_param=20, batch_size=512, micro_batch_size=16, seq_len=2048, lr=2e-3,
                    lr_overrides={"lns": 1e-2}, warmup_fraction=0.1, final_lr_fraction=0.1, eval_every=500,
-                   eval_tokens=4_194_304, log_every=10, depth_stats_every=500, checkpoint_every=500, compile=True),
-        data=dict(corpus="default", tokenizer="bpe8k"),
+                   eval_tokens=4_194_304, log_every=10, depth_stats_every=500, checkpoint_every=500, compile=True,
+                   max_epochs=1),
+        # The paper's data cannot ship with a package: the grid refuses to train until it is prepared.
+        data=dict(dir="fineweb-edu-olmo",
+                  needs="FineWeb-Edu (DepthBench: sample-100BT) tokenized with the GPT-NeoX/OLMo tokenizer "
+                        "(50,280 tokens; GPT-NeoX-20B's 50,277 also fits), about 8.1-8.4B train tokens "
+                        "per cell (20 tokens/param x 405M params +-4%, one epoch)",
+                  prepare="depthtools data prepare --input 'fineweb-edu/sample/100BT/*.parquet' "
+                          "--tokenizer PATH/tokenizer.json --workers 16 --name fineweb-edu-olmo --out DATA_ROOT"),
         analysis=dict(n_tokens=65536, seq_len=1024, batch_size=4),
     ),
 }

@@ -382,3 +382,55 @@ def test_budget_above_max_epochs_is_refused_with_the_numbers(tmp_path, caplog):
         check_inputs(small, TrainConfig(tokens=budget, **fast), read_meta(data), data, "warned")
     assert any("warned: token budget" in r.getMessage() and "corpus repeats" in r.getMessage() for r in caplog.records)
     assert "max_epochs" not in TrainConfig().to_dict()  # unset: config.json and run fingerprints as before
+
+
+def _depthbench_spec(tmp_path: Path) -> Path:
+    """The depthbench-400m grid spec (recipe and data as the preset says) with one of its cells (planning all 50 takes a minute)."""
+    from depthtools.grid import grid_spec, plan_grid, save_grid
+    from depthtools.presets import get_preset
+
+    preset = get_preset("depthbench-400m")
+    cells = plan_grid(**{**preset.plan, "arch": ["preln"], "layers": [16]})
+    return save_grid(grid_spec(cells, name=preset.name, train=preset.train, data=preset.data, plan=preset.plan),
+                     tmp_path / "grid.json")
+
+
+def test_depthbench_preset_refuses_too_little_data_and_says_what_it_needs(tmp_path):
+    """grid plan / grid train of depthbench-400m without its data, then against a (much too small) 50,280-token dataset."""
+    from typer.testing import CliRunner
+
+    from cli.core_cmd import _check_plan_data
+    from cli.main import app
+    from depthtools.grid import load_grid
+
+    runner = CliRunner()
+    spec_path = _depthbench_spec(tmp_path)
+    spec = json.loads(spec_path.read_text())
+    assert load_grid(spec_path)["train"]["max_epochs"] == 1
+    train = runner.invoke(app, ["grid", "train", str(spec_path), "--data-root", str(tmp_path / "none"),
+                                "--root", str(tmp_path / "ck")])
+    assert train.exit_code == 2 and "it needs FineWeb-Edu" in train.output, train.output
+    assert "depthtools data prepare --input" in train.output
+    _check_plan_data(spec, tmp_path / "none")  # planning before the data exists is fine (it prints a note)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "w.jsonl").write_text("".join(json.dumps({"text": " ".join(WORDS)}) + "\n" for _ in range(50)))
+    prepare_inputs([str(folder / "w.jsonl")], out_dir=tmp_path / "root", name="fineweb-edu-olmo",
+                   tokenizer=str(_word_tokenizer(tmp_path / "olmo", 50280)), val_fraction=0.1)
+    with pytest.raises(DepthToolsError, match=r"preln_L16: token budget [\d,]+ is [\d,.]+ epochs of the \d+ train tokens"
+                                              r".*max_epochs=1: it needs at least [\d,]+ train tokens; prepare it with: "
+                                              r"depthtools data prepare --input"):
+        _check_plan_data(spec, tmp_path / "root")
+    result = runner.invoke(app, ["grid", "train", str(spec_path), "--data-root", str(tmp_path / "root"),
+                                 "--root", str(tmp_path / "ck")])
+    assert result.exit_code == 2 and "epochs of the" in result.output and "max_epochs=1" in result.output, result.output
+    assert not (tmp_path / "ck" / "depthbench-400m" / "preln_L16").exists()
+    # a grid planned from a byte dataset takes its vocabulary; a contradicting --vocab-size is refused
+    byte = prepare_inputs([str(folder / "w.jsonl")], out_dir=tmp_path / "root", name="b", val_fraction=0.1)
+    ok = runner.invoke(app, ["grid", "plan", "--arch", "preln", "--budget", "200k", "--layers", "2", "--n-heads", "2",
+                             "--data", str(byte), "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.stdout)[0]["model"]["vocab_size"] == 256
+    bad = runner.invoke(app, ["grid", "plan", "--arch", "preln", "--budget", "2M", "--layers", "2", "--n-heads", "2",
+                              "--vocab-size", "50280", "--data", str(byte), "--tolerance", "0.5"])
+    assert bad.exit_code == 2 and "vocab_size=50,280 does not match the byte tokenizer" in bad.output, bad.output
