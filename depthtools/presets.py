@@ -5,7 +5,8 @@ tiny:            CI-sized (~0.25M params, 3 depths), 60k tokens per cell: ~80 s 
 demo:            the embedded default: 3 archs x 3 depths x 3 seeds, 600k tokens per cell (design study in
                  benchmarks/RESULTS.md: no configuration that fits 15 minutes resolves a depth effect
                  beyond seed noise, and the report says so).
-cpu-small:       ~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU.
+cpu-small:       ~1.6M params, DepthBench's ten architectures x 4 depths: ~68 h of training on 2 CPU cores.
+afternoon:       preln, hc, attnres at L4..L32 x 3 seeds: ~3 h of training on 2 CPU cores.
 deep:            preln and hc at L6/L24/L96 (the `--ckpt hc_L96` example).
 depthbench-400m: the paper's shapes (V=50280, 16 heads, d_ff multiple 16, L16..L32), for GPUs.
 """
@@ -67,7 +68,8 @@ PRESETS: dict[str, Preset] = {
         analysis=dict(n_tokens=2048, seq_len=128, batch_size=8),
     ),
     "cpu-small": Preset(
-        "cpu-small", "~1.6M params, DepthBench's ten architectures x 4 depths, an afternoon on CPU",
+        "cpu-small", "~1.6M params, DepthBench's ten architectures x 4 depths, 20 tokens/param: ~136 cell-hours of "
+        "training measured on this CPU (~68 h on 2 cores): for a many-core box or a GPU, not an afternoon",
         plan=dict(arch=list(DEPTHBENCH_TEN), budget=1_600_000, vocab_size=256, layers=[4, 8, 16, 32],
                   n_heads=2, head_dim_multiple=2, ffn_multiple=16, tolerance=0.05, max_seq_len=256),
         train=dict(tokens_per_param=20, batch_size=32, seq_len=256, lr=2e-3, eval_every=250, eval_tokens=131072,
@@ -76,12 +78,12 @@ PRESETS: dict[str, Preset] = {
         analysis=dict(n_tokens=16384, seq_len=256, batch_size=8),
     ),
     "afternoon": Preset(
-        "afternoon", "preln, hc, attnres at L4/L8/L16/L32 x 3 training seeds (~0.42M params, 1.5M tokens per cell): "
-        "the CPU grid for DepthBench's question with seed noise; hours on 2 CPU cores (see benchmarks/RESULTS.md)",
+        "afternoon", "preln, hc, attnres at L4/L8/L16/L32 x 3 training seeds (~0.42M params, 4M tokens per cell): "
+        "the CPU grid for DepthBench's question with seed noise; ~3 h of training on 2 CPU cores (benchmarks/preset_cost.py)",
         plan=dict(arch=["preln", "hc", "attnres"], budget=420_000, vocab_size=256, layers=[4, 8, 16, 32],
                   seeds=[0, 1, 2], n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.06, max_seq_len=128),
-        train=dict(tokens=1_500_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=100, eval_tokens=32768,
-                   log_every=10, depth_stats_every=100, checkpoint_every=100),
+        train=dict(tokens=4_000_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=200, eval_tokens=32768,
+                   log_every=10, depth_stats_every=200, checkpoint_every=200),
         data=dict(corpus="default", tokenizer="byte"),
         analysis=dict(n_tokens=4096, seq_len=128, batch_size=8),
     ),
