@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
+from rich.markup import escape
 from rich.console import Console
 
 from cli.main import app, console, print_json, table
@@ -60,9 +61,9 @@ def _emit(df, name: str, model, settings: dict, as_json: bool, out: Optional[Pat
         return
     show(df)
     for note in df.attrs.get("notes", []):
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
     if save:
-        console.print(f"saved {Path(model.checkpoint_dir) / 'analysis' / (name + '.parquet')}")
+        console.print(f"saved {Path(model.checkpoint_dir) / 'analysis' / (name + '.parquet')}", markup=False, highlight=False)
 
 
 def _model_rows(df) -> list[list[str]]:
@@ -239,8 +240,8 @@ def analyze_command(
     console.print(f"analyzed {report.checkpoints} checkpoint(s): {report.ran} run, {report.reused} already saved, "
                   f"{len(report.not_applicable)} not applicable")
     for line in report.not_applicable:
-        console.print(f"[yellow]skipped:[/] {line}", highlight=False)
-    console.print(f"next: depthtools summarize --grid {grid}")
+        console.print(f"[yellow]skipped:[/] {escape(str(line))}", highlight=False)
+    console.print(f"next: depthtools summarize --grid {grid}", markup=False, highlight=False)
 
 
 @app.command("summarize")
@@ -272,11 +273,11 @@ def summarize_command(
                         [[_fmt(r.get(c)) for c in cols] for r in models.to_dict(orient="records")]))
     for r in models.to_dict(orient="records"):
         if r.get("notes"):
-            console.print(f"[yellow]{r['model']}:[/] {r['notes']}", highlight=False)
+            console.print(f"[yellow]{escape(str(r['model']))}:[/] {escape(str(r['notes']))}", highlight=False)
     gcols = ["arch", "n_models", "n_seeds", "slope_n_skip", "slope_n_skip_lo", "slope_n_skip_hi", "slope_loss_log_L",
              "slope_loss_log_L_lo", "slope_loss_log_L_hi", "slope_loss_log_L_boot_lo", "slope_loss_log_L_boot_hi"]
     wide.print(table("marginal effective depth (dN_skip/dL) and dLoss/dlog L: mean over training seeds, 95% t-interval "
                      "across seeds (_lo/_hi; none with one seed) and bootstrap over sequences (_boot_lo/_boot_hi)",
                         gcols, [[_fmt(r.get(c)) for c in gcols] for r in slopes.to_dict(orient="records")]))
     if save:
-        console.print(f"saved {Path(grid) / 'analysis'}/effective_depth_{{models,grid}}.parquet")
+        console.print(f"saved {Path(grid) / 'analysis'}/effective_depth_{{models,grid}}.parquet", markup=False, highlight=False)

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional
 
 import pandas as pd
 import typer
+from rich.markup import escape
 
 from cli.main import app, console, err_console, print_json, table
 from depthtools.errors import DepthToolsError
@@ -260,7 +261,7 @@ def ablate_command(
             if len(dirs) == 1:
                 raise
             skipped.append(str(exc))
-            err_console.print(f"[yellow]skipped:[/] {exc}", highlight=False)
+            err_console.print(f"[yellow]skipped:[/] {escape(str(exc))}", highlight=False)
     if not frames:
         raise DepthToolsError(f"mode {mode!r} is unsupported for every checkpoint: {skipped[0]}")
     df = pd.concat(frames, ignore_index=True)

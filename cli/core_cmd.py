@@ -122,7 +122,7 @@ def grid_plan_command(
           f"{c['aspect_ratio']:.1f}"] for c in cells],
     ))
     if out is not None:
-        console.print(f"wrote {out}")
+        console.print(f"wrote {out}", markup=False, highlight=False)
 
 
 def _data_meta(data: Optional[Path]):

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from cli.main import app, console
 
@@ -52,6 +53,6 @@ def demo_command(
         console.print("interrupted; run the same command again to continue where it stopped")
         raise typer.Exit(130) from None
     for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
     timing = ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items())
-    console.print(f"report: {result.report}  (grid {result.grid_dir}; {timing})", highlight=False)
+    console.print(f"report: {result.report}  (grid {result.grid_dir}; {timing})", markup=False, highlight=False)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from cli.main import app, console, print_json, table
 
@@ -17,7 +18,7 @@ def _show(title: str, summary: dict) -> None:
             rows.append([f"{section}.{k}", v])
     console.print(table(title, ["field", "value"], rows))
     for note in summary.get("notes", []):
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
 
 
 @app.command("import-hf")

@@ -12,6 +12,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
@@ -31,7 +32,7 @@ class _OneLineErrors(TyperGroup):
         try:
             return super().invoke(ctx)
         except DepthToolsError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
 
@@ -60,11 +61,12 @@ def print_json(obj) -> None:
 
 
 def table(title: str, columns: list[str], rows: list[list]) -> Table:
-    out = Table(title=title)
+    """A rich table whose title, headers and cells are shown literally (a `[` in a name is not markup)."""
+    out = Table(title=escape(str(title)))
     for column in columns:
-        out.add_column(column)
+        out.add_column(escape(str(column)))
     for row in rows:
-        out.add_row(*(str(v) for v in row))
+        out.add_row(*(escape(str(v)) for v in row))
     return out
 
 
@@ -86,7 +88,7 @@ def main() -> None:
     try:
         app()
     except DepthToolsError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

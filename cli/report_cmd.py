@@ -43,4 +43,4 @@ def report_command(
         written = grid_report(grid, path, title=title)
     else:
         written = model_report(list(ckpt), path, title=title)
-    console.print(f"wrote {written} ({written.stat().st_size / 1024:.0f} KB)", highlight=False)
+    console.print(f"wrote {written} ({written.stat().st_size / 1024:.0f} KB)", markup=False, highlight=False)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from cli.main import app, console, grid_app, print_json, table
@@ -45,7 +46,7 @@ class TrainDisplay:
         index = event.get("cell_index", 0) + 1
         kind = event["event"]
         if kind == "skip":
-            console.print(f"[dim]skip[/] {event['cell']} (finished)")
+            console.print(f"[dim]skip[/] {escape(str(event['cell']))} (finished)")
             return
         if kind == "start":
             if self.cell is not None:
@@ -54,7 +55,7 @@ class TrainDisplay:
             self.cell = self.progress.add_task(f"{event['cell']}", total=total, completed=event["step"], info="")
             self.progress.update(self.grid, description=f"cell {index}/{self.n_cells}")
             if event["step"]:
-                console.print(f"resume {event['cell']} from step {event['step']}")
+                console.print(f"resume {event['cell']} from step {event['step']}", markup=False)
             self.progress.update(self.grid, completed=self.done_tokens + event.get("tokens", 0))
             return
         if kind == "step":
@@ -69,7 +70,8 @@ class TrainDisplay:
         if kind == "done":
             self.done_tokens += event["tokens"]
             val = event.get("val_loss")
-            console.print(f"[green]done[/] {event['cell']}: val loss {val:.4f}" if val is not None else f"done {event['cell']}")
+            console.print(f"[green]done[/] {escape(str(event['cell']))}: val loss {val:.4f}" if val is not None
+                          else f"[green]done[/] {escape(str(event['cell']))}")
 
 
 def _display(total_tokens: int, n_cells: int, quiet: bool):
@@ -203,7 +205,9 @@ def train_command(
     if as_json:
         print_json(summary)
     else:
-        console.print(f"wrote {out} (d_model={model_cfg.d_model}, {params:,} params, val loss {summary['val_loss']:.4f})")
+        val = summary.get("val_loss")
+        val_text = f"val loss {val:.4f}" if val is not None else "no validation split: no val loss"
+        console.print(f"wrote {out} (d_model={model_cfg.d_model}, {params:,} params, {val_text})", markup=False)
 
 
 LAUNCHERS = ("local", "slurm", "ray")
@@ -272,15 +276,20 @@ def grid_train_command(
         from depthtools.train.launch import launch_ray
 
         summaries = launch_ray(spec, root, data_root, gpus_per_cell=gpus_per_cell, cpus_per_cell=cpus_per_cell,
-                               threads=threads, address=ray_address, force=force, log=None if as_json else console.print)
+                               threads=threads, address=ray_address, force=force, log=None if as_json else _plain)
     elif workers > 1:
         from depthtools.train.launch import launch_local
 
         summaries = launch_local(spec, root, data_root, workers=workers, threads=threads or 1, force=force,
-                                 log=None if as_json else console.print)
+                                 log=None if as_json else _plain)
     else:
         summaries = _grid_here(spec, root, data_root, threads, force, as_json)
     _report(spec, root, summaries, as_json)
+
+
+def _plain(line: str) -> None:
+    """Print a launcher's log line literally (cell names and errors are not rich markup)."""
+    console.print(line, markup=False, highlight=False)
 
 
 def _grid_here(spec, root: Path, data_root: Path, threads: Optional[int], force: bool, as_json: bool):
@@ -346,8 +355,9 @@ def _grid_slurm(spec, grid_path, root: Path, data_root: Path, force: bool, dry_r
         print_json([{"cell": name, "job_id": job.job_id} for name, job in jobs])
         return
     for name, job in jobs:
-        console.print(f"submitted {name}: job {job.job_id}")
-    console.print(f"{len(jobs)} cell(s) submitted; follow them with: depthtools grid status {grid_path or '<spec>'} --root {root}")
+        console.print(f"submitted {name}: job {job.job_id}", markup=False)
+    console.print(f"{len(jobs)} cell(s) submitted; follow them with: depthtools grid status {grid_path or '<spec>'} --root {root}",
+                  markup=False)
 
 
 @grid_app.command("status")

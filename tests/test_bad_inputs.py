@@ -350,3 +350,32 @@ def test_divergence_margin_is_validated():
     for bad in (-1.0, float("nan"), float("inf"), "3"):
         with pytest.raises(DepthToolsError, match="divergence_margin"):
             TrainConfig(divergence_margin=bad)
+
+
+# -- user strings that reach rich are shown literally, never read as markup ------------------------
+def test_brackets_in_names_and_config_fields_are_not_rich_markup(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path))
+    refused(["info", "--ckpt", "x[/y]"], "unknown checkpoint", "x[/y]")  # was a MarkupError traceback
+    cell = save_model(tmp_path / "g" / "x[red]y")
+    config = json.loads((cell / "config.json").read_text())
+    config["model"]["arch"] = "[/evil]"
+    (cell / "config.json").write_text(json.dumps(config))
+    shown = runner.invoke(app, ["info", "--ckpt", "x[red]y"], terminal_width=200)
+    assert shown.exit_code == 0, (shown.output, shown.exception)
+    assert "x[red]y" in shown.stdout and "[/evil]" in shown.stdout  # not swallowed as a style tag
+
+
+def test_a_one_document_dataset_trains_and_says_it_has_no_val_loss(tmp_path):
+    """One document goes to train, none to val: the cell is written and the summary line says why it has
+    no val loss (it used to exit 1 formatting None after writing the cell)."""
+    from depthtools.data import prepare
+
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "only.txt").write_text((FIXTURE.parent.parent.parent / "README.md").read_text()[:20000])
+    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=tmp_path / "txt", val_fraction=0.3)
+    result = runner.invoke(app, ["train", "--arch", "preln", "--layers", "2", "--d-model", "32", "--n-heads", "2",
+                                 "--data", str(data), "--tokens", "2048", "--batch-size", "4", "--seq-len", "16",
+                                 "--out", str(tmp_path / "cell")])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "no validation split: no val loss" in result.stdout
+    assert (tmp_path / "cell" / "eval.json").is_file()
