@@ -16,6 +16,11 @@ from typing import Any
 from depthtools.errors import DepthToolsError
 
 
+def _finite(value: Any) -> bool:
+    """A real number that is not NaN/inf (bools are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def round_up(x: float, multiple: int) -> int:
     """Smallest multiple of `multiple` that is >= x."""
     return int(math.ceil(x / multiple - 1e-9)) * multiple
@@ -185,8 +190,8 @@ class TrainConfig:
             raise DepthToolsError("give TrainConfig.tokens or tokens_per_param, not both")
         if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 1):
             raise DepthToolsError(f"TrainConfig.tokens must be a positive integer, got {self.tokens!r}")
-        if self.tokens_per_param is not None and self.tokens_per_param <= 0:
-            raise DepthToolsError(f"TrainConfig.tokens_per_param must be positive, got {self.tokens_per_param!r}")
+        if self.tokens_per_param is not None and not (_finite(self.tokens_per_param) and self.tokens_per_param > 0):
+            raise DepthToolsError(f"TrainConfig.tokens_per_param must be a positive finite number, got {self.tokens_per_param!r}")
         for name in ("batch_size", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -198,8 +203,11 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise DepthToolsError(f"TrainConfig.{name} must be a non-negative integer, got {value!r}")
-        if self.lr <= 0 or any(v <= 0 for v in self.lr_overrides.values()):
-            raise DepthToolsError(f"learning rates must be positive, got lr={self.lr}, lr_overrides={self.lr_overrides}")
+        if not all(_finite(v) and v > 0 for v in (self.lr, *self.lr_overrides.values())):
+            raise DepthToolsError(f"learning rates must be positive finite numbers, got lr={self.lr}, "
+                                  f"lr_overrides={self.lr_overrides}")
+        if not all(_finite(v) for v in (self.beta1, self.beta2, self.eps, self.weight_decay, self.grad_clip)):
+            raise DepthToolsError("beta1, beta2, eps, weight_decay and grad_clip must be finite numbers")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or self.eps <= 0:
             raise DepthToolsError(f"need 0 <= beta1, beta2 < 1 and eps > 0, got {self.beta1}, {self.beta2}, {self.eps}")
         margin = self.divergence_margin

@@ -25,15 +25,21 @@ from depthtools.config import ModelConfig, round_up
 from depthtools.errors import DepthToolsError
 
 
+MAX_COUNT = 1e13  # parameters: far beyond any model this planner is for, far below float overflow
+
+
 def parse_count(text: str | float | int) -> int:
     """'405.4M', '1.6m', '200k', '2e6', 1600000 -> integer parameter count."""
-    if isinstance(text, (int, float)):
-        return int(round(text))
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgG]?)\s*", str(text))
-    if not match:
-        raise DepthToolsError(f"cannot read parameter count {text!r}; use e.g. 405.4M, 1.6M, 200k or 2e6")
-    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}[match.group(2).lower()]
-    return int(round(float(match.group(1)) * scale))
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgG]?)\s*", str(text))
+        if not match:
+            raise DepthToolsError(f"cannot read parameter count {text!r}; use e.g. 405.4M, 1.6M, 200k or 2e6")
+        value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}[match.group(2).lower()]
+    if not math.isfinite(value) or value > MAX_COUNT:
+        raise DepthToolsError(f"parameter count {text!r} is not a usable size (at most {MAX_COUNT:.0e}); use e.g. 405.4M")
+    return int(round(value))
 
 
 @dataclass(frozen=True)

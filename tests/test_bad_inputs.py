@@ -379,3 +379,23 @@ def test_a_one_document_dataset_trains_and_says_it_has_no_val_loss(tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     assert "no validation split: no val loss" in result.stdout
     assert (tmp_path / "cell" / "eval.json").is_file()
+
+
+# -- CLI values that are not numbers a run can use ---------------------------------------------------
+@pytest.mark.parametrize("args, words", [
+    (["--lr", "nan"], ["learning rates must be positive finite"]),
+    (["--lr", "inf"], ["learning rates must be positive finite"]),
+    (["--tokens-per-param", "nan", "--tokens", None], ["tokens_per_param must be a positive finite"]),
+    (["--budget", "1e400", "--d-model", None], ["not a usable size"]),
+    (["--seq-len", "4096", "--tokens", "2048"], ["exceeds the whole token budget"]),
+])
+def test_unusable_numbers_are_one_line_errors(tmp_path, data_dir, args, words):
+    base = {"--arch": "preln", "--layers": "2", "--d-model": "32", "--n-heads": "2", "--data": str(data_dir),
+            "--tokens": "4096", "--batch-size": "2", "--seq-len": "16", "--out": str(tmp_path / "cell")}
+    for flag, value in zip(args[::2], args[1::2]):
+        if value is None:
+            base.pop(flag)
+        else:
+            base[flag] = value
+    refused(["train", *[x for kv in base.items() for x in kv]], *words)
+    assert not (tmp_path / "cell" / "model.safetensors").exists()

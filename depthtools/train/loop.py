@@ -229,6 +229,12 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
         raise DepthToolsError(f"seq_len={train_cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
     from depthtools.grid import count_params
 
+    budget = train_cfg.total_tokens(count_params(model_cfg)["total"])
+    step_tokens = train_cfg.batch_size * train_cfg.seq_len
+    if step_tokens > budget:  # total_steps would round up to one step far larger than the whole budget
+        raise DepthToolsError(f"one step (batch_size {train_cfg.batch_size} x seq_len {train_cfg.seq_len} = "
+                              f"{step_tokens:,} tokens) exceeds the whole token budget ({budget:,}); lower --seq-len "
+                              "or --batch-size, or raise --tokens")
     steps = train_cfg.total_steps(count_params(model_cfg)["total"])
     check_epochs(steps * train_cfg.batch_size * train_cfg.seq_len, int(meta["splits"]["train"]["tokens"]),
                  train_cfg.max_epochs, str(data_dir), cell)
