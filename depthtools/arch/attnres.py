@@ -104,7 +104,12 @@ _VERSION = attrgetter("_version")
 
 
 class DepthMixer(nn.Module):
-    """One AttnRes mixer: pseudo-query w (zero init) and key RMSNorm gain gamma (init 1)."""
+    """One AttnRes mixer: pseudo-query w (zero init) and key RMSNorm gain gamma (init 1).
+
+    The key RMSNorm uses the model's `norm_eps` (default 1e-5, like every other norm here); the public
+    reference implementation uses 1e-6. The two differ only for source vectors of RMS ~1e-3 or below;
+    `ModelConfig(norm_eps=1e-6)` matches the reference (and changes the block norms' eps too).
+    """
 
     def __init__(self, d_model: int, eps: float):
         super().__init__()

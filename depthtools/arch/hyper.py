@@ -53,8 +53,9 @@ ablation: each sublayer still mixes the streams with R but adds no branch output
 connectors of the block built for the skipped position). Swap: every block tensor, connectors
 included (so the one-hot S_m / bias_pre of its own index), travels with the block.
 
-Options: n_streams (4), scale_output_init_by_sqrt_n (True: attention w_o and MLP w2 init / √n,
-as DepthBench; not in the papers), head_mixer (False), connector_norm_eps (1e-8 HC, 1e-6 mHC),
+Options: n_streams (4), scale_output_init_by_sqrt_n (True: attention w_o and MLP w2 init / √n, as
+the HC paper's implementation section scales the attention out-projection and FFN output inits, and as
+DepthBench), head_mixer (False), connector_norm_eps (1e-8 HC, 1e-6 mHC),
 and for mHC mhc_init ("hc_like") and sinkhorn_iters (20). Weight decay: static routing params,
 gates and biases are excluded (`no_decay_names`, as DepthBench's disable_static_weight_decay);
 the dynamic projections (dynamic_alpha/beta, φ, head_fn) decay like other matrices.
