@@ -25,7 +25,6 @@ from pathlib import Path
 import pandas as pd
 
 from depthtools.analysis.seeds import contrast, depth_effects, seed_means
-from depthtools.checkpoint import read_json
 from depthtools.grid import grid_spec, parse_seeds, plan_grid
 from depthtools.presets import get_preset
 from depthtools.train.launch import launch_local
@@ -53,13 +52,12 @@ def candidate_spec(args) -> dict:
     return grid_spec(plan_grid(**plan), name=f"design_{args.tag}", train=train, data=preset.data, plan=plan)
 
 
-def cells_table(grid_dir: Path, spec: dict) -> pd.DataFrame:
-    rows = []
-    for cell in spec["cells"]:
-        evaluation = read_json(grid_dir / cell["name"] / "eval.json")
-        rows.append({"model": cell["name"], "arch": cell["arch"], "n_layer": cell["n_layer"], "d_model": cell["d_model"],
-                     "seed": cell["seed"], "params": cell["params_total"], "val_loss": evaluation["val_loss"]})
-    return pd.DataFrame(rows)
+def cells_table(grid_dir: Path) -> pd.DataFrame:
+    """One row per trained cell (model, arch, n_layer, d_model, seed, val_loss, ...), as the grid report reads it."""
+    from depthtools.report.data import read_grid
+    from depthtools.report.frames import cells_frame
+
+    return cells_frame(read_grid(grid_dir).cells)
 
 
 def main() -> None:
@@ -88,7 +86,7 @@ def main() -> None:
     failed = [r for r in results if r.get("error")]
     if failed:
         raise SystemExit(f"{len(failed)} cell(s) failed: {failed[0]['error']}")
-    cells = cells_table(Path(args.root) / spec["name"], spec)
+    cells = cells_table(Path(args.root) / spec["name"])
     means = seed_means(cells)
     effects = depth_effects(cells)
     base = effects.set_index("arch").loc[args.baseline, "per_seed"] if args.baseline in set(effects["arch"]) else None

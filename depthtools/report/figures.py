@@ -144,8 +144,8 @@ def plot_loss_vs_shape(cells: pd.DataFrame) -> Figure:
     _require(cells, ["arch", "n_layer", "d_model", "val_loss"], "loss vs shape")
     data = with_seed(_labelled(cells.dropna(subset=["val_loss"]), "arch"))
     data = data.assign(aspect=data["d_model"] / data["n_layer"])
-    means = seed_means(data, keys=("arch", "n_layer")).merge(
-        data.groupby(["arch", "n_layer"], as_index=False)["aspect"].mean(), on=["arch", "n_layer"]).sort_values("aspect")
+    means = seed_means(data, keys=("arch", "n_layer", "d_model"))  # seeds share a shape, so d_model is a key
+    means = means.assign(aspect=means["d_model"] / means["n_layer"]).sort_values("aspect")
     palette = arch_palette(data["arch"])
     fig, (ax,) = new_figure(1, width=6.0, height=3.4)
     archs = sorted(means["arch"].unique())

@@ -106,11 +106,10 @@ def lowest_loss(cells: pd.DataFrame) -> list[str]:
     done = cells.dropna(subset=["val_loss"])
     if done.empty:
         return []
-    means = seed_means(done, keys=("arch", "n_layer")).sort_values("val_loss").reset_index(drop=True)
+    means = seed_means(done, keys=("arch", "n_layer", "d_model")).sort_values("val_loss").reset_index(drop=True)
     best = means.iloc[0]
     iv = _row_interval(best, "val_loss")
-    width = done[(done["arch"] == best["arch"]) & (done["n_layer"] == best["n_layer"])]["d_model"].iloc[0]
-    sentence = (f"Lowest final val loss: {best['arch']} L{int(best['n_layer'])} (d_model {int(width)}) at "
+    sentence = (f"Lowest final val loss: {best['arch']} L{int(best['n_layer'])} (d_model {int(best['d_model'])}) at "
                 f"{best['val_loss']:.3f} nats ({iv.noise()})")
     if len(means) > 1:
         second = means.iloc[1]
