@@ -127,6 +127,80 @@ def test_rope_pairing_is_hf_rotate_half():
     assert torch.allclose(apply_rope(k, cos, sin), hk.transpose(1, 2), atol=1e-6)
 
 
+# -- Mistral's sliding window: what transformers does, or a refusal ------------------------------------------
+def hf_mistral(directory: Path, config_edits: dict, drop: tuple[str, ...] = ()) -> Path:
+    """A random tiny MistralForCausalLM saved as safetensors, its config.json then edited as a user's would be."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+                        sliding_window=None)
+    model = MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(directory, safe_serialization=True)
+    config = json.loads((directory / "config.json").read_text())
+    config = {k: v for k, v in {**config, **config_edits}.items() if k not in drop}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def mistral_logits(directory: Path, x: torch.Tensor):
+    from transformers import MistralForCausalLM
+
+    model = MistralForCausalLM.from_pretrained(directory).eval()
+    with torch.no_grad():
+        return model.config.sliding_window, model(x).logits
+
+
+def test_mistral_window_is_applied_as_transformers_does_or_refused(tmp_path):
+    x = tokens(t=40)
+    # a window with use_sliding_window false: transformers' Mistral never reads the flag, the window applies
+    windowed = hf_mistral(tmp_path / "w16", {"sliding_window": 16, "use_sliding_window": False})
+    window, theirs = mistral_logits(windowed, x)
+    assert window == 16
+    with pytest.raises(DepthToolsError, match=r"sliding_window=16 .*use_sliding_window=False is ignored.*--max-seq-len 16") as err:
+        from_hf(windowed)  # context 64 > window 16: full causal attention would differ
+    assert len(str(err.value).splitlines()) == 1
+    short = from_hf(windowed, max_seq_len=16)  # within the window nothing is masked: exact
+    with torch.no_grad():
+        assert (short(x[:, :16]) - theirs[:, :16]).abs().max().item() <= TOL
+    # the refusal is not overcautious: the same weights with full attention ("sliding_window": null)
+    full = hf_mistral(tmp_path / "full", {"sliding_window": None, "use_sliding_window": False})
+    window, theirs_full = mistral_logits(full, x)
+    assert window is None
+    with torch.no_grad():
+        assert (from_hf(full)(x) - theirs_full).abs().max().item() <= TOL
+    assert (theirs[:, :16] - theirs_full[:, :16]).abs().max().item() <= 1e-5
+    assert (theirs[:, 16:] - theirs_full[:, 16:]).abs().max().item() > 1e-2  # what the old import returned silently
+
+
+def test_mistral_without_a_window_key_gets_transformers_default(tmp_path):
+    from depthtools.interop.llama import MISTRAL_DEFAULT_SLIDING_WINDOW
+
+    absent = hf_mistral(tmp_path / "absent", {}, drop=("sliding_window",))
+    assert "sliding_window" not in json.loads((absent / "config.json").read_text())
+    x = tokens(t=64)
+    window, theirs = mistral_logits(absent, x)
+    assert window == MISTRAL_DEFAULT_SLIDING_WINDOW == 4096  # transformers' own default, not ours
+    with torch.no_grad():  # context 64 <= 4096: the default window never binds, the import is exact
+        assert (from_hf(absent)(x) - theirs).abs().max().item() <= TOL
+    with pytest.raises(DepthToolsError, match=r"sliding_window \(absent: MistralConfig's default\)=4096"):
+        from_hf(absent, max_seq_len=4097)
+
+
+def test_llama_ignores_sliding_window_keys_as_transformers_does(tmp_path):
+    hf_llama(tmp_path / "hf", layers=2)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": 8, "use_sliding_window": True}))
+    theirs, _, _ = load_hf(tmp_path / "hf")
+    x = tokens()
+    with torch.no_grad():
+        assert (from_hf(tmp_path / "hf")(x) - theirs(x).logits).abs().max().item() <= TOL
+
+
 # -- export: round trip through transformers -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained_ckpt(data_dir, tmp_path_factory) -> Path:

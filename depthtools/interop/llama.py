@@ -8,7 +8,9 @@ by an import gives back every weight bit for bit.
 
 Only safetensors and JSON are read (never pickles), and `transformers` is not needed for either
 direction; it is only needed to *use* an exported directory. Configs our model cannot express
-exactly are refused with a one-line `DepthToolsError` naming the field.
+exactly are refused with a one-line `DepthToolsError` naming the field. Mistral configs are read as
+transformers reads them (`transformers_sliding_window`): a window that can bind within the context
+is refused, one at least as long as the context is irrelevant and the import is exact.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 SOURCE_FILE = "depthtools_source.json"  # provenance written beside an exported model
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # same module names and maths (Mistral: no sliding window)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # same module names and maths up to Mistral's sliding window
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json has no key
 DEFAULT_ROPE_TYPES = (None, "default")
 # Files carried from an imported HF directory into the checkpoint (and back out on export).
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -98,6 +101,42 @@ def _rope(hf: dict[str, Any]) -> float:
     return float(theta)
 
 
+def transformers_sliding_window(hf: dict[str, Any]) -> int | None:
+    """The attention window transformers applies for this config.json (None: full causal).
+
+    What transformers 5.x (and 4.x) does, read from its source: `MistralConfig.sliding_window`
+    defaults to 4096 when the key is absent, `"sliding_window": null` means full causal, and
+    `MistralAttention` / the mask read only `config.sliding_window` -- `use_sliding_window` (a
+    Qwen2 field) is never read by Mistral, so a window set beside `"use_sliding_window": false`
+    still applies. `LlamaForCausalLM` reads neither key (full causal whatever the config says).
+    With window W, query q attends to keys k with q - W < k <= q (`sliding_window_overlay`).
+    """
+    if hf.get("model_type") != "mistral":
+        return None
+    window = hf.get("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise _refuse("sliding_window", window, "expected a positive integer or null")
+    return window
+
+
+def _check_sliding_window(hf: dict[str, Any], context: int) -> None:
+    """Refuse a Mistral config whose window can bind within the model's context (depthtools attention
+    is full causal); a window >= the context never masks anything, so such an import is exact."""
+    window = transformers_sliding_window(hf)
+    if window is None or context <= window:
+        return
+    where = "sliding_window" if "sliding_window" in hf else "sliding_window (absent: MistralConfig's default)"
+    flag = (f"; use_sliding_window={hf['use_sliding_window']!r} is ignored by transformers' Mistral"
+            if "use_sliding_window" in hf else "")
+    raise DepthToolsError(
+        f"unsupported Hugging Face config: {where}={window} (transformers' Mistral attends to the last {window} "
+        f"positions only and depthtools attention is full causal, so logits would differ beyond position {window} "
+        f"of a {context}-token context{flag}); import with max_seq_len <= {window} "
+        f"(import-hf --max-seq-len {window}) for an exact model")
+
+
 def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
     """The `preln` ModelConfig equivalent to a Llama-family `config.json`, or a one-line refusal."""
     model_type = hf.get("model_type")
@@ -111,8 +150,6 @@ def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> Mo
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field, False):
             raise _refuse(field, hf[field], "depthtools projections have no bias")
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
-        raise _refuse("sliding_window", hf["sliding_window"], "depthtools attention is full causal")
     for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
         if not isinstance(hf.get(field), int):
             raise DepthToolsError(f"Hugging Face config has no integer {field} (got {hf.get(field)!r})")
@@ -127,6 +164,7 @@ def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> Mo
         raise _refuse("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
     theta = _rope(hf)
     context = max_seq_len or hf.get("max_position_embeddings") or 2048
+    _check_sliding_window(hf, int(context))
     try:
         return ModelConfig(
             arch="preln", vocab_size=hf["vocab_size"], d_model=d, n_layer=hf["num_hidden_layers"], n_heads=heads,
@@ -246,7 +284,8 @@ def from_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype
 
     `path` holds config.json + model.safetensors (or a safetensors index with shards). Half-precision
     weights are cast to `dtype` (float32 by default: exact). `max_seq_len` overrides
-    `max_position_embeddings` (the longest sequence the model accepts).
+    `max_position_embeddings` (the longest sequence the model accepts); for a Mistral whose sliding
+    window is shorter than that context, pass max_seq_len <= the window (otherwise refused).
     """
     from depthtools.arch import DepthModel
 
@@ -399,4 +438,5 @@ def _copy_atomic(src: Path, dst: Path) -> None:
 __all__ = [
     "from_hf", "import_hf", "export_hf", "hf_to_model_config", "model_config_to_hf", "read_hf_config",
     "read_hf_tensors", "hf_state_to_depthtools", "to_hf_state_dict", "weight_name_map", "check_exportable",
+    "transformers_sliding_window",
 ]
