@@ -11,6 +11,11 @@ direction; it is only needed to *use* an exported directory. Configs our model c
 exactly are refused with a one-line `DepthToolsError` naming the field. Mistral configs are read as
 transformers reads them (`transformers_sliding_window`): a window that can bind within the context
 is refused, one at least as long as the context is irrelevant and the import is exact.
+
+Accuracy: the same function as transformers; logits differ only by RoPE rounding (our tables are
+computed in float64, transformers' angles in float32), a gap that grows with sequence length and
+attention sharpness (~1e-6 at T=64 up to ~1e-3 at T=2048 on tiny random models;
+benchmarks/import_accuracy.py and benchmarks/RESULTS.md). With float32 tables they are bit-identical.
 """
 
 from __future__ import annotations
