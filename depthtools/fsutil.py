@@ -6,6 +6,8 @@ import os
 import shutil
 from pathlib import Path
 
+from depthtools.errors import DepthToolsError
+
 
 def replace_dir(staging: Path, target: Path) -> None:
     """Move a fully written `staging` folder to `target`; an old `target` is removed only once the new one is in place.
@@ -20,3 +22,156 @@ def replace_dir(staging: Path, target: Path) -> None:
     os.replace(staging, target)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+# -- exclusive locks (one trainer per cell, one preparation per dataset) -------------------------
+LOCK_BEAT_S = 30.0  # the holder refreshes its lock file's mtime this often
+LOCK_STALE_S = 900.0  # a lock from another host whose mtime is older than this is taken over
+
+
+class LockHeldError(DepthToolsError):
+    """Another live process holds the lock; the message names it (pid, host, since when)."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    try:  # a zombie counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _read_lock_info(fd: int) -> dict | None:
+    import json
+
+    try:
+        text = os.pread(fd, 65536, 0).decode("utf-8")
+        info = json.loads(text) if text.strip() else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def _describe_holder(info: dict | None, age_s: float | None) -> str:
+    import time
+
+    if not info:
+        return "another process (its lock file holds no readable owner)"
+    since = info.get("since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else "?"
+    beat = f", last heartbeat {age_s:.0f} s ago" if age_s is not None else ""
+    return f"pid {info.get('pid')} on host {info.get('host')} since {when}{beat}"
+
+
+class _Lock:
+    """A held lock: the open, flock'ed file plus a heartbeat thread; `release()` is idempotent."""
+
+    def __init__(self, path: Path, fd: int, beat_s: float):
+        import threading
+
+        self.path, self.fd = path, fd
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(beat_s,), daemon=True, name=f"lock-beat {path.name}")
+        self._thread.start()
+
+    def _beat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                os.utime(self.fd)
+            except OSError:
+                pass
+
+    def release(self) -> None:
+        import fcntl
+
+        if self.fd < 0:
+            return
+        self._stop.set()
+        try:  # unlink while still holding it: a waiter that opened this inode re-checks it (see exclusive_lock)
+            if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
+        except OSError:
+            pass
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = -1
+
+
+def acquire_lock(path: Path, what: str, error: type[Exception] = LockHeldError, stale_after: float = LOCK_STALE_S,
+                 beat_s: float = LOCK_BEAT_S, log=None) -> _Lock:
+    """Take the exclusive lock `path` (created if absent) or raise `error` naming its holder.
+
+    The lock is an flock on the open file, so the kernel drops it when its holder dies, however it dies
+    (a lock file left by a killed process on this host is simply taken over). The file holds the
+    holder's pid, host and start time for the message, and its mtime is refreshed every `beat_s`: on a
+    shared filesystem whose flock does not reach other hosts, a lock naming another host is honoured
+    while that heartbeat is younger than `stale_after` seconds, and taken over (with a log line) after.
+    """
+    import fcntl
+    import json
+    import socket
+    import time
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            info, age = _read_lock_info(fd), time.time() - os.fstat(fd).st_mtime
+            os.close(fd)
+            raise error(f"{what} is locked by {_describe_holder(info, age)} ({path}); wait for it to finish, "
+                        "or stop that process") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            if not os.path.exists(path) or os.stat(path).st_ino != os.fstat(fd).st_ino:
+                os.close(fd)  # its holder unlinked it on release while we waited: lock the new file
+                continue
+            info, age = _read_lock_info(fd), time.time() - os.fstat(fd).st_mtime
+            if info and info.get("host") != host and age < stale_after:  # flock may not reach that host
+                raise error(f"{what} is locked by {_describe_holder(info, age)} ({path}); wait for it to finish, "
+                            f"or stop that process (a lock from another host is taken over after {stale_after:.0f} s "
+                            "without a heartbeat)")
+            if info and log is not None:
+                gone = ("its process is gone" if info.get("host") == host and isinstance(info.get("pid"), int)
+                        and not _pid_alive(info["pid"]) else f"no heartbeat for {age:.0f} s")
+                log(f"{what}: taking over the stale lock of {_describe_holder(info, age)} ({gone})")
+            record = json.dumps({"pid": os.getpid(), "host": host, "since": time.time(), "what": what}) + "\n"
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+            os.fsync(fd)
+            return _Lock(path, fd, beat_s)
+        except BaseException:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            raise
+
+
+class exclusive_lock:  # noqa: N801 - used as a context manager
+    """`with exclusive_lock(path, what, error=...):` hold `acquire_lock`'s lock for the block; released on
+    any exit, exceptions included (and by the kernel if the process dies)."""
+
+    def __init__(self, path: Path, what: str, error: type[Exception] = LockHeldError, **kwargs):
+        self.args = (path, what, error)
+        self.kwargs = kwargs
+        self.lock: _Lock | None = None
+
+    def __enter__(self) -> _Lock:
+        self.lock = acquire_lock(*self.args, **self.kwargs)
+        return self.lock
+
+    def __exit__(self, *exc) -> None:
+        if self.lock is not None:
+            self.lock.release()

@@ -32,7 +32,7 @@ import numpy as np
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
 from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import replace_dir
+from depthtools.fsutil import exclusive_lock, replace_dir
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
@@ -82,14 +82,24 @@ def prepare(
     if is_prepared(target, settings):
         log(f"{target}: already prepared with these settings")
         return target
-    if not force:
-        check_overwrite(target, settings)
-    t0 = time.perf_counter()
-    parts = [_extract_part(c, cap, val_fraction, seed, log) for c in corpora]
-    tok = file_tok or _make_tokenizer(tokenizer, parts, log)
-    _write_dataset(target, parts, tok, settings, seed, log)
-    log(f"{target}: prepared in {time.perf_counter() - t0:.1f}s")
+    with dataset_lock(target, log):
+        if is_prepared(target, settings):  # prepared by the process that held the lock a moment ago
+            log(f"{target}: already prepared with these settings")
+            return target
+        if not force:
+            check_overwrite(target, settings)
+        t0 = time.perf_counter()
+        parts = [_extract_part(c, cap, val_fraction, seed, log) for c in corpora]
+        tok = file_tok or _make_tokenizer(tokenizer, parts, log)
+        _write_dataset(target, parts, tok, settings, seed, log)
+        log(f"{target}: prepared in {time.perf_counter() - t0:.1f}s")
     return target
+
+
+def dataset_lock(target: Path, log=None) -> exclusive_lock:
+    """The lock one preparation of `target` holds: `.<name>.lock` beside it (the dataset folder itself is
+    swapped in by rename, which would take a lock inside it along); a second process is refused."""
+    return exclusive_lock(target.with_name(f".{target.name}.lock"), f"dataset {target}", log=log)
 
 
 def resolve_corpora(corpus: str | list[str], text_dir) -> tuple[list[Corpus], int | None, str]:

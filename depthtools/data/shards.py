@@ -234,7 +234,7 @@ def prepare_inputs(
     at once; other settings in an existing folder are refused unless force=True. An interrupted run
     (Ctrl-C, a killed worker, a crash) continues from its finished units when called again.
     """
-    from depthtools.data.prepare import check_overwrite, is_prepared
+    from depthtools.data.prepare import check_overwrite, dataset_lock, is_prepared
 
     log = log or (lambda _msg: None)
     if not 0.0 <= val_fraction < 1.0:
@@ -258,40 +258,44 @@ def prepare_inputs(
         shutil.rmtree(partial, ignore_errors=True)  # left by a run stopped right after its final rename
         log(f"{target}: already prepared with these settings")
         return target
-    if not force:
-        check_overwrite(target, settings)
-    work = partial / "work"
-    _start_partial(partial, {**settings, "unit_bytes": unit_bytes}, log)  # the units depend on it, the result not
-    work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    total_bytes = sum(u.size for u in units)
-    records: dict[int, dict] = {}
-    for i in range(len(units)):
-        done = unit_done(work, i)
-        if done is not None:
-            records[i] = done
-    todo = [i for i in range(len(units)) if i not in records]
-    log(f"{n_files} input file(s), {total_bytes:,} bytes in {len(units)} unit(s); tokenizer {tok.name} "
-        f"(vocab {tok.vocab_size:,}, {np.dtype(tok.dtype).name})"
-        + (f"; continuing: {len(records)} unit(s) already done" if records else ""))
-    args = [(i, units[i], str(work), text_field, domain_field, seed, val_fraction) for i in todo]
-    _tokenize_all(args, tok, workers, records, log, len(units))
-    tokenize_s = time.perf_counter() - t0
-    done_bytes = sum(units[i].size for i in todo)
-    log(f"tokenized {len(todo)} unit(s), {done_bytes:,} bytes in {tokenize_s:.1f}s"
-        + (f" ({done_bytes / tokenize_s / 1e6:.1f} MB/s)" if tokenize_s > 0 and todo else ""))
-    out = partial / "out"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir()
-    meta = _assemble(out, work, [records[i] for i in range(len(units))], tok, settings, shard_tokens, target.name,
-                     sources)
-    tok.save(out)
-    _atomic_json(out / "meta.json", meta)
-    replace_dir(out, target)
-    shutil.rmtree(partial, ignore_errors=True)
-    log(f"{target}: " + ", ".join(f"{k} {v['tokens']:,} tokens in {len(v['shards'])} shard(s)"
-                                  for k, v in meta["splits"].items() if k in ("train", "val"))
-        + f"; {time.perf_counter() - t0:.1f}s")
+    with dataset_lock(target, log):
+        if is_prepared(target, settings):  # prepared by the process that held the lock a moment ago
+            log(f"{target}: already prepared with these settings")
+            return target
+        if not force:
+            check_overwrite(target, settings)
+        work = partial / "work"
+        _start_partial(partial, {**settings, "unit_bytes": unit_bytes}, log)  # the units depend on it, the result not
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        total_bytes = sum(u.size for u in units)
+        records: dict[int, dict] = {}
+        for i in range(len(units)):
+            done = unit_done(work, i)
+            if done is not None:
+                records[i] = done
+        todo = [i for i in range(len(units)) if i not in records]
+        log(f"{n_files} input file(s), {total_bytes:,} bytes in {len(units)} unit(s); tokenizer {tok.name} "
+            f"(vocab {tok.vocab_size:,}, {np.dtype(tok.dtype).name})"
+            + (f"; continuing: {len(records)} unit(s) already done" if records else ""))
+        args = [(i, units[i], str(work), text_field, domain_field, seed, val_fraction) for i in todo]
+        _tokenize_all(args, tok, workers, records, log, len(units))
+        tokenize_s = time.perf_counter() - t0
+        done_bytes = sum(units[i].size for i in todo)
+        log(f"tokenized {len(todo)} unit(s), {done_bytes:,} bytes in {tokenize_s:.1f}s"
+            + (f" ({done_bytes / tokenize_s / 1e6:.1f} MB/s)" if tokenize_s > 0 and todo else ""))
+        out = partial / "out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        meta = _assemble(out, work, [records[i] for i in range(len(units))], tok, settings, shard_tokens, target.name,
+                         sources)
+        tok.save(out)
+        _atomic_json(out / "meta.json", meta)
+        replace_dir(out, target)
+        shutil.rmtree(partial, ignore_errors=True)
+        log(f"{target}: " + ", ".join(f"{k} {v['tokens']:,} tokens in {len(v['shards'])} shard(s)"
+                                      for k, v in meta["splits"].items() if k in ("train", "val"))
+            + f"; {time.perf_counter() - t0:.1f}s")
     return target
 
 

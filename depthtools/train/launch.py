@@ -14,7 +14,9 @@ one 2-thread worker (tiny models scale badly over intra-op threads), hence `work
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import multiprocessing
+import os
 import re
 import shlex
 from dataclasses import dataclass
@@ -34,14 +36,64 @@ def pending_specs(spec: dict[str, Any], root: str | Path, force: bool = False) -
 
 
 # -- local process pool --------------------------------------------------------------------------
-def _init_worker(threads: int) -> None:
-    """Each pool process runs its cells with `threads` torch (and BLAS) threads."""
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel send this worker SIGTERM when the launching process dies, however it dies
+    (a SIGKILL'ed `grid train` must not leave cells training in orphans). A no-op elsewhere."""
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _init_worker(threads: int, parent: int | None = None) -> None:
+    """Each pool process runs its cells with `threads` torch (and BLAS) threads, and dies with its parent."""
     import os
 
+    if parent is not None:
+        _die_with_parent(parent)
     import torch
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _terminate_on_exit(pool: concurrent.futures.ProcessPoolExecutor):
+    """Stop the pool's workers when the launcher leaves early: an exception, Ctrl-C, or SIGTERM (turned
+    into SystemExit while the pool runs, so `kill <pid of grid train>` stops the cells it started
+    instead of leaving them to train on). Interrupted cells resume when the grid is launched again."""
+    import signal
+    import threading
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def on_term(signum, frame):
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except BaseException:
+        processes = list((getattr(pool, "_processes", None) or {}).values())  # shutdown() forgets them
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(10)
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def launch_local(grid, root: str | Path = "checkpoints", data_root: str | Path = "data", workers: int = 2,
@@ -58,7 +110,7 @@ def launch_local(grid, root: str | Path = "checkpoints", data_root: str | Path =
     results: dict[str, dict[str, Any]] = {}
     context = multiprocessing.get_context("spawn")  # no fork of a process that already runs torch threads
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                                initargs=(threads,)) as pool:
+                                                initargs=(threads, os.getpid())) as pool, _terminate_on_exit(pool):
         futures = {pool.submit(run_cell, c, str(root), str(data_root), threads, force): c["cell"]["name"]
                    for c in todo}
         for future in concurrent.futures.as_completed(futures):

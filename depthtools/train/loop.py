@@ -21,7 +21,8 @@ Outputs in out_dir (DESIGN §5): model.safetensors + config.json (via depthtools
 metrics.jsonl (one JSON record per log step), eval.json (written last: its presence means
 "finished"), and train_state/ while training (removed at the end unless keep_train_state).
 heartbeat.json (host, pid, step; or the error that stopped the run) exists only until the cell is
-finished; `depthtools grid status` reads it to tell running from failed cells.
+finished; `depthtools grid status` reads it to tell running from failed cells. train.lock is held
+(flock) by the one process training the cell: a second one is refused, naming the holder.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_wr
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import LockHeldError, acquire_lock
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
 from depthtools.train.distributed import Dist
@@ -61,6 +63,7 @@ from depthtools.train.state import (STATE_DIR, load_train_state, older_states, p
 EVAL = "eval.json"
 METRICS = "metrics.jsonl"
 HEARTBEAT = "heartbeat.json"
+LOCK = "train.lock"  # flock'ed while a process trains the cell (pid, host, since); see fsutil.acquire_lock
 HEARTBEAT_EVERY_S = 30.0  # at most this often from the step loop (`grid status` waits 900 s on other hosts)
 # Fields that change when things are logged/evaluated/saved but not the trained weights.
 CADENCE_FIELDS = ("eval_every", "eval_tokens", "log_every", "depth_stats_every", "checkpoint_every",
@@ -83,6 +86,10 @@ class TrainingDivergedError(DepthToolsError):
 
 class CellFinishedError(DepthToolsError):
     """The cell already holds a finished run; retraining needs force=True."""
+
+
+class CellLockedError(LockHeldError):
+    """Another live process trains this cell (its pid, host and start time are in the message)."""
 
 
 def is_finished(out_dir: str | Path) -> bool:
@@ -599,26 +606,33 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     share of each batch, and leaves the group after a final barrier; only rank 0 writes.
     """
     out_dir = Path(out_dir)
+    finished = f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it"
     if is_finished(out_dir) and not force:
-        raise CellFinishedError(f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it")
+        raise CellFinishedError(finished)
     dist = distributed.setup(resolve_device(train_cfg).type, train_cfg.parallel)  # torchrun: join the group
-    ok = False
+    ok, lock = False, None
     try:
         if dist.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            lock = acquire_lock(out_dir / LOCK, f"cell {out_dir}", error=CellLockedError, log=logger.warning)
+            if is_finished(out_dir) and not force:  # finished by the process that held the lock a moment ago
+                raise CellFinishedError(finished)
             if force:
                 clear_cell(out_dir)
-            out_dir.mkdir(parents=True, exist_ok=True)
         distributed.barrier(dist)
         summary = _train(model_cfg, train_cfg, data_dir, out_dir, progress, dist, allow_lr_change)
         ok = True
         return summary
     except BaseException as exc:
-        if dist.is_main and out_dir.is_dir():
+        # a refused start leaves the cell (and the heartbeat of the process training it) alone
+        if dist.is_main and lock is not None and not isinstance(exc, CellFinishedError):
             details = getattr(exc, "details", None) if isinstance(exc, TrainingDivergedError) else None
             write_heartbeat(out_dir, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000],
                             **({"diverged": details} if details else {}))
         raise
     finally:
+        if lock is not None:
+            lock.release()
         distributed.teardown(dist, ok)
 
 
@@ -644,4 +658,4 @@ def _train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir, out_dir: Pa
     return summary
 
 
-__all__ = ["CellFinishedError", "TrainingDivergedError", "is_finished", "train_cell", "write_heartbeat"]
+__all__ = ["CellFinishedError", "CellLockedError", "TrainingDivergedError", "is_finished", "train_cell", "write_heartbeat"]
