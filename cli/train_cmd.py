@@ -147,7 +147,7 @@ def train_command(
     data: str = typer.Option("default", "--data", help="Corpus name/mix to prepare, or a prepared data folder."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="Tokenizer when --data names a corpus."),
     data_root: Path = typer.Option(Path("data"), "--data-root", help="Where corpora are prepared."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Cell folder (default checkpoints/<arch>_L<layers>, with _s<seed> for --seed > 0)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Cell folder (default $DEPTHTOOLS_CHECKPOINTS/<arch>_L<layers>, else checkpoints/..., with _s<seed> for --seed > 0: where --ckpt NAME finds it)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Token budget."),
     tokens_per_param: Optional[float] = typer.Option(None, "--tokens-per-param", help="Token budget per parameter."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
@@ -178,6 +178,7 @@ def train_command(
 
     On several GPUs: torchrun --nproc_per_node=8 -m cli train ... --data data/<prepared> [--parallel fsdp]
     """
+    from depthtools.checkpoint import checkpoints_root
     from depthtools.data import read_meta
     from depthtools.grid import cell_name, count_params
     from depthtools.train import train_cell
@@ -193,7 +194,7 @@ def train_command(
     vocab_size = int(read_meta(data_dir)["tokenizer"]["vocab_size"])
     model_cfg = _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max(recipe.seq_len, 1),
                               preset_recipe, tolerance)
-    out = out or Path("checkpoints") / cell_name(model_cfg.arch, layers, recipe.seed)
+    out = out or checkpoints_root() / cell_name(model_cfg.arch, layers, recipe.seed)  # where --ckpt NAME looks
     params = count_params(model_cfg)["total"]
     main_rank = env_rank() == 0
     quiet = as_json or not main_rank

@@ -31,7 +31,7 @@ CONFIG = "config.json"
 
 
 def checkpoints_root() -> Path:
-    return Path(os.environ.get("DEPTHTOOLS_CHECKPOINTS", "checkpoints"))
+    return Path(os.environ.get("DEPTHTOOLS_CHECKPOINTS") or "checkpoints")
 
 
 # -- atomic file writes ------------------------------------------------------------------------
