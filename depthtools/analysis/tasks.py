@@ -97,6 +97,31 @@ def _score_batch(model, ids: torch.Tensor, spans: list[tuple[int, int]]) -> dict
             "ce_sum": ce_sum.cpu().numpy(), "n_answer": n_answer.cpu().numpy(), "first": first.cpu().numpy()}
 
 
+@torch.no_grad()
+def answer_accuracy(model, samples: Sequence[TaskSample], batch_size: int = 64) -> float:
+    """Exact-match accuracy (answer + end marker, teacher-forced argmax) of the full model on `samples`.
+
+    The same criterion as task_eval's "accuracy", without the per-depth lens pass: one forward per
+    batch. The trainer's curriculum uses it; the model's train/eval mode is restored.
+    """
+    if not samples:
+        raise DepthToolsError("answer_accuracy needs at least one sample")
+    was_training = model.training
+    model.eval()
+    correct = 0
+    try:
+        device = next(model.parameters()).device
+        for start in range(0, len(samples), batch_size):
+            ids, spans = _encode(samples[start:start + batch_size])
+            ids = ids.to(device)
+            predicted = model(ids).argmax(-1)  # [N, T]: predicted[:, t] is the guess for ids[:, t+1]
+            for i, (a, b) in enumerate(spans):
+                correct += bool((predicted[i, a - 1:b] == ids[i, a:b + 1]).all())
+    finally:
+        model.train(was_training)
+    return correct / len(samples)
+
+
 def _check_byte_model(model) -> None:
     if model.config.vocab_size < 256:
         raise DepthToolsError(f"task probes are byte-level: the model's vocab_size {model.config.vocab_size} < 256")
@@ -281,6 +306,6 @@ def wide(df: pd.DataFrame) -> pd.DataFrame:
 
 
 __all__ = [
-    "COLUMNS", "DEPTH_COLUMNS", "DEPTH_TABLE", "EVAL_TABLE", "METRICS", "depth_reached", "eval_settings",
+    "COLUMNS", "DEPTH_COLUMNS", "DEPTH_TABLE", "EVAL_TABLE", "METRICS", "answer_accuracy", "depth_reached", "eval_settings",
     "evaluate_checkpoint", "evaluate_grid", "recorded_task_mix", "task_eval", "wide",
 ]

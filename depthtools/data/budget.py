@@ -66,6 +66,14 @@ def epochs_problem(budget_tokens: int, train_tokens: int, max_epochs: float | No
                      f"tokens; {fix}, or raise max_epochs")
 
 
+def text_tokens_read(train_cfg, params_total: int) -> int:
+    """Corpus tokens a run reads: its steps x batch x seq_len, less the rows a task mix replaces
+    (a task-only run, fraction 1, reads none)."""
+    tokens = train_cfg.total_steps(params_total) * train_cfg.batch_size * train_cfg.seq_len
+    mix = getattr(train_cfg, "task_mix", None)
+    return round(tokens * (1.0 - (mix.fraction if mix is not None else 0.0)))
+
+
 def check_epochs(budget_tokens: int, train_tokens: int, max_epochs: float | None, where: str,
                  cell: str | None = None, how: str | None = None) -> str | None:
     """Raise on an over-budget cell; log (and return) the warning for one above 1 epoch with no limit set."""
@@ -87,7 +95,7 @@ def check_grid(cells, train_cfg_for, meta: dict[str, Any], where: str, how: str 
     for cell in cells:
         check_vocab(cell.model_config().vocab_size, meta["tokenizer"], where, cell.name)
         cfg = train_cfg_for(cell)
-        budget = cfg.total_steps(cell.params_total) * cfg.batch_size * cfg.seq_len
+        budget = text_tokens_read(cfg, cell.params_total)
         found = epochs_problem(budget, int(meta["splits"]["train"]["tokens"]), cfg.max_epochs, where, cell.name, how)
         if found and found[0] == "error":
             raise DepthToolsError(found[1])

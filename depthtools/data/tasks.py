@@ -25,6 +25,13 @@ Training mix (`TaskMix`, the `TrainConfig.task_mix` field): in every training ba
 with probability `fraction` by a row of packed task samples ``0 s1 0 s2 0 ...`` (a row of seq_len+1
 tokens, so the expected share of task tokens is also `fraction`). Which rows, and their content, depend
 only on (seed, step, global row index): the same for every cell of a grid, and bit-identical on resume.
+
+Task training (issue 17): `fraction=1` trains on the task stream alone; `answer_only=True` puts the loss
+of task rows on their answer tokens and end markers only (text rows keep every target), so the gradient
+is spent on the computation rather than on predicting random bindings; `curriculum` (a `Curriculum`)
+starts every task at k_min and raises its level by one whenever the model answers `threshold` of
+`n` held-out samples at that level, up to k_max; rows draw k uniformly from k_min..level, so solved
+levels keep being rehearsed. The levels are part of the train state, so a resumed run draws the same rows.
 """
 
 from __future__ import annotations
@@ -252,6 +259,72 @@ def parse_tasks(spec: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 # -- training mix --------------------------------------------------------------------------------
+def max_sample_tokens(task: str, k: int) -> int:
+    """Upper bound on the tokens of one training sample (separator + prompt + answer + end marker).
+
+    chase: 2k+2 bindings of 4 bytes ("a=b;"), the query "a?" and a 1-digit answer; s5: k blocks of 6
+    bytes ("01234*", the last one "="), a 5-digit answer; add: two operands of at most k+3 digits, "+",
+    "=" and a sum of at most k+4 digits.
+    """
+    check_k(task, k)
+    body = {"chase": 4 * (2 * k + CHASE_EXTRA) + 2 + 1, "s5": 6 * k + 5, "add": 2 * (k + 3) + 2 + (k + 4)}[task]
+    return 1 + body + len(END)
+
+
+@dataclass(frozen=True)
+class Curriculum:
+    """Curriculum over k: every `every` steps each task's level rises by one (up to k_max) when the model
+    answers at least `threshold` of `n` held-out samples at its current level exactly.
+
+    JSON form (inside task_mix): {"threshold": 0.9, "every": 50, "n": 64}. The held-out samples come from
+    their own stream (seed `CURRICULUM_SEED` + the run's seed), never the training rows or the evaluation
+    samples of `depthtools tasks eval` (seed 0, 1, ...).
+    """
+
+    threshold: float = 0.9
+    every: int = 50
+    n: int = 64
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 1:
+            raise DepthToolsError(f"task_mix.curriculum.threshold must lie in (0, 1] (accuracy), got {t!r}")
+        object.__setattr__(self, "threshold", float(t))
+        for name in ("every", "n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DepthToolsError(f"task_mix.curriculum.{name} must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def from_value(cls, value: "Curriculum | dict[str, Any] | bool") -> "Curriculum":
+        if isinstance(value, cls):
+            return value
+        if value is True:
+            return cls()
+        if not isinstance(value, dict):
+            raise DepthToolsError("task_mix.curriculum must be a dict like {'threshold': 0.9, 'every': 50, 'n': 64} "
+                                  f"or true, got {value!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise DepthToolsError(f"unknown task_mix.curriculum field(s) {unknown}; valid: {sorted(known)}")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"threshold": self.threshold, "every": self.every, "n": self.n}
+
+    def held_out(self, task: str, k: int, seed: int) -> list[TaskSample]:
+        """The fixed samples that decide whether `task` advances past level `k` in a run with `seed`."""
+        return generate(task, k, self.n, seed=CURRICULUM_SEED + int(seed))
+
+    def advance(self, levels: dict[str, int], accuracy: dict[str, float], k_max: int) -> dict[str, int]:
+        """The next levels: +1 for each task whose accuracy at its level reached the threshold (capped)."""
+        return {t: min(k_max, k + 1) if accuracy.get(t, 0.0) >= self.threshold else k for t, k in levels.items()}
+
+
+CURRICULUM_SEED = 1_000_003  # held-out curriculum samples: generate(..., seed=CURRICULUM_SEED + run seed)
+
+
 @dataclass(frozen=True)
 class TaskMix:
     """Task sequences mixed into training: `fraction` of the rows (= of the tokens), k uniform in k_min..k_max.
@@ -264,6 +337,8 @@ class TaskMix:
     tasks: tuple[str, ...] = TASKS
     k_min: int = 1
     k_max: int = 4
+    answer_only: bool = False  # loss of task rows on answer + end marker only
+    curriculum: "Curriculum | None" = None  # levels rise from k_min as the model solves them
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tasks", tuple(self.tasks) if not isinstance(self.tasks, str) else (self.tasks,))
@@ -285,6 +360,10 @@ class TaskMix:
             raise DepthToolsError(f"task_mix.k_max={self.k_max} is below k_min={self.k_min}")
         for t in self.tasks:
             check_k(t, self.k_max)
+        if not isinstance(self.answer_only, bool):
+            raise DepthToolsError(f"task_mix.answer_only must be true or false, got {self.answer_only!r}")
+        if self.curriculum is not None:
+            object.__setattr__(self, "curriculum", Curriculum.from_value(self.curriculum))
 
     @classmethod
     def from_value(cls, value: "TaskMix | dict[str, Any]") -> "TaskMix":
@@ -302,33 +381,60 @@ class TaskMix:
         return cls(**value)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"fraction": self.fraction, "tasks": list(self.tasks), "k_min": self.k_min, "k_max": self.k_max}
+        """JSON form; the issue-17 fields appear only when set, so older configs keep their run fingerprint."""
+        out = {"fraction": self.fraction, "tasks": list(self.tasks), "k_min": self.k_min, "k_max": self.k_max}
+        if self.answer_only:
+            out["answer_only"] = True
+        if self.curriculum is not None:
+            out["curriculum"] = self.curriculum.to_dict()
+        return out
+
+    def start_levels(self) -> dict[str, int]:
+        """The k level each task starts at: k_min under a curriculum, else k_max (the whole range)."""
+        return {t: self.k_min if self.curriculum is not None else self.k_max for t in self.tasks}
+
+    def longest_row_sample(self) -> int:
+        """Tokens of the longest possible sample (separator included) at k_max, over the mix's tasks."""
+        return max(max_sample_tokens(t, self.k_max) for t in self.tasks)
 
     def covers(self, task: str, k: int) -> bool:
         """Whether (task, k) is inside the training distribution."""
         return task in self.tasks and self.k_min <= k <= self.k_max
 
 
-def task_row(mix: TaskMix, seed: int, step: int, row: int, length: int) -> np.ndarray:
-    """Row `row` of step `step` as task text: ``0 s1 0 s2 0 ...`` cut to `length` tokens (int64).
+def task_row(mix: TaskMix, seed: int, step: int, row: int, length: int,
+             levels: dict[str, int] | None = None) -> np.ndarray:
+    """Row `row` of step `step` as task text: ``0 s1 0 s2 0 ...`` cut to `length` tokens (int64)."""
+    return task_row_and_answers(mix, seed, step, row, length, levels)[0]
 
-    Each sample draws its task uniformly from mix.tasks and k uniformly from k_min..k_max.
+
+def task_row_and_answers(mix: TaskMix, seed: int, step: int, row: int, length: int,
+                         levels: dict[str, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, is_answer): the row as in `task_row`, and a bool mask marking each answer token and end marker.
+
+    Each sample draws its task uniformly from mix.tasks and k uniformly from k_min..levels[task]
+    (levels None: k_max, the whole range).
     """
     draw = Draw(_ROW_STREAM, seed, step, row)
     out = np.empty(length, dtype=np.int64)
+    answer = np.zeros(length, dtype=bool)
     filled = 0
     while filled < length:
         task = draw.pick(mix.tasks)
-        prompt, answer = GENERATORS[task](draw.between(mix.k_min, mix.k_max), draw)
-        piece = b"\0" + (prompt + answer + END).encode("ascii")
+        top = mix.k_max if levels is None else levels[task]
+        prompt, solution = GENERATORS[task](draw.between(mix.k_min, top), draw)
+        piece = b"\0" + (prompt + solution + END).encode("ascii")
         take = min(len(piece), length - filled)
         out[filled:filled + take] = np.frombuffer(piece[:take], dtype=np.uint8)
+        first = filled + 1 + len(prompt)  # answer bytes, then the end marker
+        answer[first:min(first + len(solution) + len(END), length)] = True
         filled += take
-    return out
+    return out, answer
 
 
 class TaskMixer:
-    """Replaces a `fraction` of each training batch's rows by task rows, as a pure function of (seed, step, row).
+    """Replaces a `fraction` of each training batch's rows by task rows, as a pure function of (seed, step, row)
+    and the curriculum `levels` (a dict task -> k level; the trainer keeps it in the train state).
 
     `batch_size` is the global batch (rows are numbered 0..batch_size-1 across all ranks); a rank that holds
     only some rows passes their global indices to `apply`.
@@ -340,6 +446,24 @@ class TaskMixer:
             raise DepthToolsError(f"task_mix needs a byte-level dataset (tokenizer 'byte'), but this data uses "
                                   f"{tokenizer!r}; prepare the corpus with --tokenizer byte or drop task_mix")
         self.mix, self.seed, self.batch_size, self.seq_len = TaskMix.from_value(mix), int(seed), batch_size, seq_len
+        longest = self.mix.longest_row_sample()
+        if self.mix.answer_only and longest > seq_len + 1:
+            raise DepthToolsError(
+                f"task_mix: a k_max={self.mix.k_max} sample can need {longest} tokens, more than a training row "
+                f"(seq_len+1 = {seq_len + 1}); with answer_only its answer could be cut off: lower k_max or raise seq_len")
+        self.levels = self.mix.start_levels()
+
+    def set_levels(self, levels: dict[str, Any] | None) -> None:
+        """Restore curriculum levels (from a train state); None keeps the start levels."""
+        if levels is None:
+            return
+        if not isinstance(levels, dict) or set(levels) != set(self.mix.tasks):
+            raise DepthToolsError(f"train state task levels {levels!r} do not match the task mix {list(self.mix.tasks)}")
+        for task, k in levels.items():
+            if isinstance(k, bool) or not isinstance(k, int) or not self.mix.k_min <= k <= self.mix.k_max:
+                raise DepthToolsError(f"train state task level {task}={k!r} lies outside "
+                                      f"k_min..k_max = {self.mix.k_min}..{self.mix.k_max}")
+        self.levels = {t: int(levels[t]) for t in self.mix.tasks}
 
     def task_rows(self, step: int) -> np.ndarray:
         """[batch_size] bool: which global rows of `step` are task rows."""
@@ -348,13 +472,20 @@ class TaskMixer:
 
     def apply(self, data, step: int, rows: Sequence[int] | None = None):
         """Windows [n, seq_len+1] (tensor or array) with their task rows replaced (in place); returns data."""
+        return self.apply_with_answers(data, step, rows)[0]
+
+    def apply_with_answers(self, data, step: int, rows: Sequence[int] | None = None):
+        """(data, is_answer): as `apply`, plus a bool array [n, seq_len+1] that is True on every token of a
+        text row and on the answer tokens and end markers of a task row (what answer-only training scores)."""
         rows = range(len(data)) if rows is None else rows
         mask = self.task_rows(step)
+        scored = np.ones(tuple(data.shape), dtype=bool)
         for i, row in enumerate(rows):
             if mask[row]:
-                values = task_row(self.mix, self.seed, step, int(row), data.shape[1])
+                values, answers = task_row_and_answers(self.mix, self.seed, step, int(row), data.shape[1], self.levels)
                 data[i] = values if isinstance(data, np.ndarray) else _as_tensor(values, data)
-        return data
+                scored[i] = answers
+        return data, scored
 
 
 def _as_tensor(values: np.ndarray, like):
@@ -364,6 +495,7 @@ def _as_tensor(values: np.ndarray, like):
 
 
 __all__ = [
-    "TASKS", "TASK_HELP", "MAX_K", "END", "Draw", "TaskSample", "TaskMix", "TaskMixer", "check_k", "check_task",
-    "generate", "longest_carry_chain", "make_sample", "parse_k", "parse_tasks", "task_row",
+    "TASKS", "TASK_HELP", "MAX_K", "END", "CURRICULUM_SEED", "Curriculum", "Draw", "TaskSample", "TaskMix",
+    "TaskMixer", "check_k", "check_task", "generate", "longest_carry_chain", "make_sample", "max_sample_tokens",
+    "parse_k", "parse_tasks", "task_row", "task_row_and_answers",
 ]

@@ -12,6 +12,8 @@ import torch
 
 from depthtools.errors import DepthToolsError
 
+IGNORE = -100  # a target the loss skips (F.cross_entropy's default ignore_index): unscored task-row tokens
+
 
 def batch_offsets(step: int, seed: int, n_tokens: int, batch_size: int, seq_len: int) -> np.ndarray:
     """Start offsets [B] of the training windows of `step` (each window is seq_len+1 tokens)."""
@@ -26,6 +28,9 @@ def windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> torch.Tens
 
 class TrainBatches:
     """Training batches of one split; `batch(step)` -> (inputs, targets) [B,T] on `device`.
+
+    With an answer-only task mix, targets that are not an answer token or end marker of a task row are
+    IGNORE, so the mean cross-entropy covers text rows and task answers only.
 
     Under data parallelism (world_size > 1) rank r gets rows [r·B/W, (r+1)·B/W) of the GLOBAL batch
     of the step, so the windows a step trains on do not depend on the world size (resume may change it).
@@ -54,12 +59,16 @@ class TrainBatches:
             rows = self.batch_size // self.world_size
             offsets = offsets[self.rank * rows:(self.rank + 1) * rows]
         data = windows(self.tokens, offsets, self.seq_len)
+        targets = None
         if self.mixer is not None:
             first = self.rank * len(offsets)  # global index of this rank's first row
-            data = self.mixer.apply(data, step, range(first, first + len(offsets)))
+            data, scored = self.mixer.apply_with_answers(data, step, range(first, first + len(offsets)))
+            if self.mixer.mix.answer_only:  # unscored targets -> IGNORE (cross_entropy's ignore_index)
+                targets = data[:, 1:].masked_fill(torch.from_numpy(~scored[:, 1:]), IGNORE)
         if self.device.type == "cuda":
             data = data.pin_memory().to(self.device, non_blocking=True)
-        return data[:, :-1], data[:, 1:]
+            targets = None if targets is None else targets.pin_memory().to(self.device, non_blocking=True)
+        return data[:, :-1], data[:, 1:] if targets is None else targets
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, max_tokens: int) -> torch.Tensor | None:

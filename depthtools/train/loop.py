@@ -229,7 +229,7 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
     """One-line errors for a model that cannot read this data or this sequence length (a vocabulary
     planned for another tokenizer included), and for a token budget above max_epochs of the data
     (a logged warning above one epoch when max_epochs is unset); see depthtools.data.budget."""
-    from depthtools.data.budget import check_epochs, check_vocab
+    from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
 
     check_vocab(model_cfg.vocab_size, meta["tokenizer"], str(data_dir), cell)
     if train_cfg.seq_len > model_cfg.max_seq_len:
@@ -242,8 +242,7 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
         raise DepthToolsError(f"one step (batch_size {train_cfg.batch_size} x seq_len {train_cfg.seq_len} = "
                               f"{step_tokens:,} tokens) exceeds the whole token budget ({budget:,}); lower --seq-len "
                               "or --batch-size, or raise --tokens")
-    steps = train_cfg.total_steps(count_params(model_cfg)["total"])
-    check_epochs(steps * train_cfg.batch_size * train_cfg.seq_len, int(meta["splits"]["train"]["tokens"]),
+    check_epochs(text_tokens_read(train_cfg, count_params(model_cfg)["total"]), int(meta["splits"]["train"]["tokens"]),
                  train_cfg.max_epochs, str(data_dir), cell)
 
 
@@ -288,14 +287,19 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
             distributed.move_optimizer_state(full_optimizer, names, model, optimizer)
     elif compile_:
         step_model = torch.compile(model)
+    batches = TrainBatches(load_split(data_dir, "train"), train_cfg.batch_size, train_cfg.seq_len, train_cfg.seed,
+                           device, dist.rank, dist.world_size, task_mix=train_cfg.task_mix,
+                           tokenizer=meta["tokenizer"]["name"])
+    if batches.mixer is not None and batches.mixer.mix.curriculum is not None:
+        if dist.fsdp:
+            raise DepthToolsError("a task curriculum scores the model on every rank, which FSDP's sharded weights "
+                                  "do not allow; train curriculum cells with DDP or on one device")
+        batches.mixer.set_levels(info.get("task_levels") if info else None)
     peak = train_cfg.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     return Run(
         model_cfg=model_cfg, train_cfg=train_cfg, out_dir=out_dir, data_dir=data_dir, meta=meta, device=device,
         dtype=resolve_dtype(train_cfg, device), model=model, step_model=step_model, optimizer=optimizer,
-        param_names=names, batches=TrainBatches(load_split(data_dir, "train"), train_cfg.batch_size,
-                                                train_cfg.seq_len, train_cfg.seed, device, dist.rank, dist.world_size,
-                                                task_mix=train_cfg.task_mix,
-                                                tokenizer=meta["tokenizer"]["name"]),
+        param_names=names, batches=batches,
         eval_sets=eval_sets, domains=domains, total_steps=train_cfg.total_steps(params_total),
         peak_lr=peak_lr, fingerprint=fingerprint, lr_free_fingerprint=lr_free, lr_changes=lr_changes,
         min_train_loss=float(min_loss) if isinstance(min_loss, (int, float)) else math.inf,
@@ -412,6 +416,8 @@ def _checkpoint(run: Run, step: int, keep: int | None = None) -> None:
             "lr_overrides": dict(run.train_cfg.lr_overrides), "lr_changes": run.lr_changes,
             "min_train_loss": run.min_train_loss if math.isfinite(run.min_train_loss) else None,
             "data": {"seed": run.train_cfg.seed, "next_step": step, "rule": "offsets = default_rng([seed, step])"}}
+    if _has_curriculum(run):
+        info["task_levels"] = dict(run.batches.mixer.levels)
     model, optimizer = run.model, run.optimizer
     if run.dist.fsdp:
         model, optimizer = distributed.full_state(run.model, run.optimizer, run.param_names)
@@ -440,6 +446,33 @@ def _probe_for(cfg: TrainConfig, step: int, world_size: int = 1) -> DepthProbe |
     if not (_every(step, cfg.depth_stats_every) or (cfg.depth_stats_every and step == 1)):
         return None
     return DepthProbe(grad_scale=cfg.batch_size / world_size / (cfg.micro_batch_size or cfg.batch_size))
+
+
+def _has_curriculum(run: Run) -> bool:
+    return run.batches.mixer is not None and run.batches.mixer.mix.curriculum is not None
+
+
+def _curriculum_due(run: Run, step: int) -> bool:
+    return _has_curriculum(run) and _every(step, run.batches.mixer.mix.curriculum.every)
+
+
+def _curriculum_step(run: Run) -> dict[str, Any]:
+    """Score each task at its current level on the curriculum's held-out samples and advance the levels;
+    returns the metrics fields (the levels the accuracies were measured at, and the accuracies).
+
+    Every rank scores the same samples with the same (replicated) weights, so all ranks advance alike.
+    """
+    from depthtools.analysis.tasks import answer_accuracy
+
+    mixer = run.batches.mixer
+    curriculum = mixer.mix.curriculum
+    with run.autocast():
+        accuracy = {t: answer_accuracy(run.model, curriculum.held_out(t, k, run.train_cfg.seed))
+                    for t, k in mixer.levels.items()}
+    fields = {**{f"task_level_{t}": k for t, k in mixer.levels.items()},
+              **{f"task_acc_{t}": a for t, a in accuracy.items()}}
+    mixer.levels = curriculum.advance(mixer.levels, accuracy, mixer.mix.k_max)
+    return fields
 
 
 def _record(run: Run, step: int, lr: float, mean_loss: float, grad_norm: torch.Tensor, tokens_per_s: float | None,
@@ -488,7 +521,8 @@ def run_steps(run: Run) -> dict[str, Any]:
         clock_tokens += run.tokens_per_step
         last, save_now = step == run.total_steps, _every(step, cfg.checkpoint_every)
         do_eval = _every(step, cfg.eval_every) or last
-        if not (_every(step, cfg.log_every) or last or step == 1 or do_eval or probe or save_now):
+        curriculum_now = _curriculum_due(run, step)
+        if not (_every(step, cfg.log_every) or last or step == 1 or do_eval or probe or save_now or curriculum_now):
             continue
         loss_all, bad_all = distributed.reduce_log(run.dist, loss_sum, bad)  # identity in one process
         mean_loss = float(loss_all) / loss_count
@@ -507,6 +541,8 @@ def run_steps(run: Run) -> dict[str, Any]:
         elapsed = time.perf_counter() - clock
         record = _record(run, step, lr, mean_loss, grad_norm,
                          clock_tokens / elapsed if elapsed > 0 else None, probe, do_eval)
+        if curriculum_now:  # after the record's losses, before the checkpoint (which saves the new levels)
+            record.update(_curriculum_step(run))
         if run.lr_changes and run.lr_changes[-1]["step"] == run.start_step and not lr_noted:
             record["lr_changed_from"] = run.lr_changes[-1]["from_lr"]  # the first record after the change
             lr_noted = True
@@ -550,6 +586,7 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
             "depth_scaling": None if scaling is None else {"block_lr_factor": scaling[0], "block_eps_factor": scaling[1]},
             "flops_per_token": run.flops_per_token, "elapsed_s": elapsed, "world_size": run.dist.world_size,
             **({"lr_changes": run.lr_changes} if run.lr_changes else {}),
+            **({"task_levels": dict(run.batches.mixer.levels)} if _has_curriculum(run) else {}),
         },
         "tokenizer": meta["tokenizer"],
         "data": {"name": meta.get("name"), "path": str(run.data_dir), "data_fingerprint": meta["data_fingerprint"],
@@ -560,6 +597,8 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
     result = {"step": last["step"], "tokens": last["tokens"], "val_loss": last.get("val_loss"),
               "domains": {k[len("val_loss_"):]: v for k, v in domains.items()}, "train_loss": last["train_loss"],
               "eval_tokens_per_split": {k: int(w[:, 1:].numel()) for k, w in run.eval_sets.items()}}
+    if _has_curriculum(run):  # the levels reached (a level is solved when its accuracy passed the threshold)
+        result["task_levels"] = dict(run.batches.mixer.levels)
     if not run.dist.is_main:
         return result
     _carry_tokenizer(run)
