@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from depthtools.config import ModelConfig
 from depthtools.errors import CheckpointError, DepthToolsError
+from depthtools.fsutil import file_mode
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -41,6 +42,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())  # mkstemp's 0600 would make every checkpoint private, whatever the umask
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -63,6 +65,7 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
     os.close(fd)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.chmod(tmp, file_mode())  # after save_file, which may create the file anew
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -9,6 +9,36 @@ from pathlib import Path
 from depthtools.errors import DepthToolsError
 
 
+_UMASK: int | None = None
+
+
+def umask() -> int:
+    """The process umask, read without changing it (Linux: /proc/self/status; elsewhere the classic
+    set-and-restore, done once and cached, since it briefly changes the mask for every thread)."""
+    global _UMASK
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    if _UMASK is None:
+        _UMASK = os.umask(0o022)
+        os.umask(_UMASK)
+    return _UMASK
+
+
+def file_mode() -> int:
+    """The mode an ordinary new file gets (0o666 less the umask): temporary files behind atomic writes
+    are created 0600 and get this before they are renamed into place."""
+    return 0o666 & ~umask()
+
+
+def dir_mode() -> int:
+    """The mode an ordinary new folder gets (0o777 less the umask), for folders made with mkdtemp (0700)."""
+    return 0o777 & ~umask()
+
+
 def replace_dir(staging: Path, target: Path) -> None:
     """Move a fully written `staging` folder to `target`; an old `target` is removed only once the new one is in place.
 

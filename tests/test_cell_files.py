@@ -35,3 +35,42 @@ def test_train_without_out_writes_where_ckpt_names_resolve(data_dir, tmp_path, m
     shown = runner.invoke(app, ["info", "--ckpt", "preln_L2", "--json"])
     assert shown.exit_code == 0, (shown.output, shown.exception)
     assert json.loads(shown.stdout)["path"] == str(root / "preln_L2")
+
+
+def _modes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) for p in sorted(folder.rglob("*"))}
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    """Checkpoints, metrics, tables and datasets get 0666/0777 less the umask (they were 0600 and 0755
+    whatever the umask: collaborators on a shared filesystem could not read the weights)."""
+    import pandas as pd
+
+    from depthtools.analysis.tables import save_table
+    from depthtools.config import ModelConfig, TrainConfig
+    from depthtools.data import prepare
+    from depthtools.train import train_cell
+
+    fixture = Path(__file__).resolve().parent / "fixtures" / "tiny_corpus"
+    recipe = TrainConfig(tokens=2 * 8 * 32, batch_size=8, seq_len=32, eval_tokens=512, eval_every=0, log_every=1,
+                         depth_stats_every=0, checkpoint_every=0, threads=1)
+    before = os.umask(0o022)
+    try:
+        for mask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o077, 0o600, 0o700)):
+            os.umask(mask)
+            base = tmp_path / f"umask{mask:03o}"
+            data = prepare("text-dir", out_dir=base / "data", text_dir=fixture, val_fraction=0.3)
+            cell = base / "g" / "preln_L2"
+            train_cell(ModelConfig(arch="preln", vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32),
+                       recipe, data, cell)
+            save_table(pd.DataFrame({"layer": [0, 1], "value": [0.5, 0.25]}), cell, "probe", {"n": 1})
+            modes = {**{f"cell/{k}": v for k, v in _modes(cell).items()}, **{f"data/{k}": v for k, v in _modes(data).items()},
+                     "data": stat.S_IMODE(data.stat().st_mode)}
+            for name in ("cell/model.safetensors", "cell/config.json", "cell/metrics.jsonl", "cell/eval.json",
+                         "cell/analysis/probe.parquet", "cell/analysis/probe.json", "data/meta.json", "data/train.bin"):
+                assert modes[name] == file_mode, (mask, name, oct(modes[name]))
+            for name in ("cell/analysis", "data"):
+                assert modes[name] == dir_mode, (mask, name, oct(modes[name]))
+            assert all(v in (file_mode, dir_mode) for v in modes.values()), {k: oct(v) for k, v in modes.items()}
+    finally:
+        os.umask(before)

@@ -32,7 +32,7 @@ import numpy as np
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
 from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import exclusive_lock, replace_dir
+from depthtools.fsutil import dir_mode, exclusive_lock, replace_dir
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
@@ -314,7 +314,7 @@ def _write_dataset(target: Path, parts: list[_Part], tok, settings: dict, seed: 
     """Build everything in a temporary sibling folder, then swap it in with renames."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the dataset is an ordinary shared folder
+    tmp.chmod(dir_mode())  # mkdtemp makes it private; the dataset is an ordinary folder (umask applies)
     try:
         t0 = time.perf_counter()
         train_docs = [(p.corpus, d) for p in parts for d in p.train]

@@ -32,7 +32,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import replace_dir
+from depthtools.fsutil import dir_mode, replace_dir
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -413,6 +413,7 @@ def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = 
     dtype = str(next(iter(tensors.values())).dtype).replace("torch.", "")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    staging.chmod(dir_mode())  # mkdtemp's 0700 would make the exported folder private whatever the umask
     try:
         from depthtools.checkpoint import atomic_save_tensors
 

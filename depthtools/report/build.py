@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import hashlib
-import os
 import re
 from importlib import resources
 from pathlib import Path
@@ -97,8 +96,7 @@ def write(html: str, out_path: str | Path) -> Path:
     from depthtools.checkpoint import atomic_write_bytes
 
     out_path = Path(out_path)
-    atomic_write_bytes(out_path, html.encode("utf-8"))
-    os.chmod(out_path, 0o644)  # the temporary file behind the atomic write is created 0600
+    atomic_write_bytes(out_path, html.encode("utf-8"))  # mode 0666 less the umask, like any new file
     return out_path
 
 
