@@ -74,3 +74,40 @@ def test_written_files_follow_the_umask(tmp_path):
             assert all(v in (file_mode, dir_mode) for v in modes.values()), {k: oct(v) for k, v in modes.items()}
     finally:
         os.umask(before)
+
+
+def _leave_final_write_leftovers(out: Path) -> None:
+    """What a kill between eval.json and the cleanup leaves: the last train_state and a "running" heartbeat."""
+    (out / "heartbeat.json").write_text(json.dumps({"state": "running", "host": "h", "pid": 999999, "step": 4}))
+    (out / "train_state").mkdir()
+    (out / "train_state" / "latest.json").write_text('{"step": 2, "tensors": "step_00000002.safetensors"}')
+    (out / "train_state" / "step_00000002.safetensors").write_bytes(b"state")
+
+
+def test_a_finished_cell_loses_train_state_and_heartbeat_left_by_a_kill_in_the_final_write(data_dir, tmp_path):
+    """finish() writes eval.json, then removes train_state/ and heartbeat.json: a kill between those
+    left both behind for good (and grid status read the stale heartbeat). The next run that finds the
+    cell finished, `train` or `grid train`, removes them."""
+    from depthtools.grid import grid_spec, plan_grid
+    from depthtools.train import train_grid
+
+    out = tmp_path / "cell"
+    args = ("--out", str(out), "--checkpoint-every", "2")
+    first = _train(data_dir, *args)
+    assert first.exit_code == 0, (first.output, first.exception)
+    assert not (out / "train_state").exists() and not (out / "heartbeat.json").exists()
+    _leave_final_write_leftovers(out)
+    weights = (out / "model.safetensors").read_bytes()
+    again = _train(data_dir, *args)
+    assert again.exit_code == 2 and "already holds a finished run" in again.stderr, (again.output, again.exception)
+    assert not (out / "train_state").exists() and not (out / "heartbeat.json").exists()
+    assert (out / "eval.json").is_file() and (out / "model.safetensors").read_bytes() == weights
+
+    cells = plan_grid(["preln"], budget=30_000, layers=[1], n_heads=2, ffn_multiple=8, tolerance=0.15, max_seq_len=32)
+    spec = grid_spec(cells, name="g", train={"tokens": 2 * 8 * 32, "batch_size": 8, "seq_len": 32, "eval_every": 0,
+                                             "eval_tokens": 512, "threads": 1}, data={"dir": str(data_dir)})
+    train_grid(spec, root=tmp_path / "ck", data_root=tmp_path)
+    cell = tmp_path / "ck" / "g" / cells[0].name
+    _leave_final_write_leftovers(cell)
+    assert train_grid(spec, root=tmp_path / "ck", data_root=tmp_path)[0]["skipped"]
+    assert not (cell / "train_state").exists() and not (cell / "heartbeat.json").exists()

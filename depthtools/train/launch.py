@@ -24,15 +24,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 from depthtools.errors import DepthToolsError
-from depthtools.train.loop import is_finished
+from depthtools.train.loop import is_finished, tidy_finished
 from depthtools.train.sweep import cell_specs, load_spec, prepare_grid_data, run_cell
 
 Log = Callable[[str], None]
 
 
 def pending_specs(spec: dict[str, Any], root: str | Path, force: bool = False) -> list[dict[str, Any]]:
-    """The cell specs still to train (all of them with force)."""
-    return [c for c in cell_specs(spec) if force or not is_finished(Path(root) / c["grid"] / c["cell"]["name"])]
+    """The cell specs still to train (all of them with force); finished cells lose leftover train state."""
+    todo = []
+    for c in cell_specs(spec):
+        out_dir = Path(root) / c["grid"] / c["cell"]["name"]
+        if force or not is_finished(out_dir):
+            todo.append(c)
+        else:
+            tidy_finished(out_dir)
+    return todo
 
 
 # -- local process pool --------------------------------------------------------------------------

@@ -624,6 +624,42 @@ def _plain_model(run: Run) -> DepthModel | None:
     return model
 
 
+def tidy_finished(out_dir: str | Path) -> list[str]:
+    """Remove what only an unfinished run needs from a finished cell: train_state/ (unless its recipe
+    asked to keep it) and heartbeat.json. `finish` removes both after writing eval.json, so they are
+    left only by a kill between those writes; every later run that finds the cell finished calls this.
+    Skipped while another process holds the cell's lock (a --force retrain). Returns what it removed."""
+    out_dir = Path(out_dir)
+    if not is_finished(out_dir):
+        return []
+    leftovers = [p for p in (out_dir / STATE_DIR, out_dir / HEARTBEAT) if p.exists()]
+    if not leftovers:
+        return []
+    try:
+        lock = acquire_lock(out_dir / LOCK, f"cell {out_dir}")
+    except (LockHeldError, OSError):
+        return []
+    try:
+        if not is_finished(out_dir):
+            return []
+        try:
+            config = json.loads((out_dir / CONFIG).read_text())
+            keep = bool(config["train"]["keep_train_state"])
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            keep = False
+        removed = []
+        for path in leftovers:
+            if path.name == STATE_DIR and keep:
+                continue
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path.name)
+        if removed:
+            logger.info("%s: finished; removed leftover %s", out_dir, ", ".join(removed))
+        return removed
+    finally:
+        lock.release()
+
+
 def clear_cell(out_dir: Path) -> None:
     """Remove a previous run's outputs (for force=True); other files in the folder are left alone."""
     for name in (EVAL, WEIGHTS, CONFIG, METRICS, HEARTBEAT):
@@ -647,6 +683,7 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     out_dir = Path(out_dir)
     finished = f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it"
     if is_finished(out_dir) and not force:
+        tidy_finished(out_dir)
         raise CellFinishedError(finished)
     dist = distributed.setup(resolve_device(train_cfg).type, train_cfg.parallel)  # torchrun: join the group
     ok, lock = False, None
@@ -697,4 +734,5 @@ def _train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir, out_dir: Pa
     return summary
 
 
-__all__ = ["CellFinishedError", "CellLockedError", "TrainingDivergedError", "is_finished", "train_cell", "write_heartbeat"]
+__all__ = ["CellFinishedError", "CellLockedError", "TrainingDivergedError", "is_finished", "tidy_finished", "train_cell",
+           "write_heartbeat"]

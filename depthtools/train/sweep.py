@@ -25,7 +25,7 @@ from depthtools.config import TrainConfig
 from depthtools.data import prepare, read_meta
 from depthtools.errors import DepthToolsError
 from depthtools.grid import Cell, load_grid
-from depthtools.train.loop import HEARTBEAT, METRICS, Progress, is_finished, train_cell
+from depthtools.train.loop import HEARTBEAT, METRICS, Progress, is_finished, tidy_finished, train_cell
 from depthtools.train.state import STATE_DIR, latest_step
 
 DEFAULT_DATA = {"corpus": "default", "tokenizer": "byte"}
@@ -183,6 +183,7 @@ def train_grid(grid: str | Path | dict[str, Any], root: str | Path = "checkpoint
         out_dir = grid_dir / cell.name
         tag = {"cell_index": index, "n_cells": len(spec["cells"])}
         if is_finished(out_dir) and not force:
+            tidy_finished(out_dir)
             summaries.append({"name": cell.name, "out_dir": str(out_dir), "skipped": True})
             if progress is not None:
                 progress({"event": "skip", "cell": cell.name, **tag})
@@ -220,6 +221,7 @@ def run_cell(spec_cell: dict[str, Any], root: str | Path, data_root: str | Path 
     recipe = cell_recipe(spec_cell.get("train"), cell, threads)
     out_dir = Path(root) / spec_cell["grid"] / cell.name
     if is_finished(out_dir) and not force:
+        tidy_finished(out_dir)
         return {"name": cell.name, "out_dir": str(out_dir), "skipped": True}
     data_dir = grid_data_dir({"data": spec_cell.get("data")}, data_root)
     return train_cell(cell.model_config(), recipe, data_dir, out_dir, force=force)
