@@ -39,6 +39,36 @@ def dir_mode() -> int:
     return 0o777 & ~umask()
 
 
+def _blocking_parent(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` when it is not a folder (mkdir below it would fail)."""
+    for parent in Path(path).parents:
+        if parent.exists() or parent.is_symlink():
+            return None if parent.is_dir() else parent
+    return None
+
+
+def check_dir_target(path: str | os.PathLike, what: str) -> None:
+    """A one-line DepthToolsError when `path` cannot be (or become) a folder: it, or one of its parents,
+    is an existing file. `what` names the option, e.g. "--out (the cell folder)"."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DepthToolsError(f"{what} {path} is an existing file, not a folder; give a folder path")
+    blocker = _blocking_parent(path)
+    if blocker is not None:
+        raise DepthToolsError(f"{what} {path} cannot be created: {blocker} is a file, not a folder")
+
+
+def check_file_target(path: str | os.PathLike, what: str) -> None:
+    """A one-line DepthToolsError when `path` cannot be written as a file: it is a folder, or one of its
+    parents is an existing file."""
+    path = Path(path)
+    if path.is_dir():
+        raise DepthToolsError(f"{what} {path} is a folder; give a file name")
+    blocker = _blocking_parent(path)
+    if blocker is not None:
+        raise DepthToolsError(f"{what} {path} cannot be created: {blocker} is a file, not a folder")
+
+
 def replace_dir(staging: Path, target: Path) -> None:
     """Move a fully written `staging` folder to `target`; an old `target` is removed only once the new one is in place.
 

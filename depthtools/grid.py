@@ -281,7 +281,9 @@ def grid_spec(cells: list[Cell], name: str = "grid", train: dict[str, Any] | Non
 
 def save_grid(spec: dict[str, Any], path: str | Path) -> Path:
     from depthtools.checkpoint import atomic_write_json
+    from depthtools.fsutil import check_file_target
 
+    check_file_target(path, "grid spec file (--out)")
     atomic_write_json(Path(path), spec)
     return Path(path)
 

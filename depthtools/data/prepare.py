@@ -32,7 +32,7 @@ import numpy as np
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
 from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import dir_mode, exclusive_lock, replace_dir
+from depthtools.fsutil import check_dir_target, dir_mode, exclusive_lock, replace_dir
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
@@ -76,6 +76,7 @@ def prepare(
     _validate(tokenizer, val_fraction, max_bytes)
     cap = max_bytes if max_bytes is not None else default_cap
     file_tok = _file_tokenizer(tokenizer) if is_tokenizer_file(tokenizer) else None
+    check_dir_target(out_dir, "data folder (--out)")
     target = Path(out_dir) / (name or _default_name(mix_name, file_tok.name if file_tok else tokenizer))
     settings = _settings(corpora, f"file:{file_tok.fingerprint()}" if file_tok else tokenizer, val_fraction, seed,
                          cap, text_dir)

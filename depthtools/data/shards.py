@@ -42,7 +42,7 @@ import numpy as np
 
 from depthtools.data.inputs import UNIT_BYTES, FieldReader, Unit, expand_inputs, plan_units, read_unit, sources_state
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import replace_dir
+from depthtools.fsutil import check_dir_target, replace_dir
 
 from depthtools.data.prepare import FORMAT_SHARDS  # noqa: E402  (one definition)
 SHARD_TOKENS = 100_000_000  # as nanoGPT's FineWeb script: 200 MB per uint16 shard
@@ -243,6 +243,7 @@ def prepare_inputs(
         raise DepthToolsError(f"--workers must be >= 1, got {workers}")
     if shard_tokens < 1024:
         raise DepthToolsError(f"--shard-tokens must be >= 1024, got {shard_tokens}")
+    check_dir_target(out_dir, "data folder (--out)")
     sources = expand_inputs(list(inputs))
     units = plan_units(sources, unit_bytes)
     tok = resolve_tokenizer(tokenizer, sep_token, units, text_field, domain_field, seed, val_fraction, log)

@@ -32,7 +32,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import dir_mode, replace_dir
+from depthtools.fsutil import check_dir_target, dir_mode, replace_dir
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -335,6 +335,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     if out is None and not name:
         raise DepthToolsError("give a checkpoint name (--name) or an output directory (--out)")
     target = Path(out) if out is not None else checkpoints_root() / str(name)
+    check_dir_target(target, "checkpoint folder (--out)")
     if (target / CONFIG).is_file() and not force:
         raise DepthToolsError(f"{target} already holds a checkpoint; pass --force to overwrite it")
     model = from_hf(path, max_seq_len)

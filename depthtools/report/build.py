@@ -95,7 +95,10 @@ def write(html: str, out_path: str | Path) -> Path:
     """Write the page atomically (a crash never leaves half a report), readable by others like any page."""
     from depthtools.checkpoint import atomic_write_bytes
 
+    from depthtools.fsutil import check_file_target
+
     out_path = Path(out_path)
+    check_file_target(out_path, "report file (--out)")
     atomic_write_bytes(out_path, html.encode("utf-8"))  # mode 0666 less the umask, like any new file
     return out_path
 

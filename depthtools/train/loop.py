@@ -49,7 +49,7 @@ from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_wr
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import LockHeldError, acquire_lock
+from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
 from depthtools.train.distributed import Dist
@@ -681,6 +681,7 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     share of each batch, and leaves the group after a final barrier; only rank 0 writes.
     """
     out_dir = Path(out_dir)
+    check_dir_target(out_dir, "cell folder (--out)")
     finished = f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it"
     if is_finished(out_dir) and not force:
         tidy_finished(out_dir)

@@ -24,6 +24,7 @@ from depthtools.checkpoint import CONFIG, read_json
 from depthtools.config import TrainConfig
 from depthtools.data import prepare, read_meta
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import check_dir_target
 from depthtools.grid import Cell, load_grid
 from depthtools.train.loop import HEARTBEAT, METRICS, Progress, is_finished, tidy_finished, train_cell
 from depthtools.train.state import STATE_DIR, latest_step
@@ -145,6 +146,7 @@ def record_spec(spec: dict[str, Any], grid_dir: Path) -> Path:
 def prepare_grid_data(spec: dict[str, Any], root: str | Path, data_root: str | Path, force: bool) -> Path:
     """Prepare (or find) the grid's corpus once, before any cell trains, check the grid's tokenizer
     and record the spec in the grid folder; every launcher and `train_grid` start here."""
+    check_dir_target(root, "checkpoint root (--root)")
     data_dir = grid_data_dir(spec, data_root)
     grid_dir = Path(root) / spec.get("name", "grid")
     check_grid_data(spec, data_dir)
