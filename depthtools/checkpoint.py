@@ -166,11 +166,12 @@ def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
 def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
     """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model."""
     from depthtools.arch import DepthModel
+    from depthtools.arch.hyper import legacy_options
 
     directory = resolve(name, root)
     config = read_json(directory / CONFIG)
     try:
-        cfg = ModelConfig.from_dict(config["model"])
+        cfg = ModelConfig.from_dict(legacy_options(config["model"]))  # options a config predates: old defaults
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"config.json in {directory} has no valid 'model' section: {exc}") from None
     except DepthToolsError as exc:

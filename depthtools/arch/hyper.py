@@ -25,6 +25,12 @@ mHC (Xie et al. 2025, DeepSeek): coefficients from the flattened, RMS-normalised
     w = H_pre  = sigmoid(gate_pre · x'φ_pre + bias_pre)
     β = H_post = 2·sigmoid(gate_post · x'φ_post + bias_post)
     R = H_res  = SinkhornKnopp(gate_res · mat(x'φ_res) + bias_res), t_max = 20, in float32
+  Sinkhorn order (option "sinkhorn_order"): "rows_last" (default) is the paper's Eq. 9, M(0) = exp,
+  M(t) = T_r(T_c(M(t-1))): columns then rows, so R is exactly row-stochastic (each output stream a
+  convex combination of the inputs) and column-stochastic up to convergence; "cols_last" runs rows
+  then columns (Liger's reference, DeepSeek-V4's kernel, and this project before issue 18): exactly
+  column-stochastic. After 20 rounds they differ by up to ~0.05 for logits of spread 4, ~0.15 for 8,
+  0 at the hc_like init and < 1e-6 near it. The residual (max |row/column sum - 1|) is in routing stats.
   Orientation: paper/Liger, H ← H_res·H (out_o = Σ_i H_res[o,i] H_i); mat() is row-major
   (column o·n + i of φ_res is entry [o,i]). DeepSeek-V4 / DepthBench-PyTorch use the transpose.
   Inits (option "mhc_init"): "hc_like" (default; DepthBench PyTorch "mhc", gap8-like): φ = 0,
@@ -56,7 +62,10 @@ included (so the one-hot S_m / bias_pre of its own index), travels with the bloc
 Options: n_streams (4), scale_output_init_by_sqrt_n (True: attention w_o and MLP w2 init / √n, as
 the HC paper's implementation section scales the attention out-projection and FFN output inits, and as
 DepthBench), head_mixer (False), connector_norm_eps (1e-8 HC, 1e-6 mHC),
-and for mHC mhc_init ("hc_like") and sinkhorn_iters (20). Weight decay: static routing params,
+and for mHC mhc_init ("hc_like"), sinkhorn_iters (20) and sinkhorn_order ("rows_last").
+  sinkhorn_order: new models record it in their config (`explicit_options`, `DepthModel.config`); an
+  mhc config saved without the key predates the option and loads as "cols_last", the order it was
+  trained with (`legacy_options`, applied by `depthtools.checkpoint.load`). Weight decay: static routing params,
 gates and biases are excluded (`no_decay_names`, as DepthBench's disable_static_weight_decay);
 the dynamic projections (dynamic_alpha/beta, φ, head_fn) decay like other matrices.
 
@@ -86,14 +95,49 @@ from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
 MHC_INITS = ("hc_like", "uniform", "lucidrains")
+# Sinkhorn half-step order (option "sinkhorn_order"), named by the normalisation that runs last and
+# so holds exactly: "rows_last" = the paper's Eq. 9, M(t) = T_r(T_c(M(t-1))) (columns, then rows:
+# row-stochastic, every output stream a convex combination of the inputs); "cols_last" = rows, then
+# columns (column-stochastic: the stream sum is preserved), as Liger's reference / DeepSeek-V4's
+# production kernel and this project before issue 18 ran it.
+SINKHORN_ORDERS = ("rows_last", "cols_last")
+LEGACY_SINKHORN_ORDER = "cols_last"  # what an mhc config saved without the key was trained with
 HEAD_EPS = 1e-6  # DeepSeek-V4 hc_eps: keeps every head-mixer weight strictly positive
 GAP = 8.0  # |bias| of the hc_like mHC init (DepthBench "gap8")
 
 _COMMON_OPTIONS = {"n_streams": 4, "scale_output_init_by_sqrt_n": True, "head_mixer": False}
 _DEFAULTS = {
     "hc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-8},
-    "mhc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-6, "mhc_init": "hc_like", "sinkhorn_iters": 20},
+    "mhc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-6, "mhc_init": "hc_like", "sinkhorn_iters": 20,
+            "sinkhorn_order": "rows_last"},
 }
+# Options whose default changed: the value a config saved before the option existed implies. New
+# models record the resolved value (`explicit_options`), so an absent key means an older checkpoint.
+_LEGACY_DEFAULTS = {"mhc": {"sinkhorn_order": LEGACY_SINKHORN_ORDER}}
+
+
+def explicit_options(cfg: ModelConfig) -> ModelConfig:
+    """cfg with every changed-default option written out (what a new model records in config.json)."""
+    missing = {k: v for k, v in _LEGACY_DEFAULTS.get(cfg.arch, {}).items() if k not in cfg.options}
+    if not missing:
+        return cfg
+    return cfg.replace(options={**cfg.options, **{k: _DEFAULTS[cfg.arch][k] for k in missing}})
+
+
+def legacy_options(model: dict) -> dict:
+    """A saved config's "model" section with the options it predates filled in with the old defaults.
+
+    For checkpoints: an mhc config.json without "sinkhorn_order" was written before the option
+    existed, when the Sinkhorn ran rows then columns, so it loads as "cols_last" and reproduces its
+    logits exactly. Configs of new models always carry the key (`explicit_options`).
+    """
+    if not isinstance(model, dict) or model.get("arch") not in _LEGACY_DEFAULTS:
+        return model
+    options = model.get("options") or {}
+    if not isinstance(options, dict):
+        return model
+    missing = {k: v for k, v in _LEGACY_DEFAULTS[model["arch"]].items() if k not in options}
+    return {**model, "options": {**options, **missing}} if missing else model
 
 
 def hyper_options(cfg: ModelConfig) -> dict:
@@ -111,6 +155,9 @@ def hyper_options(cfg: ModelConfig) -> dict:
     for flag in ("scale_output_init_by_sqrt_n", "head_mixer"):
         if not isinstance(opts[flag], bool):
             raise DepthToolsError(f"{cfg.arch} option {flag} must be true or false, got {opts[flag]!r}")
+    if opts.get("sinkhorn_order", "rows_last") not in SINKHORN_ORDERS:
+        raise DepthToolsError(f"mhc option sinkhorn_order must be one of {list(SINKHORN_ORDERS)} "
+                              f"(the normalisation that runs last), got {opts['sinkhorn_order']!r}")
     iters = opts.get("sinkhorn_iters", 20)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise DepthToolsError(f"mhc option sinkhorn_iters must be a positive integer, got {iters!r}")
@@ -133,16 +180,34 @@ def _full_precision(t: torch.Tensor):
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else nullcontext()
 
 
-def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20) -> torch.Tensor:
-    """Doubly stochastic projection of logits [..., n, n] (mHC Eq.: M = exp(logits), then t_max
-    rounds of row then column normalisation), in float32 or wider even under bf16/autocast.
+def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20, order: str = "rows_last") -> torch.Tensor:
+    """Doubly stochastic projection of logits [..., n, n] (rows = output streams), in float32 or
+    wider even under bf16/autocast: M(0) = exp(logits), then t_max rounds.
 
-    The first row normalisation of exp(logits) is a softmax (max-subtracted, no overflow). The
-    result's columns sum to 1 exactly; rows to 1 up to Sinkhorn convergence. Differentiable: the
-    gradient is the exact gradient of the unrolled t_max iterations.
+    order "rows_last" (default): the mHC paper's Eq. 9, M(t) = T_r(T_c(M(t-1))) -- columns, then
+    rows; the result's rows sum to 1 exactly, its columns up to Sinkhorn convergence.
+    order "cols_last": rows, then columns (Liger / DeepSeek-V4 production, and this project before
+    issue 18); columns exact, rows approximate. The two differ by up to ~0.1 for strong logits.
+    The first normalisation of exp(logits) is a softmax (max-subtracted, no overflow).
+    Differentiable: the gradient is the exact gradient of the unrolled t_max iterations.
     """
     with _full_precision(logits):
-        return _SinkhornKnopp.apply(logits.to(_compute_dtype(logits)), t_max)
+        return _SinkhornKnopp.apply(logits.to(_compute_dtype(logits)), t_max, _softmax_dim(order))
+
+
+def _softmax_dim(order: str) -> int:
+    """Tokens-last layout [n_out, n_in, N]: the dim of the first normalisation (1 = rows, 0 = columns)."""
+    if order not in SINKHORN_ORDERS:
+        raise DepthToolsError(f"Sinkhorn order must be one of {list(SINKHORN_ORDERS)}, got {order!r}")
+    return 0 if order == "rows_last" else 1
+
+
+def sinkhorn_residuals(M: torch.Tensor) -> tuple[float, float]:
+    """(max |row sum - 1|, max |column sum - 1|) of Sinkhorn results M [..., n, n] (rows = outputs):
+    how far the finite iteration is from doubly stochastic (0.0, 0.0 for an empty M)."""
+    if M.numel() == 0:
+        return 0.0, 0.0
+    return float((M.sum(-1) - 1).abs().max()), float((M.sum(-2) - 1).abs().max())
 
 
 def _tokens_last(x: torch.Tensor) -> torch.Tensor:
@@ -154,43 +219,50 @@ def _tokens_last(x: torch.Tensor) -> torch.Tensor:
     return out.view(n, n, tokens)
 
 
-def _sinkhorn_loop(p: torch.Tensor, t_max: int, tiny: float):
-    """2·t_max - 1 half-steps y = m / s on [n_out, n_in, N] (columns first): (result, ys, ss)."""
+def _half_step_dim(step: int, first: int) -> int:
+    """Dim normalised by half-step `step` after a softmax over dim `first` (they alternate)."""
+    return (first + 1 + step) % 2
+
+
+def _sinkhorn_loop(p: torch.Tensor, t_max: int, tiny: float, first: int = 1):
+    """2·t_max - 1 half-steps y = m / s on [n_out, n_in, N], alternating, starting with the dim
+    the softmax did not normalise (`first`: 1 = rows were first, 0 = columns): (result, ys, ss)."""
     m = p
     ys: list[torch.Tensor] = []
     ss: list[torch.Tensor] = []
     for step in range(2 * t_max - 1):
-        s = m.sum(step % 2, keepdim=True).clamp_min_(tiny)  # dim 0 = column sums, 1 = row sums
+        s = m.sum(_half_step_dim(step, first), keepdim=True).clamp_min_(tiny)  # dim 0 = column sums, 1 = row sums
         m = m / s
         ys.append(m)
         ss.append(s)
     return m, ys, ss
 
 
-def _sinkhorn_loop_backward(g: torch.Tensor, p: torch.Tensor, ys: list[torch.Tensor], ss: list[torch.Tensor]):
-    """Gradient of the softmax logits from the gradient g of the result."""
+def _sinkhorn_loop_backward(g: torch.Tensor, p: torch.Tensor, ys: list[torch.Tensor], ss: list[torch.Tensor],
+                            first: int = 1):
+    """Gradient of the softmax logits from the gradient g of the result (same order as the forward)."""
     for step in range(len(ys) - 1, -1, -1):
-        g = (g - (g * ys[step]).sum(step % 2, keepdim=True)) / ss[step]
-    return p * (g - (g * p).sum(1, keepdim=True))  # softmax backward
+        g = (g - (g * ys[step]).sum(_half_step_dim(step, first), keepdim=True)) / ss[step]
+    return p * (g - (g * p).sum(first, keepdim=True))  # softmax backward over the first dim
 
 
-def _sinkhorn_forward(z: torch.Tensor, t_max: int):
+def _sinkhorn_forward(z: torch.Tensor, t_max: int, first: int = 1):
     """Sinkhorn of tokens-last logits z [n_out, n_in, N]: (result [n,n,N], saved for backward).
 
-    Softmax over n_in (exp + first row normalisation), then 2·t_max - 1 half-steps y = m / s,
-    s = m.sum(dim) (columns first; clamped at the smallest normal so an underflowed line cannot
-    give 0/0).
+    Softmax over dim `first` (exp + the first normalisation: 0 = columns, the paper's "rows_last"
+    order; 1 = rows, "cols_last"), then 2·t_max - 1 alternating half-steps y = m / s, s =
+    m.sum(dim) (clamped at the smallest normal so an underflowed line cannot give 0/0).
     """
-    p = torch.softmax(z, dim=1)
-    m, ys, ss = _sinkhorn_loop(p, t_max, torch.finfo(z.dtype).tiny)
-    return m, (p, ys, ss)
+    p = torch.softmax(z, dim=first)
+    m, ys, ss = _sinkhorn_loop(p, t_max, torch.finfo(z.dtype).tiny, first)
+    return m, (p, ys, ss, first)
 
 
 def _sinkhorn_backward(saved, g: torch.Tensor) -> torch.Tensor:
     """Gradient of the logits from the gradient g [n,n,N] of the result: half-step backward
-    dm = (g - Σ_dim g·y) / s, then the softmax backward."""
-    p, ys, ss = saved
-    return _sinkhorn_loop_backward(g, p, ys, ss)
+    dm = (g - Σ_dim g·y) / s in reverse order, then the softmax backward."""
+    p, ys, ss, first = saved
+    return _sinkhorn_loop_backward(g, p, ys, ss, first)
 
 
 class _SinkhornKnopp(torch.autograd.Function):
@@ -203,9 +275,9 @@ class _SinkhornKnopp(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, t_max: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
         n = logits.shape[-1]
-        m, saved = _sinkhorn_forward(_tokens_last(logits), t_max)
+        m, saved = _sinkhorn_forward(_tokens_last(logits), t_max, first)
         ctx.saved = saved  # internal buffers (not inputs/outputs of this Function)
         return m.reshape(n * n, -1).T.reshape(logits.shape)
 
@@ -214,7 +286,7 @@ class _SinkhornKnopp(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         n = grad.shape[-1]
         g = _sinkhorn_backward(ctx.saved, _tokens_last(grad))
-        return g.view(n * n, -1).T.reshape(grad.shape), None
+        return g.view(n * n, -1).T.reshape(grad.shape), None, None
 
 
 # -- connectors -------------------------------------------------------------------------------
@@ -516,7 +588,7 @@ class _MHCConnect(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max):
+    def forward(ctx, H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
         H = H.contiguous()
         N, n, d = H.shape
         x = H.view(N, n * d)
@@ -527,7 +599,7 @@ class _MHCConnect(torch.autograd.Function):
         h_pre = torch.sigmoid(mix[:n] * g_pre + b_pre.unsqueeze(1))  # [n, N]
         h_post = torch.sigmoid(mix[n : 2 * n] * g_post + b_post.unsqueeze(1)).mul_(2)  # [n, N]
         logits = mix[2 * n :].view(n, n, N) * g_res + b_res.unsqueeze(-1)  # [n_out, n_in, N]
-        h_res, sk_saved = _sinkhorn_forward(logits, t_max)
+        h_res, sk_saved = _sinkhorn_forward(logits, t_max, first)
         routing = H.new_empty(N, n + 1, n)
         routing[:, 0] = h_pre.t()
         routing[:, 1:] = h_res.permute(2, 0, 1)
@@ -557,7 +629,7 @@ class _MHCConnect(torch.autograd.Function):
             g_mix[n : 2 * n].mul_(h_post * (1 - h_post * 0.5))
         g_logits = _sinkhorn_backward(ctx.sk_saved, g_routing[:, :, 1:].permute(2, 1, 0).contiguous())  # [n_out,n_in,N]
         g_mix[2 * n :] = g_logits.view(n * n, N)
-        grads = [None] * 12
+        grads = [None] * 13
         if need[7]:
             grads[7] = g_mix[:n].sum(1)
         if need[8]:
@@ -627,9 +699,11 @@ class ManifoldHyperConnection(_Connector):
     bias_post [n], bias_res [n, n]; gate_pre/post/res scalars (the paper's alpha gating factors).
     """
 
-    def __init__(self, n: int, d: int, sublayer_index: int, eps: float, init: str, t_max: int):
+    def __init__(self, n: int, d: int, sublayer_index: int, eps: float, init: str, t_max: int,
+                 order: str = "rows_last"):
         super().__init__(n, eps)
-        self.t_max = t_max
+        self.t_max, self.order = t_max, order
+        self._first = _softmax_dim(order)
         self.phi_pre = nn.Parameter(torch.zeros(n * d, n))
         self.phi_post = nn.Parameter(torch.zeros(n * d, n))
         self.phi_res = nn.Parameter(torch.zeros(n * d, n * n))
@@ -646,7 +720,8 @@ class ManifoldHyperConnection(_Connector):
 
     def fused(self, H):
         return _MHCConnect.apply(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre, self.gate_post,
-                                 self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps, self.t_max)
+                                 self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps, self.t_max,
+                                 self._first)
 
     def weights(self, H):
         n, dtype = self.n, _compute_dtype(H)
@@ -658,7 +733,7 @@ class ManifoldHyperConnection(_Connector):
         p = lambda t: t.to(dtype)  # noqa: E731
         h_pre = torch.sigmoid(p(self.gate_pre) * pre + p(self.bias_pre))
         h_post = 2 * torch.sigmoid(p(self.gate_post) * post + p(self.bias_post))
-        h_res = sinkhorn_knopp(p(self.gate_res) * res.unflatten(-1, (n, n)) + p(self.bias_res), self.t_max)
+        h_res = sinkhorn_knopp(p(self.gate_res) * res.unflatten(-1, (n, n)) + p(self.bias_res), self.t_max, self.order)
         return torch.cat([h_pre.unsqueeze(-2), h_res], dim=-2), h_post
 
 
@@ -683,13 +758,18 @@ class HyperScheme(ResidualScheme):
         else:
             self.head_fn = None
 
+    def recorded_config(self) -> ModelConfig:
+        """mhc: "sinkhorn_order" is always written out (its default changed in issue 18)."""
+        return explicit_options(self.cfg)
+
     # -- construction -------------------------------------------------------------------------
     def _connector(self, sublayer_index: int) -> _Connector:
         opts, d = self.opts, self.cfg.d_model
         if self.cfg.arch == "hc":
             return HyperConnection(self.n, d, sublayer_index, opts["connector_norm_eps"])
         return ManifoldHyperConnection(
-            self.n, d, sublayer_index, opts["connector_norm_eps"], opts["mhc_init"], opts["sinkhorn_iters"]
+            self.n, d, sublayer_index, opts["connector_norm_eps"], opts["mhc_init"], opts["sinkhorn_iters"],
+            opts["sinkhorn_order"],
         )
 
     def build_block(self, block: nn.Module) -> None:

@@ -108,6 +108,7 @@ class DepthModel(HookedRootModule):
             act_fn="silu", positional_embedding_type="rotary", device="cpu",
         )
         self.scheme = spec.build_scheme(cfg)
+        self.config = self.scheme.recorded_config()  # cfg with changed-default options written out
         self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.hook_embed = HookPoint()
         self.blocks = nn.ModuleList(Block(cfg, i, self.scheme) for i in range(cfg.n_layer))

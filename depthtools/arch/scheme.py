@@ -59,6 +59,12 @@ class ResidualScheme(nn.Module):
         super().__init__()
         self.cfg = cfg
 
+    def recorded_config(self) -> ModelConfig:
+        """The config a model of this scheme records (`DepthModel.config`, saved in checkpoints): `cfg`,
+        plus any option whose default has changed written out, so that an absent key identifies a
+        config saved before the change (see `depthtools.arch.hyper.legacy_options`)."""
+        return self.cfg
+
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
         """Add this architecture's per-block modules (norms, gains, connectors) to `block`."""
