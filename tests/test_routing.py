@@ -90,3 +90,27 @@ def test_consumer_statistics_on_a_handmade_row():
     assert stats["long_range_mass"] == pytest.approx(0.3)  # lag > 2: sources 0 and 2
     assert stats["max_weight"] == pytest.approx(0.4)
     assert stats["source_entropy"] == pytest.approx(-sum(p * math.log(p) for p in (0.1, 0.2, 0.3, 0.4)))
+
+
+@pytest.mark.parametrize("order", ["rows_last", "cols_last"])
+def test_mhc_reports_the_sinkhorn_doubly_stochastic_residual(order):
+    """Per sublayer, max |row sum - 1| and max |column sum - 1| of the 20-round Sinkhorn result over
+    all tokens, equal to the sums of the hooked H_res; the order's last normalisation is exact."""
+    model = tiny("mhc", n_layer=2, sinkhorn_order=order)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias_res", "phi_res")):  # strong, token-dependent logits: 20 rounds do not converge
+                p.add_(4 * torch.randn(p.shape, generator=gen))
+    df = routing_stats(model, TOKENS)
+    _, cache = model.run_with_cache(TOKENS[:, :-1])  # (caching every hook runs attention unfused: ~1e-9 apart)
+    rows = {m: df[df.metric == m].set_index("layer")["value"] for m in ("sinkhorn_row_error", "sinkhorn_col_error")}
+    for j in range(4):
+        R = cache[f"blocks.{j // 2}.{('attn', 'mlp')[j % 2]}_hc.hook_res_weights"].double()  # [B,T,n,n]
+        assert rows["sinkhorn_row_error"][j] == pytest.approx(float((R.sum(-1) - 1).abs().max()), abs=1e-7)
+        assert rows["sinkhorn_col_error"][j] == pytest.approx(float((R.sum(-2) - 1).abs().max()), abs=1e-7)
+    exact, loose = ("row", "col") if order == "rows_last" else ("col", "row")
+    top = {k: float(df[df.metric == f"sinkhorn_{k}_error_max"].value.iloc[0]) for k in ("row", "col")}
+    assert top[exact] <= 1e-6 and top[loose] > 1e-4, top
+    assert top["row"] == max(rows["sinkhorn_row_error"]) and top["col"] == max(rows["sinkhorn_col_error"])
+    assert not routing_stats(tiny("hc", n_layer=2), TOKENS).metric.str.startswith("sinkhorn").any()  # HC's R is free

@@ -21,6 +21,11 @@ p = |W[c,·]| / Σ|W[c,·]|:
   W[c, j+1] = w_cᵀ P_{j+1→c} β_j and W[c, 0] = w_cᵀ P_{0→c} 1, per token, then averaged. The final
   consumer reads the readout collapse (Σ_s H_s, or the head mixer's p) normalised to sum 1
   (ln_final is scale invariant). At HC init every entry is 1: the Pre-LN pattern.
+  mHC also reports how far each finite Sinkhorn result R_j is from doubly stochastic, over every
+  token (position 0 included): sinkhorn_row_error = max |Σ_i R_j[o,i] − 1|, sinkhorn_col_error =
+  max |Σ_o R_j[o,i] − 1| (layer = the consumer depth j of that connector; model rows: the max over
+  sublayers). The normalisation that runs last (option sinkhorn_order: rows for the paper's default
+  "rows_last") is exact to rounding; the other shows how far 20 rounds are from convergence.
 * Full / Block AttnRes: the depth-attention maps (`blocks.{b}.hook_attnres_weights_{attn,mlp}`,
   `scheme.hook_attnres_weights_final`); Block AttnRes sources are block sums, placed at the depth
   of their newest sublayer.
@@ -55,9 +60,15 @@ def _hyper_routing(model, tokens: torch.Tensor, exclude_first: int):
             for part in ("width", "res", "depth"):
                 names[f"blocks.{b}.{side}_hc.hook_{part}_weights"] = (j, part)
     cache: dict[tuple[int, str], torch.Tensor] = {}
+    residuals: dict[int, tuple[float, float]] = {}  # sublayer -> (row, column) Sinkhorn error, all tokens
 
     def store(tensor, hook):
-        cache[names[hook.name]] = tensor.detach()[:, exclude_first:].to(F64).flatten(0, 1)  # [N, ...]
+        key = names[hook.name]
+        if key[1] == "res" and model.config.arch == "mhc":
+            from depthtools.arch.hyper import sinkhorn_residuals
+
+            residuals[key[0]] = sinkhorn_residuals(tensor.detach().to(F64))  # exact sums of the stored entries
+        cache[key] = tensor.detach()[:, exclude_first:].to(F64).flatten(0, 1)  # [N, ...]
 
     with torch.no_grad(), model.hooks(fwd_hooks=[(name, store) for name in names]):
         states = model.run_states(tokens)
@@ -74,7 +85,15 @@ def _hyper_routing(model, tokens: torch.Tensor, exclude_first: int):
             a = torch.einsum("noi,no->ni", R[j], a)  # a <- R_jᵀ a
         W[c, 0] = a.sum(-1).mean()
     consumers = [(c, "attn" if c % 2 == 0 else "mlp") for c in range(S)] + [(S, "final")]
-    return consumers, W, []
+    extra = []
+    for j, (row, col) in sorted(residuals.items()):
+        kind = "attn" if j % 2 == 0 else "mlp"
+        extra += [{"metric": "sinkhorn_row_error", "unit": "sublayer_depth", "layer": j, "value": row, "consumer_kind": kind},
+                  {"metric": "sinkhorn_col_error", "unit": "sublayer_depth", "layer": j, "value": col, "consumer_kind": kind}]
+    if residuals:
+        extra += [{"metric": "sinkhorn_row_error_max", "value": max(r for r, _ in residuals.values())},
+                  {"metric": "sinkhorn_col_error_max", "value": max(c for _, c in residuals.values())}]
+    return consumers, W, [], extra
 
 
 def _hyper_readout_weights(model, state: torch.Tensor) -> torch.Tensor:
@@ -123,7 +142,7 @@ def _attnres_routing(model, tokens: torch.Tensor, exclude_first: int):
         for d, value in zip(depths, weights.tolist()):
             W[c, d] = value
     consumers = [(c, "attn" if c % 2 == 0 else "mlp") for c in range(S)] + [(S, "final")]
-    return consumers, W, notes
+    return consumers, W, notes, []
 
 
 # -- DenseFormer ---------------------------------------------------------------------------------
@@ -142,7 +161,7 @@ def _denseformer_routing(model, tokens: torch.Tensor, exclude_first: int):
         for j, value in zip(group, weights.detach().to(F64).tolist()):
             W[c, 2 * j] = value
         consumers.append((c, "final" if b == L - 1 else "dwa"))
-    return sorted(consumers), W, []
+    return sorted(consumers), W, [], []
 
 
 EXTRACTORS: dict[str, Callable] = {
@@ -178,6 +197,8 @@ def routing_stats(model, tokens: torch.Tensor, exclude_first: int = 1, long_rang
     Rows (unit "sublayer_depth"): routing_weight with layer = consumer depth c, layer_j = source
     depth i and a `consumer_kind` column (attn / mlp / dwa / final); mean_source_lag,
     source_entropy, long_range_mass, max_weight per consumer; model rows <stat>_mean over consumers.
+    mHC adds sinkhorn_row_error / sinkhorn_col_error per sublayer and their _max model rows (see the
+    module docstring).
     """
     inputs = model_inputs(model, tokens)
     check_positions(inputs, exclude_first)
@@ -188,7 +209,7 @@ def routing_stats(model, tokens: torch.Tensor, exclude_first: int = 1, long_rang
     if extractor is None:
         return tidy_frame(model, [], settings, [f"{arch} has no native depth routing"])
     model.eval()
-    consumers, W, notes = extractor(model, inputs, exclude_first)
+    consumers, W, notes, extra = extractor(model, inputs, exclude_first)
     rows: list[dict[str, Any]] = []
     per_stat: dict[str, list[float]] = {}
     for c, kind in consumers:
@@ -202,6 +223,7 @@ def routing_stats(model, tokens: torch.Tensor, exclude_first: int = 1, long_rang
     for name, values in per_stat.items():
         valid = [v for v in values if not math.isnan(v)]
         rows.append({"metric": f"{name}_mean", "value": sum(valid) / len(valid) if valid else math.nan})
+    rows.extend(extra)  # architecture-specific rows (mHC: Sinkhorn residuals)
     return tidy_frame(model, rows, settings, notes)
 
 
