@@ -148,8 +148,9 @@ def hc_token(conn, Ht: torch.Tensor, eps: float):
     n = Ht.shape[0]
     A_m, A_r, B = torch.zeros(n), torch.zeros(n, n), torch.zeros(n)
     A_m, A_r, B = A_m.to(Ht), A_r.to(Ht), B.to(Ht)
+    gain = conn.norm_gain if conn.norm_gain is not None else 1.0  # option connector_norm_gain
     for s in range(n):
-        hbar = rms(Ht[s], eps)
+        hbar = rms(Ht[s], eps) * gain
         A_m[s] = conn.static_alpha[s, 0] + conn.alpha_scale * torch.tanh(hbar @ conn.dynamic_alpha[:, 0])
         for j in range(n):
             A_r[s, j] = conn.static_alpha[s, 1 + j] + conn.alpha_scale * torch.tanh(hbar @ conn.dynamic_alpha[:, 1 + j])
@@ -218,10 +219,10 @@ def reference_logits(model: DepthModel, toks: torch.Tensor, token_fn, eps: float
     return model.unembed(model.ln_final(r))
 
 
-@pytest.mark.parametrize("n", [4, 3])
-def test_hc_matches_per_token_reference(n):
-    model = model_for("hc", n_layer=2, n_streams=n, connector_norm_eps=1e-8)
-    perturb(model)
+@pytest.mark.parametrize("n,gain", [(4, False), (3, False), (4, True)])
+def test_hc_matches_per_token_reference(n, gain):
+    model = model_for("hc", n_layer=2, n_streams=n, connector_norm_eps=1e-8, connector_norm_gain=gain)
+    perturb(model)  # (moves the gains off 1 too)
     toks = tokens(length=5)
     torch.testing.assert_close(model(toks), reference_logits(model, toks, hc_token, 1e-8, n), rtol=0, atol=1e-10)
 
@@ -372,6 +373,49 @@ def test_sinkhorn_order_is_recorded_and_old_checkpoints_keep_theirs(tmp_path):
     assert DepthModel(config("hc")).config.options == {}  # other architectures record nothing new
 
 
+# -- HC connector norm gain (option connector_norm_gain) ---------------------------------------------
+
+def test_hc_connector_norm_gain_adds_trained_gains_and_ones_reproduce_the_default():
+    plain = model_for("hc", n_layer=2)
+    perturb(plain)
+    gained = model_for("hc", n_layer=2, connector_norm_gain=True)
+    assert not any("norm_gain" in name for name, _ in plain.named_parameters())  # default: no gain (old checkpoints)
+    missing, unexpected = gained.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and sorted(missing) == sorted(
+        f"blocks.{b}.{side}_hc.norm_gain" for b in range(2) for side in ("attn", "mlp"))
+    assert all(torch.equal(getattr(gained.blocks[b], f"{s}_hc").norm_gain, torch.ones(16, dtype=torch.float64))
+               for b in range(2) for s in ("attn", "mlp"))
+    toks = tokens()
+    # gains of one: the same function, bit for bit, on the fused path and the hooked (step-by-step) path
+    assert torch.equal(gained(toks), plain(toks))
+    _, cache_g = gained.run_with_cache(toks)
+    _, cache_p = plain.run_with_cache(toks)
+    assert all(torch.equal(cache_g[k], cache_p[k]) for k in cache_p.keys())
+    # the gains are trained: every one receives a non-zero gradient, and the shared parameters' gradients are unchanged
+    for model in (plain, gained):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(toks).flatten(0, 1), toks.flatten()).backward()
+    grads = dict(gained.named_parameters())
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=0, atol=1e-14)
+    gains = [p for name, p in gained.named_parameters() if name.endswith("norm_gain")]
+    assert len(gains) == 4 and all(p.grad is not None and p.grad.abs().min() > 0 for p in gains)
+    from depthtools.config import TrainConfig
+    from depthtools.train.optim import param_groups
+
+    groups, _ = param_groups(gained, TrainConfig(tokens=1000))
+    undecayed = {id(p) for g in groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    assert all(id(p) in undecayed for p in gains)  # gains, like norm gains, are not weight-decayed
+    # a different gain changes the function (it is not a no-op)
+    with torch.no_grad():
+        gained.blocks[0].attn_hc.norm_gain.mul_(1.5)
+    assert (gained(toks) - plain(toks)).abs().max() > 1e-6
+    with pytest.raises(DepthToolsError, match="connector_norm_gain"):
+        DepthModel(config("hc", connector_norm_gain=1))
+    with pytest.raises(DepthToolsError, match="unknown"):
+        DepthModel(config("mhc", connector_norm_gain=True))
+
+
 # -- contract: skip, swap, readout, hooks -----------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["hc", "mhc"])
@@ -474,8 +518,9 @@ def test_mhc_under_bf16_autocast_keeps_routing_in_float32():
 
 # -- bookkeeping ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["hc", "mhc"])
-@pytest.mark.parametrize("options", [{}, {"n_streams": 3}, {"n_streams": 2, "head_mixer": True}])
+@pytest.mark.parametrize("arch,options", [
+    (arch, options) for arch in ("hc", "mhc") for options in ({}, {"n_streams": 3}, {"n_streams": 2, "head_mixer": True})
+] + [("hc", {"connector_norm_gain": True}), ("hc", {"n_streams": 3, "connector_norm_gain": True, "head_mixer": True})])
 def test_extra_parameter_formula(arch, options):
     cfg = config(arch, n_layer=2, d_model=24, **options)
     built = DepthModel(cfg).param_counts()["total"]

@@ -13,7 +13,9 @@ index i = 2b + {0,1}) has a *connector* that reads H and returns three per-token
 where Norm_i is the sublayer's own pre-norm (block.attn_norm / block.mlp_norm, RMSNorm with gamma).
 
 HC (Zhu et al. 2024), lucidrains layout: alpha = [A_m | A_r] is [n, n+1] with rows = streams,
-    Hbar  = RMSNorm(H) per stream, no gamma, eps 1e-8 (DepthBench)
+    Hbar  = RMSNorm(H) per stream, no gamma, eps 1e-8 (DepthBench); option connector_norm_gain:
+            RMSNorm(H)·γ with a learnable γ [d] per connector, init 1 (the paper's norm has learnable
+            parameters -- it is a LayerNorm, whose centring and bias we do not offer; lucidrains: RMSNorm γ)
     alpha = static_alpha + alpha_scale · tanh(Hbar @ dynamic_alpha)     [n, n+1]
     beta  = static_beta  + beta_scale  · tanh(Hbar @ dynamic_beta)      [n]
     w = A_m = alpha[:, 0];  R = A_r^T = alpha[:, 1:]^T;  β = beta
@@ -62,7 +64,12 @@ included (so the one-hot S_m / bias_pre of its own index), travels with the bloc
 Options: n_streams (4), scale_output_init_by_sqrt_n (True: attention w_o and MLP w2 init / √n, as
 the HC paper's implementation section scales the attention out-projection and FFN output inits, and as
 DepthBench), head_mixer (False), connector_norm_eps (1e-8 HC, 1e-6 mHC),
-and for mHC mhc_init ("hc_like"), sinkhorn_iters (20) and sinkhorn_order ("rows_last").
+for HC connector_norm_gain (False), and for mHC mhc_init ("hc_like"), sinkhorn_iters (20) and
+sinkhorn_order ("rows_last").
+  connector_norm_gain defaults to False: DepthBench (whose grids these replicate) uses the gain-free
+  norm; a True default would give every saved HC checkpoint missing parameters; and the gain is a
+  reparametrisation -- RMSNorm(H)·γ @ W = RMSNorm(H) @ (γ ⊙ W) -- so it changes training dynamics
+  (γ is not weight-decayed) but not what an HC connector can compute. True adds 2L·d parameters.
   sinkhorn_order: new models record it in their config (`explicit_options`, `DepthModel.config`); an
   mhc config saved without the key predates the option and loads as "cols_last", the order it was
   trained with (`legacy_options`, applied by `depthtools.checkpoint.load`). Weight decay: static routing params,
@@ -107,7 +114,7 @@ GAP = 8.0  # |bias| of the hc_like mHC init (DepthBench "gap8")
 
 _COMMON_OPTIONS = {"n_streams": 4, "scale_output_init_by_sqrt_n": True, "head_mixer": False}
 _DEFAULTS = {
-    "hc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-8},
+    "hc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-8, "connector_norm_gain": False},
     "mhc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-6, "mhc_init": "hc_like", "sinkhorn_iters": 20,
             "sinkhorn_order": "rows_last"},
 }
@@ -152,7 +159,9 @@ def hyper_options(cfg: ModelConfig) -> dict:
         raise DepthToolsError(f"{cfg.arch} option n_streams must be a positive integer, got {n!r}")
     if opts.get("mhc_init", "hc_like") not in MHC_INITS:
         raise DepthToolsError(f"mhc option mhc_init must be one of {list(MHC_INITS)}, got {opts['mhc_init']!r}")
-    for flag in ("scale_output_init_by_sqrt_n", "head_mixer"):
+    for flag in ("scale_output_init_by_sqrt_n", "head_mixer", "connector_norm_gain"):
+        if flag not in opts:
+            continue
         if not isinstance(opts[flag], bool):
             raise DepthToolsError(f"{cfg.arch} option {flag} must be true or false, got {opts[flag]!r}")
     if opts.get("sinkhorn_order", "rows_last") not in SINKHORN_ORDERS:
@@ -666,8 +675,10 @@ class HyperConnection(_Connector):
     dynamic_beta [d] = W_b, alpha_scale = s_a, beta_scale = s_b.
     """
 
-    def __init__(self, n: int, d: int, sublayer_index: int, eps: float):
+    def __init__(self, n: int, d: int, sublayer_index: int, eps: float, norm_gain: bool = False):
         super().__init__(n, eps)
+        # option connector_norm_gain: the learnable gain of the HC paper's connector norm, init 1
+        self.norm_gain = nn.Parameter(torch.ones(d)) if norm_gain else None
         static_alpha = torch.cat([F.one_hot(torch.tensor(sublayer_index % n), n)[:, None].float(), torch.eye(n)], 1)
         self.static_alpha = nn.Parameter(static_alpha)  # [n, n+1]
         self.dynamic_alpha = nn.Parameter(torch.zeros(d, n + 1))
@@ -676,8 +687,16 @@ class HyperConnection(_Connector):
         self.dynamic_beta = nn.Parameter(torch.zeros(d))
         self.beta_scale = nn.Parameter(torch.tensor(0.01))
 
+    def _dynamic(self):
+        """(W_alpha, w_beta) as applied to the gamma-free normalised stream: RMSNorm(H_s)·γ @ W =
+        RMSNorm(H_s) @ (γ ⊙ W), so a gain folds exactly into the projections (γ = 1: the same tensors)."""
+        if self.norm_gain is None:
+            return self.dynamic_alpha, self.dynamic_beta
+        return self.dynamic_alpha * self.norm_gain[:, None], self.dynamic_beta * self.norm_gain
+
     def fused(self, H):
-        return _HCConnect.apply(H, self.dynamic_alpha, self.dynamic_beta, self.static_alpha, self.static_beta,
+        dynamic_alpha, dynamic_beta = self._dynamic()
+        return _HCConnect.apply(H, dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta,
                                 self.alpha_scale, self.beta_scale, self.eps)[:3]
 
     def weights(self, H):
@@ -686,7 +705,8 @@ class HyperConnection(_Connector):
         # all of [A_m | A_r | B] at once: rows = input streams s, columns = w | A_r | β
         static = torch.cat([self.static_alpha, self.static_beta[:, None]], 1).to(dtype)  # [n, n+2]
         scale = torch.cat([self.alpha_scale.expand(n + 1), self.beta_scale[None]]).to(dtype)  # [n+2]
-        proj = torch.cat([self.dynamic_alpha, self.dynamic_beta[:, None]], 1).to(dtype)  # [d, n+2]
+        dynamic_alpha, dynamic_beta = self._dynamic()
+        proj = torch.cat([dynamic_alpha, dynamic_beta[:, None]], 1).to(dtype)  # [d, n+2]
         raw, inv = _ProjRms.apply(H.reshape(-1, H.shape[-1]), proj, self.eps)  # H @ proj, 1/rms per stream
         coeffs = static + scale * torch.tanh((raw * inv).view(*H.shape[:-1], n + 2))  # tanh(Hbar @ proj)
         return coeffs[..., : n + 1].transpose(-1, -2), coeffs[..., n + 1]  # [A_m | A_r]^T = [w; R], β
@@ -766,7 +786,7 @@ class HyperScheme(ResidualScheme):
     def _connector(self, sublayer_index: int) -> _Connector:
         opts, d = self.opts, self.cfg.d_model
         if self.cfg.arch == "hc":
-            return HyperConnection(self.n, d, sublayer_index, opts["connector_norm_eps"])
+            return HyperConnection(self.n, d, sublayer_index, opts["connector_norm_eps"], opts["connector_norm_gain"])
         return ManifoldHyperConnection(
             self.n, d, sublayer_index, opts["connector_norm_eps"], opts["mhc_init"], opts["sinkhorn_iters"],
             opts["sinkhorn_order"],
@@ -867,9 +887,10 @@ def _head_mixer_params(cfg: ModelConfig) -> int:
 
 
 def hc_extra_params(cfg: ModelConfig) -> int:
-    """2L·(n² + 2n + 2 + d(n+2)) (+ n²d + n + 1 with the head mixer)."""
+    """2L·(n² + 2n + 2 + d(n+2)) (+ 2L·d connector norm gains, + n²d + n + 1 with the head mixer)."""
     n, d, L = _n(cfg), cfg.d_model, cfg.n_layer
-    return 2 * L * (n * n + 2 * n + 2 + d * (n + 2)) + _head_mixer_params(cfg)
+    gains = 2 * L * d if cfg.options.get("connector_norm_gain", False) else 0
+    return 2 * L * (n * n + 2 * n + 2 + d * (n + 2)) + gains + _head_mixer_params(cfg)
 
 
 def mhc_extra_params(cfg: ModelConfig) -> int:
@@ -882,7 +903,7 @@ ARCH_SPECS = [
     ArchSpec(
         name="hc", family="multi-stream",
         description="Hyper-Connections: n streams, static + tanh-dynamic width/depth connections per sublayer",
-        extra_formula="2L·(n² + 2n + 2 + d(n+2)) [+ n²d + n + 1 head mixer]",
+        extra_formula="2L·(n² + 2n + 2 + d(n+2)) [+ 2Ld connector norm gains] [+ n²d + n + 1 head mixer]",
         extra_params=hc_extra_params,
         paper="Zhu et al. 2024, Hyper-Connections, arXiv 2409.19606",
         scheme=HyperScheme, in_depthbench=True,
