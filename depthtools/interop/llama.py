@@ -109,7 +109,7 @@ def _rope(hf: dict[str, Any]) -> float:
 def transformers_sliding_window(hf: dict[str, Any]) -> int | None:
     """The attention window transformers applies for this config.json (None: full causal).
 
-    What transformers 5.x (and 4.x) does, read from its source: `MistralConfig.sliding_window`
+    What transformers 5.25 does, read from its source (4.x not checked): `MistralConfig.sliding_window`
     defaults to 4096 when the key is absent, `"sliding_window": null` means full causal, and
     `MistralAttention` / the mask read only `config.sliding_window` -- `use_sliding_window` (a
     Qwen2 field) is never read by Mistral, so a window set beside `"use_sliding_window": false`
