@@ -51,7 +51,7 @@ console = Console()
 
 # Command modules that register themselves on `app` / `grid_app` when imported (all part of the package: a
 # missing one is an ImportError, not a silently absent command).
-COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.analysis_cmd", "cli.analysis2_cmd",
+COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.probe_cmd", "cli.suite_cmd",
                    "cli.report_cmd", "cli.demo_cmd", "cli.interop_cmd", "cli.tasks_cmd")
 
 
@@ -68,6 +68,13 @@ def table(title: str, columns: list[str], rows: list[list]) -> Table:
     for row in rows:
         out.add_row(*(escape(str(v)) for v in row))
     return out
+
+
+def fmt(value, digits: int = 4) -> str:
+    """A number as every table shows it: `digits` significant figures; missing (None, NaN, NA) as "–"."""
+    if value is None or (isinstance(value, float) and value != value) or type(value).__name__ == "NAType":
+        return "–"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
 def _load_command_modules() -> None:

@@ -70,7 +70,7 @@ def build_tiny_grid(base: Path) -> TinyGrid:
         train_grid(spec, root=root, data_root=base / "data")
         grid = root / "mini"
         save_grid(spec, grid / "grid.json")  # the spec beside the cells lets a report name planned-but-absent cells
-        invoke(["analyze", "--grid", str(grid), "--tokens", "256", "--seq-len", "32", "--data", str(data_dir)])
+        invoke(["analyze", "--grid", str(grid), "--n-tokens", "256", "--seq-len", "32", "--data", str(data_dir)])
         invoke(["summarize", "--grid", str(grid), "--n-boot", "50"])
         report = base / "reports" / "mini.html"
         out = invoke(["report", "--grid", str(grid), "-o", str(report)])

@@ -150,7 +150,7 @@ def test_cli_ablate_skip_prints_one_row_per_layer_and_writes_the_table(saved, mo
     root, _ = saved
     monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(root / "grid"))
     out = root / "skip.parquet"
-    args = ["ablate", "--ckpt", "preln_L4", "--mode", "skip", "--tokens", "256", "--seq-len", "16", "--out", str(out)]
+    args = ["ablate", "--ckpt", "preln_L4", "--mode", "skip", "--n-tokens", "256", "--seq-len", "16", "--out", str(out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     rows = [line for line in result.stdout.splitlines() if line.startswith("│ preln_L4")]
@@ -173,7 +173,7 @@ def test_cli_tuned_lens_reports_both_lenses_and_saves_translators(saved, monkeyp
     root, _ = saved
     monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(root / "grid"))
     result = runner.invoke(app, ["lens", "--ckpt", "preln_L4", "--tuned", "--lens-steps", "2", "--lens-tokens", "512",
-                                 "--tokens", "128", "--seq-len", "16"])
+                                 "--n-tokens", "128", "--seq-len", "16"])
     assert result.exit_code == 0, result.output
     assert "logit lens: mean prediction depth" in result.stdout and "tuned lens" in result.stdout
     assert (root / "grid" / "preln_L4" / "analysis" / "tuned_lens.safetensors").is_file()
@@ -181,12 +181,12 @@ def test_cli_tuned_lens_reports_both_lenses_and_saves_translators(saved, monkeyp
 
 def test_cli_grid_runs_every_checkpoint_and_skips_unsupported_ones(saved):
     root, data = saved
-    result = runner.invoke(app, ["ablate", "--grid", str(root / "grid"), "--mode", "mean", "--tokens", "128",
+    result = runner.invoke(app, ["ablate", "--grid", str(root / "grid"), "--mode", "mean", "--n-tokens", "128",
                                  "--seq-len", "16", "--data", str(data), "--json", "--no-save"])
     assert result.exit_code == 0, result.output
     records = json.loads(result.stdout)
     assert {r["model"] for r in records} == {"preln_L4"} and "unsupported for attnres" in result.stderr
-    lens = runner.invoke(app, ["lens", "--grid", str(root / "grid"), "--tokens", "128", "--seq-len", "16", "--json"])
+    lens = runner.invoke(app, ["lens", "--grid", str(root / "grid"), "--n-tokens", "128", "--seq-len", "16", "--json"])
     assert lens.exit_code == 0, lens.output
     depths = json.loads(lens.stdout)
     assert len(depths) == 2 * 5 and {r["model"] for r in depths} == {"preln_L4", "attnres_L4"}
@@ -198,7 +198,7 @@ def test_cli_bad_inputs_are_one_line_errors(saved, monkeypatch):
     cases = [
         (["ablate", "--ckpt", "nope_L9"], "unknown checkpoint 'nope_L9'"),
         (["ablate", "--ckpt", "preln_L4", "--seq-len", "64"], "exceeds the context 32"),
-        (["ablate", "--ckpt", "preln_L4", "--tokens", "0"], "empty token set"),
+        (["ablate", "--ckpt", "preln_L4", "--n-tokens", "0"], "empty token set"),
         (["ablate", "--ckpt", "preln_L4", "--mode", "skp"], "unknown ablation mode 'skp'"),
         (["ablate", "--ckpt", "preln_L4", "--mode", "swap", "--pairs", "every"], "unknown pairs 'every'"),
         (["lens", "--ckpt", "attnres_L4", "--device", "gpu"], "unknown device 'gpu'"),

@@ -111,7 +111,7 @@ def test_broken_checkpoints_are_refused(how, words, data_dir, tmp_path):
     with pytest.raises(ck.CheckpointError) as err:
         ck.load(cell)
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
-    refused(["lens", "--ckpt", cell, "--data", data_dir, "--tokens", "64", "--seq-len", "16", "--no-save"], *words)
+    refused(["lens", "--ckpt", cell, "--data", data_dir, "--n-tokens", "64", "--seq-len", "16", "--no-save"], *words)
     assert not (cell / "analysis").exists()
 
 
@@ -125,7 +125,7 @@ def test_model_config_refuses_non_finite_or_non_positive_scalars(field, value):
 # -- datasets are never overwritten without --force, and evaluation checks the data it reads -------
 FAST = dict(batch_size=8, seq_len=32, lr=1e-2, eval_tokens=512, log_every=2, eval_every=0,
             depth_stats_every=0, checkpoint_every=0, threads=1)
-EVAL = ["--tokens", "64", "--seq-len", "16"]
+EVAL = ["--n-tokens", "64", "--seq-len", "16"]
 
 
 def _prepare_args(out: Path, *extra) -> list:

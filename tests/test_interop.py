@@ -347,7 +347,7 @@ def _finite(df):
 
 
 def test_every_probe_runs_on_an_imported_checkpoint(tmp_path, monkeypatch):
-    from cli.analysis2_cmd import run_causal, run_contrib, run_routing, run_similarity
+    from depthtools.analysis.suite import run_causal, run_contrib, run_routing, run_similarity
     from depthtools.analysis.ablate import ablate
     from depthtools.analysis.lens import lens_analysis
 

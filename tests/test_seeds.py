@@ -156,7 +156,7 @@ def test_tiny_preset_with_two_seeds_plans_trains_resolves_and_aggregates(tmp_pat
     w0 = resolve("preln_L2") / "model.safetensors"
     assert w0.read_bytes() != (resolve("preln_L2_s1") / "model.safetensors").read_bytes()  # another init
     grid = root / "tiny2"
-    ok("analyze", "--grid", str(grid), "--tokens", "512", "--seq-len", "64", "--only", "sequence_profile,ablate_skip")
+    ok("analyze", "--grid", str(grid), "--n-tokens", "512", "--seq-len", "64", "--only", "sequence_profile,ablate_skip")
     summary = json.loads(ok("summarize", "--grid", str(grid), "--n-boot", "20", "--json").stdout)
     assert sorted((m["model"], m["seed"]) for m in summary["models"]) == [
         ("preln_L2", 0), ("preln_L2_s1", 1), ("preln_L4", 0), ("preln_L4_s1", 1)]

@@ -1,4 +1,4 @@
-"""Effective-depth summary, grid slopes with bootstrap CIs, and the analysis2 CLI on tiny checkpoints."""
+"""Effective-depth summary, grid slopes with bootstrap CIs, and the probe and suite commands on tiny checkpoints."""
 
 import json
 import math
@@ -10,8 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import cli.main  # noqa: F401  (the app; analysis2 registers on it)
-import cli.analysis2_cmd  # noqa: F401
+import cli.main  # noqa: F401  (the app, with every command registered)
 from cli.main import app
 from depthtools import checkpoint as ck
 from depthtools.analysis.ablate import ablate_skip
@@ -117,7 +116,7 @@ def test_cli_single_commands_analyze_and_summarize(tmp_path, monkeypatch):
         ck.save(tiny(n_layer=L, vocab=256), grid / f"preln_L{L}", extra={"data": {"path": str(data)}})
     monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path))
     runner = CliRunner()
-    common = ["--tokens", "48", "--seq-len", "16"]
+    common = ["--n-tokens", "48", "--seq-len", "16"]
     for command in ("causal", "similarity", "contrib", "routing"):
         result = runner.invoke(app, [command, "--ckpt", "preln_L3", *common, "--json"])
         assert result.exit_code == 0, result.output

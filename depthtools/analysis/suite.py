@@ -1,10 +1,26 @@
-"""The whole depth-probe suite over a checkpoint or a grid, resumable (what `depthtools analyze` runs).
+"""Every depth probe by name, one cache rule, and the whole suite over checkpoints (what the CLI runs).
 
-Every analysis of the suite reads the same fixed evaluation windows (`eval_tokens`: sampled from the
-checkpoint's recorded data directory) and saves its tidy table(s) beside the checkpoint with the
-settings it ran with (`table_settings`: the analysis, its arguments, the token-set hash and the
-weight hash). A table already saved with identical settings is not recomputed, so an interrupted
-`analyze_grid` resumes where it stopped and a changed setting never reuses a stale result.
+One registry (`ANALYSES`) names each analysis, the arguments its result depends on (with their
+defaults) and the tables it saves beside a checkpoint; `depthtools analyze` and the single probe
+commands (`lens`, `ablate`, `causal`, ...) all run through `run_analysis`, so they write the same
+table names with the same settings and reuse each other's tables:
+
+    similarity, causal, contrib, routing, sequence_profile      one table each, named like the analysis
+    lens_logit   -> lens_logit, lens_logit_summary, prediction_depth
+    lens_tuned   -> lens_tuned, lens_tuned_summary, prediction_depth_tuned
+    ablate_skip, ablate_prune, ablate_mean, ablate_linear        one table each (`ablate --mode M`)
+    ablate_swap  (all pairs i < j: DepthBench's permutation score), ablate_swap_adjacent (pairs i, i+1)
+
+Every analysis reads the same fixed evaluation windows (`probe_tokens`: seeded windows of the
+checkpoint's recorded data directory) and saves its tables with the settings it ran with
+(`table_settings`: the analysis, its arguments, the token-set hash and the weight hash). The cache
+rule (`depthtools.analysis.tables.cached`): identical settings -> the saved tables are reused;
+anything else -> recomputed and saved over them. So an interrupted `analyze_grid` resumes where it
+stopped and a changed setting never reuses a stale result.
+
+Tables saved before the names were unified (the `lens` command's `lens` / `lens_tuned`, the
+`ablate` command's `ablate_swap` of adjacent pairs and `ablate_swap_all`) are never reused; readers
+(`read_result`: the report and the effective-depth summary) translate them to the current names.
 
     from depthtools.analysis.suite import analyze_grid
     report = analyze_grid("checkpoints/tiny", n_tokens=2048, seq_len=64)
@@ -16,11 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import pandas as pd
+
 from depthtools.errors import DepthToolsError
 
-# (analysis name) -> the tables it writes, when they differ from its own name
-OUTPUTS = {"lens_logit": ("lens_logit", "lens_logit_summary", "prediction_depth"),
-           "lens_tuned": ("lens_tuned", "lens_tuned_summary", "prediction_depth_tuned")}
+# One default evaluation set for every probe: ceil(N_TOKENS / seq_len) windows of min(SEQ_LEN, context).
+N_TOKENS = 4096
+SEQ_LEN = 128
+BATCH_SIZE = 8
 
 
 # -- the evaluation token set and what a saved table depends on ------------------------------------
@@ -35,6 +54,40 @@ def eval_tokens(ckpt_dir: str | Path, data: str | Path | None, n_tokens: int, se
     return sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed)
 
 
+def check_sizes(n_tokens: int, seq_len: int | None, batch_size: int) -> None:
+    """The evaluation-set options every probe shares (one-line errors naming the option)."""
+    if n_tokens < 1:
+        raise DepthToolsError(f"empty token set: --n-tokens must be >= 1, got {n_tokens}")
+    if seq_len is not None and seq_len < 2:
+        raise DepthToolsError(f"--seq-len must be >= 2 (position 0 is not scored), got {seq_len}")
+    if batch_size < 1:
+        raise DepthToolsError(f"--batch-size must be >= 1, got {batch_size}")
+
+
+def window_length(model, seq_len: int | None) -> int:
+    """--seq-len, or min(SEQ_LEN, the model's context) when not given; longer than the context is an error."""
+    context = model.config.max_seq_len
+    if seq_len is None:
+        return min(SEQ_LEN, context)
+    if seq_len > context:
+        from depthtools.analysis.tables import model_columns
+
+        raise DepthToolsError(f"--seq-len {seq_len} exceeds the context {context} of {model_columns(model)['model']}; "
+                              f"use --seq-len <= {context}")
+    return seq_len
+
+
+def probe_tokens(model, data: str | Path | None = None, n_tokens: int = N_TOKENS, seq_len: int | None = None,
+                 split: str = "val", seed: int = 0):
+    """The evaluation windows every probe of `model` reads, validated and on the model's device."""
+    from depthtools.analysis.tokens import check_tokens
+
+    ckpt_dir = getattr(model, "checkpoint_dir", None)
+    if ckpt_dir is None:
+        raise DepthToolsError("the model was not loaded from a checkpoint; load it with depthtools.checkpoint.load")
+    return check_tokens(model, eval_tokens(ckpt_dir, data, n_tokens, window_length(model, seq_len), split, seed))
+
+
 def table_settings(name: str, args: dict[str, Any], model, tokens) -> dict[str, Any]:
     """What a saved table depends on: the analysis, its arguments, the token set and the weights."""
     from depthtools.analysis.lens import model_fingerprint
@@ -46,21 +99,21 @@ def table_settings(name: str, args: dict[str, Any], model, tokens) -> dict[str, 
 
 # -- the single analyses (thin, keyword-complete wrappers so the suite can record their arguments) ---
 
-def run_causal(model, tokens, batch_size=8, exclude_first=1, rule=None, future=True, cuts=None):
+def run_causal(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, rule=None, future=True, cuts=None):
     from depthtools.analysis.causal import causal_scores
 
     return causal_scores(model, tokens, batch_size=batch_size, rule=rule, exclude_first=exclude_first,
                          future=future, cuts=cuts)
 
 
-def run_similarity(model, tokens, batch_size=8, exclude_first=1, cka_batch=256, outlier_k=1):
+def run_similarity(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, cka_batch=256, outlier_k=1):
     from depthtools.analysis.geometry import depth_similarity
 
     return depth_similarity(model, tokens, batch_size=batch_size, exclude_first=exclude_first,
                             cka_batch=cka_batch, outlier_k=outlier_k)
 
 
-def run_contrib(model, tokens, batch_size=8, exclude_first=1, jacobian=True, probes=2):
+def run_contrib(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, jacobian=True, probes=2):
     from depthtools.analysis.contrib import contributions
 
     return contributions(model, tokens, batch_size=batch_size, exclude_first=exclude_first, jacobian=jacobian,
@@ -73,47 +126,168 @@ def run_routing(model, tokens, exclude_first=1, long_range_k=4):
     return routing_stats(model, tokens, exclude_first=exclude_first, long_range_k=long_range_k)
 
 
-def _lens(model, tokens, batch_size):
-    from depthtools.analysis.lens import lens_analysis
+@dataclass(frozen=True)
+class Probe:
+    """What a runner gets besides its arguments: where the model's data is, and a progress callback."""
 
-    result = lens_analysis(model, tokens, batch_size=batch_size)
-    return {"lens_logit": result.depths, "lens_logit_summary": result.summary, "prediction_depth": result.tokens}
+    data: str | Path | None = None
+    progress: Callable[[float], None] | None = None
 
 
-def _ablate(mode: str):
-    def runner(model, tokens, **args):
-        from depthtools.analysis.ablate import ablate
-
-        return {f"ablate_{mode}": ablate(model, tokens, mode=mode, **args)}
+def _single(fn: Callable, with_progress: bool = False):
+    def runner(model, tokens, probe: Probe, **args):
+        return fn(model, tokens, **args, **({"progress": probe.progress} if with_progress else {}))
     return runner
 
 
-def _single(name: str, fn: Callable):
-    return lambda model, tokens, **args: {name: fn(model, tokens, **args)}
+def _lens_logit(model, tokens, probe: Probe, batch_size):
+    from depthtools.analysis.lens import lens_analysis
+
+    result = lens_analysis(model, tokens, batch_size=batch_size, progress=probe.progress)
+    return {"lens_logit": result.depths, "lens_logit_summary": result.summary, "prediction_depth": result.tokens}
 
 
-def analysis_suite(swap_pairs: str = "all", tau: float = 0.05, batch_size: int = 8,
-                   exclude_first: int = 1) -> dict[str, tuple[dict[str, Any], Callable]]:
-    """name -> (arguments, runner(model, tokens, **arguments) -> {table name: DataFrame})."""
+def _lens_tuned(model, tokens, probe: Probe, batch_size, lens_steps, lens_tokens, lens_lr, seed):
+    """Fit (or reuse) a tuned lens on train-split windows, then evaluate it on the evaluation windows."""
+    from depthtools.analysis.lens import fit_tuned_lens, lens_analysis
+    from depthtools.analysis.tokens import check_tokens
+
+    ckpt_dir = Path(model.checkpoint_dir)
+    train = check_tokens(model, eval_tokens(ckpt_dir, probe.data, lens_tokens, tokens.shape[1] - 1, "train", seed))
+    translators = fit_tuned_lens(model, train, ckpt_dir, steps=lens_steps, lr=lens_lr, batch_size=batch_size,
+                                 seed=seed, progress=probe.progress)
+    result = lens_analysis(model, tokens, translators, batch_size=batch_size)
+    return {"lens_tuned": result.depths, "lens_tuned_summary": result.summary, "prediction_depth_tuned": result.tokens}
+
+
+def _ablate(mode: str):
+    def runner(model, tokens, probe: Probe, **args):
+        from depthtools.analysis.ablate import ablate
+
+        return ablate(model, tokens, mode=mode, progress=probe.progress, **args)
+    return runner
+
+
+def _sequence_profile(model, tokens, probe: Probe, **args):
     from depthtools.analysis.summary import sequence_profile
 
-    return {
-        "similarity": (dict(batch_size=batch_size, exclude_first=exclude_first, cka_batch=256, outlier_k=1),
-                       _single("similarity", run_similarity)),
-        "causal": (dict(batch_size=batch_size, exclude_first=exclude_first, rule=None, future=True, cuts=None),
-                   _single("causal", run_causal)),
-        "contrib": (dict(batch_size=batch_size, exclude_first=exclude_first, jacobian=True, probes=2),
-                    _single("contrib", run_contrib)),
-        "routing": (dict(exclude_first=exclude_first, long_range_k=4), _single("routing", run_routing)),
-        "sequence_profile": (dict(batch_size=batch_size, rule=None), _single("sequence_profile", sequence_profile)),
-        "lens_logit": (dict(batch_size=batch_size), lambda m, t, batch_size: _lens(m, t, batch_size)),
-        "ablate_skip": (dict(batch_size=batch_size), _ablate("skip")),
-        "ablate_prune": (dict(batch_size=batch_size, tau=tau), _ablate("prune")),
-        "ablate_swap": (dict(batch_size=batch_size, pairs=swap_pairs), _ablate("swap")),
-    }
+    return sequence_profile(model, tokens, progress=probe.progress, **args)
 
 
-# -- running it --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Analysis:
+    """One probe: its arguments with their defaults, the tables it saves, and how to run it."""
+
+    name: str
+    args: dict[str, Any]
+    run: Callable[..., pd.DataFrame | dict[str, pd.DataFrame]]
+    tables: tuple[str, ...] = ()
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.tables or (self.name,)
+
+
+B = BATCH_SIZE
+ANALYSES: dict[str, Analysis] = {a.name: a for a in (
+    Analysis("similarity", dict(batch_size=B, exclude_first=1, cka_batch=256, outlier_k=1), _single(run_similarity)),
+    Analysis("causal", dict(batch_size=B, exclude_first=1, rule=None, future=True, cuts=None), _single(run_causal)),
+    Analysis("contrib", dict(batch_size=B, exclude_first=1, jacobian=True, probes=2), _single(run_contrib)),
+    Analysis("routing", dict(exclude_first=1, long_range_k=4), _single(run_routing)),
+    Analysis("sequence_profile", dict(batch_size=B, rule=None), _sequence_profile),
+    Analysis("lens_logit", dict(batch_size=B), _lens_logit, ("lens_logit", "lens_logit_summary", "prediction_depth")),
+    Analysis("lens_tuned", dict(batch_size=B, lens_steps=250, lens_tokens=65536, lens_lr=1e-3, seed=0), _lens_tuned,
+             ("lens_tuned", "lens_tuned_summary", "prediction_depth_tuned")),
+    Analysis("ablate_skip", dict(batch_size=B, rules=None), _ablate("skip")),
+    Analysis("ablate_prune", dict(batch_size=B, rules=None, tau=0.05, max_prune_steps=None), _ablate("prune")),
+    Analysis("ablate_swap", dict(batch_size=B, pairs="all"), _ablate("swap")),
+    Analysis("ablate_swap_adjacent", dict(batch_size=B, pairs="adjacent"), _ablate("swap")),
+    Analysis("ablate_mean", dict(batch_size=B), _ablate("mean")),
+    Analysis("ablate_linear", dict(batch_size=B), _ablate("linear")),
+)}
+# What `analyze` runs by default (swap: all pairs, or ablate_swap_adjacent with pairs="adjacent"; tuned lens on request).
+SUITE = ("similarity", "causal", "contrib", "routing", "sequence_profile", "lens_logit", "ablate_skip",
+         "ablate_prune", "ablate_swap")
+WRITER = {table: a.name for a in ANALYSES.values() for table in a.outputs}  # table name -> the analysis saving it
+
+
+def ablate_analysis(mode: str, pairs: str = "adjacent") -> str:
+    """The analysis (and table) name of an `ablate --mode` run."""
+    from depthtools.analysis.ablate import PAIRS, check_mode
+
+    check_mode(mode)
+    if pairs not in PAIRS:
+        raise DepthToolsError(f"unknown pairs {pairs!r}; valid: {', '.join(PAIRS)}")
+    if mode == "swap":
+        return "ablate_swap" if pairs == "all" else "ablate_swap_adjacent"
+    return f"ablate_{mode}"
+
+
+# Every argument some analysis takes (not `pairs`: ablate_swap and ablate_swap_adjacent fix it by name).
+OPTIONS = sorted({k for a in ANALYSES.values() for k in a.args} - {"pairs"})
+
+
+def analysis_args(name: str, **options) -> dict[str, Any]:
+    """The arguments of analysis `name`: its defaults, overridden by the options it takes (options only
+    other analyses take are ignored, so one set of options serves a whole suite; unknown ones are an error)."""
+    if name not in ANALYSES:
+        raise DepthToolsError(f"unknown analysis {name!r}; valid: {', '.join(ANALYSES)}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise DepthToolsError(f"unknown analysis option(s) {unknown}; valid: {', '.join(OPTIONS)}")
+    defaults = ANALYSES[name].args
+    return {k: (options[k] if k in options and k != "pairs" else v) for k, v in defaults.items()}
+
+
+def progress_total(name: str, model, args: dict[str, Any]) -> float | None:
+    """The units a runner's progress callback advances by in total (plans, tuned-lens steps, or 1)."""
+    if name.startswith("ablate_"):
+        from depthtools.analysis.ablate import n_plans
+
+        mode = name.split("_")[1]
+        return n_plans(model, mode, args.get("pairs", "adjacent"), args.get("rules"))
+    if name == "lens_tuned":
+        return args["lens_steps"]
+    return 1
+
+
+@dataclass
+class Result:
+    """The tables of one analysis of one model, the settings they were saved with, and whether reused."""
+
+    name: str
+    tables: dict[str, pd.DataFrame]
+    settings: dict[str, Any]
+    reused: bool
+
+    @property
+    def table(self) -> pd.DataFrame:
+        """The main table (the one named like the analysis)."""
+        return self.tables[ANALYSES[self.name].outputs[0]]
+
+
+def run_analysis(name: str, model, tokens, data: str | Path | None = None, recompute: bool = False,
+                 save: bool = True, progress: Callable[[float], None] | None = None, **options) -> Result:
+    """Run analysis `name` on a checkpoint's model, or reuse its tables saved with the same settings.
+
+    `options` override the analysis' default arguments (those it does not take are ignored), so one
+    set of command-line options serves every analysis. recompute=True ignores saved tables.
+    """
+    from depthtools.analysis.tables import cached
+
+    args = analysis_args(name, **options)
+    analysis = ANALYSES[name]
+    settings = table_settings(name, args, model, tokens)
+
+    def compute() -> dict[str, pd.DataFrame]:
+        out = analysis.run(model, tokens, Probe(data=data, progress=progress), **args)
+        return out if isinstance(out, dict) else {name: out}
+
+    tables, reused = cached(model.checkpoint_dir, analysis.outputs, settings, compute, recompute=recompute, save=save)
+    return Result(name, tables, settings, reused)
+
+
+# -- running the suite -------------------------------------------------------------------------------
 
 @dataclass
 class AnalyzeReport:
@@ -125,74 +299,85 @@ class AnalyzeReport:
     not_applicable: list[str] = field(default_factory=list)
 
 
-def choose(only: str | list[str] | None, suite: dict[str, Any], tuned_lens: bool = False) -> list[str]:
-    """The analyses to run, validated against the suite (`only` is a comma list or a list)."""
-    names = list(suite) + (["lens_tuned"] if tuned_lens else [])
+def choose(only: str | list[str] | None, pairs: str = "all", tuned: bool = False) -> list[str]:
+    """The analyses to run: `only` (a comma list or a list of ANALYSES names), else the SUITE (with the
+    swap analysis of `pairs`, and lens_tuned when `tuned`)."""
     if only is None:
-        return names
+        swap = "ablate_swap" if pairs == "all" else ablate_analysis("swap", pairs)
+        return [swap if n == "ablate_swap" else n for n in SUITE] + (["lens_tuned"] if tuned else [])
     chosen = [s for s in (only.replace(" ", "").split(",") if isinstance(only, str) else only) if s]
-    unknown = [s for s in chosen if s not in suite and s != "lens_tuned"]
+    unknown = [s for s in chosen if s not in ANALYSES]
     if unknown:
-        raise DepthToolsError(f"unknown analysis {unknown}; valid: {', '.join([*suite, 'lens_tuned'])}")
+        raise DepthToolsError(f"unknown analysis {unknown}; valid: {', '.join(ANALYSES)}")
     return chosen
 
 
-def _tuned_lens_tables(model, tokens, ckpt_dir, data, n_tokens, seq_len, seed, batch_size):
-    """Fit a tuned lens on train-split windows, then evaluate it on the evaluation windows."""
-    from depthtools.analysis.lens import fit_tuned_lens, lens_analysis
-    from depthtools.analysis.tokens import check_tokens
+def checkpoint_dirs(ckpts: list[str | Path] | None = None, grid: str | Path | None = None) -> list[Path]:
+    """Checkpoint directories of --ckpt names/paths and of every checkpoint under --grid (in order, once each)."""
+    from depthtools.analysis.summary import checkpoint_dirs as grid_dirs
+    from depthtools.checkpoint import resolve
 
-    train_tokens = check_tokens(model, eval_tokens(ckpt_dir, data, 4 * n_tokens, seq_len, "train", seed))
-    lens = fit_tuned_lens(model, train_tokens, ckpt_dir, batch_size=batch_size)
-    result = lens_analysis(model, tokens, lens, batch_size=batch_size)
-    return {"lens_tuned": result.depths, "lens_tuned_summary": result.summary, "prediction_depth_tuned": result.tokens}
+    if not ckpts and grid is None:
+        raise DepthToolsError("give --ckpt NAME (repeatable) or --grid DIR")
+    dirs = [Path(resolve(name)) for name in ckpts or []]
+    if grid is not None:
+        if not Path(grid).is_dir():
+            raise DepthToolsError(f"--grid {grid} is not a directory")
+        dirs += grid_dirs(grid)
+    unique: dict[str, Path] = {}
+    for d in dirs:
+        unique.setdefault(str(d.resolve()), d)
+    return list(unique.values())
 
 
-def analyze_grid(grid: str | Path, data: str | Path | None = None, n_tokens: int = 4096, seq_len: int = 128,
-                 split: str = "val", seed: int = 0, batch_size: int = 8, exclude_first: int = 1,
-                 only: str | list[str] | None = None, swap_pairs: str = "all", tau: float = 0.05,
-                 tuned_lens: bool = False, force: bool = False,
-                 progress: Callable[[str, int, int], None] | None = None) -> AnalyzeReport:
-    """Run the suite over every checkpoint of a grid directory; tables with identical settings are reused.
+RENAMED = {"swap_pairs": "pairs", "tuned_lens": "tuned", "force": "recompute"}  # analyze_grid arguments before issue 19
+
+
+def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None, n_tokens: int = N_TOKENS,
+                 seq_len: int | None = None, split: str = "val", seed: int = 0, batch_size: int = BATCH_SIZE,
+                 exclude_first: int = 1, only: str | list[str] | None = None, pairs: str = "all", tau: float = 0.05,
+                 tuned: bool = False, recompute: bool = False, device: str = "cpu",
+                 ckpts: list[str | Path] | None = None,
+                 progress: Callable[[str, int, int], None] | None = None, **options) -> AnalyzeReport:
+    """Run the suite over every checkpoint of a grid directory (and/or `ckpts`); tables saved with
+    identical settings are reused.
 
     `progress(description, done, total)` is called before each analysis and once at the end.
     An analysis that does not apply to an architecture (e.g. linear ablation of a bank state) is
-    recorded in `not_applicable`, not raised.
+    recorded in `not_applicable`, not raised. `options` are further analysis arguments (lens_steps, ...).
     """
-    from depthtools.analysis.summary import checkpoint_dirs
-    from depthtools.analysis.tables import load_table, save_table
-    from depthtools.analysis.tokens import check_tokens
+    import warnings
+
     from depthtools.checkpoint import load
 
-    suite = analysis_suite(swap_pairs, tau, batch_size, exclude_first)
-    chosen = choose(only, suite, tuned_lens)
-    dirs = checkpoint_dirs(grid)
+    renamed = {old: new for old, new in RENAMED.items() if old in options}
+    for old, new in renamed.items():
+        warnings.warn(f"analyze_grid({old}=...) is deprecated; use {new}=...", DeprecationWarning, stacklevel=2)
+    given = {new: options.pop(old) for old, new in renamed.items()}
+    pairs, tuned, recompute = given.get("pairs", pairs), given.get("tuned", tuned), given.get("recompute", recompute)
+    check_sizes(n_tokens, seq_len, batch_size)
+    chosen = choose(only, pairs, tuned)
+    dirs = checkpoint_dirs(ckpts, grid)
     report = AnalyzeReport(checkpoints=len(dirs))
     total, step = len(dirs) * len(chosen), 0
+    options = dict(options, batch_size=batch_size, exclude_first=exclude_first, tau=tau)
+    options.setdefault("seed", seed)
     for ckpt_dir in dirs:
-        model = load(ckpt_dir)
-        tokens = check_tokens(model, eval_tokens(ckpt_dir, data, n_tokens, seq_len, split, seed))
+        model = load(ckpt_dir, device=device)
+        tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
         for name in chosen:
             if progress is not None:
                 progress(f"{ckpt_dir.name}: {name}", step, total)
             step += 1
-            args, runner = suite.get(name, (dict(batch_size=batch_size), None))
-            settings = table_settings(name, args, model, tokens)
-            outputs = OUTPUTS.get(name, (name,))
-            if not force and all(load_table(ckpt_dir, o, settings) is not None for o in outputs):
-                report.reused += 1
-                continue
             try:
-                if name == "lens_tuned":
-                    tables = _tuned_lens_tables(model, tokens, ckpt_dir, data, n_tokens, seq_len, seed, batch_size)
-                else:
-                    tables = runner(model, tokens, **args)
+                result = run_analysis(name, model, tokens, data=data, recompute=recompute, **options)
             except DepthToolsError as exc:
                 report.not_applicable.append(f"{ckpt_dir.name}: {name}: {exc}")
                 continue
-            for table_name, df in tables.items():
-                save_table(df, ckpt_dir, table_name, settings)
-            report.ran += 1
+            if result.reused:
+                report.reused += 1
+            else:
+                report.ran += 1
     if progress is not None:
         progress("analyze: done", total, total)
     return report
@@ -209,3 +394,80 @@ def summarize_grid(grid: str | Path, n_boot: int = 1000, seed: int = 0, save: bo
         save_table(models, grid, "effective_depth_models", {"fields": list(SUMMARY_FIELDS)})
         save_table(slopes, grid, "effective_depth_grid", {"n_boot": n_boot, "seed": seed})
     return models, slopes
+
+
+# -- reading saved tables, old names included ---------------------------------------------------------
+
+LENS_SUMMARY_COLUMNS = ("pd_mean", "pd_mean_over_L", "pd_loss_spearman", "n_lens")  # merged by the old `lens`
+
+
+def _saved(ckpt_dir: Path, name: str) -> tuple[pd.DataFrame | None, dict[str, Any]]:
+    from depthtools.analysis.tables import load_settings, load_table
+
+    try:
+        df = load_table(ckpt_dir, name)
+    except DepthToolsError:
+        return None, {}
+    return df, (load_settings(ckpt_dir, name) or {}) if df is not None else {}
+
+
+def _old_lens(ckpt_dir: Path, table: str) -> pd.DataFrame | None:
+    """A lens table from the old `lens` command (`lens`, or `lens_tuned` with both lenses and the summary
+    columns merged into the per-depth rows)."""
+    from depthtools.analysis.lens import lens_progress
+
+    kind = "tuned" if table.startswith("lens_tuned") else "logit"
+    for old in ("lens_tuned", "lens"):
+        df, settings = _saved(ckpt_dir, old)
+        if df is None or settings.get("analysis") != "lens" or "lens" not in df.columns:
+            continue
+        rows = df[df["lens"] == kind]
+        if rows.empty:
+            continue
+        depths = rows.drop(columns=[c for c in LENS_SUMMARY_COLUMNS if c in rows.columns]).reset_index(drop=True)
+        if not table.endswith("_summary"):
+            return depths
+        ids = [c for c in ("model", "arch", "n_layer", "d_model") if c in rows.columns]
+        summary = rows.iloc[[0]][[*ids, "lens", *[c for c in LENS_SUMMARY_COLUMNS if c in rows.columns]]]
+        com, n_lens = lens_progress(depths.sort_values("depth")["ce"].to_numpy())
+        L = float(rows["n_layer"].iloc[0])
+        return summary.assign(ce_final=float(depths.sort_values("depth")["ce"].iloc[-1]), progress_com=com,
+                              n_lens_over_L=n_lens / L).reset_index(drop=True)
+    return None
+
+
+def _old_swap(ckpt_dir: Path, table: str) -> pd.DataFrame | None:
+    """A swap table from the old `ablate` command (`ablate_swap`: the pairs it was run with;
+    `ablate_swap_all`: all pairs) or from an old `analyze --swap-pairs adjacent`."""
+    want = "all" if table == "ablate_swap" else "adjacent"
+    for old in ("ablate_swap_all", "ablate_swap"):
+        df, settings = _saved(ckpt_dir, old)
+        if df is not None and settings.get("analysis") in ("ablate", "ablate_swap") and settings.get("pairs") == want:
+            return df
+    return None
+
+
+def read_result(ckpt_dir: str | Path, table: str) -> pd.DataFrame | None:
+    """A saved table by its current name, or None when absent or unreadable (no settings compared).
+
+    A table is taken as what its name says only when its settings record the analysis that writes
+    that name; tables saved under the old names (before the probe commands and `analyze` shared one
+    naming scheme) are translated: old `lens` tables -> lens_logit / lens_tuned (+ _summary), old swap
+    tables -> ablate_swap (all pairs) / ablate_swap_adjacent, old `ablate` tables of other modes as saved.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    writer = WRITER.get(table)
+    df, settings = _saved(ckpt_dir, table)
+    if writer is None:  # not a probe table (tasks_eval, ...): read as saved
+        return df
+    fixed_pairs = ANALYSES[writer].args.get("pairs")  # an old `analyze --swap-pairs adjacent` saved ablate_swap
+    if df is not None and settings.get("analysis") == writer and settings.get("pairs") == fixed_pairs:
+        return df
+    if table in ("lens_logit", "lens_logit_summary", "lens_tuned", "lens_tuned_summary"):
+        return _old_lens(ckpt_dir, table)
+    if table in ("ablate_swap", "ablate_swap_adjacent"):
+        return _old_swap(ckpt_dir, table)
+    if df is not None and table.startswith("ablate_") and settings.get("analysis") == "ablate" \
+            and settings.get("mode") == table.split("_", 1)[1]:
+        return df
+    return None

@@ -41,7 +41,7 @@ from depthtools.analysis.ablate import effective_count
 from depthtools.analysis.causal import late_start
 from depthtools.analysis.lens import lens_progress
 from depthtools.analysis.sweep import intact_states, plan_logits, scored_logprobs
-from depthtools.analysis.tables import ANALYSIS_DIR, model_columns
+from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import batches, check_tokens, split_inputs, token_fingerprint
 from depthtools.arch.model import Plan
 from depthtools.errors import DepthToolsError
@@ -101,47 +101,19 @@ def _profile_arrays(profile: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return ce, kl.to_numpy(dtype=np.float64)
 
 
-# -- classifying saved tables ---------------------------------------------------------------------
+# -- reading saved tables ------------------------------------------------------------------------
 
-def classify_table(df: pd.DataFrame) -> list[str]:
-    """Which kinds of result a table holds (by its columns/values, whoever saved it)."""
-    kinds = []
-    cols = set(df.columns)
-    if "mode" in cols:
-        kinds += [f"ablate_{m}" for m in df["mode"].dropna().unique() if m in ("skip", "prune", "swap")]
-        if "ablate_swap" in kinds and "pairs" in cols and (df["pairs"] == "all").any():
-            kinds.append("ablate_swap_all")
-    if {"n_lens_over_L", "pd_mean_over_L"} <= cols:
-        kinds.append("lens_summary")
-    if {"depth", "kl_final_lens", "lens"} <= cols:
-        kinds.append("lens_depths")
-    if {"metric", "value"} <= cols:
-        metrics = set(df["metric"].unique())
-        if "n_rep_debiased" in metrics:
-            kinds.append("similarity")
-        if "late_pair_fraction" in metrics:
-            kinds.append("causal")
-        if "skip_kl" in metrics and "seq" in cols:
-            kinds.append("sequence_profile")
-    return kinds
+RESULT_TABLES = ("ablate_skip", "ablate_prune", "ablate_swap", "ablate_swap_adjacent", "lens_logit",
+                 "lens_logit_summary", "lens_tuned", "lens_tuned_summary", "similarity", "causal", "sequence_profile")
 
 
 def load_results(ckpt_dir: str | Path) -> dict[str, pd.DataFrame]:
-    """Every classifiable table under `<ckpt>/analysis/`; for each kind the newest file wins
-    (tables are recognised by their columns, so names chosen by `analyze` or by the `lens` /
-    `ablate` commands both work; all-pairs swap tables are kept apart as `ablate_swap_all`)."""
-    folder = Path(ckpt_dir) / ANALYSIS_DIR
-    found: dict[str, pd.DataFrame] = {}
-    if not folder.is_dir():
-        return found
-    for path in sorted(folder.glob("*.parquet"), key=lambda p: p.stat().st_mtime, reverse=True):
-        try:
-            df = pd.read_parquet(path)
-        except (OSError, ValueError):
-            continue
-        for kind in classify_table(df):
-            found.setdefault(kind, df)
-    return found
+    """The probe tables saved under `<ckpt>/analysis/`, by name (`suite.read_result`: the names
+    `analyze` and the probe commands share; tables saved under older names are translated)."""
+    from depthtools.analysis.suite import read_result
+
+    found = {name: read_result(ckpt_dir, name) for name in RESULT_TABLES}
+    return {name: df for name, df in found.items() if df is not None}
 
 
 # -- one row per model ----------------------------------------------------------------------------
@@ -197,23 +169,17 @@ def effective_depth_row(info: dict[str, Any], results: dict[str, pd.DataFrame], 
         row["f_tau"] = float(prune["f_tau"].iloc[0]) if len(prune) else math.nan
     else:
         missing("f_tau", "ablate prune")
-    if "lens_depths" in results:  # N_lens from the CE curve (lens.lens_progress), whoever saved the table
-        depths = results["lens_depths"]
-        kinds = set(depths["lens"].unique())
-        row["lens"] = "tuned" if "tuned" in kinds else sorted(kinds)[0]
-        depths = depths[depths["lens"] == row["lens"]].sort_values("depth")
+    kind = "tuned" if "lens_tuned" in results else "logit"  # N_lens from the CE curve; tuned lens preferred
+    if f"lens_{kind}" in results:
+        row["lens"] = kind
+        depths = results[f"lens_{kind}"].sort_values("depth")
         row["n_lens_over_L"] = lens_progress(depths["ce"].to_numpy())[1] / L
         row["kl_depth_over_L"] = _kl_depth(depths, kl_threshold)
-        if "pd_mean_over_L" in depths:  # the lens CLI merges the summary into the depth table
-            row["pd_mean_over_L"] = float(depths["pd_mean_over_L"].iloc[0])
     else:
         missing("n_lens_over_L, kl_depth_over_L", "lens depth")
-    if "lens_summary" in results and math.isnan(row["pd_mean_over_L"]):
-        lens = results["lens_summary"]
-        pick = lens[lens["lens"] == row.get("lens", "logit")] if "lens" in lens else lens
-        pick = pick if len(pick) else lens
-        row["pd_mean_over_L"] = float(pick["pd_mean_over_L"].iloc[0])
-    elif math.isnan(row["pd_mean_over_L"]):
+    if f"lens_{kind}_summary" in results:
+        row["pd_mean_over_L"] = float(results[f"lens_{kind}_summary"]["pd_mean_over_L"].iloc[0])
+    else:
         missing("pd_mean_over_L", "lens summary")
     if "similarity" in results:
         sim = results["similarity"].set_index("metric")["value"]
@@ -227,8 +193,8 @@ def effective_depth_row(info: dict[str, Any], results: dict[str, pd.DataFrame], 
         row["causal_pair_fraction"] = float(causal.loc[causal["metric"] == "late_pair_fraction", "value"].iloc[0])
     else:
         missing("causal_pair_fraction", "causal")
-    if "ablate_swap" in results:
-        swaps = results.get("ablate_swap_all", results["ablate_swap"])
+    swaps = results.get("ablate_swap", results.get("ablate_swap_adjacent"))
+    if swaps is not None:
         value, note = _perm_pair_fraction(swaps.query("mode == 'swap'"), L, perm_threshold)
         row["perm_pair_fraction"] = value
         if note:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 
@@ -79,3 +79,34 @@ def load_table(ckpt_dir: str | Path, name: str, settings: dict[str, Any] | None 
         return pd.read_parquet(table_path)
     except (OSError, ValueError, json.JSONDecodeError):
         return None
+
+
+def load_settings(ckpt_dir: str | Path, name: str) -> dict[str, Any] | None:
+    """The settings a table was saved with (None if absent or unreadable)."""
+    _, settings_path = table_paths(ckpt_dir, name)
+    try:
+        saved = json.loads(settings_path.read_text())
+    except (OSError, ValueError):
+        return None
+    settings = saved.get("settings") if isinstance(saved, dict) else None
+    return settings if isinstance(settings, dict) else None
+
+
+def cached(ckpt_dir: str | Path, names: Sequence[str], settings: dict[str, Any],
+           compute: Callable[[], dict[str, pd.DataFrame]], recompute: bool = False,
+           save: bool = True) -> tuple[dict[str, pd.DataFrame], bool]:
+    """The one cache rule of every probe: ({name: table}, reused).
+
+    When every table in `names` is saved with exactly `settings` (and not `recompute`), the saved tables
+    are returned; otherwise `compute()` runs and (if `save`) its tables are saved with `settings`,
+    replacing whatever was saved under those names.
+    """
+    if not recompute:
+        saved = {name: load_table(ckpt_dir, name, settings) for name in names}
+        if all(df is not None for df in saved.values()):
+            return saved, True
+    tables = compute()
+    if save:
+        for name, df in tables.items():
+            save_table(df, ckpt_dir, name, settings)
+    return tables, False

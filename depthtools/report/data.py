@@ -23,13 +23,10 @@ from depthtools.errors import DepthToolsError
 EVAL = "eval.json"
 METRICS = "metrics.jsonl"
 
-# Tables `depthtools analyze --grid` writes beside every checkpoint (lens_tuned only with --tuned-lens).
+# Tables `depthtools analyze --grid` writes beside every checkpoint (lens_tuned only with --tuned).
 SUITE_TABLES = ("lens_logit", "lens_logit_summary", "ablate_skip", "ablate_prune", "ablate_swap", "similarity",
                 "causal", "contrib", "routing", "sequence_profile")
 OPTIONAL_TABLES = ("lens_tuned", "lens_tuned_summary", "tasks_eval", "tasks_depth_reached", "prediction_depth")
-# Names the single-checkpoint commands (`depthtools lens`, `depthtools ablate`) save the same results under.
-FALLBACKS = {"lens_logit": ("lens",), "lens_logit_summary": ("lens_summary",), "ablate_swap": ("ablate_swap_all",)}
-
 
 @dataclass
 class CellData:
@@ -99,22 +96,10 @@ def _relabel(df: pd.DataFrame, cell: CellData) -> pd.DataFrame:
 
 
 def _read_table(directory: Path, name: str) -> pd.DataFrame | None:
-    for candidate in (name, *FALLBACKS.get(name, ())):
-        try:
-            df = load_table(directory, candidate)
-        except DepthToolsError:
-            df = None
-        if df is not None:
-            return df
-    return None
+    """A probe table by the name `analyze` and the probe commands share (older names translated)."""
+    from depthtools.analysis.suite import read_result
 
-
-def _lens_table(df: pd.DataFrame | None, lens: str) -> pd.DataFrame | None:
-    """Rows of one lens kind (the `lens` command saves logit and tuned rows in one table)."""
-    if df is None or "lens" not in df.columns:
-        return df
-    sub = df[df["lens"] == lens]
-    return sub if len(sub) else None
+    return read_result(directory, name)
 
 
 def read_cell(directory: str | Path, name: str | None = None, grid: str | Path | None = None) -> CellData:
@@ -136,8 +121,6 @@ def read_cell(directory: str | Path, name: str | None = None, grid: str | Path |
         cell.missing.append((METRICS, "no training curve was logged"))
     for table in (*SUITE_TABLES, *OPTIONAL_TABLES):
         df = _read_table(directory, table)
-        if table.startswith("lens_"):
-            df = _lens_table(df, "tuned" if "tuned" in table else "logit")
         if df is not None:
             cell.tables[table] = _relabel(df, cell)
         elif table in SUITE_TABLES:

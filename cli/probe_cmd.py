@@ -1,0 +1,411 @@
+"""Depth-probe commands: `lens`, `ablate`, `causal`, `similarity`, `contrib`, `routing`.
+
+Every probe command (and `analyze`, cli/suite_cmd.py) takes the same options for the same things:
+
+    --ckpt NAME (repeatable) / --grid DIR   which checkpoints
+    --data DIR                              prepared data (default: the one each checkpoint records)
+    --n-tokens N --seq-len T --split S      the evaluation windows: ceil(N/T) seeded windows of split S
+    --seed K --batch-size B --device D      window seed, sequences per batch, cpu or cuda
+    --recompute                             ignore tables saved with the same settings
+    --json / --out FILE / --save/--no-save  print JSON, also write the table, save beside the checkpoint
+
+Each runs its analysis through `depthtools.analysis.suite.run_analysis`, so it saves the tables
+`analyze` saves (same names, same settings) and reuses a table saved with identical settings.
+Old option spellings (--tokens, --force, --swap-pairs, --tuned-lens) still work and print a
+one-line deprecation note.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import pandas as pd
+import typer
+from rich.markup import escape
+from typer.core import TyperCommand
+
+from cli.main import app, console, err_console, fmt, print_json, table
+from depthtools.analysis.suite import N_TOKENS, SEQ_LEN, check_sizes
+from depthtools.errors import DepthToolsError
+
+# -- the shared option vocabulary --------------------------------------------------------------------
+DEPRECATED = {"--tokens": "--n-tokens", "--force": "--recompute", "--swap-pairs": "--pairs", "--tuned-lens": "--tuned"}
+
+
+class ProbeCommand(TyperCommand):
+    """A command that accepts the old option spellings (hidden), printing a one-line note for each."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        known = {opt for param in self.params for opt in getattr(param, "opts", [])}
+        rewritten = []
+        for i, arg in enumerate(args):
+            if not isinstance(arg, str):  # programmatic callers may pass paths
+                rewritten.append(arg)
+                continue
+            if arg == "--":
+                rewritten += args[i:]
+                break
+            name, eq, value = arg.partition("=")
+            new = DEPRECATED.get(name)
+            if new is not None and new in known and name not in known:
+                typer.echo(f"note: {name} is deprecated; use {new}", err=True)
+                arg = new + eq + value
+            rewritten.append(arg)
+        return super().parse_args(ctx, rewritten)
+
+
+CKPT = typer.Option(None, "--ckpt", help="Checkpoint path or cell name (repeatable), e.g. preln_L4.")
+GRID = typer.Option(None, "--grid", help="Every checkpoint found under this directory.")
+DATA = typer.Option(None, "--data", help="Prepared data directory (default: the one recorded in each checkpoint).")
+N_TOKENS_OPT = typer.Option(N_TOKENS, "--n-tokens", help="Evaluation tokens: ceil(n-tokens/seq-len) windows.")
+SEQ_LEN_OPT = typer.Option(None, "--seq-len", help=f"Window length (default min({SEQ_LEN}, context)).")
+SPLIT = typer.Option("val", "--split", help="Data split the evaluation windows are sampled from.")
+SEED = typer.Option(0, "--seed", help="Seed of the window offsets (and of the tuned-lens batches).")
+BATCH = typer.Option(8, "--batch-size", help="Sequences per forward batch.")
+DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
+RECOMPUTE = typer.Option(False, "--recompute", help="Recompute even when tables with the same settings are saved.")
+EXCLUDE = typer.Option(1, "--exclude-first", help="Leading positions excluded from every statistic (>= 1: the sink).")
+JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
+OUT = typer.Option(None, "--out", help="Also write the table to this .parquet or .csv file.")
+SAVE = typer.Option(True, "--save/--no-save", help="Save the tables beside each checkpoint (analysis/<name>.parquet).")
+
+
+def check_device(device: str) -> str:
+    import torch
+
+    if device not in ("cpu", "cuda"):
+        raise DepthToolsError(f"unknown device {device!r}; valid: cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DepthToolsError("--device cuda requested but no CUDA device is available; use --device cpu")
+    return device
+
+
+def out_console():
+    """The app's console on a terminal; a wide one for pipes and files, so columns are not truncated."""
+    if console.is_terminal:
+        return console
+    from rich.console import Console
+
+    return Console(width=max(console.width, 200))
+
+
+def progress_bar(description: str, total: Optional[float]):
+    """A transient rich progress bar on stderr (stdout stays clean for --json)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=err_console, transient=True)
+    task = bar.add_task(description, total=total)
+    return bar, (lambda advance: bar.advance(task, advance))
+
+
+def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], data: Optional[Path], n_tokens: int,
+          seq_len: Optional[int], split: str, seed: int, batch_size: int, device: str, recompute: bool, save: bool,
+          **options) -> list[tuple[Any, dict]]:
+    """Run the analyses `names` on every checkpoint of --ckpt/--grid: [(model, {name: Result})].
+
+    With several checkpoints, one an analysis does not apply to is skipped with a line on stderr.
+    """
+    from depthtools.analysis.suite import checkpoint_dirs, probe_tokens, progress_total, run_analysis, analysis_args
+    from depthtools.checkpoint import load
+
+    check_sizes(n_tokens, seq_len, batch_size)
+    check_device(device)
+    dirs = checkpoint_dirs(ckpts, grid)
+    options = dict(options, batch_size=batch_size, seed=seed)
+    done, skipped = [], []
+    for ckpt_dir in dirs:
+        model = load(ckpt_dir, device=device)
+        tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
+        results = {}
+        try:
+            for name in names:
+                bar, advance = progress_bar(f"{name} {ckpt_dir.name}", progress_total(name, model, analysis_args(name, **options)))
+                with bar:
+                    results[name] = run_analysis(name, model, tokens, data=data, recompute=recompute, save=save,
+                                                 progress=advance, **options)
+                where = Path(ckpt_dir) / "analysis" / f"{name}.parquet"
+                if results[name].reused:
+                    err_console.print(f"reused {where} (saved with the same settings; --recompute to recompute)",
+                                      markup=False, highlight=False)
+                elif save:
+                    err_console.print(f"saved {where}", markup=False, highlight=False)
+        except DepthToolsError as exc:
+            if len(dirs) == 1:
+                raise
+            skipped.append(str(exc))
+            err_console.print(f"[yellow]skipped:[/] {escape(str(exc))}", highlight=False)
+            continue
+        done.append((model, results))
+    if not done:
+        raise DepthToolsError(f"{names[0]} applies to none of the checkpoints: {skipped[0]}")
+    return done
+
+
+def write_out(df: pd.DataFrame, out: Optional[Path]) -> None:
+    from depthtools.analysis.tables import write_frame
+
+    if out is not None:
+        write_frame(df, out)
+        err_console.print(f"wrote {out}", markup=False, highlight=False)
+
+
+# -- lens and ablate: one wide table over all checkpoints ----------------------------------------------
+ABLATE_COLUMNS = {
+    "skip": ["model", "rule", "layer", "rel_depth", "delta_ce", "kl_intact_ablated", "top1_agree", "top1_retention"],
+    "swap": ["model", "layer", "layer2", "delta_ce", "perm_score", "kl_intact_ablated", "top1_agree"],
+    "prune": ["model", "rule", "method", "n_removed", "layers", "delta_ce", "kl_intact_ablated", "f_tau"],
+    "linear": ["model", "layer", "rel_depth", "usefulness_ratio", "significant", "delta_ce", "kl_intact_ablated"],
+    "mean": ["model", "layer", "rel_depth", "delta_ce", "kl_intact_ablated", "top1_agree", "top1_retention"],
+}
+LENS_COLUMNS = ["model", "lens", "depth", "rel_depth", "ce", "kl_final_lens", "kl_lens_final", "entropy",
+                "top1_agree", "top5_overlap", "target_rank"]
+LABELS = {"rel_depth": "l/L", "delta_ce": "ΔCE", "kl_intact_ablated": "KL(intact‖abl)", "top1_agree": "top1 agree",
+          "top1_retention": "top1 ret", "perm_score": "perm", "usefulness_ratio": "ratio", "n_removed": "removed",
+          "kl_final_lens": "KL(final‖lens)", "kl_lens_final": "KL(lens‖final)", "top5_overlap": "top5",
+          "target_rank": "rank"}
+
+
+def emit_records(df: pd.DataFrame, as_json: bool, out: Optional[Path], columns: list[str], title: str,
+                 notes: list[str]) -> None:
+    """--json: the rows as JSON records; else a rich table of `columns` and one note per line."""
+    write_out(df, out)
+    if as_json:
+        print_json(df.astype(object).where(df.notna(), None).to_dict(orient="records"))
+        return
+    columns = [c for c in columns if c in df.columns]
+    rows = [[fmt(v) for v in record] for record in df[columns].astype(object).itertuples(index=False)]
+    out_console().print(table(title, [LABELS.get(c, c) for c in columns], rows))
+    for note in notes:
+        out_console().print(note, markup=False, highlight=False)
+
+
+def ablation_notes(df: pd.DataFrame, mode: str) -> list[str]:
+    """One summary line per model (and rule / method) under the table."""
+    notes = []
+    keys = ["model", "rule"] + (["method"] if mode == "prune" else [])
+    for key, group in df.groupby(keys, sort=False, dropna=False):
+        label = " ".join(str(k) for k in key if k != "-")
+        first = group.iloc[0]
+        if mode in ("skip", "mean", "linear"):
+            line = f"{label}: N_skip = {fmt(first['n_skip'])} ({fmt(first['n_skip_over_L'])}·L) from KL"
+            if mode == "linear":
+                line += f"; usefulness = {fmt(first['usefulness'])} (fraction of layers with ratio > 1.1)"
+        elif mode == "swap":
+            line = f"{label}: mean permutation score = {fmt(float(group['perm_score'].mean()))}"
+        else:
+            line = f"{label}: F_tau = {fmt(first['f_tau'])} at tau = {fmt(first['tau'])} nats"
+        notes.append(line)
+    return notes
+
+
+@app.command("ablate", cls=ProbeCommand)
+def ablate_command(
+    ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
+    mode: str = typer.Option("skip", "--mode", help="skip | swap | prune | linear | mean."),
+    pairs: str = typer.Option("adjacent", "--pairs", help="Swap pairs: adjacent (i, i+1; saved as ablate_swap_adjacent) "
+                                                          "or all (every i < j; ablate_swap, what analyze runs)."),
+    rule: Optional[List[str]] = typer.Option(None, "--rule", help="Skip rule(s) (default: every rule of the architecture)."),
+    tau: float = typer.Option(0.05, "--tau", help="Prune tolerance on ΔCE in nats."),
+    max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the greedy prune curve."),
+    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Ablate blocks (skip, swap, prune, linear replacement, mean) and compare with the intact model.
+
+    Saved as analysis/ablate_<mode> (swap: ablate_swap for all pairs, ablate_swap_adjacent), the tables
+    `analyze` reads and writes. --json prints the rows as JSON records.
+
+    Examples:
+      depthtools ablate --ckpt preln_L4 --mode skip
+      depthtools ablate --grid checkpoints/tiny --mode swap --pairs all --out swaps.parquet
+      depthtools ablate --ckpt hc_L8 --mode prune --tau 0.05 --data data/default --json
+    """
+    from depthtools.analysis.suite import ablate_analysis
+
+    name = ablate_analysis(mode, pairs)
+    done = probe([name], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
+                 rules=rule or None, tau=tau, max_prune_steps=max_prune_steps)
+    df = pd.concat([results[name].table for _, results in done], ignore_index=True)
+    emit_records(df, as_json, out, ABLATE_COLUMNS[mode], f"ablate --mode {mode}", ablation_notes(df, mode))
+
+
+@app.command("lens", cls=ProbeCommand)
+def lens_command(
+    ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
+    tuned: bool = typer.Option(False, "--tuned", help="Also train (or reuse) a tuned lens and report it."),
+    lens_steps: int = typer.Option(250, "--lens-steps", help="Tuned-lens training steps."),
+    lens_tokens: int = typer.Option(65536, "--lens-tokens", help="Training-split tokens for the tuned lens."),
+    lens_lr: float = typer.Option(1e-3, "--lens-lr", help="Tuned-lens AdamW learning rate."),
+    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Logit lens (and --tuned lens) at every depth: CE, KL both ways, entropy, agreement, target rank.
+
+    kl_final_lens = KL(p_final || p_lens) (tuned-lens direction); kl_lens_final = KL(p_lens || p_final).
+    Saved as analysis/lens_logit (+ lens_logit_summary, prediction_depth) and, with --tuned, lens_tuned
+    (+ _summary, prediction_depth_tuned): the tables `analyze` reads and writes. --json prints the
+    per-depth rows, with the per-model summary columns, as JSON records.
+
+    Examples:
+      depthtools lens --ckpt preln_L4
+      depthtools lens --grid checkpoints/tiny --tuned --out lens.parquet
+    """
+    names = ["lens_logit"] + (["lens_tuned"] if tuned else [])
+    done = probe(names, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
+                 lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr)
+    frames = []
+    for _, results in done:
+        for name in names:
+            depths, summary = results[name].tables[name], results[name].tables[f"{name}_summary"]
+            frames.append(depths.assign(**{k: summary[k].iloc[0]
+                                           for k in ("pd_mean", "pd_mean_over_L", "pd_loss_spearman", "n_lens")}))
+    df = pd.concat(frames, ignore_index=True)
+    notes = [
+        f"{m} {lens} lens: mean prediction depth {fmt(g['pd_mean'].iloc[0])} "
+        f"({fmt(g['pd_mean_over_L'].iloc[0])}·L), Spearman(PD, token loss) = "
+        f"{fmt(g['pd_loss_spearman'].iloc[0])}, N_lens = {fmt(g['n_lens'].iloc[0])}"
+        for (m, lens), g in df.groupby(["model", "lens"], sort=False)
+    ]
+    emit_records(df, as_json, out, LENS_COLUMNS, "lens" + (" (logit + tuned)" if tuned else " (logit)"), notes)
+
+
+# -- causal, similarity, contrib, routing: long tables shown per checkpoint ----------------------------
+def model_rows(df) -> list[list[str]]:
+    sub = df[df["unit"] == "model"]
+    return [[m, fmt(v)] for m, v in zip(sub["metric"], sub["value"])]
+
+
+def per_layer_table(df, title: str, metrics: list[str]):
+    sub = df[(df["unit"] != "model") & df["layer_j"].isna() & df["metric"].isin(metrics)]
+    wide = sub.pivot_table(index="layer", columns="metric", values="value", aggfunc="first")
+    cols = [m for m in metrics if m in wide.columns]
+    return table(title, ["layer", *cols], [[str(l), *(fmt(float(wide.loc[l, c])) for c in cols)] for l in wide.index])
+
+
+def emit_long(name: str, done: list, as_json: bool, out: Optional[Path], show: Callable) -> None:
+    """--json: {"table": rows, "notes": [...], "settings": {...}} (settings: a list, one per checkpoint, when
+    several); else `show(model, df)` and the notes, per checkpoint."""
+    import json
+
+    frames = [results[name].table for _, results in done]
+    df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+    write_out(df, out)
+    notes = [str(n) for f in frames for n in f.attrs.get("notes", [])]
+    if as_json:
+        settings = [results[name].settings for _, results in done]
+        print_json({"table": json.loads(df.to_json(orient="records")), "notes": notes,
+                    "settings": settings[0] if len(settings) == 1 else settings})
+        return
+    for (model, _), frame in zip(done, frames):
+        show(model, frame)
+        for note in frame.attrs.get("notes", []):
+            console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
+
+
+@app.command("causal", cls=ProbeCommand)
+def causal_command(
+    ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
+    rule: Optional[str] = typer.Option(None, "--rule", help="Skip rule (default: the architecture's first)."),
+    future: bool = typer.Option(True, "--future/--no-future", help="Also the Csordás future-effect matrix."),
+    cuts: Optional[str] = typer.Option(None, "--cuts", help="Future cut points, e.g. 8,16 (default: up to 4 of 8,16,…)."),
+    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
+    recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Causal score C(s,l) of skipping block s on every later update (DepthBench), + future effect.
+
+    Example: depthtools causal --ckpt preln_L8 --n-tokens 2048 --seq-len 64
+    """
+    cut_list = [int(c) for c in cuts.split(",") if c] if cuts else None
+    done = probe(["causal"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
+                 exclude_first=exclude_first, rule=rule, future=future, cuts=cut_list)
+
+    def show(model, df):
+        L = model.n_layer
+        sub = df[df["metric"] == "causal_score"]
+        M = {(int(s), int(l)): v for s, l, v in zip(sub["layer"], sub["layer_j"], sub["value"])}
+        console.print(table(f"causal score C(s,l) — {Path(model.checkpoint_dir).name} (rows: skipped s)",
+                            ["s", *(str(l) for l in range(1, L))],
+                            [[str(s), *(fmt(M.get((s, l))) if l > s else "" for l in range(1, L))] for s in range(L - 1)]))
+        console.print(table("summary", ["metric", "value"], model_rows(df)))
+
+    emit_long("causal", done, as_json, out, show)
+
+
+@app.command("similarity", cls=ProbeCommand)
+def similarity_command(
+    ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
+    cka_batch: int = typer.Option(256, "--cka-batch", help="Tokens per CKA minibatch."),
+    outlier_k: int = typer.Option(1, "--outlier-k", help="Massive dims removed for the *_no_outlier ranks."),
+    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
+    recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Angular distance, minibatch CKA (debiased/biased/zscore), effective rank and token collapse per depth.
+
+    Example: depthtools similarity --ckpt hc_L8 --exclude-first 16 --json
+    """
+    done = probe(["similarity"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
+                 exclude_first=exclude_first, cka_batch=cka_batch, outlier_k=outlier_k)
+
+    def show(model, df):
+        console.print(per_layer_table(df, f"depth geometry — {Path(model.checkpoint_dir).name}", [
+            "adjacent_cka_debiased", "adjacent_angular_distance", "effective_rank", "participation_ratio",
+            "effective_rank_no_outlier", "collapse_effective_rank", "collapse_mean_cosine"]))
+        console.print(table("summary", ["metric", "value"], model_rows(df)))
+
+    emit_long("similarity", done, as_json, out, show)
+
+
+@app.command("contrib", cls=ProbeCommand)
+def contrib_command(
+    ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
+    jacobian: bool = typer.Option(True, "--jacobian/--no-jacobian", help="Block Jacobian identity deviation (JVPs)."),
+    probes: int = typer.Option(2, "--probes", help="Rademacher probes per batch and block."),
+    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
+    recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Relative contribution and residual cosine per block (attention/MLP split where additive), Jacobian deviation.
+
+    Example: depthtools contrib --ckpt preln_L8 --probes 4
+    """
+    done = probe(["contrib"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
+                 exclude_first=exclude_first, jacobian=jacobian, probes=probes)
+
+    def show(model, df):
+        console.print(per_layer_table(df, f"contributions — {Path(model.checkpoint_dir).name}", [
+            "relative_contribution", "residual_cosine", "state_cosine", "attn_relative", "mlp_relative",
+            "additive", "jacobian_deviation"]))
+        console.print(table("summary", ["metric", "value"], model_rows(df)))
+
+    emit_long("contrib", done, as_json, out, show)
+
+
+@app.command("routing", cls=ProbeCommand)
+def routing_command(
+    ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
+    long_range_k: int = typer.Option(4, "--long-range-k", help="Long-range mass: sources more than k sublayers back."),
+    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    seed: int = SEED, exclude_first: int = EXCLUDE, device: str = DEVICE, recompute: bool = RECOMPUTE,
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """Native depth-routing statistics (HC/mHC unfolded weights, AttnRes maps, DenseFormer DWA).
+
+    Example: depthtools routing --ckpt hc_L8 --json
+    """
+    done = probe(["routing"], ckpt, grid, data, n_tokens, seq_len, split, seed, 8, device, recompute, save,
+                 exclude_first=exclude_first, long_range_k=long_range_k)
+
+    def show(model, df):
+        if df.empty:
+            return
+        console.print(per_layer_table(df, f"routing per consumer (sublayer depth) — {Path(model.checkpoint_dir).name}",
+                                      ["mean_source_lag", "source_entropy", "long_range_mass", "max_weight"]))
+        console.print(table("summary", ["metric", "value"], model_rows(df)))
+
+    emit_long("routing", done, as_json, out, show)

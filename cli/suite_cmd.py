@@ -1,0 +1,110 @@
+"""The whole suite: `analyze` (every probe over checkpoints, resumable) and `summarize` (effective depth).
+
+`analyze` takes the probe commands' options (cli/probe_cmd.py) and runs the same analyses through
+`depthtools.analysis.suite`, so a table one of them saved with the same settings is reused by the other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from cli.main import app, console, fmt, print_json, table
+from cli.probe_cmd import (BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE, SEED, SEQ_LEN_OPT,
+                           SPLIT, ProbeCommand, check_device)
+
+
+@app.command("analyze", cls=ProbeCommand)
+def analyze_command(
+    ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
+    only: Optional[str] = typer.Option(None, "--only", help="Comma-separated analyses (default: the suite). Valid: "
+                                       "similarity, causal, contrib, routing, sequence_profile, lens_logit, lens_tuned, "
+                                       "ablate_skip, ablate_prune, ablate_swap, ablate_swap_adjacent, ablate_mean, "
+                                       "ablate_linear."),
+    pairs: str = typer.Option("all", "--pairs", help="Swap pairs of the suite: all (ablate_swap, DepthBench "
+                                                     "permutation score) or adjacent (ablate_swap_adjacent)."),
+    tau: float = typer.Option(0.05, "--tau", help="Pruning tolerance in nats."),
+    tuned: bool = typer.Option(False, "--tuned", help="Also fit (train split) and evaluate a tuned lens."),
+    lens_steps: int = typer.Option(250, "--lens-steps", help="Tuned-lens training steps."),
+    lens_tokens: int = typer.Option(65536, "--lens-tokens", help="Training-split tokens for the tuned lens."),
+    lens_lr: float = typer.Option(1e-3, "--lens-lr", help="Tuned-lens AdamW learning rate."),
+    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
+    recompute: bool = RECOMPUTE,
+):
+    """Run the whole depth-probe suite over every checkpoint of a grid (or --ckpt), resumable.
+
+    Tables already saved with the same settings (analysis arguments, token-set hash, weight hash) —
+    by an earlier `analyze` or by a probe command such as `lens` or `ablate` — are reused; an
+    analysis that does not apply to an architecture is reported and skipped.
+
+    Example: depthtools analyze --grid checkpoints/tiny --n-tokens 2048 --seq-len 64
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from depthtools.analysis.suite import analyze_grid
+
+    check_device(device)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=False) as progress:
+        task = progress.add_task("analyze", total=None)
+
+        def show(description: str, done: int, total: int) -> None:
+            progress.update(task, description=description, completed=done, total=total)
+
+        report = analyze_grid(grid, data=data, n_tokens=n_tokens, seq_len=seq_len, split=split, seed=seed,
+                              batch_size=batch_size, exclude_first=exclude_first, only=only, pairs=pairs, tau=tau,
+                              tuned=tuned, recompute=recompute, device=device, ckpts=ckpt, progress=show,
+                              lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr)
+    console.print(f"analyzed {report.checkpoints} checkpoint(s): {report.ran} run, {report.reused} already saved, "
+                  f"{len(report.not_applicable)} not applicable")
+    for line in report.not_applicable:
+        console.print(f"[yellow]skipped:[/] {escape(str(line))}", highlight=False)
+    if grid is not None:
+        console.print(f"next: depthtools summarize --grid {grid}", markup=False, highlight=False)
+
+
+@app.command("summarize")
+def summarize_command(
+    grid: Path = typer.Option(..., "--grid", help="Grid directory (checkpoints/<grid>)."),
+    n_boot: int = typer.Option(1000, "--n-boot", help="Bootstrap resamples of the evaluation sequences."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    as_json: bool = JSON,
+    save: bool = typer.Option(True, "--save/--no-save", help="Save under <grid>/analysis/."),
+):
+    """Effective-depth summary per model and marginal effective depth per architecture, with intervals
+    across training seeds (and a bootstrap over evaluation sequences).
+
+    Reads the tables `analyze` (or the probe commands) saved; a missing table leaves its fields
+    empty with a note. Saved as <grid>/analysis/effective_depth_models.parquet and effective_depth_grid.parquet.
+
+    Example: depthtools summarize --grid checkpoints/tiny --n-boot 500
+    """
+    import json
+
+    from depthtools.analysis.suite import summarize_grid
+    from depthtools.analysis.summary import SUMMARY_FIELDS
+
+    models, slopes = summarize_grid(grid, n_boot=n_boot, seed=seed, save=save)
+    if as_json:
+        print_json({"models": json.loads(models.to_json(orient="records")),
+                    "grid": json.loads(slopes.to_json(orient="records"))})
+        return
+    wide = Console(width=max(console.width, 200))
+    cols = ["model", "seed", *SUMMARY_FIELDS]
+    wide.print(table(f"effective depth — {grid}", cols,
+                     [[fmt(r.get(c)) for c in cols] for r in models.to_dict(orient="records")]))
+    for r in models.to_dict(orient="records"):
+        if r.get("notes"):
+            console.print(f"[yellow]{escape(str(r['model']))}:[/] {escape(str(r['notes']))}", highlight=False)
+    gcols = ["arch", "n_models", "n_seeds", "slope_n_skip", "slope_n_skip_lo", "slope_n_skip_hi", "slope_loss_log_L",
+             "slope_loss_log_L_lo", "slope_loss_log_L_hi", "slope_loss_log_L_boot_lo", "slope_loss_log_L_boot_hi"]
+    wide.print(table("marginal effective depth (dN_skip/dL) and dLoss/dlog L: mean over training seeds, 95% t-interval "
+                     "across seeds (_lo/_hi; none with one seed) and bootstrap over sequences (_boot_lo/_boot_hi)",
+                     gcols, [[fmt(r.get(c)) for c in gcols] for r in slopes.to_dict(orient="records")]))
+    if save:
+        console.print(f"saved {Path(grid) / 'analysis'}/effective_depth_{{models,grid}}.parquet", markup=False, highlight=False)
