@@ -85,7 +85,10 @@ def prepare_cmd(
 
 @data_app.command("list")
 def list_cmd(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
-    """Show every corpus, its domain, licence, source, and whether it can be prepared here (and why not)."""
+    """Show every corpus, its domain, licence, source, and whether it can be prepared here (and why not).
+
+    Example: depthtools data list --json
+    """
     rows = []
     for a in available_corpora():
         c = CORPORA.get(a.name)

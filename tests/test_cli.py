@@ -4,6 +4,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import typer
+from typer.core import TyperGroup
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -59,10 +62,29 @@ def test_info_shows_a_checkpoint(tmp_path, monkeypatch):
     assert info["finished"] is False
 
 
-def test_every_command_has_help_with_examples():
-    for args in (["archs"], ["grid", "plan"], ["info"]):
-        result = runner.invoke(app, [*args, "--help"])
-        assert result.exit_code == 0 and "Example" in result.stdout
+def _commands(group, prefix: tuple[str, ...] = ()):
+    """(path, command) of every command and group registered on the app, walked from the click group."""
+    for name, command in sorted(group.commands.items()):
+        yield (*prefix, name), command
+        if isinstance(command, TyperGroup):
+            yield from _commands(command, (*prefix, name))
+
+
+COMMANDS = list(_commands(typer.main.get_command(app)))
+
+
+def test_the_walk_finds_every_command():
+    names = {" ".join(path) for path, _ in COMMANDS}
+    assert len(names) >= 22 and {"archs", "grid plan", "lens", "analyze", "tasks eval", "data prepare"} <= names
+
+
+@pytest.mark.parametrize("path, command", COMMANDS, ids=[" ".join(path) for path, _ in COMMANDS])
+def test_every_command_has_help_with_usage(path, command):
+    result = runner.invoke(app, [*path, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert f"Usage: depthtools {' '.join(path)} " in " ".join(result.stdout.split()), result.stdout
+    if not isinstance(command, TyperGroup):
+        assert "Example" in result.stdout, f"depthtools {' '.join(path)} --help shows no example"
 
 
 def run_cli(*args, env=None):
