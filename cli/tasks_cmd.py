@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli.main import console, print_json, table
+from cli.main import console, fmt, print_json, table
 from depthtools.errors import DepthToolsError
 
 tasks_app = typer.Typer(help="Synthetic serial-computation probes: show samples, evaluate checkpoints per task and k.",
@@ -28,9 +28,7 @@ SUB_APPS = {"tasks": tasks_app}
 
 
 def _fmt(value) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "–"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    return fmt(value, 3)
 
 
 def _records(df) -> list[dict[str, Any]]:
