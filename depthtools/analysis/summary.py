@@ -1,7 +1,7 @@
 """Effective depth: one row per model from the saved tables, and grid-level marginal effective depth.
 
-Per model (`effective_depth_row`), each field read from a table another analysis produced (NaN and
-a note when that table is missing):
+Per model (`effective_depth_row`), each field read from a table another analysis saved, by its name
+(`load_results`; NaN and a note when that table is missing):
 
     n_skip_over_L        N_skip/L, N_skip = exp(H(π)), π ∝ KL(intact‖skip l) (ablate skip, default rule)
     f_tau                prunable fraction at τ, greedy re-measured removal (ablate prune, default rule)
@@ -9,12 +9,12 @@ a note when that table is missing):
                          `lens.lens_progress` on the lens depth table; tuned lens preferred)
     kl_depth_over_L      first depth from which KL(p_L‖p_l) ≤ `kl_threshold` (0.1 nats) at every
                          later depth, / L (lens depth table) — the threshold reading of "N_lens"
-    pd_mean_over_L       mean prediction depth / L (lens table or lens summary)
+    pd_mean_over_L       mean prediction depth / L (lens summary, of the same lens)
     n_rep_over_L1        N_rep/(L+1) of the debiased CKA matrix (similarity)
     cka_block_fraction   longest all-pairs CKA > 0.9 run / L (similarity)
     causal_pair_fraction late pairs with C > 0.45 (causal; DepthBench)
     perm_pair_fraction   late pairs (both blocks in the last 3/4) with permutation score > 0.15
-                         (ablate swap; over the pairs present — all pairs for DepthBench's number)
+                         (ablate_swap: all pairs, DepthBench's number; else ablate_swap_adjacent, noted)
 
 Grid level (`grid_summary`): for each architecture, least-squares slopes over its depth sweep of
 N_skip against n_layer (marginal effective depth, metrics.md §9.12) and of the final loss against
