@@ -152,3 +152,11 @@ def test_one_number_formatter():
     assert fmt(float("nan")) == fmt(None) == fmt(pd.NA) == "–"
     assert fmt(0.123456) == "0.1235" and fmt(0.123456, 3) == "0.123" and fmt(7) == "7"
 
+
+
+def test_tuned_lens_of_the_lens_command_is_reused_by_analyze(cell):
+    tuned = ["--lens-steps", "2", "--lens-tokens", "256"]
+    ok("lens", "--ckpt", "preln_L2", *EVAL, "--tuned", *tuned)
+    assert "0 run, 2 already saved" in ok("analyze", "--ckpt", "preln_L2", *EVAL, "--only", "lens_logit,lens_tuned",
+                                          *tuned).stdout
+    assert read_result(cell, "lens_tuned")["lens"].eq("tuned").all()
