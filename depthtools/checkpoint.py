@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from depthtools.config import ModelConfig
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import file_mode
+from depthtools.fsutil import file_mode, json_section, read_json_object
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -83,14 +83,18 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"corrupt weights file {path}: {str(exc).splitlines()[0]}") from None
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json, eval.json, train state): an object, or one CheckpointError
+    line naming the file (missing, unreadable, not UTF-8, not JSON, too deeply nested, not an object)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"missing {path.name} in {path.parent}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"corrupt JSON {path}: {exc}") from None
+    return read_json_object(path, f"a checkpoint's {path.name}", CheckpointError)
+
+
+def model_section(config: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """config.json's "model" section, which must be an object (one line naming the file otherwise)."""
+    return json_section(config, "model", Path(directory) / CONFIG, dict, CheckpointError)
 
 
 # -- save / load ---------------------------------------------------------------------------------
@@ -171,7 +175,7 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
     directory = resolve(name, root)
     config = read_json(directory / CONFIG)
     try:
-        cfg = ModelConfig.from_dict(legacy_options(config["model"]))  # options a config predates: old defaults
+        cfg = ModelConfig.from_dict(legacy_options(model_section(config, directory)))  # options a config predates: old defaults
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"config.json in {directory} has no valid 'model' section: {exc}") from None
     except DepthToolsError as exc:
@@ -206,12 +210,25 @@ def read_metrics(directory: str | Path) -> list[dict[str, Any]]:
     path = Path(directory) / "metrics.jsonl"
     if not path.is_file():
         return []
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     records = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(raw.splitlines(), 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:  # the trainer writes ASCII JSON: these bytes came from elsewhere
+            raise CheckpointError(f"{path} line {number} is not UTF-8 text (not written by the trainer); "
+                                  "delete that line or the file") from None
+        try:
+            record = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
             continue  # a line cut by a crash mid-write
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{path} line {number} is not a JSON object (a metrics record); "
+                                  "delete that line or the file")
+        records.append(record)
     return records
 
 
@@ -219,16 +236,18 @@ def checkpoint_summary(name: str | Path) -> dict[str, Any]:
     """Config, sizes and training/eval summary of a checkpoint, without loading its weights."""
     directory = resolve(name)
     config = read_json(directory / CONFIG)
+    model = model_section(config, directory)
+    params = json_section(config, "params", directory / CONFIG, dict, CheckpointError, required=False) or {}
     metrics = read_metrics(directory)
     eval_path = directory / "eval.json"
     last = metrics[-1] if metrics else {}
     return {
         "name": directory.name,
         "path": str(directory),
-        "arch": config.get("model", {}).get("arch"),
+        "arch": model.get("arch"),
         "finished": eval_path.is_file(),
-        "model": config.get("model", {}),
-        "params": config.get("params", {}),
+        "model": model,
+        "params": params,
         "training": {k: last[k] for k in ("step", "tokens", "train_loss", "val_loss") if k in last},
         "eval": read_json(eval_path) if eval_path.is_file() else {},
     }

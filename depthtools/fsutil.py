@@ -9,6 +9,55 @@ from pathlib import Path
 from depthtools.errors import DepthToolsError
 
 
+def read_json_object(path: str | os.PathLike, what: str = "metadata", error: type[Exception] = DepthToolsError,
+                     hint: str = "") -> dict:
+    """Parse a JSON file that must hold an object; every way it can fail is one `error` line naming the file.
+
+    Unreadable (OSError), not UTF-8, not JSON, nested too deeply for the parser (RecursionError) or not
+    an object: `what` says what the file is ("the checkpoint config"), `hint` what to do (appended)."""
+    import json
+
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise error(f"cannot read {path}: {exc.strerror or exc}{hint}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path} ({what}) is not UTF-8 text (byte {exc.start}){hint}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"corrupt JSON {path}: {exc.msg} at line {exc.lineno} column {exc.colno}{hint}") from None
+    except RecursionError:
+        raise error(f"{path} ({what}) is JSON nested too deeply to read{hint}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path} ({what}) must hold a JSON object, not a {type(obj).__name__}{hint}")
+    return obj
+
+
+def json_section(obj: dict, key: str, path: str | os.PathLike, kind: type = dict,
+                 error: type[Exception] = DepthToolsError, required: bool = True):
+    """obj[key], which must be a `kind` (dict by default): a one-line `error` naming the file and the key
+    otherwise. Not required: a missing key gives None."""
+    if key not in obj:
+        if not required:
+            return None
+        raise error(f"{path} has no {key!r} section")
+    value = obj[key]
+    if not isinstance(value, kind):
+        raise error(f"{path}: {key!r} must be a {_kind_name(kind)}, not a {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind) -> str:
+    names = {dict: "JSON object", list: "JSON list", str: "string", int: "integer"}
+    if isinstance(kind, tuple):
+        return " or ".join(names.get(k, k.__name__) for k in kind)
+    return names.get(kind, kind.__name__)
+
+
 _UMASK: int | None = None
 
 

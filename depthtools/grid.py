@@ -12,7 +12,6 @@ round-up(ratio·d, multiple m) (DepthBench: 8/3, 16) or ratio·d exactly.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -293,9 +292,12 @@ def load_grid(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise DepthToolsError(f"grid spec {path} not found; create one with `depthtools grid plan --out {path}`")
+    from depthtools.fsutil import json_section, read_json_object
+
+    spec = read_json_object(path, "a grid spec", hint=" (the grid spec is not valid; write one with `depthtools grid plan --out`)")
+    cells = json_section(spec, "cells", path, list)
     try:
-        spec = json.loads(path.read_text())
-        spec["cells"] = [Cell(**cell) for cell in spec["cells"]]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        spec["cells"] = [Cell(**cell) for cell in cells]
+    except TypeError as exc:  # a cell that is not an object, or with unknown or missing fields
         raise DepthToolsError(f"grid spec {path} is not valid: {exc}") from None
     return spec

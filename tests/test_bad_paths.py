@@ -6,6 +6,7 @@ cause, and nothing is written.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,13 @@ from cli.main import app
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_corpus"
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    """No case may write into the repository's own checkpoints/ or data/ (a wrong --out would)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "default-checkpoints"))
 
 
 def refused(args: list, *words: str) -> str:
@@ -68,3 +76,156 @@ def test_an_output_path_that_is_the_wrong_kind_of_thing_is_one_line(name, build,
     line = refused(args, *words)
     assert str(existing) in line or str(folder) in line, line
     assert existing.read_text() == "keep me" and not any(folder.iterdir())
+
+
+# -- metadata that is not what it should be ---------------------------------------------------------
+SMALL = dict(vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32)
+DEEP = "[" * 200_000 + "]" * 200_000  # json.loads: RecursionError
+
+
+def _cell(directory: Path) -> Path:
+    from depthtools import checkpoint as ck
+    from depthtools.arch import DepthModel
+    from depthtools.config import ModelConfig
+
+    return ck.save(DepthModel(ModelConfig(arch="preln", **SMALL), seed=0), directory)
+
+
+def _config(cell: Path, text: str) -> None:
+    (cell / "config.json").write_text(text)
+
+
+def _model_section(cell: Path, value) -> None:
+    import json
+
+    config = json.loads((cell / "config.json").read_text())
+    config["model"] = value
+    (cell / "config.json").write_text(json.dumps(config))
+
+
+# (name, how the cell is damaged, words of the one line). Each runs `info` (reads config, metrics, eval)
+# and `lens` (loads the model).
+BROKEN_CELLS = [
+    ("config.json a list", lambda c: _config(c, "[1, 2]"), ["config.json", "a JSON object", "list"]),
+    ("config.json a string", lambda c: _config(c, '"preln"'), ["config.json", "a JSON object", "str"]),
+    ("config.json nested 200k deep", lambda c: _config(c, DEEP), ["config.json", "nested too deeply"]),
+    ("config.json not UTF-8", lambda c: (c / "config.json").write_bytes(b'{"model": "\xff\xfe"}'),
+     ["config.json", "not UTF-8"]),
+    ("model section a list", lambda c: _model_section(c, [1, 2]), ["config.json", "'model'", "list"]),
+    ("model section a string", lambda c: _model_section(c, "preln"), ["config.json", "'model'", "str"]),
+    ("metrics.jsonl not UTF-8", lambda c: (c / "metrics.jsonl").write_bytes(b'{"step": 1}\n\xff\xfe\x00garbage\n'),
+     ["metrics.jsonl", "line 2", "not UTF-8"]),
+    ("metrics.jsonl a record that is a list", lambda c: (c / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n'),
+     ["metrics.jsonl", "line 2", "not a JSON object"]),
+    ("eval.json a list", lambda c: (c / "eval.json").write_text("[]"), ["eval.json", "a JSON object", "list"]),
+]
+
+
+@pytest.mark.parametrize("name,damage,words", BROKEN_CELLS, ids=[c[0] for c in BROKEN_CELLS])
+def test_malformed_checkpoint_metadata_is_one_line_naming_the_file(name, damage, words, tmp_path, data_dir):
+    cell = _cell(tmp_path / "g" / "preln_L2")
+    (cell / "metrics.jsonl").write_text('{"step": 1, "train_loss": 5.0}\n')
+    damage(cell)
+    line = refused(["info", "--ckpt", cell], *words)
+    assert str(cell) in line, line
+    if "metrics" not in name and "eval" not in name:  # loading the model reads config.json only
+        refused(["lens", "--ckpt", cell, "--data", data_dir, "--n-tokens", "64", "--seq-len", "16", "--no-save"],
+                *words)
+
+
+def _interrupted_cell(data_dir: Path, out: Path) -> Path:
+    """A real run stopped after its step-2 checkpoint (train_state/ holds step 2)."""
+    from depthtools.config import ModelConfig, TrainConfig
+    from depthtools.train import train_cell
+
+    class Stop(Exception):
+        pass
+
+    def progress(event):
+        if event["event"] == "step" and event["step"] >= 3:
+            raise Stop
+
+    recipe = TrainConfig(tokens=4 * 8 * 32, batch_size=8, seq_len=32, eval_tokens=512, eval_every=0, log_every=1,
+                         depth_stats_every=0, checkpoint_every=2, threads=1)
+    with pytest.raises(Stop):
+        train_cell(ModelConfig(arch="preln", **SMALL), recipe, data_dir, out, progress=progress)
+    assert (out / "train_state" / "step_00000002.json").is_file()
+    return out / "train_state"
+
+
+def _edit_json(path: Path, change) -> None:
+    import json
+
+    obj = json.loads(path.read_text())
+    change(obj)
+    path.write_text(json.dumps(obj))
+
+
+def _drop_tensor(path: Path, key: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    del tensors[key]
+    save_file(tensors, str(path))
+
+
+BROKEN_STATES = [  # (name, damage, words of the one-line refusal; None: resumes from the intact pair, saying so)
+    ("latest.json 'state' an int", lambda s: _edit_json(s / "latest.json", lambda o: o.update(state=5)), None),
+    ("latest.json a list", lambda s: (s / "latest.json").write_text("[2]"), None),
+    ("latest.json nested 200k deep", lambda s: (s / "latest.json").write_text(DEEP), None),
+    ("step JSON without optimizer", lambda s: _edit_json(s / "step_00000002.json", lambda o: o.pop("optimizer")),
+     ["latest.json", "step_00000002.json", "not a complete train state", "no intact"]),
+    ("step JSON 'optimizer' a list", lambda s: _edit_json(s / "step_00000002.json", lambda o: o.update(optimizer=[])),
+     ["step_00000002.json", "not a complete train state"]),
+    ("step JSON a list", lambda s: (s / "step_00000002.json").write_text("[]"),
+     ["step_00000002.json", "a JSON object"]),
+    ("step JSON nested 200k deep", lambda s: (s / "step_00000002.json").write_text(DEEP),
+     ["step_00000002.json", "nested too deeply"]),
+    ("train state without its RNG tensor", lambda s: _drop_tensor(s / "step_00000002.safetensors", "rng/torch_cpu"),
+     ["step_00000002.safetensors", "RNG state"]),
+]
+
+
+@pytest.mark.parametrize("name,damage,words", BROKEN_STATES, ids=[c[0] for c in BROKEN_STATES])
+def test_malformed_train_state_is_one_line_and_kept(name, damage, words, tmp_path, data_dir, caplog):
+    out = tmp_path / "cell"
+    state = _interrupted_cell(data_dir, out)
+    damage(state)
+    before = {p.name: p.read_bytes() for p in state.iterdir()}
+    args = [*_train(data_dir, out)[:-8], "--tokens", 4 * 8 * 32, "--batch-size", "8", "--seq-len", "32",
+            "--checkpoint-every", "2", "--log-every", "1", "--eval-every", "0", "--threads", "1"]
+    if words is not None:
+        refused(args, *words, "--force")
+        assert {p.name: p.read_bytes() for p in state.iterdir()} == before  # nothing discarded
+        return
+    with caplog.at_level("WARNING", logger="depthtools.train.state"):  # a bad pointer: the intact pair is used
+        result = runner.invoke(app, [*map(str, args), "--json"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert json.loads(result.stdout)["resumed_from"] == 2
+    assert "latest.json" in caplog.text and "resuming from the newest intact train state instead, step 2" in caplog.text
+
+
+BROKEN_DATA = [
+    ("meta.json a list", lambda d: (d / "meta.json").write_text("[]"), ["meta.json", "a JSON object", "list"]),
+    ("meta.json nested 200k deep", lambda d: (d / "meta.json").write_text(DEEP), ["meta.json", "nested too deeply"]),
+    ("meta.json not UTF-8", lambda d: (d / "meta.json").write_bytes(b"{\xff}"), ["meta.json", "not UTF-8"]),
+    ("meta.json splits a list", lambda d: _edit_json(d / "meta.json", lambda o: o.update(splits=[])),
+     ["meta.json", "'splits'"]),
+]
+
+
+@pytest.mark.parametrize("name,damage,words", BROKEN_DATA, ids=[c[0] for c in BROKEN_DATA])
+def test_malformed_dataset_metadata_is_one_line(name, damage, words, tmp_path):
+    from depthtools.data import prepare
+
+    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3)
+    damage(data)
+    refused(_train(data, tmp_path / "cell"), *words)
+    assert not (tmp_path / "cell" / "model.safetensors").exists()
+
+
+def test_a_grid_spec_that_is_not_an_object_is_one_line(tmp_path):
+    for text, words in (("[]", ["a JSON object", "list"]), (DEEP, ["nested too deeply"])):
+        (tmp_path / "g.json").write_text(text)
+        refused(["grid", "train", tmp_path / "g.json", "--root", tmp_path / "ck"], "g.json", *words)
+        refused(["grid", "status", tmp_path / "g.json", "--root", tmp_path / "ck"], "g.json", *words)

@@ -32,7 +32,7 @@ import numpy as np
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
 from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, dir_mode, exclusive_lock, replace_dir
+from depthtools.fsutil import check_dir_target, dir_mode, exclusive_lock, json_section, read_json_object, replace_dir
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
@@ -380,12 +380,19 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
     path = Path(data_dir) / META_FILE
     if not path.is_file():
         raise DepthToolsError(f"{data_dir}: no {META_FILE}; prepare it with `depthtools data prepare`")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise DepthToolsError(f"{path}: corrupt JSON ({err.msg} at line {err.lineno}); prepare it again") from None
+    meta = read_json_object(path, "a dataset's metadata", hint="; prepare it again")
     if meta.get("format") not in (FORMAT, FORMAT_SHARDS):
         raise DepthToolsError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} or {FORMAT_SHARDS!r}; "
+                              "prepare it again")
+    splits = json_section(meta, "splits", path)
+    tokenizer = json_section(meta, "tokenizer", path)
+    for key, split in splits.items():
+        if not isinstance(split, dict) or not isinstance(split.get("tokens"), int):
+            raise DepthToolsError(f"{path}: split {key!r} is not a record with a token count; prepare it again")
+    if "train" not in splits:
+        raise DepthToolsError(f"{path}: no 'train' split; prepare it again")
+    if not isinstance(tokenizer.get("vocab_size"), int) or isinstance(tokenizer.get("vocab_size"), bool):
+        raise DepthToolsError(f"{path}: tokenizer.vocab_size must be an integer, got {tokenizer.get('vocab_size')!r}; "
                               "prepare it again")
     return meta
 

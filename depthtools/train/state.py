@@ -13,7 +13,6 @@ checkpoint is never overwritten in place.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from depthtools.checkpoint import atomic_save_tensors, atomic_write_json, model_state, read_json, read_tensors
 from depthtools.errors import CheckpointError
+from depthtools.fsutil import read_json_object
 from depthtools.train.optim import load_optimizer_tensors, optimizer_tensors
 
 STATE_DIR = "train_state"
@@ -85,9 +85,10 @@ def latest_step(directory: Path) -> int | None:
     if not path.is_file():
         return None
     try:
-        return int(json.loads(path.read_text())["step"])
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        step = read_json_object(path, "the train state pointer", CheckpointError)["step"]
+    except (CheckpointError, KeyError):
         return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 def _saved_steps(directory: Path) -> list[int]:
@@ -125,21 +126,20 @@ def _latest_pair(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
     exists = (directory / LATEST).is_file()
     if not exists and not steps:
         return None
-    problem = None
+    problem, named_pair_bad = None, False
     if named is not None:
-        try:
-            latest = json.loads((directory / LATEST).read_text())
-            if latest.get("tensors") != f"{_stem(named)}.safetensors" or latest.get("state") != f"{_stem(named)}.json":
-                raise CheckpointError(f"{directory / LATEST} names unexpected files")
-            return _read_pair(directory, named)
-        except CheckpointError as exc:
-            problem = f"the state it names is unusable ({exc})"
-        except (OSError, ValueError, AttributeError) as exc:
-            problem = f"it cannot be read ({exc})"
+        latest = read_json_object(directory / LATEST, "the train state pointer", CheckpointError)
+        if latest.get("tensors") != f"{_stem(named)}.safetensors" or latest.get("state") != f"{_stem(named)}.json":
+            problem = f"names unexpected files ({latest.get('tensors')!r}, {latest.get('state')!r})"
+        else:
+            try:
+                return _read_pair(directory, named)
+            except CheckpointError as exc:
+                problem, named_pair_bad = f"names a state that is unusable ({exc})", True
     else:
-        problem = "it is missing" if not (directory / LATEST).is_file() else "it cannot be read"
+        problem = "is missing" if not (directory / LATEST).is_file() else "cannot be read"
     for step in steps:
-        if step == named:
+        if step == named and named_pair_bad:
             continue
         try:
             pair = _read_pair(directory, step)
