@@ -160,3 +160,14 @@ def test_tuned_lens_of_the_lens_command_is_reused_by_analyze(cell):
     assert "0 run, 2 already saved" in ok("analyze", "--ckpt", "preln_L2", *EVAL, "--only", "lens_logit,lens_tuned",
                                           *tuned).stdout
     assert read_result(cell, "lens_tuned")["lens"].eq("tuned").all()
+
+
+def test_analyze_grid_old_argument_names_warn_and_still_apply(cell):
+    from depthtools.analysis.suite import analyze_grid
+
+    sizes = dict(n_tokens=64, seq_len=16, only="routing")
+    assert analyze_grid(cell.parent, **sizes).ran == 1
+    with pytest.warns(DeprecationWarning, match="force"):
+        assert analyze_grid(cell.parent, force=True, **sizes).ran == 1  # recomputed, not silently reused
+    with pytest.raises(Exception, match="unknown analysis option"):
+        analyze_grid(cell.parent, tua=0.1, **sizes)

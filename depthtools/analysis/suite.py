@@ -362,6 +362,8 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     total, step = len(dirs) * len(chosen), 0
     options = dict(options, batch_size=batch_size, exclude_first=exclude_first, tau=tau)
     options.setdefault("seed", seed)
+    for name in chosen:  # a bad option is an error here, not a "not applicable" line per checkpoint
+        analysis_args(name, **options)
     for ckpt_dir in dirs:
         model = load(ckpt_dir, device=device)
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
