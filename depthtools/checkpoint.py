@@ -83,6 +83,59 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"corrupt weights file {path}: {str(exc).splitlines()[0]}") from None
 
 
+def read_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's header alone (nothing is loaded or allocated)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"missing weights file {path}")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"corrupt weights file {path}: {str(exc).splitlines()[0]}") from None
+
+
+def _block_count(names) -> int | None:
+    indices = {int(k.split(".")[1]) for k in names if k.startswith("blocks.") and k.split(".")[1].isdigit()}
+    return max(indices) + 1 if indices else None
+
+
+def check_shapes(cfg: ModelConfig, header: dict[str, tuple[int, ...]], directory: Path) -> None:
+    """Refuse a config.json that does not describe the weights file, comparing what the config implies
+    with the file's header, before a model of the config's size exists: a d_model of 2**20 or a
+    vocab_size of 1e12 in config.json is one line, not an attempt to allocate terabytes.
+
+    The block count and the embedding are checked first (cheap); then a model built on the meta device
+    (shapes, no storage) gives every tensor name and shape."""
+    from depthtools.arch import DepthModel
+
+    blocks = _block_count(header)
+    if blocks is not None and blocks != cfg.n_layer:
+        raise CheckpointError(f"weights in {directory} do not match config: config.json says n_layer={cfg.n_layer}, "
+                              f"the weights hold {blocks} blocks")
+    embed = header.get("tok_embed.weight")
+    if embed is not None and embed != (cfg.vocab_size, cfg.d_model):
+        raise CheckpointError(f"weights in {directory} do not match config: tok_embed.weight has shape {embed}, "
+                              f"config implies {(cfg.vocab_size, cfg.d_model)} (vocab_size, d_model)")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in model_state(DepthModel(cfg)).items()}
+    missing = sorted(set(expected) - set(header))
+    unexpected = sorted(set(header) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"weights in {directory} do not match config ({cfg.arch}, L={cfg.n_layer}, d={cfg.d_model}): "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
+        )
+    wrong = [k for k in expected if expected[k] != header[k]]
+    if wrong:
+        k = wrong[0]
+        raise CheckpointError(f"weights in {directory} do not match config: {k} has shape {header[k]}, "
+                              f"config implies {expected[k]}")
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A checkpoint's JSON file (config.json, eval.json, train state): an object, or one CheckpointError
     line naming the file (missing, unreadable, not UTF-8, not JSON, too deeply nested, not an object)."""
@@ -180,24 +233,9 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
         raise CheckpointError(f"config.json in {directory} has no valid 'model' section: {exc}") from None
     except DepthToolsError as exc:
         raise CheckpointError(f"config.json in {directory}: {exc}") from None
+    check_shapes(cfg, read_header(directory / WEIGHTS), directory)  # before anything of that size is allocated
     tensors = read_tensors(directory / WEIGHTS)
     model = DepthModel(cfg)
-    expected = model_state(model)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"weights in {directory} do not match config ({cfg.arch}, L={cfg.n_layer}, d={cfg.d_model}): "
-            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
-        )
-    wrong = [k for k in expected if tuple(expected[k].shape) != tuple(tensors[k].shape)]
-    if wrong:
-        k = wrong[0]
-        raise CheckpointError(
-            f"weights in {directory} do not match config: {k} has shape {tuple(tensors[k].shape)}, "
-            f"config implies {tuple(expected[k].shape)}"
-        )
     check_weights(tensors, directory)
     with torch.no_grad():
         model.load_state_dict(tensors, strict=False)  # tied unembedding shares tok_embed's storage

@@ -229,3 +229,31 @@ def test_a_grid_spec_that_is_not_an_object_is_one_line(tmp_path):
         (tmp_path / "g.json").write_text(text)
         refused(["grid", "train", tmp_path / "g.json", "--root", tmp_path / "ck"], "g.json", *words)
         refused(["grid", "status", tmp_path / "g.json", "--root", tmp_path / "ck"], "g.json", *words)
+
+
+# -- a config.json that does not describe its weights: refused from the header, before any allocation -----
+ABSURD_CONFIGS = [  # (field, value, words): each would have tried to allocate terabytes (or a million blocks)
+    ("d_model", 2**20, ["tok_embed.weight has shape (256, 32)", "config implies (256, 1048576)"]),
+    ("vocab_size", 10**12, ["tok_embed.weight has shape (256, 32)", "(1000000000000, 32)"]),
+    ("n_layer", 10**6, ["n_layer=1000000", "the weights hold 2 blocks"]),
+    ("d_ff", 2**30, ["blocks.0.", "config implies"]),
+]
+
+
+@pytest.mark.parametrize("field,value,words", ABSURD_CONFIGS, ids=[c[0] for c in ABSURD_CONFIGS])
+def test_a_config_that_does_not_match_the_weights_header_is_refused_before_building_the_model(
+        field, value, words, tmp_path, data_dir):
+    import resource
+    import time
+
+    from depthtools import checkpoint as ck
+
+    cell = _cell(tmp_path / "g" / "preln_L2")
+    _edit_json(cell / "config.json", lambda o: o["model"].update({field: value}))
+    rss_before, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.load(cell)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    assert time.perf_counter() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 200_000  # KiB: nothing of that size
+    refused(["lens", "--ckpt", cell, "--data", data_dir, "--n-tokens", "64", "--seq-len", "16", "--no-save"], *words)
