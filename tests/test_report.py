@@ -135,6 +135,10 @@ def _accuracy(k: int, n_layer: int) -> float:
     return max(0.0, min(1.0, 1.1 - 0.12 * k + 0.05 * n_layer))
 
 
+def _lens_depth(k: int, n_layer: int) -> float:
+    return min(float(n_layer), 0.5 * k + 1)
+
+
 def _tasks_tables(cell_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """tasks_eval and tasks_depth_reached tables in the schema `depthtools tasks eval` saves, filled with a
     fixed pattern (these tiny models never saw a task, so real accuracies would all be 0)."""
@@ -144,7 +148,9 @@ def _tasks_tables(cell_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     for task in TASKS:
         for k in range(1, 7):
             acc = _accuracy(k, config["n_layer"])
-            for metric, value in (("accuracy", acc), ("answer_loss", -math.log(max(acc, 1e-3)))):
+            lens = _lens_depth(k, config["n_layer"])
+            for metric, value in (("accuracy", acc), ("answer_loss", -math.log(max(acc, 1e-3))),
+                                  ("lens_first_depth", lens), ("lens_first_rel_depth", lens / config["n_layer"])):
                 rows.append({**ids, "task": task, "k": k, "metric": metric, "value": value, "in_train_range": k <= 4})
         solved = [k for k in range(1, 7) if all(_accuracy(j, config["n_layer"]) >= 0.9 for j in range(1, k + 1))]
         reached.append({**ids, "task": task, "threshold": 0.9, "depth_reached": max(solved, default=0),
@@ -217,6 +223,15 @@ def test_depth_task_section_when_tables_exist(damaged):
         inside = sum(_accuracy(k, n_layer) for k in range(1, 5)) / 4
         assert float(row[col["accuracy_out_of_range"]]) == pytest.approx(outside)
         assert float(row[col["accuracy_in_range"]]) == pytest.approx(inside)
+    assert "fig-task-lens-depth" in r.figures and "later in depth" in r.figures["fig-task-lens-depth"]["caption"]
+    lens = r.tables["table-task-lens"]
+    col = {c: i for i, c in enumerate(lens.columns)}
+    assert len(lens.rows) == 2 * 2 * 6  # (two archs at L4) x two tasks x k = 1..6, one seed each
+    for row in lens.rows:
+        k = int(row[col["k"]])
+        assert float(row[col["accuracy"]]) == pytest.approx(_accuracy(k, 4), abs=1e-3)
+        assert float(row[col["lens_first_depth"]]) == pytest.approx(_lens_depth(k, 4), abs=1e-3)
+        assert row[col["n_seeds"]] == "1"
     reached = r.tables["table-depth-reached"]
     k_solved = max(k for k in range(1, 7) if _accuracy(k, 4) >= 0.9)  # both cells with tasks have L = 4
     assert len(reached.rows) == 4

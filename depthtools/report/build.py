@@ -277,9 +277,33 @@ def _tasks_section(grid: GridData) -> tuple[Section, pd.DataFrame]:
     if len(summary):
         section.add(table_block("table-depth-tasks", "Depth-task accuracy per model", summary,
                                 "Mean accuracy over the k inside and outside the training range, per model and task."))
+    for block in _task_lens_blocks(tasks):
+        section.add(block)
     section.add(_depth_reached_table(grid.cells))
     section.add(_left_out([c.name for c in grid.cells if c.table("tasks_eval") is None], "tasks_eval table"))
     return section, summary
+
+
+def _task_lens_blocks(tasks: pd.DataFrame) -> list:
+    """Where in depth each k is resolved: the logit lens' first correct depth / L against k (figure), and
+    per task × arch × depth × k the seed-mean accuracy with its interval beside the lens depths (table)."""
+    blocks = []
+    lens = tasks[tasks["metric"] == "lens_first_rel_depth"] if "metric" in tasks else tasks.iloc[:0]
+    if len(lens.dropna(subset=["value"])):
+        blocks.append(figure_block(
+            "fig-task-lens-depth", "First lens depth vs task depth k",
+            "The first layer (over L) whose logit lens already gives the right answer, averaged over the samples "
+            "the model answers correctly; one line per model depth (band: range over seeds). A line that rises "
+            "with k means harder instances are resolved later in depth; hollow dots: k outside the training range.",
+            figures.plot_task_accuracy, lens, "lens first depth / L"))
+    table = frames.task_depth_table(tasks)
+    if len(table):
+        blocks.append(table_block(
+            "table-task-lens", "Depth tasks per k: accuracy over seeds and first lens depth", table,
+            "Accuracy: mean over training seeds with its t-interval (n_seeds = 1: no interval). lens_first_depth: "
+            "the first layer whose logit lens answers correctly (of the samples answered at the last layer); "
+            "_rel: the same over L. NaN: no sample of that k answered."))
+    return blocks
 
 
 def _depth_reached_table(cells: list[CellData]):
@@ -467,6 +491,8 @@ def _model_tasks_section(cells: list[CellData], names: list[str]) -> Section:
     if len(summary):
         section.add(table_block("table-depth-tasks", "Depth-task accuracy per model", summary,
                                 "Mean accuracy over the k inside and outside the training range."))
+    for block in _task_lens_blocks(tasks):
+        section.add(block)
     section.add(_depth_reached_table(cells))
     return section.add(_left_out(absent, "tasks_eval table"))
 

@@ -277,11 +277,12 @@ def plot_depth_profiles(profiles: pd.DataFrame, ylabel: str, logy: bool = False)
 
 
 @styled
-def plot_task_accuracy(tasks: pd.DataFrame) -> Figure:
+def plot_task_accuracy(tasks: pd.DataFrame, value_label: str = "accuracy") -> Figure:
     """Depth-task accuracy against k: rows = architectures, columns = tasks, one line per depth.
 
-    tasks: tasks_eval rows with metric == 'accuracy' (arch, task, n_layer, k, value, in_train_range).
-    Hollow markers: k outside the training range (extrapolation).
+    tasks: tasks_eval rows of one metric (arch, task, n_layer, k, value, in_train_range), e.g. accuracy,
+    or lens_first_rel_depth with value_label "lens first depth / L". Hollow markers: k outside the
+    training range (extrapolation). Several seeds of a depth: the line is their mean, the band their range.
     """
     import seaborn as sns
 
@@ -296,7 +297,7 @@ def plot_task_accuracy(tasks: pd.DataFrame) -> Figure:
             last = r == len(archs) - 1 and c == len(names) - 1
             if len(sub):
                 sns.lineplot(data=sub, x="k", y="value", hue="depth", hue_order=order, palette=palette, marker="o",
-                             ax=ax, legend=last, errorbar=None)
+                             ax=ax, legend=last, errorbar=("pi", 100))
                 if "in_train_range" in sub.columns:
                     out = sub[~sub["in_train_range"].astype(bool)]
                     ax.scatter(out["k"], out["value"], facecolors="white", edgecolors="black", s=14, zorder=3,
@@ -304,7 +305,7 @@ def plot_task_accuracy(tasks: pd.DataFrame) -> Figure:
             ax.set_title(f"{arch} · {task}")
             ax.set_ylim(-0.03, 1.03)
             ax.set_xlabel("k (task depth)")
-            ax.set_ylabel("accuracy")
+            ax.set_ylabel(value_label)
     _legend_outside(axes[-1])
     return fig
 

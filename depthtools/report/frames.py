@@ -190,8 +190,8 @@ def lens_depths(cells: Sequence[CellData]) -> pd.DataFrame:
 
 
 def task_frame(cells: Sequence[CellData]) -> pd.DataFrame:
-    """tasks_eval rows of every cell (long: task, k, metric, value, in_train_range)."""
-    return concat([c.table("tasks_eval") for c in cells])
+    """tasks_eval rows of every cell (long: task, k, metric, value, in_train_range), with the cell's seed."""
+    return concat([t.assign(seed=c.seed) for c in cells if (t := c.table("tasks_eval")) is not None])
 
 
 def task_summary(tasks: pd.DataFrame) -> pd.DataFrame:
@@ -208,6 +208,32 @@ def task_summary(tasks: pd.DataFrame) -> pd.DataFrame:
     outside = acc[~in_range].groupby(keys)["value"].mean().rename("accuracy_out_of_range")
     out = out.join(inside, on=keys).join(outside, on=keys)
     return out.sort_values(["task", "arch", "n_layer"]).reset_index(drop=True)
+
+
+def task_depth_table(tasks: pd.DataFrame) -> pd.DataFrame:
+    """Per task × arch × depth × k: accuracy (mean over training seeds with its seed interval) and the
+    logit lens' first depth (absolute and over L) at which correctly answered samples are already right.
+
+    The lens columns answer "are harder instances resolved later in depth?": a first depth that climbs
+    with k means the extra steps use extra layers. NaN where no sample of that k was answered.
+    """
+    from depthtools.analysis.seeds import seed_means, with_seed
+
+    needed = {"metric", "task", "k", "value", "arch", "n_layer", "model"}
+    if not needed <= set(tasks.columns) or tasks.empty:
+        return pd.DataFrame()
+    wide = tasks.pivot_table(index=["model", "arch", "n_layer", "task", "k"], columns="metric", values="value",
+                             aggfunc="first").reset_index()
+    wide.columns.name = None
+    if "accuracy" not in wide:
+        return pd.DataFrame()
+    wide = with_seed(wide)
+    keys = ("task", "arch", "n_layer", "k")
+    out = seed_means(wide, value="accuracy", keys=keys)
+    for lens in ("lens_first_depth", "lens_first_rel_depth"):
+        if lens in wide:
+            out = out.merge(wide.groupby(list(keys), as_index=False)[lens].mean(), on=list(keys), how="left")
+    return out.sort_values(list(keys)).reset_index(drop=True)
 
 
 def deepest(df: pd.DataFrame) -> pd.DataFrame:
