@@ -17,6 +17,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import os_error_line
 
 err_console = Console(stderr=True)
 
@@ -33,6 +34,12 @@ class _OneLineErrors(TyperGroup):
             return super().invoke(ctx)
         except DepthToolsError as exc:
             err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except OSError as exc:  # a permission, a full or read-only disk: one line naming the path
+            line = os_error_line(exc)
+            if line is None:
+                raise
+            err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
 
@@ -96,6 +103,12 @@ def main() -> None:
         app()
     except DepthToolsError as exc:
         err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except OSError as exc:
+        line = os_error_line(exc)
+        if line is None:
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
         sys.exit(2)
 
 

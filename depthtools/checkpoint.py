@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from depthtools.config import ModelConfig
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import file_mode, json_section, read_json_object
+from depthtools.fsutil import file_mode, json_section, read_json_object, write_error
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -39,8 +39,11 @@ def checkpoints_root() -> Path:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write via a temporary file in the same directory, then rename: never a half-written file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise write_error(exc, path) from None
     try:
         os.fchmod(fd, file_mode())  # mkstemp's 0600 would make every checkpoint private, whatever the umask
         with os.fdopen(fd, "wb") as handle:
@@ -48,6 +51,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise write_error(exc, path) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -60,13 +66,19 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """safetensors save through a temporary file + rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise write_error(exc, path) from None
     os.close(fd)
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.chmod(tmp, file_mode())  # after save_file, which may create the file anew
         os.replace(tmp, path)
+    except (OSError, SafetensorError) as exc:  # a full disk reaches us as a SafetensorError naming no file
+        Path(tmp).unlink(missing_ok=True)
+        raise write_error(exc, path) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -56,6 +57,45 @@ def _kind_name(kind) -> str:
     if isinstance(kind, tuple):
         return " or ".join(names.get(k, k.__name__) for k in kind)
     return names.get(kind, kind.__name__)
+
+
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, getattr(errno, "EDQUOT", -1)}
+
+
+def os_error_line(exc: BaseException) -> str | None:
+    """One line for an OSError a user can fix (a permission, a full or read-only disk, a path that is
+    not what it should be), naming the path and the cause: "cannot write PATH: No space left on device".
+    None for OSErrors that are not about a file (a broken pipe, ...): those stay tracebacks."""
+    if not isinstance(exc, OSError):
+        return None
+    cause = exc.strerror or str(exc)
+    verb = "cannot write" if exc.errno in _WRITE_ERRNOS or isinstance(exc, WriteError) else "cannot use"
+    if exc.filename is not None:
+        where = f"{os.fsdecode(exc.filename)}" + (f" -> {os.fsdecode(exc.filename2)}" if exc.filename2 else "")
+        return f"{verb} {where}: {cause}"
+    if exc.errno in _WRITE_ERRNOS:
+        return f"cannot write: {cause}"
+    return None
+
+
+class WriteError(OSError):
+    """An OSError met while writing the file it names (see `write_error`)."""
+
+
+def write_error(exc: BaseException, path: str | os.PathLike) -> OSError:
+    """`exc` (an OSError, or a SafetensorError wrapping one) as an OSError naming `path` — the file the
+    caller meant to write, not the hidden temporary file of an atomic write."""
+    import re
+
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return WriteError(exc.errno, exc.strerror or str(exc), os.fspath(path))
+    text = str(exc)  # safetensors: "... I/O error: File too large (os error 27)" or "... code: 28, ..."
+    code = re.search(r"os error (\d+)|code: (\d+)", text)
+    if code is None:  # e.g. numpy's "21255 requested and 10000 written"
+        return WriteError(errno.EIO, f"{text.splitlines()[0] if text else type(exc).__name__} (is the disk full?)",
+                          os.fspath(path))
+    number = int(code.group(1) or code.group(2))
+    return WriteError(number, os.strerror(number), os.fspath(path))
 
 
 _UMASK: int | None = None

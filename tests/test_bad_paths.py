@@ -257,3 +257,78 @@ def test_a_config_that_does_not_match_the_weights_header_is_refused_before_build
     assert time.perf_counter() - t0 < 10
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 200_000  # KiB: nothing of that size
     refused(["lens", "--ckpt", cell, "--data", data_dir, "--n-tokens", "64", "--seq-len", "16", "--no-save"], *words)
+
+
+# -- permission and disk errors: one line naming the path and the cause, no traceback --------------------
+def _limited(max_bytes: int):
+    """A child process whose files cannot grow past max_bytes: writes fail with EFBIG ("File too large"),
+    as they do on a full disk or quota (SIGXFSZ ignored, so write() returns the error). Works as root."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+    return limit
+
+
+def _cli(args: list, max_bytes: int):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], capture_output=True, text=True, timeout=300,
+                          preexec_fn=_limited(max_bytes), env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _one_line(proc, *words: str) -> str:
+    """Exit 2 and one error line (progress log lines may precede it on stderr), no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    return lines[0]
+
+
+def test_a_full_disk_while_training_is_one_line_naming_the_file(tmp_path, data_dir):
+    """The weights (~170 KB) cannot be written: safetensors raises a SafetensorError naming no file."""
+    out = tmp_path / "cell"
+    proc = _cli(_train(data_dir, out), max_bytes=100_000)
+    _one_line(proc, f"cannot write {out / 'model.safetensors'}", "File too large")
+    assert not (out / "model.safetensors").exists() and not list(out.glob(".model.safetensors.*"))
+    assert not (out / "eval.json").exists()
+
+
+def test_a_full_disk_while_preparing_data_is_one_line_naming_the_file(tmp_path):
+    proc = _cli(["data", "prepare", "--corpus", "text-dir", "--text-dir", FIXTURE, "--out", tmp_path / "data",
+                 "--name", "mine", "--val-fraction", "0.3"], max_bytes=20_000)
+    _one_line(proc, "cannot write", "train.bin", "is the disk full?")
+    assert not (tmp_path / "data" / "mine").exists()
+    assert [p.name for p in (tmp_path / "data").iterdir()] == []  # no staging folder or lock left
+
+
+def test_an_analysis_folder_that_cannot_be_written_is_one_line(tmp_path, data_dir):
+    cell = _cell(tmp_path / "g" / "preln_L2")
+    (cell / "analysis").write_text("a file where the analysis folder goes")
+    refused(["lens", "--ckpt", cell, "--data", data_dir, "--n-tokens", "64", "--seq-len", "16"],
+            f"cannot write {cell / 'analysis'}", "File exists")
+
+
+def test_a_folder_the_system_refuses_is_one_line(tmp_path, data_dir):
+    """/sys refuses new folders even to root (EPERM): a real PermissionError from mkdir."""
+    refused(_train(data_dir, "/sys/depthtools-test-cell/cell"), "cannot use /sys/depthtools-test-cell",
+            "not permitted")
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root writes into read-only folders; the EFBIG, /sys and file-as-folder cases cover root")
+def test_a_read_only_cell_is_one_line(tmp_path, data_dir):
+    cell = _cell(tmp_path / "g" / "preln_L2")
+    cell.chmod(0o555)
+    try:
+        refused(["lens", "--ckpt", cell, "--data", data_dir, "--n-tokens", "64", "--seq-len", "16"],
+                "cannot write", str(cell), "Permission denied")
+    finally:
+        cell.chmod(0o755)

@@ -32,7 +32,8 @@ import numpy as np
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
 from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, dir_mode, exclusive_lock, json_section, read_json_object, replace_dir
+from depthtools.fsutil import (check_dir_target, dir_mode, exclusive_lock, json_section, read_json_object, replace_dir,
+                               write_error)
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
@@ -344,7 +345,10 @@ def _safe(domain: str) -> str:
 
 def _write_split(folder: Path, key: str, tok, docs) -> dict:
     tokens = _encode_docs(tok, [d for _c, d in docs])
-    tokens.tofile(folder / f"{key}.bin")
+    try:
+        tokens.tofile(folder / f"{key}.bin")
+    except OSError as exc:  # numpy names no file; a full disk is ENOSPC here
+        raise write_error(exc, folder.parent / folder.name / f"{key}.bin") from None
     return {"file": f"{key}.bin", "tokens": int(tokens.size), "documents": len(docs),
             "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()}
 

@@ -49,7 +49,7 @@ from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_wr
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target
+from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, write_error
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
 from depthtools.train.distributed import Dist
@@ -361,8 +361,12 @@ def evaluate(run: Run) -> dict[str, float]:
 def _append_metrics(run: Run, record: dict[str, Any]) -> None:
     if not run.dist.is_main:
         return
-    with open(run.out_dir / METRICS, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
+    path = run.out_dir / METRICS
+    try:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+    except OSError as exc:  # a full disk raises from write() without naming the file
+        raise write_error(exc, path) from None
 
 
 def _truncate_metrics(run: Run) -> None:
@@ -704,8 +708,11 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
         # a refused start leaves the cell (and the heartbeat of the process training it) alone
         if dist.is_main and lock is not None and not isinstance(exc, CellFinishedError):
             details = getattr(exc, "details", None) if isinstance(exc, TrainingDivergedError) else None
-            write_heartbeat(out_dir, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000],
-                            **({"diverged": details} if details else {}))
+            try:  # best effort: a full or read-only disk must not hide the error that stopped the run
+                write_heartbeat(out_dir, state="failed", error=f"{type(exc).__name__}: {exc}"[:2000],
+                                **({"diverged": details} if details else {}))
+            except OSError:
+                pass
         raise
     finally:
         if lock is not None:
