@@ -174,8 +174,8 @@ def replace_dir(staging: Path, target: Path) -> None:
 
 
 # -- exclusive locks (one trainer per cell, one preparation per dataset) -------------------------
-LOCK_BEAT_S = 30.0  # the holder refreshes its lock file's mtime this often
-LOCK_STALE_S = 900.0  # a lock from another host whose mtime is older than this is taken over
+LOCK_BEAT_S = 15.0  # the holder's lock thread refreshes the lock file's mtime this often
+LOCK_STALE_S = 120.0  # a lock file whose mtime is older than this is taken over (its holder stopped beating)
 
 
 class LockHeldError(DepthToolsError):
@@ -256,10 +256,12 @@ def acquire_lock(path: Path, what: str, error: type[Exception] = LockHeldError, 
     """Take the exclusive lock `path` (created if absent) or raise `error` naming its holder.
 
     The lock is an flock on the open file, so the kernel drops it when its holder dies, however it dies
-    (a lock file left by a killed process on this host is simply taken over). The file holds the
-    holder's pid, host and start time for the message, and its mtime is refreshed every `beat_s`: on a
-    shared filesystem whose flock does not reach other hosts, a lock naming another host is honoured
-    while that heartbeat is younger than `stale_after` seconds, and taken over (with a log line) after.
+    (a lock file left by a killed process on this host is simply taken over, with a log line). The file
+    holds the holder's pid, host and start time for the message, and a thread of the holder refreshes
+    its mtime every `beat_s`. Where flock does not reach (another host on a shared filesystem whose
+    locks are local, a filesystem without flock), the file decides: a lock whose heartbeat is younger
+    than `stale_after` seconds and whose holder may be alive (another host; or this host and its pid
+    runs) is still refused; an older one, or one whose pid is gone, is taken over.
     """
     import fcntl
     import json
@@ -286,13 +288,15 @@ def acquire_lock(path: Path, what: str, error: type[Exception] = LockHeldError, 
                 os.close(fd)  # its holder unlinked it on release while we waited: lock the new file
                 continue
             info, age = _read_lock_info(fd), time.time() - os.fstat(fd).st_mtime
-            if info and info.get("host") != host and age < stale_after:  # flock may not reach that host
+            pid = info.get("pid") if info else None
+            here = bool(info) and info.get("host") == host
+            dead = here and isinstance(pid, int) and (pid == os.getpid() or not _pid_alive(pid))
+            if info and age < stale_after and not dead:  # flock did not stop us, but its holder may be alive
                 raise error(f"{what} is locked by {_describe_holder(info, age)} ({path}); wait for it to finish, "
-                            f"or stop that process (a lock from another host is taken over after {stale_after:.0f} s "
-                            "without a heartbeat)")
+                            f"or stop that process (a lock is taken over after {stale_after:.0f} s without a "
+                            "heartbeat)")
             if info and log is not None:
-                gone = ("its process is gone" if info.get("host") == host and isinstance(info.get("pid"), int)
-                        and not _pid_alive(info["pid"]) else f"no heartbeat for {age:.0f} s")
+                gone = "its process is gone" if dead else f"no heartbeat for {age:.0f} s"
                 log(f"{what}: taking over the stale lock of {_describe_holder(info, age)} ({gone})")
             record = json.dumps({"pid": os.getpid(), "host": host, "since": time.time(), "what": what}) + "\n"
             os.ftruncate(fd, 0)

@@ -135,7 +135,7 @@ def test_a_lock_from_another_host_is_honoured_until_its_heartbeat_is_stale(tmp_p
     """A shared filesystem whose flock does not reach other hosts: the lock file's heartbeat decides."""
     path = tmp_path / "train.lock"
     path.write_text(json.dumps({"pid": 4242, "host": "node-7", "since": time.time() - 60}))
-    with pytest.raises(LockHeldError, match=r"cell x is locked by pid 4242 on host node-7 since .*another host"):
+    with pytest.raises(LockHeldError, match=r"cell x is locked by pid 4242 on host node-7 since .*taken over after"):
         acquire_lock(path, "cell x")
     old = time.time() - 2000
     os.utime(path, (old, old))
@@ -147,6 +147,12 @@ def test_a_lock_from_another_host_is_honoured_until_its_heartbeat_is_stale(tmp_p
         acquire_lock(path, "cell x")
     lock.release()
     assert not path.exists()
+    # this host, a live pid, a fresh heartbeat, yet no flock (a filesystem without flock): still refused
+    path.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "since": time.time()}))
+    with pytest.raises(LockHeldError, match=f"pid {os.getppid()} on host"):
+        acquire_lock(path, "cell x")
+    os.utime(path, (old, old))  # ... until its heartbeat is stale
+    acquire_lock(path, "cell x").release()
 
 
 def _descendants(pid: int) -> set[int]:
