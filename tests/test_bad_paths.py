@@ -169,6 +169,14 @@ def _drop_tensor(path: Path, key: str) -> None:
     save_file(tensors, str(path))
 
 
+def _retype_tensor(path: Path, key: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    tensors[key] = tensors[key].float()
+    save_file(tensors, str(path))
+
+
 BROKEN_STATES = [  # (name, damage, words of the one-line refusal; None: resumes from the intact pair, saying so)
     ("latest.json 'state' an int", lambda s: _edit_json(s / "latest.json", lambda o: o.update(state=5)), None),
     ("latest.json a list", lambda s: (s / "latest.json").write_text("[2]"), None),
@@ -181,6 +189,14 @@ BROKEN_STATES = [  # (name, damage, words of the one-line refusal; None: resumes
      ["step_00000002.json", "a JSON object"]),
     ("step JSON nested 200k deep", lambda s: (s / "step_00000002.json").write_text(DEEP),
      ["step_00000002.json", "nested too deeply"]),
+    ("step JSON optimizer without param_groups",
+     lambda s: _edit_json(s / "step_00000002.json", lambda o: o["optimizer"].pop("param_groups")),
+     ["step_00000002", "cannot be restored", "KeyError"]),
+    ("step JSON optimizer scalars a list",
+     lambda s: _edit_json(s / "step_00000002.json", lambda o: o["optimizer"].update(scalars=[1])),
+     ["step_00000002", "cannot be restored"]),
+    ("train state RNG tensor of the wrong dtype",
+     lambda s: _retype_tensor(s / "step_00000002.safetensors", "rng/torch_cpu"), ["step_00000002", "cannot be restored"]),
     ("train state without its RNG tensor", lambda s: _drop_tensor(s / "step_00000002.safetensors", "rng/torch_cpu"),
      ["step_00000002.safetensors", "RNG state"]),
 ]

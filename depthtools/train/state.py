@@ -192,10 +192,16 @@ def load_train_state(directory: Path, model, optimizer, names: list[str], finger
     missing = sorted(set(model_state(model)) - set(weights))
     if missing:
         raise CheckpointError(f"{directory}: train state lacks model tensors {missing[:3]}")
-    with torch.no_grad():
-        model.load_state_dict(weights, strict=False)
-    load_optimizer_tensors(optimizer, names, tensors, info["optimizer"])
-    torch.set_rng_state(tensors["rng/torch_cpu"])
-    if "rng/cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng/cuda"])
+    try:  # a pair that reads but does not fit (edited or foreign contents) is refused, naming it
+        with torch.no_grad():
+            model.load_state_dict(weights, strict=False)
+        load_optimizer_tensors(optimizer, names, tensors, info["optimizer"])
+        torch.set_rng_state(tensors["rng/torch_cpu"])
+        if "rng/cuda" in tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state(tensors["rng/cuda"])
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        raise CheckpointError(
+            f"{directory / (_stem(info['step']) + '.*')}: the saved state cannot be restored "
+            f"({type(exc).__name__}: {detail}); pass force=True (--force) to discard it and start over") from None
     return info
