@@ -84,6 +84,19 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
         raise
 
 
+def _weights_error(path: Path, exc: BaseException) -> CheckpointError:
+    """A weights file that cannot be opened (permission, I/O) or that is not valid safetensors, in one line."""
+    import re
+
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return CheckpointError(f"cannot read weights file {path}: {exc.strerror}")
+    code = re.search(r"os error (\d+)", text)
+    if code:
+        return CheckpointError(f"cannot read weights file {path}: {os.strerror(int(code.group(1)))}")
+    return CheckpointError(f"corrupt weights file {path}: {text}")
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Load a safetensors file; a corrupt or truncated file is a one-line CheckpointError."""
     path = Path(path)
@@ -92,7 +105,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"corrupt weights file {path}: {str(exc).splitlines()[0]}") from None
+        raise _weights_error(path, exc) from None
 
 
 def read_header(path: Path) -> dict[str, tuple[int, ...]]:
@@ -106,7 +119,7 @@ def read_header(path: Path) -> dict[str, tuple[int, ...]]:
         with safe_open(str(path), framework="pt") as handle:
             return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"corrupt weights file {path}: {str(exc).splitlines()[0]}") from None
+        raise _weights_error(path, exc) from None
 
 
 def _block_count(names) -> int | None:

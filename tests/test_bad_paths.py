@@ -348,3 +348,16 @@ def test_a_read_only_cell_is_one_line(tmp_path, data_dir):
                 "cannot write", str(cell), "Permission denied")
     finally:
         cell.chmod(0o755)
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux /proc")
+def test_a_weights_file_that_cannot_be_read_is_not_called_corrupt(tmp_path, data_dir):
+    """An I/O error reading the weights (here /proc/self/mem, which cannot be mapped: ENODEV even for
+    root) names the file and the OS's reason instead of calling the file corrupt."""
+    import os
+
+    cell = _cell(tmp_path / "g" / "preln_L2")
+    (cell / "model.safetensors").unlink()
+    os.symlink("/proc/self/mem", cell / "model.safetensors")
+    refused(["lens", "--ckpt", cell, "--data", data_dir, "--n-tokens", "64", "--seq-len", "16", "--no-save"],
+            f"cannot read weights file {cell / 'model.safetensors'}", "No such device")
