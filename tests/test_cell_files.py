@@ -109,5 +109,9 @@ def test_a_finished_cell_loses_train_state_and_heartbeat_left_by_a_kill_in_the_f
     train_grid(spec, root=tmp_path / "ck", data_root=tmp_path)
     cell = tmp_path / "ck" / "g" / cells[0].name
     _leave_final_write_leftovers(cell)
+    from depthtools.train.launch import SlurmResources, dry_run
+
+    assert dry_run(spec, tmp_path / "ck", tmp_path, SlurmResources()) == []  # a dry run changes nothing
+    assert (cell / "train_state").is_dir() and (cell / "heartbeat.json").is_file()
     assert train_grid(spec, root=tmp_path / "ck", data_root=tmp_path)[0]["skipped"]
     assert not (cell / "train_state").exists() and not (cell / "heartbeat.json").exists()

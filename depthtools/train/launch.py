@@ -30,14 +30,15 @@ from depthtools.train.sweep import cell_specs, load_spec, prepare_grid_data, run
 Log = Callable[[str], None]
 
 
-def pending_specs(spec: dict[str, Any], root: str | Path, force: bool = False) -> list[dict[str, Any]]:
-    """The cell specs still to train (all of them with force); finished cells lose leftover train state."""
+def pending_specs(spec: dict[str, Any], root: str | Path, force: bool = False, tidy: bool = False) -> list[dict[str, Any]]:
+    """The cell specs still to train (all of them with force); with tidy, finished cells lose leftover
+    train state (launchers pass it; a dry run does not, it changes nothing)."""
     todo = []
     for c in cell_specs(spec):
         out_dir = Path(root) / c["grid"] / c["cell"]["name"]
         if force or not is_finished(out_dir):
             todo.append(c)
-        else:
+        elif tidy:
             tidy_finished(out_dir)
     return todo
 
@@ -113,7 +114,7 @@ def launch_local(grid, root: str | Path = "checkpoints", data_root: str | Path =
         raise DepthToolsError(f"--workers and --threads must be >= 1, got {workers} and {threads}")
     spec = load_spec(grid)
     prepare_grid_data(spec, root, data_root, force)
-    todo = pending_specs(spec, root, force)
+    todo = pending_specs(spec, root, force, tidy=True)
     results: dict[str, dict[str, Any]] = {}
     context = multiprocessing.get_context("spawn")  # no fork of a process that already runs torch threads
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
@@ -245,7 +246,7 @@ def submit_cells(grid, root: str | Path = "checkpoints", data_root: str | Path =
     """
     spec = load_spec(grid)
     prepare_grid_data(spec, root, data_root, force)
-    todo = pending_specs(spec, root, force)
+    todo = pending_specs(spec, root, force, tidy=True)
     if not todo:
         return []
     folder = Path(folder or Path(root) / spec.get("name", "grid") / "_submitit")
@@ -273,7 +274,7 @@ def launch_ray(grid, root: str | Path = "checkpoints", data_root: str | Path = "
     ray.init(address=address, ignore_reinit_error=True)
     task = ray.remote(num_gpus=gpus_per_cell, num_cpus=cpus_per_cell)(run_cell)
     refs = {c["cell"]["name"]: task.remote(c, str(Path(root).resolve()), str(Path(data_root).resolve()), threads, force)
-            for c in pending_specs(spec, root, force)}
+            for c in pending_specs(spec, root, force, tidy=True)}
     results = {}
     for name, ref in refs.items():
         try:
