@@ -35,9 +35,10 @@ def default_d_ff(d_model: int, multiple: int = 16, ratio: float = 8 / 3) -> int:
 class ModelConfig:
     """Shape and architecture of one decoder-only LM.
 
-    `arch` is a registry name (see `depthtools.arch.list_archs()`); `options` holds
-    architecture-specific settings (e.g. ``{"n_streams": 4}`` for HC), validated by the
-    architecture itself when the model is built.
+    `arch` is a registry name (see `depthtools.arch.list_archs()`; an alias is stored as the name it
+    stands for); `options` holds architecture-specific settings (e.g. ``{"n_streams": 4}`` for HC),
+    checked against the architecture's option schema (`ResidualScheme.option_schema`): an unknown
+    key or a bad value is a one-line error naming the architecture, the key and the valid ones.
     """
 
     arch: str = "preln"
@@ -60,6 +61,10 @@ class ModelConfig:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         object.__setattr__(self, "options", dict(self.options))
+        from depthtools.arch.registry import canonical_name  # (lazily: the registry imports this module)
+
+        if isinstance(self.arch, str):
+            object.__setattr__(self, "arch", canonical_name(self.arch))
         self.validate()
 
     @property
@@ -88,6 +93,11 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise DepthToolsError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
+        if not isinstance(self.arch, str):
+            raise DepthToolsError(f"ModelConfig.arch must be an architecture name, got {self.arch!r}")
+        from depthtools.arch.registry import check_options
+
+        check_options(self)  # unknown option keys and bad values
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (re-validated)."""

@@ -232,7 +232,7 @@ def _plan_cell(arch, n_layer, budget, basis, tolerance, rules, base, spec) -> Ce
             f"closest is d_model={cfg.d_model} with {counts[key]:,} ({deviation:+.1%}); "
             f"relax --tolerance, change the depths or the head/FFN rules"
         )
-    preln = count_params(cfg.replace(arch="preln"))["total"] if arch != "preln" else counts["total"]
+    preln = count_params(cfg.replace(arch="preln", options={}))["total"] if arch != "preln" else counts["total"]
     return Cell(
         name=cell_name(arch, n_layer), arch=arch, n_layer=n_layer, d_model=cfg.d_model, n_heads=cfg.n_heads,
         head_dim=cfg.head_dim, d_ff=cfg.d_ff, params_total=counts["total"],

@@ -72,7 +72,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.bankops import DepthBank, MixGroups, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
 from depthtools.arch.layers import BufferPool, RMSNorm
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, ResidualScheme
+from depthtools.arch.scheme import NormSite, Option, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -133,6 +133,13 @@ class AttnResScheme(ResidualScheme):
 
     single_stream = False
     skip_rules = ("mask", "next-output")
+
+    @classmethod
+    def option_schema(cls, arch: str) -> dict[str, Option]:
+        """blockattnres: attnres_block_size (S in sublayers, default 2·ceil(L/8)); attnres has S = 1."""
+        schema = {"attnres_block_size": Option("int", lambda c: default_block_size(c.n_layer), low=1)} \
+            if arch == "blockattnres" else {}
+        return schema
 
     def __init__(self, cfg: ModelConfig, block_size: int = 1):
         super().__init__(cfg)

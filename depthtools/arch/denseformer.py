@@ -35,7 +35,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.bankops import weighted_sum
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, ResidualScheme
+from depthtools.arch.scheme import NormSite, Option, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -71,6 +71,12 @@ class DenseFormerScheme(ResidualScheme):
 
     single_stream = False
     skip_rules = ("identity",)
+
+    @classmethod
+    def option_schema(cls, arch: str) -> dict[str, Option]:
+        """dwa_dilation k and dwa_period p (positive integers, default 1)."""
+        schema = {"dwa_dilation": Option("int", 1, low=1), "dwa_period": Option("int", 1, low=1)}
+        return schema
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

@@ -97,7 +97,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, ResidualScheme
+from depthtools.arch.scheme import NormSite, Option, ResidualScheme, resolve_options
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -149,31 +149,18 @@ def legacy_options(model: dict) -> dict:
 
 def hyper_options(cfg: ModelConfig) -> dict:
     """cfg.options merged over this architecture's defaults, validated (one-line errors)."""
-    defaults = _DEFAULTS[cfg.arch]
-    unknown = sorted(set(cfg.options) - set(defaults))
-    if unknown:
-        raise DepthToolsError(f"unknown {cfg.arch} option(s) {unknown}; valid: {sorted(defaults)}")
-    opts = {**defaults, **cfg.options}
-    n = opts["n_streams"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise DepthToolsError(f"{cfg.arch} option n_streams must be a positive integer, got {n!r}")
-    if opts.get("mhc_init", "hc_like") not in MHC_INITS:
-        raise DepthToolsError(f"mhc option mhc_init must be one of {list(MHC_INITS)}, got {opts['mhc_init']!r}")
-    for flag in ("scale_output_init_by_sqrt_n", "head_mixer", "connector_norm_gain"):
-        if flag not in opts:
-            continue
-        if not isinstance(opts[flag], bool):
-            raise DepthToolsError(f"{cfg.arch} option {flag} must be true or false, got {opts[flag]!r}")
-    if opts.get("sinkhorn_order", "rows_last") not in SINKHORN_ORDERS:
-        raise DepthToolsError(f"mhc option sinkhorn_order must be one of {list(SINKHORN_ORDERS)} "
-                              f"(the normalisation that runs last), got {opts['sinkhorn_order']!r}")
-    iters = opts.get("sinkhorn_iters", 20)
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise DepthToolsError(f"mhc option sinkhorn_iters must be a positive integer, got {iters!r}")
-    eps = opts["connector_norm_eps"]
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise DepthToolsError(f"{cfg.arch} option connector_norm_eps must be > 0, got {opts['connector_norm_eps']!r}")
-    return opts
+    return resolve_options(HyperScheme.option_schema(cfg.arch), cfg)
+
+
+def _option(default, choices: tuple = ()) -> Option:
+    """The Option of an hc/mhc default: flags, positive integers, an eps > 0, or one of `choices`."""
+    if choices:
+        return Option("str", default, choices=choices)
+    if isinstance(default, bool):
+        return Option("bool", default)
+    if isinstance(default, int):
+        return Option("int", default, low=1)
+    return Option("number", default, low=0, low_open=True)
 
 
 # -- numerics ---------------------------------------------------------------------------------
@@ -765,9 +752,15 @@ class HyperScheme(ResidualScheme):
     single_stream = False
     skip_rules = ("identity", "branch")
 
+    @classmethod
+    def option_schema(cls, arch: str) -> dict[str, Option]:
+        """The options of the module docstring, with `_DEFAULTS` (n_streams, sinkhorn_iters: positive
+        integers; connector_norm_eps > 0; mhc_init, sinkhorn_order: their listed values)."""
+        choices = {"mhc_init": MHC_INITS, "sinkhorn_order": SINKHORN_ORDERS}
+        return {name: _option(default, choices.get(name, ())) for name, default in _DEFAULTS[arch].items()}
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
-        self.opts = hyper_options(cfg)
+        super().__init__(cfg)  # sets self.opts (validated, defaults filled in)
         self.n = self.opts["n_streams"]
         self._blocks: list[nn.Module] = []  # plain list (not registered): for the "branch" skip
         if self.opts["head_mixer"]:

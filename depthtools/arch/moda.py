@@ -67,7 +67,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, ResidualScheme
+from depthtools.arch.scheme import NormSite, Option, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -263,6 +263,12 @@ class MoDAScheme(ResidualScheme):
 
     single_stream = True
     skip_rules = ("mask", "zero")
+
+    @classmethod
+    def option_schema(cls, arch: str) -> dict[str, Option]:
+        """moda_norm ("pre" | "post") and moda_depth_rope ("none" | "query"), see the module docstring."""
+        schema = {"moda_norm": Option("str", "pre", choices=NORMS), "moda_depth_rope": Option("str", "none", choices=DEPTH_ROPE)}
+        return schema
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from depthtools.arch.layers import RMSNorm
-from depthtools.arch.scheme import NormSite, ResidualScheme
+from depthtools.arch.registry import ArchSpec
+from depthtools.arch.scheme import NormSite, Option, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -104,10 +105,24 @@ def sublayer_specs(cfg: ModelConfig, position: int) -> tuple[SublayerSpec, Subla
     return spec, spec
 
 
+_DEPTH_SCALED = {"depthmup": 0.5, "completep": 1.0}  # default exponent a of (L/L_base)^-a
+_OPTIONS = {  # read by sublayer_specs (same defaults)
+    "keel": {"keel_alpha": Option("number", lambda c: 2 * c.n_layer, doc="residual weight alpha (default 2L)")},
+    "mixln": {"post_fraction": Option("number", 0.25, low=0, high=1, doc="share of leading Post-LN blocks")},
+    "layerscale": {"layerscale_init": Option("number", lambda c: layerscale_init(c.n_layer), doc="initial λ")},
+    **{arch: {"depth_exponent": Option("number", a, doc="a in (L/L_base)^-a"),
+              "base_layers": Option("int", 24, low=1, doc="L_base")} for arch, a in _DEPTH_SCALED.items()},
+}
+
+
 class NormFamilyScheme(ResidualScheme):
     """One additive residual stream; per-sublayer switches from `sublayer_specs`."""
 
     single_stream = True
+
+    @classmethod
+    def option_schema(cls, arch: str) -> dict[str, Option]:
+        return _OPTIONS.get(arch, {})
 
     def build_block(self, block: nn.Module) -> None:
         d, eps = self.cfg.d_model, self.cfg.norm_eps
@@ -201,3 +216,36 @@ class NormFamilyScheme(ResidualScheme):
         """The running block's module/parameter `name`, or the position's own if it lacks one."""
         part = getattr(block, name, None)
         return part if part is not None else getattr(home, name)
+
+
+def _rows():
+    zero = lambda c: 0  # noqa: E731
+    return [  # name, family, description, extra-parameter formula and function, paper, in DepthBench, aliases
+        ("preln", "baseline", "Pre-LN: h + f(Norm h)", "0", zero,
+         "Xiong et al. 2020, arXiv 2002.04745", True, ()),
+        ("postln", "normalisation", "Post-LN: Norm(h + f(h))", "0", zero,
+         "Vaswani et al. 2017, arXiv 1706.03762", False, ()),
+        ("periln", "normalisation", "Peri-LN / Sandwich: h + NormOut(f(NormIn h))", "2·d·L",
+         lambda c: 2 * c.d_model * c.n_layer, "Kim et al. 2025, arXiv 2502.02732", True, ("sandwich",)),
+        ("lns", "normalisation", "LayerNorm Scaling: h + f(Norm(h)/sqrt(b+1))", "0", zero,
+         "Sun et al. 2025, arXiv 2502.05795", True, ()),
+        ("deepnorm", "normalisation", "DeepNorm: Norm(a·h + f(h)), a=(2L)^1/4, init beta=(8L)^-1/4", "0", zero,
+         "Wang et al. 2022, arXiv 2203.00555", True, ()),
+        ("keel", "normalisation", "KEEL: Norm(2L·h + f(Norm h)), block 0 special", "(2L-1)·d",
+         lambda c: (2 * c.n_layer - 1) * c.d_model, "Chen & Wei 2026, arXiv 2601.19895", True, ()),
+        ("mixln", "normalisation", "Mix-LN: first floor(L/4) blocks Post-LN, rest Pre-LN", "0", zero,
+         "Li et al. 2024, arXiv 2412.13795", False, ()),
+        ("rezero", "normalisation", "ReZero: h + a·f(h), a=0 init, no block norms", "2·L − 2·d·L",
+         lambda c: 2 * c.n_layer - 2 * c.d_model * c.n_layer, "Bachlechner et al. 2020, arXiv 2003.04887",
+         False, ()),
+        ("layerscale", "normalisation", "LayerScale: h + diag(λ)·f(Norm h), λ=ε init", "2·d·L",
+         lambda c: 2 * c.d_model * c.n_layer, "Touvron et al. 2021 (CaiT), arXiv 2103.17239", False, ()),
+        ("depthmup", "normalisation", "depth-μP: h + (L/24)^-½·f(Norm h)", "0", zero,
+         "Yang et al. 2023, arXiv 2310.02244", False, ()),
+        ("completep", "normalisation", "CompleteP: h + (L/24)^-1·f(Norm h)", "0", zero,
+         "Dey et al. 2025, arXiv 2505.01618", False, ()),
+    ]
+
+
+ARCH_SPECS = [ArchSpec(name, family, desc, formula, extra, paper, NormFamilyScheme, in_db, aliases)
+              for name, family, desc, formula, extra, paper, in_db, aliases in _rows()]

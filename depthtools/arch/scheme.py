@@ -14,12 +14,15 @@ from `home`, as DepthBench's swap leaves mismatched tensors in place.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from depthtools.config import ModelConfig
+from depthtools.errors import DepthToolsError
 
 State = Any  # architecture-specific and opaque to analyses (tensor, stream stack, source bank...)
 
@@ -32,6 +35,88 @@ TL_CAPABILITIES = {
     "heads": "hook_attn_out is the sum over heads of hook_z · W_O (compute_head_results)",
     "neurons": "hook_mlp_out is the sum over neurons of mlp.hook_post · W_out (get_neuron_results)",
 }
+
+
+@dataclass(frozen=True)
+class Option:
+    """One architecture option of `ModelConfig.options`: its kind, default and valid values.
+
+    kind: "bool" | "int" | "number" (int or float, finite; bools are not numbers) | "str".
+    default: the value, or a function of the ModelConfig (e.g. of n_layer).
+    choices: the valid values (empty: any value of the kind); low/high: inclusive bounds for
+    numbers, `low_open` makes the lower bound exclusive (e.g. an eps > 0).
+    """
+
+    kind: str
+    default: Any
+    choices: tuple = ()
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    doc: str = ""
+
+    def default_for(self, cfg: ModelConfig) -> Any:
+        return self.default(cfg) if callable(self.default) else self.default
+
+    def describe(self) -> str:
+        """What a valid value is, for error messages ("a positive integer", "one of ['a', 'b']")."""
+        if self.choices:
+            return f"one of {list(self.choices)}"
+        if self.kind == "bool":
+            return "true or false"
+        noun = {"int": "an integer", "number": "a finite number", "str": "a string"}[self.kind]
+        if self.kind == "int" and self.low == 1 and self.high is None:
+            return "a positive integer"
+        if self.low is not None and self.high is not None:
+            return f"{noun} in [{self.low:g}, {self.high:g}]"
+        if self.low is not None:
+            return f"{noun} {'>' if self.low_open else '>='} {self.low:g}"
+        return noun
+
+    def valid(self, value: Any) -> bool:
+        if self.choices:
+            return any(value == c and type(value) is type(c) for c in self.choices)
+        if self.kind == "bool":
+            return isinstance(value, bool)
+        if self.kind == "str":
+            return isinstance(value, str)
+        if isinstance(value, bool) or not isinstance(value, int if self.kind == "int" else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+
+def resolve_options(schema: dict[str, Option], cfg: ModelConfig) -> dict[str, Any]:
+    """cfg.options over the schema's defaults, validated: an unknown key or a bad value is a one-line
+    DepthToolsError naming the architecture, the key and what is valid."""
+    unknown = sorted(set(cfg.options) - set(schema))
+    if unknown:
+        valid = ", ".join(sorted(schema)) or "none (it takes no options)"
+        raise DepthToolsError(f"unknown {cfg.arch} option {unknown[0]!r}; valid: {valid}")
+    for name, value in cfg.options.items():
+        if not schema[name].valid(value):
+            raise DepthToolsError(f"{cfg.arch} option {name} must be {schema[name].describe()}, got {value!r}")
+    return {name: cfg.options[name] if name in cfg.options else opt.default_for(cfg) for name, opt in schema.items()}
+
+
+@dataclass
+class DepthRouting:
+    """Native depth routing in the common frame of `depthtools.analysis.routing` (metrics.md §4).
+
+    consumers: [(c, kind)] consumer depths in sublayers (kind "attn" | "mlp" | "dwa" | "final");
+    weights:   [2L+1, 2L+1] float64, weights[c, i] = token-mean weight of source depth i in consumer
+               c's input (NaN where c does not read i);
+    notes:     one-line caveats for the table; extra: architecture-specific tidy rows (dicts with
+               metric, value and optionally unit, layer, consumer_kind), e.g. mHC's Sinkhorn residual.
+    """
+
+    consumers: list[tuple[int, str]]
+    weights: torch.Tensor
+    notes: list[str] = field(default_factory=list)
+    extra: list[dict[str, Any]] = field(default_factory=list)
 
 
 class NormSite(NamedTuple):
@@ -58,6 +143,31 @@ class ResidualScheme(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.opts = resolve_options(self.option_schema(cfg.arch), cfg)  # every option, defaults filled in
+
+    # -- what the rest of the package asks of an architecture ---------------------------------
+    @classmethod
+    def option_schema(cls, arch: str) -> dict[str, Option]:
+        """{name: Option} of the options architecture `arch` accepts (ModelConfig validates against
+        it; any other key is refused). Default: none."""
+        return {}
+
+    def extra_flops(self) -> float:
+        """Forward FLOPs per token this architecture adds to a Pre-LN model of the same shape, counted
+        as `depthtools.train.flops` counts (matrix products and contractions, 2 per multiply-add;
+        elementwise work not counted): its own parameters' products, per use, and its depth mixing.
+        tests/test_flops.py checks it against a counted forward. Default: 0."""
+        return 0.0
+
+    def depth_routing(self, model: nn.Module, tokens: torch.Tensor, exclude_first: int) -> "DepthRouting | None":
+        """Native depth routing of `model` (this scheme's) on tokens [N,T] (token means over positions
+        >= exclude_first), for `depthtools.analysis.routing`; None when it has no learned routing."""
+        return None
+
+    def written_tensor(self, state: State) -> torch.Tensor | None:
+        """The tensor the last block wrote into `state` (the depth probe's gradient norms hook it);
+        must be a distinct tensor at every depth. Default: the state itself when it is a tensor."""
+        return state if torch.is_tensor(state) else None
 
     def recorded_config(self) -> ModelConfig:
         """The config a model of this scheme records (`DepthModel.config`, saved in checkpoints): `cfg`,
@@ -98,8 +208,6 @@ class ResidualScheme(nn.Module):
     def _check_rule(self, rule: str | None) -> str:
         rule = rule or self.skip_rules[0]
         if rule not in self.skip_rules:
-            from depthtools.errors import DepthToolsError
-
             raise DepthToolsError(
                 f"skip rule {rule!r} is not defined for {self.cfg.arch}; valid: {list(self.skip_rules)}"
             )
