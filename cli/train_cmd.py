@@ -101,12 +101,33 @@ def _data_dir(data: str, tokenizer: str, data_root: Path) -> Path:
     return prepare(data, out_dir=data_root, tokenizer=tokenizer, log=lambda m: console.print(m, markup=False, highlight=False))
 
 
-def _recipe(preset_recipe: Optional[str], overrides: dict[str, Any]):
+def _task_mix_option(text: str) -> dict[str, Any] | None:
+    """--task-mix: a JSON object (TaskMix fields) or 'off'; one-line errors for anything else."""
+    import json
+
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DepthToolsError(f"--task-mix is not valid JSON ({exc.msg} at char {exc.pos}); e.g. "
+                              '\'{"fraction": 1, "tasks": ["chase"], "answer_only": true}\'') from None
+    if not isinstance(value, dict):
+        raise DepthToolsError(f"--task-mix must be a JSON object like {{\"fraction\": 0.05}}, got {type(value).__name__}")
+    return value
+
+
+def _recipe(preset_recipe: Optional[str], overrides: dict[str, Any], task_mix: Optional[str] = None):
     from depthtools.config import TrainConfig
     from depthtools.presets import get_preset
 
     base = dict(get_preset(preset_recipe).train) if preset_recipe else {}
     given = {k: v for k, v in overrides.items() if v is not None}
+    if task_mix is not None:
+        mix = _task_mix_option(task_mix)
+        base.pop("task_mix", None)
+        if mix is not None:
+            given["task_mix"] = mix
     if "tokens" in given:
         base.pop("tokens_per_param", None)
     if "tokens_per_param" in given:
@@ -164,6 +185,7 @@ def train_command(
     eval_every: Optional[int] = typer.Option(None, "--eval-every"),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every"),
     log_every: Optional[int] = typer.Option(None, "--log-every"),
+    task_mix: Optional[str] = typer.Option(None, "--task-mix", help="Synthetic task rows as JSON, e.g. '{\"fraction\": 1, \"tasks\": [\"s5\"], \"answer_only\": true, \"curriculum\": true}' (fraction 1 = task stream only); 'off' drops a preset recipe's mix."),
     divergence_margin: Optional[float] = typer.Option(None, "--divergence-margin", help="Stop when the train loss rises this many nats above its lowest (default 5; 0 = only NaN/inf)."),
     resume_with_changed_lr: bool = typer.Option(False, "--resume-with-changed-lr", help="Resume a stopped run (e.g. diverged) from its last checkpoint with another --lr; recorded in config.json."),
     force: bool = typer.Option(False, "--force", help="Retrain a finished cell from scratch."),
@@ -175,6 +197,9 @@ def train_command(
     checkpoint; continue it with a lower LR: the same command with --lr LOWER --resume-with-changed-lr.
 
     Example: depthtools train --arch hc --layers 8 --budget 250k --preset-recipe tiny --out checkpoints/one/hc_L8
+
+    A task cell (answer-only loss, k curriculum): depthtools train --arch preln --layers 2 --d-model 64 --tokens 600k
+    --preset-recipe demo --task-mix '{"fraction": 1, "tasks": ["s5"], "k_max": 4, "answer_only": true, "curriculum": true}'
 
     On several GPUs: torchrun --nproc_per_node=8 -m cli train ... --data data/<prepared> [--parallel fsdp]
     """
@@ -189,7 +214,7 @@ def train_command(
         seq_len=seq_len, lr=lr, schedule=schedule, seed=seed, device=device, dtype=dtype, compile=compile,
         threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every, log_every=log_every,
         parallel=parallel, divergence_margin=divergence_margin,
-    ))
+    ), task_mix)
     data_dir = _data_dir(data, tokenizer, data_root)
     vocab_size = int(read_meta(data_dir)["tokenizer"]["vocab_size"])
     model_cfg = _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max(recipe.seq_len, 1),

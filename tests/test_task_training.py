@@ -208,3 +208,25 @@ def test_tiny_task_cell_learns_k1_chase_above_chance(task_cells):
     accuracy = float(df[(df["metric"] == "accuracy")]["value"].iloc[0])
     chance = 1 / 10
     assert accuracy > chance + 3 * math.sqrt(chance * (1 - chance) / n), accuracy
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+def test_train_cli_takes_a_task_mix_and_refuses_bad_json(data_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    base = ["train", "--arch", "preln", "--layers", "1", "--d-model", "32", "--n-heads", "2", "--data", str(data_dir),
+            "--tokens", str(4 * 8 * 64), "--batch-size", "8", "--seq-len", "64", "--log-every", "2", "--threads", "1"]
+    mix = {"fraction": 1.0, "tasks": ["s5"], "k_max": 2, "answer_only": True, "curriculum": {"every": 2, "n": 8}}
+    result = runner.invoke(app, base + ["--task-mix", json.dumps(mix), "--out", str(tmp_path / "cell")])
+    assert result.exit_code == 0, (result.output, result.exception)
+    config = json.loads((tmp_path / "cell" / "config.json").read_text())
+    assert config["train"]["task_mix"] == TaskMix.from_value(mix).to_dict()
+    assert config["train_resolved"]["task_levels"]["s5"] in (1, 2)
+    for bad, words in (("{fraction: 1}", "not valid JSON"), ("[1]", "JSON object"),
+                       ('{"fraction": 1, "curriculum": {"every": 0}}', "curriculum.every")):
+        result = runner.invoke(app, base + ["--task-mix", bad, "--out", str(tmp_path / "bad")])
+        assert result.exit_code == 2 and words in result.stderr, (bad, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad" / "config.json").exists()
