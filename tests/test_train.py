@@ -96,7 +96,8 @@ def test_flops_per_token_counts_matmuls_and_attention():
 
 def test_block_attnres_flops_use_the_models_own_block_size():
     """MFU of Block AttnRes was computed for S = round(sqrt(L)) blocks of transformer blocks while the model
-    uses S = 2*ceil(L/8) sublayers: the default must count what the built model mixes (its bank capacity)."""
+    uses S = 2*ceil(L/8) sublayers: the default must count what the built model mixes (tests/test_flops.py
+    checks every architecture's count against a counted forward)."""
     from depthtools.arch import DepthModel
     from depthtools.train.flops import scheme_extra_flops
 
@@ -105,7 +106,7 @@ def test_block_attnres_flops_use_the_models_own_block_size():
         scheme = DepthModel(cfg).scheme
         explicit = cfg.replace(options={"attnres_block_size": scheme.block_size})
         assert scheme_extra_flops(cfg) == scheme_extra_flops(explicit)
-        assert scheme_extra_flops(cfg) == (2 * L + 1) * 4 * 32 * scheme.capacity  # sources per mix <= capacity
+        assert scheme_extra_flops(cfg) < (2 * L + 1) * 4 * 32 * scheme.capacity  # most mixes read fewer than capacity
 
 
 # -- learning ------------------------------------------------------------------------------------

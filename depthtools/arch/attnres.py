@@ -171,6 +171,15 @@ class AttnResScheme(ResidualScheme):
     def no_decay_names(self) -> tuple[str, ...]:
         return ("_res.",)
 
+    def extra_flops(self) -> float:
+        """Every mix over n sources: the key logits w·v_i and the sum Σ α_i v_i, 2d each per source.
+        Sublayer s ≥ 1 mixes 1 + floor(s/S) banked sources plus the running partial when s mod S ≠ 0,
+        the final mix 2 + floor((2L-1)/S); block 0's attention reads one source (no mix). Norms and
+        softmax are elementwise (not counted)."""
+        L, S = self.cfg.n_layer, self.block_size
+        sources = sum(1 + s // S + (s % S != 0) for s in range(1, 2 * L)) + 2 + (2 * L - 1) // S
+        return 4.0 * self.cfg.d_model * sources
+
     # -- the depth-state contract -------------------------------------------------------------
     def embed_state(self, x0: torch.Tensor) -> SourceBank:
         bank, handle = self._new_bank((x0,))

@@ -98,6 +98,10 @@ class DenseFormerScheme(ResidualScheme):
     def no_decay_names(self) -> tuple[str, ...]:
         return ("dwa.",)
 
+    def extra_flops(self) -> float:
+        """Each DWA: Σ_j a_j X_j over its group of retained states, 2d per weight."""
+        return 2.0 * self.cfg.d_model * sum(w.numel() for w in self.dwa.values())
+
     # -- the depth-state contract -------------------------------------------------------------
     def embed_state(self, x0: torch.Tensor) -> DenseState:
         return DenseState(retained=(x0,), mixed=x0)

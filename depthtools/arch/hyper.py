@@ -775,6 +775,15 @@ class HyperScheme(ResidualScheme):
         """mhc: "sinkhorn_order" is always written out (its default changed in issue 18)."""
         return explicit_options(self.cfg)
 
+    def extra_flops(self) -> float:
+        """Per sublayer, the connector's projection (HC: each of the n streams [d] @ [d, n+2]; mHC:
+        vec H [nd] @ [nd, n²+2n]) and [w; R] @ H ([n+1, n] @ [n, d]); the head mixer's vec H @ head_fnᵀ.
+        The update R H + β ⊗ y, the norms, tanh/sigmoid and Sinkhorn are elementwise (not counted)."""
+        n, d, L = self.n, self.cfg.d_model, self.cfg.n_layer
+        projection = n * d * (n + 2) if self.cfg.arch == "hc" else n * d * (n * n + 2 * n)
+        head = n * n * d if self.head_fn is not None else 0
+        return 2.0 * (2 * L * (projection + (n + 1) * n * d) + head)
+
     # -- construction -------------------------------------------------------------------------
     def _connector(self, sublayer_index: int) -> _Connector:
         opts, d = self.opts, self.cfg.d_model

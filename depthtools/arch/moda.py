@@ -311,6 +311,14 @@ class MoDAScheme(ResidualScheme):
         return NormSite(f"blocks.{block.index}.hook_resid_{'pre' if sublayer == 'attn' else 'mid'}",
                         getattr(block, f"{sublayer}_norm"))
 
+    def extra_flops(self) -> float:
+        """kv_proj on every MLP input but the last ([d] @ [d, 2·n_kv·hd]), and the depth part of the
+        joint softmax: block l's H query heads score and read its 2l slots, q·K_s and p_s V_s, 2·d each."""
+        cfg = self.cfg
+        L = cfg.n_layer
+        kv_proj = 2 * cfg.d_model * 2 * cfg.n_kv_heads * cfg.head_dim * (L - 1)
+        return float(kv_proj + sum(4 * cfg.d_model * 2 * position for position in range(L)))
+
     def writes_slots(self, position: int) -> bool:
         """Whether the block at `position` writes depth slots (all but the last position)."""
         return position < self.cfg.n_layer - 1

@@ -1,23 +1,23 @@
 """Training FLOPs per token, per architecture, for tokens/s -> MFU.
 
-    flops/token ≈ 6·N_matmul + 12·L·d·T + scheme extras
+    flops/token = 3 × forward,  forward = 2·N_backbone + 4·L·d·T + scheme extras
 
-N_matmul = parameters used in matrix products (all but the input-embedding lookup; the unembedding
-counts). 12·L·d·T is attention's score and value products, forward + backward, without causal
-halving (as PaLM, Chowdhery et al. 2022, App. B). Scheme extras are the depth-mixing products that
-are not parameter matmuls (×3 for forward + backward):
-    hc/mhc:        per sublayer 2·d·(n² + 2n)      (stream mixing, branch input, branch output)
-    attnres:       sublayer i mixes i+1 sources, 4·d per source (logits + weighted sum), plus final
-    blockattnres:  as attnres with ≤ blocks+2 sources per mix
-    denseformer:   DWA after block b mixes b+2 sources, 2·d per source
-    moda:          depth attention of block l over l slots, 4·d per slot
-An approximation (norms, softmax, activations are ignored), good to a few percent for matmul-bound
-shapes; MFU = flops/token × tokens/s / peak FLOPs of the device.
+N_backbone = the parameters of a Pre-LN model of the same shape without the input-embedding lookup
+(= params_total − input embedding − the architecture's extra parameters): its matrices (the
+unembedding counts) and its 2L+1 norm gains, the one elementwise term kept (2 FLOPs per token each,
+< 1/(6d) of the total). 4·L·d·T is attention's score and value products without causal halving (as
+PaLM, Chowdhery et al. 2022, App. B). Scheme extras = `ResidualScheme.extra_flops()`: the matrix
+products the architecture adds (its own parameters, counted per use, and its depth mixing: stream
+mixing, depth attention, weighted sums over sources), each 2 FLOPs per multiply-add. Model FLOPs,
+not hardware FLOPs: a fused path that computes more (AttnRes' key dots with every mixer) counts as
+the function it computes. Norms, softmax, activations and other elementwise work are not counted;
+tests/test_flops.py checks the formula of every architecture against a counted forward
+(torch.utils.flop_counter). Backward = 2 × forward. MFU = flops/token × tokens/s / peak FLOPs.
 """
 
 from __future__ import annotations
 
-import math
+import torch
 
 from depthtools.config import ModelConfig
 
@@ -28,29 +28,19 @@ PEAK_BF16_FLOPS = {  # dense bf16 tensor-core peak, by substring of torch.cuda.g
 
 
 def scheme_extra_flops(cfg: ModelConfig) -> float:
-    """Forward FLOPs per token of the scheme's depth mixing (see the module docstring)."""
-    d, L = cfg.d_model, cfg.n_layer
-    if cfg.arch in ("hc", "mhc"):
-        n = int(cfg.options.get("n_streams", 4))
-        return 2 * L * 2 * d * (n * n + 2 * n)
-    if cfg.arch == "attnres":
-        return sum(4 * d * (i + 1) for i in range(2 * L + 1))
-    if cfg.arch == "blockattnres":  # S in sublayers, the model's own default: <= ceil(2L/S) blocks + embedding + partial
-        from depthtools.arch.attnres import default_block_size
+    """Forward FLOPs per token the architecture adds to Pre-LN (its scheme's `extra_flops`)."""
+    from depthtools.arch import get_arch
 
-        size = int(cfg.options.get("attnres_block_size", default_block_size(L)))
-        return (2 * L + 1) * 4 * d * (math.ceil(2 * L / size) + 2)
-    if cfg.arch == "denseformer":
-        return sum(2 * d * (b + 2) for b in range(L))
-    if cfg.arch == "moda":
-        return sum(4 * d * position for position in range(L))
-    return 0.0
+    with torch.random.fork_rng(devices=[]):  # building the scheme (no blocks) must not move the RNG
+        return float(get_arch(cfg.arch).build_scheme(cfg).extra_flops())
 
 
 def flops_per_token(cfg: ModelConfig, params_total: int, seq_len: int) -> float:
-    """Approximate training (forward + backward) FLOPs per token."""
-    matmul_params = params_total - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.d_model * seq_len + 3.0 * scheme_extra_flops(cfg)
+    """Approximate training (forward + backward) FLOPs per token (see the module docstring)."""
+    from depthtools.arch import get_arch
+
+    backbone = params_total - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model) - get_arch(cfg.arch).extra_params(cfg)
+    return 6.0 * backbone + 12.0 * cfg.n_layer * cfg.d_model * seq_len + 3.0 * scheme_extra_flops(cfg)
 
 
 def peak_flops(device_name: str) -> float | None:
