@@ -7,10 +7,9 @@ import torch
 
 from depthtools.analysis.causal import causal_scores, causal_summary, default_cuts, late_start
 from depthtools.analysis.geometry import pair_matrix
-from depthtools.arch import DepthModel, Plan, list_archs
+from depthtools.arch import DepthModel, Plan
 from depthtools.config import ModelConfig
 
-ARCHS = {s.name for s in list_archs()}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,8 +57,6 @@ def naive_causal(model, tokens, exclude_first=1, rule=None):
 
 @pytest.mark.parametrize("arch", ["preln", "hc", "attnres"])
 def test_causal_matrix_equals_naive_full_reruns(arch):
-    if arch not in ARCHS:
-        pytest.skip(f"{arch} not registered")
     model, tokens = tiny(arch), token_set()
     df = causal_scores(model, tokens, batch_size=2, future=False)
     got = pair_matrix(df, "causal_score")[:4, :4]
@@ -108,8 +105,6 @@ def test_future_effect_matches_a_hook_reference():
 
 
 def test_future_effect_unsupported_state_is_nan_with_a_note():
-    if "attnres" not in ARCHS:
-        pytest.skip("attnres not registered")
     df = causal_scores(tiny("attnres"), token_set(), future=True, cuts=[5])
     assert df[df.metric == "future_effect"].value.isna().all()
     assert any("unsupported" in n for n in df.attrs["notes"])
