@@ -230,3 +230,18 @@ def test_train_cli_takes_a_task_mix_and_refuses_bad_json(data_dir, tmp_path):
         result = runner.invoke(app, base + ["--task-mix", bad, "--out", str(tmp_path / "bad")])
         assert result.exit_code == 2 and words in result.stderr, (bad, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad" / "config.json").exists()
+
+
+def test_findings_say_a_task_was_not_learned_when_no_model_solves_k1():
+    import pandas as pd
+
+    from depthtools.report import findings
+
+    def reached(values):
+        return pd.DataFrame([{"model": f"preln_L{n}", "arch": "preln", "n_layer": n, "d_model": 8, "task": "chase",
+                              "threshold": 0.9, "depth_reached": v, "k_max_evaluated": 4} for n, v in values])
+
+    [line] = findings.depth_reached(reached([(2, 0), (4, 0)]))
+    assert "not learned" in line and "heuristics" in line
+    [line] = findings.depth_reached(reached([(2, 0), (4, 2)]))
+    assert "preln L4 solves up to k = 2" in line and "not learned" not in line

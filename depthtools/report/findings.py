@@ -243,7 +243,9 @@ def depth_reached(reached: pd.DataFrame | None) -> list[str]:
             "depth_reached", ascending=False)
         best = means.iloc[0]
         if float(best["depth_reached"]) == 0:
-            out.append(f"Depth task {task}: no model reaches the accuracy threshold even at the smallest k.")
+            out.append(f"Depth task {task}: no model reaches the accuracy threshold even at the smallest k, so the "
+                       "task was not learned at this budget: its accuracy differences measure heuristics (e.g. "
+                       "guessing a digit of the prompt), not serial computation.")
             continue
         first = sub.iloc[0]
         threshold = f" at accuracy ≥ {first['threshold']:.2g}" if finite(first.get("threshold")) else ""
