@@ -208,6 +208,11 @@ class AttnResScheme(ResidualScheme):
     def geometry(self, state: SourceBank) -> torch.Tensor:
         return self.readout(state)
 
+    def written_tensor(self, state: SourceBank) -> torch.Tensor:
+        """The newest source: the running partial sum the last block's outputs went into (Full: its MLP
+        output), else the newest banked source (the embedding at depth 0)."""
+        return state.sources[-1] if state.partial is None else state.partial
+
     # -- TransformerLens' cache functions ------------------------------------------------------
     def tl_limits(self) -> dict[str, str]:
         """Per-sublayer head/neuron results are exact (hook_attn_out/hook_mlp_out are the raw sources);

@@ -123,6 +123,10 @@ class DenseFormerScheme(ResidualScheme):
     def geometry(self, state: DenseState) -> torch.Tensor:
         return state.mixed
 
+    def written_tensor(self, state: DenseState) -> torch.Tensor:
+        """The DWA mix Xt_l (what the next block reads)."""
+        return state.mixed
+
     # -- TransformerLens' cache functions ------------------------------------------------------
     def tl_limits(self) -> dict[str, str]:
         """Per-sublayer head/neuron results are exact; the stream functions are not (see the docstring)."""

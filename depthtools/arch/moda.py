@@ -298,6 +298,10 @@ class MoDAScheme(ResidualScheme):
     def geometry(self, state: MoDAState) -> torch.Tensor:
         return state.h
 
+    def written_tensor(self, state: MoDAState) -> torch.Tensor:
+        """The residual stream h (the depth K/V is side state)."""
+        return state.h
+
     def tl_limits(self) -> dict[str, str]:
         """h is a plain residual stream (the depth K/V is side state); Post-LN placement renormalises it."""
         if self.norm == "pre":

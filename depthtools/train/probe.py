@@ -2,9 +2,10 @@
 
 Forward norm at depth l: mean over tokens of ‖geometry(z_l)‖₂ (the contract's vector, so HC counts
 all streams, AttnRes its readout). Backward norm at depth l: mean over tokens of ‖∂loss/∂z_l‖₂ for
-the tensor block l writes — the residual stream (single-stream schemes, MoDA's h), the stream
-stack (HC/mHC), the DWA mix (DenseFormer) or the newest source of the bank (AttnRes) — via
-tensor hooks registered only on probe steps.
+the tensor block l writes, as its scheme names it (`ResidualScheme.written_tensor`: the residual
+stream of single-stream schemes and MoDA's h, the stream stack of HC/mHC, the DWA mix of
+DenseFormer, the newest source of the AttnRes bank) — via tensor hooks registered only on probe
+steps.
 """
 
 from __future__ import annotations
@@ -12,19 +13,6 @@ from __future__ import annotations
 import torch
 
 from depthtools.arch import State
-
-
-def written_tensor(state: State) -> torch.Tensor | None:
-    """The tensor a block writes into the depth state (see the module docstring); None if unknown."""
-    if torch.is_tensor(state):
-        return state
-    for name in ("h", "mixed"):  # MoDA's stream; DenseFormer's DWA mix (what the next block reads)
-        if torch.is_tensor(getattr(state, name, None)):
-            return getattr(state, name)
-    sources = getattr(state, "sources", None)
-    if isinstance(sources, (tuple, list)) and sources and torch.is_tensor(sources[-1]):
-        return sources[-1]
-    return None
 
 
 class DepthProbe:
@@ -39,7 +27,7 @@ class DepthProbe:
         with torch.no_grad():
             self.forward = torch.stack([model.geometry(s).float().norm(dim=-1).mean() for s in states])
         for depth, state in enumerate(states):
-            tensor = written_tensor(state)
+            tensor = model.scheme.written_tensor(state)
             if tensor is not None and tensor.requires_grad:
                 tensor.register_hook(self._grad_hook(depth))
 
