@@ -72,7 +72,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.bankops import DepthBank, MixGroups, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
 from depthtools.arch.layers import BufferPool, RMSNorm
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -207,6 +207,32 @@ class AttnResScheme(ResidualScheme):
 
     def geometry(self, state: SourceBank) -> torch.Tensor:
         return self.readout(state)
+
+    def depth_routing(self, model, tokens, exclude_first):
+        """The depth-attention maps (hooks hook_attnres_weights_{attn,mlp} and the scheme's
+        hook_attnres_weights_final), token means; Block AttnRes' sources are block sums, placed at
+        the depth of their newest sublayer (embedding 0, closed blocks m·S, the partial c)."""
+        F64, L, S = torch.float64, self.cfg.n_layer, 2 * self.cfg.n_layer
+        names = {f"blocks.{b}.hook_attnres_weights_{side}": 2 * b + k for b in range(L) for k, side in enumerate(("attn", "mlp"))}
+        names["scheme.hook_attnres_weights_final"] = S
+        cache: dict[int, torch.Tensor] = {}
+
+        def store(tensor, hook):
+            cache[names[hook.name]] = tensor.detach()[:, exclude_first:].to(F64).flatten(0, 1).mean(0)  # [n_src]
+
+        with torch.no_grad(), model.hooks(fwd_hooks=[(name, store) for name in names]):
+            model.readout(model.run_states(tokens)[-1])
+        W = torch.full((S + 1, S + 1), math.nan, dtype=F64)
+        notes = []
+        for c in range(S + 1):
+            weights, size = cache[c], self.block_size
+            depths = [0] + [m * size for m in range(1, c // size + 1)] + ([c] if c % size else [])
+            if len(depths) != len(weights):
+                notes.append(f"consumer {c}: {len(weights)} sources, expected {len(depths)}; placed newest-last")
+                depths = list(range(c + 1 - len(weights), c + 1))
+            for d, value in zip(depths, weights.tolist()):
+                W[c, d] = value
+        return DepthRouting([(c, "attn" if c % 2 == 0 else "mlp") for c in range(S)] + [(S, "final")], W, notes)
 
     def written_tensor(self, state: SourceBank) -> torch.Tensor:
         """The newest source: the running partial sum the last block's outputs went into (Full: its MLP

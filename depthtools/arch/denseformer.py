@@ -35,7 +35,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.bankops import weighted_sum
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -122,6 +122,20 @@ class DenseFormerScheme(ResidualScheme):
 
     def geometry(self, state: DenseState) -> torch.Tensor:
         return state.mixed
+
+    def depth_routing(self, model, tokens, exclude_first):
+        """The static DWA weights `dwa.{b}`: consumer = the input of block b+1 (depth 2(b+1); "final" after
+        the last block), sources the retained block outputs X_j at depth 2j."""
+        S = 2 * self.cfg.n_layer
+        W = torch.full((S + 1, S + 1), float("nan"), dtype=torch.float64)
+        consumers = []
+        for key, weights in self.dwa.items():
+            b = int(key)
+            group = list(range(b + 2))[(b + 1) % self.dilation :: self.dilation]  # X_j, j ≡ b+1 (mod k)
+            for j, value in zip(group, weights.detach().to(torch.float64).tolist()):
+                W[2 * (b + 1), 2 * j] = value
+            consumers.append((2 * (b + 1), "final" if b == self.cfg.n_layer - 1 else "dwa"))
+        return DepthRouting(sorted(consumers), W)
 
     def written_tensor(self, state: DenseState) -> torch.Tensor:
         """The DWA mix Xt_l (what the next block reads)."""

@@ -97,7 +97,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
 from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, Option, ResidualScheme, resolve_options
+from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme, resolve_options
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -852,13 +852,64 @@ class HyperScheme(ResidualScheme):
         """[B,T,d]: Σ_s H_s, or the learned head mixer Σ_s p_s H_s when enabled."""
         if self.head_fn is None:
             return state.sum(-2)
+        p = self.readout_weights(state)  # [B,T,n]
+        return (p.to(state.dtype).unsqueeze(-1) * state).sum(-2)
+
+    def readout_weights(self, state: torch.Tensor) -> torch.Tensor:
+        """[B,T,n] weight of each stream in the readout: ones, or the head mixer's p (in float32 or wider)."""
+        if self.head_fn is None:
+            return state.new_ones(state.shape[:-1])
         with _full_precision(state):
             dtype = _compute_dtype(state)
             x = state.flatten(-2).to(dtype)  # [B,T,n·d]
             mix = (x @ self.head_fn.to(dtype).T) * _inverse_rms(x, self.opts["connector_norm_eps"])  # x' W^T
             logits = self.head_scale.to(dtype) * mix + self.head_base.to(dtype)  # [B,T,n]
-            p = torch.sigmoid(logits) + HEAD_EPS  # [B,T,n]
-        return (p.to(state.dtype).unsqueeze(-1) * state).sum(-2)
+            return torch.sigmoid(logits) + HEAD_EPS
+
+    def depth_routing(self, model, tokens, exclude_first):
+        """The unfolded layer-to-layer matrix (HC paper; AttnRes paper §6.2). With sublayer j's connector
+        weights w_j, R_j, β_j (the hooks hook_{width,res,depth}_weights), the streams before consumer c
+        are P_{0→c}(1 ⊗ x_0) + Σ_{j<c} P_{j+1→c} β_j y_j with P_{a→c} = R_{c−1}⋯R_a, so W[c, j+1] =
+        w_cᵀ P_{j+1→c} β_j and W[c, 0] = w_cᵀ P_{0→c} 1, per token, then averaged. The final consumer
+        reads the readout weights normalised to sum 1 (ln_final is scale invariant). mHC adds, per
+        sublayer, how far the finite Sinkhorn R_j is from doubly stochastic over every token:
+        sinkhorn_row_error = max |Σ_i R_j[o,i] − 1|, sinkhorn_col_error = max |Σ_o R_j[o,i] − 1| (and
+        their _max model rows); the normalisation that runs last is exact to rounding."""
+        F64, S = torch.float64, 2 * self.cfg.n_layer
+        names = {f"blocks.{b}.{side}_hc.hook_{part}_weights": (2 * b + k, part)
+                 for b in range(self.cfg.n_layer) for k, side in enumerate(("attn", "mlp"))
+                 for part in ("width", "res", "depth")}
+        cache: dict[tuple[int, str], torch.Tensor] = {}
+        residuals: dict[int, tuple[float, float]] = {}  # sublayer -> (row, column) Sinkhorn error, all tokens
+
+        def store(tensor, hook):
+            key = names[hook.name]
+            if key[1] == "res" and self.cfg.arch == "mhc":
+                residuals[key[0]] = sinkhorn_residuals(tensor.detach().to(F64))  # exact sums of the stored entries
+            cache[key] = tensor.detach()[:, exclude_first:].to(F64).flatten(0, 1)  # [N, ...]
+
+        with torch.no_grad(), model.hooks(fwd_hooks=[(name, store) for name in names]):
+            states = model.run_states(tokens)
+            final = self.readout_weights(states[-1])[:, exclude_first:].to(F64).flatten(0, 1)  # [N, n]
+        w, R, beta = ([cache[(j, part)] for j in range(S)] for part in ("width", "res", "depth"))
+        final = final / final.sum(-1, keepdim=True)
+        W = torch.full((S + 1, S + 1), math.nan, dtype=F64)
+        for c in range(S + 1):
+            a = w[c] if c < S else final  # [N, n]
+            for j in range(c - 1, -1, -1):
+                W[c, j + 1] = (a * beta[j]).sum(-1).mean()
+                a = torch.einsum("noi,no->ni", R[j], a)  # a <- R_jᵀ a
+            W[c, 0] = a.sum(-1).mean()
+        consumers = [(c, "attn" if c % 2 == 0 else "mlp") for c in range(S)] + [(S, "final")]
+        extra = []
+        for j, (row, col) in sorted(residuals.items()):
+            kind = "attn" if j % 2 == 0 else "mlp"
+            extra += [{"metric": f"sinkhorn_{side}_error", "unit": "sublayer_depth", "layer": j, "value": value,
+                       "consumer_kind": kind} for side, value in (("row", row), ("col", col))]
+        if residuals:
+            extra += [{"metric": "sinkhorn_row_error_max", "value": max(r for r, _ in residuals.values())},
+                      {"metric": "sinkhorn_col_error_max", "value": max(c for _, c in residuals.values())}]
+        return DepthRouting(consumers, W, [], extra)
 
     # -- TransformerLens' cache functions ------------------------------------------------------
     def tl_limits(self) -> dict[str, str]:
