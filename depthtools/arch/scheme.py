@@ -5,6 +5,16 @@ block carries, what the depth state is, how a block updates it, what the head re
 block is bypassed. `DepthModel` owns the shared backbone (embedding, blocks' attention/MLP,
 final norm, unembedding) and drives the scheme. Analyses only see `DepthModel`'s contract.
 
+Everything the rest of the package needs to know about an architecture is asked of its scheme, so
+adding one is a scheme file (a subclass plus its `ARCH_SPECS`) and its line in registry.ARCH_MODULES:
+
+    option_schema(arch)   {name: Option}: the options ModelConfig accepts (kind, default, valid values)
+    extra_flops()         forward FLOPs per token added to Pre-LN (depthtools.train.flops)
+    depth_routing(...)    native depth routing as a DepthRouting, or None (depthtools.analysis.routing)
+    written_tensor(state) the tensor the last block wrote (the training depth probe's gradient norms)
+    tl_limits / tl_norm_site / tl_branch_scale   TransformerLens cache functions (tl_cache.py)
+    recorded_config, no_decay_names              checkpoints, weight decay
+
 Swap convention (DESIGN §3): a block's parameters travel with it; what is tied to a *position*
 (structure, position-bound parameters) stays. `step(position, block, state, home)` receives the
 block that runs (`block`) and the block that was built for this position (`home`); a tensor the
