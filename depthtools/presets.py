@@ -6,7 +6,7 @@ demo:            the embedded default: 3 archs x 3 depths x 3 seeds, 600k tokens
                  benchmarks/RESULTS.md: no configuration that fits 15 minutes resolves a depth effect
                  beyond seed noise, and the report says so).
 cpu-small:       ~1.6M params, DepthBench's ten architectures x 4 depths: ~68 h of training on 2 CPU cores.
-afternoon:       preln, hc, attnres at L4..L32 x 3 seeds: ~1.8 h of training on 2 CPU cores.
+afternoon:       preln, hc, attnres at L4..L32 x 3 seeds: 2 h 02 min of training on 2 CPU cores (measured).
 deep:            preln and hc at L6/L24/L96 (the `--ckpt hc_L96` example).
 depthbench-400m: the paper's shapes (V=50280, 16 heads, d_ff multiple 16, L16..L32), for GPUs.
 """
@@ -79,7 +79,7 @@ PRESETS: dict[str, Preset] = {
     ),
     "afternoon": Preset(
         "afternoon", "preln, hc, attnres at L4/L8/L16/L32 x 3 training seeds (~0.42M params, 2.5M tokens per cell): "
-        "the CPU grid for DepthBench's question with seed noise; ~1.8 h of training on 2 CPU cores (benchmarks/preset_cost.py), so one session can run it",
+        "the CPU grid for DepthBench's question with seed noise; 2 h 02 min of training measured on 2 CPU cores (results in the README)",
         plan=dict(arch=["preln", "hc", "attnres"], budget=420_000, vocab_size=256, layers=[4, 8, 16, 32],
                   seeds=[0, 1, 2], n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.06, max_seq_len=128),
         train=dict(tokens=2_500_000, batch_size=16, seq_len=128, lr=3e-3, eval_every=200, eval_tokens=32768,
