@@ -40,7 +40,8 @@ of ~10 per-source operations per (mix, source) pair). A step from a cached state
 bank's newest (a sweep) re-pushes that state's sources into a fresh bank (copy-on-branch); a bank
 whose mixer parameters changed since it was filled (optimizer step, edits) is not used. When a
 `hook_attnres_weights_*` hook is attached, mixes run source by source (bankops' per-source
-functions) so the weights can be read and edited.
+functions) so the weights can be read and edited. Option fused (True): False uses no bank and runs
+the per-source path on the plain-autograd references of every fused Function (reference.py).
 
 Skip rules (`skip_rules`, first = default):
   * "mask" (default): block l's outputs never enter the bank (later softmaxes renormalise over the
@@ -63,16 +64,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
 
 import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch import reference
 from depthtools.arch.bankops import DepthBank, MixGroups, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
 from depthtools.arch.layers import BufferPool, RMSNorm
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme
+from depthtools.arch.torch_private import is_hooked, versions
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -100,9 +102,6 @@ class SourceBank:
     handle: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
-_VERSION = attrgetter("_version")
-
-
 class DepthMixer(nn.Module):
     """One AttnRes mixer: pseudo-query w (zero init) and key RMSNorm gain gamma (init 1).
 
@@ -117,10 +116,12 @@ class DepthMixer(nn.Module):
         self.key_norm = RMSNorm(d_model, eps)
         self.column = -1  # this mixer's row in the bank's query matrix (set by the scheme)
 
-    def forward(self, sources: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Depth-attention weights [B,T,n] = softmax_i(w · RMSNorm_gamma(v_i))."""
+    def forward(self, sources: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...],
+                fused: bool = True) -> torch.Tensor:
+        """Depth-attention weights [B,T,n] = softmax_i(w · RMSNorm_gamma(v_i)) (fused=False: `reference`)."""
         # w · (gamma ⊙ v_i / rms(v_i)) = (w ⊙ gamma) · v_i · scale_i
-        return bank_logits(self.query * self.key_norm.weight, sources, scales).softmax(-1)
+        logits = bank_logits if fused else reference.bank_logits
+        return logits(self.query * self.key_norm.weight, sources, scales).softmax(-1)
 
 
 def default_block_size(n_layer: int) -> int:
@@ -139,6 +140,7 @@ class AttnResScheme(ResidualScheme):
         """blockattnres: attnres_block_size (S in sublayers, default 2·ceil(L/8)); attnres has S = 1."""
         schema = {"attnres_block_size": Option("int", lambda c: default_block_size(c.n_layer), low=1)} \
             if arch == "blockattnres" else {}
+        schema["fused"] = Option("bool", True, doc="False: the plain-autograd references (reference.py)")
         return schema
 
     def __init__(self, cfg: ModelConfig, block_size: int = 1):
@@ -146,6 +148,7 @@ class AttnResScheme(ResidualScheme):
         if not isinstance(block_size, int) or block_size < 1:
             raise DepthToolsError(f"attnres_block_size must be a positive integer (sublayers), got {block_size!r}")
         self.block_size = block_size
+        self.fused = self.opts["fused"]  # False: no DepthBank, plain-autograd references throughout
         d, eps, L = cfg.d_model, cfg.norm_eps, cfg.n_layer
         self.attn_res = nn.ModuleList(DepthMixer(d, eps) for _ in range(L - 1))  # consumes block b's output
         self.final_res = DepthMixer(d, eps)  # consumes block L-1's output
@@ -283,7 +286,7 @@ class AttnResScheme(ResidualScheme):
         """Σ_i alpha_i v_i [B,T,d]; alpha from `mixer`, or one-hot on the newest source if None."""
         n = len(state.sources) + (state.partial is not None)
         identity = mixer is None or n == 1  # one-hot on the newest source (a 1-source softmax is this too)
-        if hook is None or not (hook._forward_hooks or hook._backward_hooks):
+        if hook is None or not is_hooked(hook):
             if identity:
                 return state.partial if state.partial is not None else state.sources[-1]
             if state.bank is not None and self._bank_current(state.bank):
@@ -294,28 +297,35 @@ class AttnResScheme(ResidualScheme):
             weights = sources[-1].new_zeros(*sources[-1].shape[:-1], n)
             weights[..., -1] = 1.0
         else:
-            weights = mixer(sources, tuple(self._scale(v) for v in sources))  # [B,T,n]
+            weights = mixer(sources, tuple(self._scale(v) for v in sources), self.fused)  # [B,T,n]
         if hook is not None:
             weights = hook(weights)
-        return weighted_sum(weights, sources)
+        return (weighted_sum if self.fused else reference.weighted_sum)(weights, sources)
 
     # -- the fast path's bank -----------------------------------------------------------------
-    def _fingerprint(self) -> tuple:
+    def _fingerprint(self) -> tuple | None:
         """Storage and versions of the mixer parameters: the bank's dots are valid while unchanged
-        (an optimizer step or any in-place edit bumps a version; .to()/.double() move the storage)."""
+        (an optimizer step or any in-place edit bumps a version; .to()/.double() move the storage).
+        None when the versions are unknown (`torch_private.versions`' fallback): then no bank is used."""
         params = self.__dict__.get("_mixer_params")
         if params is None:  # flat list once (nn.Module attribute lookups cost ~2 µs each)
             params = self.__dict__["_mixer_params"] = [p for m in self._mixers for p in (m.query, m.key_norm.weight)]
-        return params[0].data_ptr(), tuple(map(_VERSION, params))
+        counts = versions(params)
+        return None if counts is None else (params[0].data_ptr(), counts)
 
     def _bank_current(self, bank: DepthBank) -> bool:
-        return bank.fingerprint == self._fingerprint()
+        fingerprint = self._fingerprint()
+        return fingerprint is not None and bank.fingerprint == fingerprint
 
     def _new_bank(self, sources: tuple[torch.Tensor, ...]):
-        """(bank, handle) holding `sources` (the queries of all mixers as they are now)."""
+        """(bank, handle) holding `sources` (the queries of all mixers as they are now); (None, None)
+        with option fused=False or when the mixers' versions are unknown (the per-source path)."""
+        fingerprint = self._fingerprint() if self.fused else None
+        if fingerprint is None:
+            return None, None
         queries = torch.stack([m.query * m.key_norm.weight for m in self._mixers])  # [M,d]
         bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.cfg.norm_eps,
-                         self._fingerprint(), self._mix_groups(), self._grad_pool)
+                         fingerprint, self._mix_groups(), self._grad_pool)
         handle = None
         for v in sources:
             handle = bank_push(bank, handle, v)

@@ -21,7 +21,8 @@ Hooks: the within-block stream is additive, so `hook_resid_pre` (= Xt_b) + `hook
 `hook_resid_mid`, + `hook_mlp_out` = `hook_resid_post` (= X_{b+1}, the raw block output); the
 position's `hook_dwa_out` carries Xt_{b+1} (what the next block reads; not fired for a skipped
 position). Since resid_post is not the depth state's readout, blocks are not marked single-stream.
-DWA weights are excluded from weight decay (routing parameters).
+DWA weights are excluded from weight decay (routing parameters). Option fused (True): False forms
+the DWA with plain autograd (reference.weighted_sum) instead of bankops' `_WeightedSum`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch import reference
 from depthtools.arch.bankops import weighted_sum
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.registry import ArchSpec
@@ -76,11 +78,13 @@ class DenseFormerScheme(ResidualScheme):
     def option_schema(cls, arch: str) -> dict[str, Option]:
         """dwa_dilation k and dwa_period p (positive integers, default 1)."""
         schema = {"dwa_dilation": Option("int", 1, low=1), "dwa_period": Option("int", 1, low=1)}
+        schema["fused"] = Option("bool", True, doc="False: the plain-autograd references (reference.py)")
         return schema
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.dilation, self.period = dwa_settings(cfg)
+        self.fused = self.opts["fused"]  # False: the DWA as reference.weighted_sum (plain autograd)
         sizes = dwa_sizes(cfg.n_layer, self.dilation, self.period)
         self.dwa = nn.ParameterDict({str(b): nn.Parameter(self._dwa_init(n)) for b, n in sizes.items()})
 
@@ -161,7 +165,7 @@ class DenseFormerScheme(ResidualScheme):
         if key not in self.dwa:
             return DenseState(retained, retained[-1])
         group = retained[(position + 1) % self.dilation :: self.dilation]  # X_j, j ≡ b+1 (mod k)
-        return DenseState(retained, weighted_sum(self.dwa[key], group))
+        return DenseState(retained, (weighted_sum if self.fused else reference.weighted_sum)(self.dwa[key], group))
 
 
 ARCH_SPECS = [

@@ -61,7 +61,7 @@ ablation: each sublayer still mixes the streams with R but adds no branch output
 connectors of the block built for the skipped position). Swap: every block tensor, connectors
 included (so the one-hot S_m / bias_pre of its own index), travels with the block.
 
-Options: n_streams (4), scale_output_init_by_sqrt_n (True: attention w_o and MLP w2 init / √n, as
+Options: fused (True; see "Computation" below), n_streams (4), scale_output_init_by_sqrt_n (True: attention w_o and MLP w2 init / √n, as
 the HC paper's implementation section scales the attention out-projection and FFN output inits, and as
 DepthBench), head_mixer (False), connector_norm_eps (1e-8 HC, 1e-6 mHC),
 for HC connector_norm_gain (False), and for mHC mhc_init ("hc_like"), sinkhorn_iters (20) and
@@ -82,7 +82,9 @@ weights hook (width/res/depth) is attached, each connector runs as ONE autograd 
 (`_HCConnect` with forward-mode jvp, so torch.func.jvp works; `_MHCConnect`, whose Sinkhorn has
 no jvp, like `sinkhorn_knopp`) with a hand-written backward, and the update H ← R H + β ⊗ y is
 `_Update`. With a weights hook the connector is formed step by step (`weights`) so the hooked
-tensors can be read and edited.
+tensors can be read and edited. Option fused (True): False runs every one of these Functions'
+plain-autograd reference instead (depthtools/arch/reference.py; the same function, slower), for
+checking the hand-written backwards and for debugging.
 """
 
 from __future__ import annotations
@@ -95,9 +97,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch import reference
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme, resolve_options
+from depthtools.arch.torch_private import is_hooked
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -112,7 +116,7 @@ LEGACY_SINKHORN_ORDER = "cols_last"  # what an mhc config saved without the key 
 HEAD_EPS = 1e-6  # DeepSeek-V4 hc_eps: keeps every head-mixer weight strictly positive
 GAP = 8.0  # |bias| of the hc_like mHC init (DepthBench "gap8")
 
-_COMMON_OPTIONS = {"n_streams": 4, "scale_output_init_by_sqrt_n": True, "head_mixer": False}
+_COMMON_OPTIONS = {"n_streams": 4, "scale_output_init_by_sqrt_n": True, "head_mixer": False, "fused": True}
 _DEFAULTS = {
     "hc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-8, "connector_norm_gain": False},
     "mhc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-6, "mhc_init": "hc_like", "sinkhorn_iters": 20,
@@ -176,7 +180,7 @@ def _full_precision(t: torch.Tensor):
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else nullcontext()
 
 
-def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20, order: str = "rows_last") -> torch.Tensor:
+def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20, order: str = "rows_last", fused: bool = True) -> torch.Tensor:
     """Doubly stochastic projection of logits [..., n, n] (rows = output streams), in float32 or
     wider even under bf16/autocast: M(0) = exp(logits), then t_max rounds.
 
@@ -186,9 +190,11 @@ def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20, order: str = "rows_las
     issue 18); columns exact, rows approximate. The two differ by up to ~0.1 for strong logits.
     The first normalisation of exp(logits) is a softmax (max-subtracted, no overflow).
     Differentiable: the gradient is the exact gradient of the unrolled t_max iterations.
+    fused=False: the plain-autograd reference (`reference.sinkhorn`) instead of `_SinkhornKnopp`.
     """
+    sinkhorn = _SinkhornKnopp.apply if fused else reference.sinkhorn
     with _full_precision(logits):
-        return _SinkhornKnopp.apply(logits.to(_compute_dtype(logits)), t_max, _softmax_dim(order))
+        return sinkhorn(logits.to(_compute_dtype(logits)), t_max, _softmax_dim(order))
 
 
 def _softmax_dim(order: str) -> int:
@@ -291,9 +297,10 @@ class _Connector(nn.Module):
     """Routes the streams around one sublayer: subclasses define `weights(H) -> (routing, β)`,
     routing [B,T,n+1,n] = [w; R] (row 0: branch-input weights, rows 1..n: stream mixing)."""
 
-    def __init__(self, n: int, eps: float):
+    def __init__(self, n: int, eps: float, fused: bool = True):
         super().__init__()
         self.n, self.eps = n, eps
+        self.use_fused = fused  # False: the plain-autograd references (option "fused")
         self.hook_width_weights = HookPoint()  # [B,T,n]    w: branch-input weights
         self.hook_res_weights = HookPoint()  # [B,T,n,n]    R: new streams = R @ streams
         self.hook_depth_weights = HookPoint()  # [B,T,n]    β: branch-output weights
@@ -306,24 +313,29 @@ class _Connector(nn.Module):
         """(u [N,d], R @ H [N,n,d], β [N,n]) for H [N,n,d] in one autograd node, or None if n/a."""
         return None
 
+    def reference(self, H: torch.Tensor):
+        """What `fused` computes, in plain autograd ops (depthtools/arch/reference.py), or None if n/a."""
+        return None
+
     def forward(self, H: torch.Tensor):
         """(u [B,T,d], R @ H [B,T,n,d], β [B,T,n]) for streams H [B,T,n,d]."""
         lead, (n, d) = H.shape[:-2], H.shape[-2:]
         weight_hooks = (self.hook_width_weights, self.hook_res_weights, self.hook_depth_weights)
-        if H.dtype == _compute_dtype(H) and not any(h._forward_hooks or h._backward_hooks for h in weight_hooks):
+        if H.dtype == _compute_dtype(H) and not is_hooked(*weight_hooks):
             with _full_precision(H):
-                out = self.fused(H.reshape(-1, n, d))
+                out = (self.fused if self.use_fused else self.reference)(H.reshape(-1, n, d))
             if out is not None:  # (weights not hooked: the fused connector, same function)
                 u, mixed, depth = out
                 return self.hook_branch_in(u.view(*lead, d)), mixed.view(*lead, n, d), depth.view(*lead, n)
         with _full_precision(H):
             routing, depth = self.weights(H)  # [B,T,n+1,n], [B,T,n]
-            if self.hook_width_weights._forward_hooks or self.hook_res_weights._forward_hooks:
+            if is_hooked(self.hook_width_weights, self.hook_res_weights):
                 width, res = routing.split([1, self.n], dim=-2)  # split only when hooked: no copies
                 width = self.hook_width_weights(width.squeeze(-2)).unsqueeze(-2)
                 routing = torch.cat([width, self.hook_res_weights(res)], dim=-2)
             depth = self.hook_depth_weights(depth)
-            u, mixed = _Mix.apply(routing.to(H.dtype).reshape(-1, n + 1, n), H.reshape(-1, n, d))
+            mix = _Mix.apply if self.use_fused else reference.stream_mix
+            u, mixed = mix(routing.to(H.dtype).reshape(-1, n + 1, n), H.reshape(-1, n, d))
         return self.hook_branch_in(u.view(*lead, d)), mixed.view(*lead, n, d), depth.to(H.dtype)
 
 
@@ -662,8 +674,9 @@ class HyperConnection(_Connector):
     dynamic_beta [d] = W_b, alpha_scale = s_a, beta_scale = s_b.
     """
 
-    def __init__(self, n: int, d: int, sublayer_index: int, eps: float, norm_gain: bool = False):
-        super().__init__(n, eps)
+    def __init__(self, n: int, d: int, sublayer_index: int, eps: float, norm_gain: bool = False,
+                 fused: bool = True):
+        super().__init__(n, eps, fused)
         # option connector_norm_gain: the learnable gain of the HC paper's connector norm, init 1
         self.norm_gain = nn.Parameter(torch.ones(d)) if norm_gain else None
         static_alpha = torch.cat([F.one_hot(torch.tensor(sublayer_index % n), n)[:, None].float(), torch.eye(n)], 1)
@@ -686,6 +699,11 @@ class HyperConnection(_Connector):
         return _HCConnect.apply(H, dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta,
                                 self.alpha_scale, self.beta_scale, self.eps)[:3]
 
+    def reference(self, H):
+        dynamic_alpha, dynamic_beta = self._dynamic()
+        return reference.hc_connect(H, dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta,
+                                    self.alpha_scale, self.beta_scale, self.eps)
+
     def weights(self, H):
         n, dtype = self.n, _compute_dtype(H)
         H = H.to(dtype)
@@ -694,7 +712,8 @@ class HyperConnection(_Connector):
         scale = torch.cat([self.alpha_scale.expand(n + 1), self.beta_scale[None]]).to(dtype)  # [n+2]
         dynamic_alpha, dynamic_beta = self._dynamic()
         proj = torch.cat([dynamic_alpha, dynamic_beta[:, None]], 1).to(dtype)  # [d, n+2]
-        raw, inv = _ProjRms.apply(H.reshape(-1, H.shape[-1]), proj, self.eps)  # H @ proj, 1/rms per stream
+        proj_rms = _ProjRms.apply if self.use_fused else reference.proj_rms
+        raw, inv = proj_rms(H.reshape(-1, H.shape[-1]), proj, self.eps)  # H @ proj, 1/rms per stream
         coeffs = static + scale * torch.tanh((raw * inv).view(*H.shape[:-1], n + 2))  # tanh(Hbar @ proj)
         return coeffs[..., : n + 1].transpose(-1, -2), coeffs[..., n + 1]  # [A_m | A_r]^T = [w; R], β
 
@@ -707,8 +726,8 @@ class ManifoldHyperConnection(_Connector):
     """
 
     def __init__(self, n: int, d: int, sublayer_index: int, eps: float, init: str, t_max: int,
-                 order: str = "rows_last"):
-        super().__init__(n, eps)
+                 order: str = "rows_last", fused: bool = True):
+        super().__init__(n, eps, fused)
         self.t_max, self.order = t_max, order
         self._first = _softmax_dim(order)
         self.phi_pre = nn.Parameter(torch.zeros(n * d, n))
@@ -730,17 +749,24 @@ class ManifoldHyperConnection(_Connector):
                                  self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps, self.t_max,
                                  self._first)
 
+    def reference(self, H):
+        return reference.mhc_connect(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre, self.gate_post,
+                                     self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps,
+                                     self.t_max, self._first)
+
     def weights(self, H):
         n, dtype = self.n, _compute_dtype(H)
         x = H.flatten(-2).to(dtype)  # [B,T,n·d]
         phi = torch.cat([self.phi_pre, self.phi_post, self.phi_res], 1).to(dtype)  # [n·d, 2n+n²]
-        raw, inv = _ProjRms.apply(x.reshape(-1, x.shape[-1]), phi, self.eps)
+        proj_rms = _ProjRms.apply if self.use_fused else reference.proj_rms
+        raw, inv = proj_rms(x.reshape(-1, x.shape[-1]), phi, self.eps)
         mix = (raw * inv).view(*x.shape[:-1], phi.shape[1])  # [B,T,2n+n²] = x' @ phi
         pre, post, res = mix.split([n, n, n * n], dim=-1)
         p = lambda t: t.to(dtype)  # noqa: E731
         h_pre = torch.sigmoid(p(self.gate_pre) * pre + p(self.bias_pre))
         h_post = 2 * torch.sigmoid(p(self.gate_post) * post + p(self.bias_post))
-        h_res = sinkhorn_knopp(p(self.gate_res) * res.unflatten(-1, (n, n)) + p(self.bias_res), self.t_max, self.order)
+        h_res = sinkhorn_knopp(p(self.gate_res) * res.unflatten(-1, (n, n)) + p(self.bias_res), self.t_max, self.order,
+                               self.use_fused)
         return torch.cat([h_pre.unsqueeze(-2), h_res], dim=-2), h_post
 
 
@@ -788,10 +814,11 @@ class HyperScheme(ResidualScheme):
     def _connector(self, sublayer_index: int) -> _Connector:
         opts, d = self.opts, self.cfg.d_model
         if self.cfg.arch == "hc":
-            return HyperConnection(self.n, d, sublayer_index, opts["connector_norm_eps"], opts["connector_norm_gain"])
+            return HyperConnection(self.n, d, sublayer_index, opts["connector_norm_eps"], opts["connector_norm_gain"],
+                                   opts["fused"])
         return ManifoldHyperConnection(
             self.n, d, sublayer_index, opts["connector_norm_eps"], opts["mhc_init"], opts["sinkhorn_iters"],
-            opts["sinkhorn_order"],
+            opts["sinkhorn_order"], opts["fused"],
         )
 
     def build_block(self, block: nn.Module) -> None:
@@ -831,13 +858,13 @@ class HyperScheme(ResidualScheme):
         H = self._sublayer(H, block.mlp_hc, block.mlp_norm, block.mlp, block.hook_mlp_out)
         return block.hook_streams_post(H)
 
-    @staticmethod
-    def _sublayer(H, connector, norm, fn, hook_out) -> torch.Tensor:
+    def _sublayer(self, H, connector, norm, fn, hook_out) -> torch.Tensor:
         """H ← R @ H + β ⊗ f(Norm(u)) for one sublayer."""
         u, mixed, depth = connector(H)  # [B,T,d], [B,T,n,d], [B,T,n]
         y = hook_out(fn(norm(u)))  # [B,T,d]
         dtype = torch.promote_types(mixed.dtype, y.dtype)
-        return _Update.apply(mixed.to(dtype), depth.to(dtype), y.to(dtype))
+        update = _Update.apply if self.opts["fused"] else reference.stream_update
+        return update(mixed.to(dtype), depth.to(dtype), y.to(dtype))
 
     def skip(self, position, state, rule=None):
         """"identity": streams unchanged; "branch": R mixing of both sublayers, no branch output."""

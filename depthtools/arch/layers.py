@@ -7,11 +7,14 @@ explicitly so it can be read or edited) — so hooks cost nothing when none are 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch.torch_private import is_hooked, storage_unshared
 from depthtools.config import ModelConfig
 
 
@@ -44,23 +47,19 @@ class BufferPool(dict):
     def take(self, role: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised buffer: the one kept for this role and shape when nothing else uses it any
         more, else a new one (kept from now on, in place of any other shape of this role). Safe:
-        a buffer that a state, view or gradient still references is never handed out again."""
+        a buffer that a state, view or gradient still references is never handed out again: neither a
+        tensor sharing its storage (a view, a saved tensor) nor a holder of the buffer itself (e.g. the
+        gradient accumulator of a MoDA slot store or AttnRes bank that took it and is still in its
+        backward pass: references to the pool, to `kept` and getrefcount's argument are the 3 expected)."""
         key = (role, tuple(shape), dtype, device)
         kept = self.get(key)
-        if kept is not None and _unshared(kept):
+        if kept is not None and sys.getrefcount(kept) <= 3 and storage_unshared(kept):
             return kept
         fresh = torch.empty(shape, dtype=dtype, device=device)
         for other in [k for k in self if k[0] == role]:
             del self[other]
         self[key] = fresh
         return fresh
-
-
-def _unshared(t: torch.Tensor) -> bool:
-    """Whether nothing but `t` references its storage (`t` itself and the temporary storage object
-    below are the two expected users). Uses a private PyTorch API: without it, never reuse."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is not None and use_count(t.untyped_storage()._cdata) <= 2
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +84,7 @@ class HookedRMSNorm(RMSNorm):
         self.hook_normalized = HookPoint()  # [B,T,d]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (self.hook_scale._forward_hooks or self.hook_normalized._forward_hooks):
+        if not is_hooked(self.hook_scale, self.hook_normalized):
             return super().forward(x)
         scale = self.hook_scale((x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized(x / scale * self.weight)
@@ -136,7 +135,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention; returns z [B,T,H,hd]."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B,H,T,hd]
-        if self.hook_pattern._forward_hooks:
+        if is_hooked(self.hook_pattern):  # (a backward hook needs the pattern in the graph too)
             z = self._explicit_attention(q, k, v)
         else:
             z = F.scaled_dot_product_attention(

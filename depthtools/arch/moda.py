@@ -34,7 +34,8 @@ Appending to a state that is not the buffer's newest (a sweep branching from a c
 to foreign tensors copies the prefix into a fresh buffer (copy-on-branch). See `_AppendSlots`.
 Attention without pattern hooks is `_DepthAttention`: PyTorch's fused flash attention for the
 sequence part, merged with the depth part through the log-sum-exp (no [B,H,T,T] tensor), and
-depth-slot gradients accumulated in place in the buffer's gradient side channel.
+depth-slot gradients accumulated in place in the buffer's gradient side channel. Option fused (True):
+False uses neither (the plain-autograd `reference.append_slots` and `reference.depth_attention`).
 Readout = geometry = h; the blocks are single-stream (hook_resid_* carry h; TransformerLens'
 logit lens accepts them). The depth cache is side state, invisible to the lens.
 
@@ -65,9 +66,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch import reference
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import NormSite, Option, ResidualScheme
+from depthtools.arch.torch_private import (cpu_flash_attention, cpu_flash_attention_backward, cpu_flash_attention_ok,
+                                           is_hooked, set_tensor_tag, tensor_tag, untracked, view_base)
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -117,7 +121,7 @@ _TO_BUFFER = (3, 2, 4, 0, 1)  # [B,T,Hkv,S,hd] -> [S,Hkv,hd,B,T]
 
 
 class _SlotStore:
-    """Bookkeeping of one key/value buffer pair, attached to both buffers as `_moda_slots`.
+    """Bookkeeping of one key/value buffer pair, attached to both buffers (`torch_private.set_tensor_tag`).
 
     fill: slots written so far (a state whose views end at `fill` is the buffer's newest and may
     append in place). grad_keys/grad_values: gradient side channel (buffer-shaped, allocated by the
@@ -159,8 +163,8 @@ def _buffer_of(view: torch.Tensor | None):
     """(buffer, store) when `view` is the prefix view of a slot buffer (see _TO_VIEW), else None."""
     if view is None:
         return None
-    base = view._base
-    store = getattr(base, "_moda_slots", None) if base is not None else None
+    base = view_base(view)
+    store = tensor_tag(base) if base is not None else None
     if store is None or view.dim() != 5 or view.shape[3] > base.shape[0]:
         return None
     expect = base[: view.shape[3]].permute(*_TO_VIEW)
@@ -189,9 +193,9 @@ class _AppendSlots(torch.autograd.Function):
 
     In place when `keys`/`values` are the newest prefix of their buffer (the common case: a run
     appends block after block), else a fresh buffer of `capacity` slots gets a copy of the prefix
-    (copy-on-branch; also for tensors that are not buffer views). Writes go through `.data`, so
-    views saved for backward elsewhere keep their version counter: the slots they cover never
-    change. The outputs are prefix views of the buffer.
+    (copy-on-branch; also for tensors that are not buffer views). In-place writes do not bump the
+    version counter (`torch_private.untracked`), so views saved for backward elsewhere stay valid:
+    the slots they cover never change. The outputs are prefix views of the buffer.
 
     Backward: the gradient of a new slot = what fast-path attention backwards accumulated in the
     store's side channel + the slot's part of any ordinary gradient of the outputs (explicit
@@ -214,11 +218,12 @@ class _AppendSlots(torch.autograd.Function):
             store = _SlotStore(pool=pool)
             like = ((max(capacity, S + n), Hkv, hd, B, T), dtype, new[0].device)
             kbuf, vbuf = store.pool.take("keys", *like), store.pool.take("values", *like)
-            kbuf._moda_slots = vbuf._moda_slots = store
+            set_tensor_tag(kbuf, store)
+            set_tensor_tag(vbuf, store)
             if S:
                 kbuf[:S].copy_(keys.permute(*_TO_BUFFER))
                 vbuf[:S].copy_(values.permute(*_TO_BUFFER))
-        kraw, vraw = kbuf.data, vbuf.data  # no version-counter bump for views saved elsewhere
+        kraw, vraw = untracked(kbuf), untracked(vbuf)  # no version-counter bump for views saved elsewhere
         for j in range(n):
             kraw[S + j].copy_(new[2 * j].permute(2, 3, 0, 1))
             vraw[S + j].copy_(new[2 * j + 1].permute(2, 3, 0, 1))
@@ -249,12 +254,16 @@ class _AppendSlots(torch.autograd.Function):
 
 
 def append_slots(state: MoDAState, h, keys: list, values: list, valid: tuple[bool, ...],
-                 capacity: int = 0, pool: BufferPool | None = None) -> MoDAState:
-    """A new state with slots appended (keys/values: lists of [B,T,n_kv,hd]); `state` is unchanged."""
+                 capacity: int = 0, pool: BufferPool | None = None, fused: bool = True) -> MoDAState:
+    """A new state with slots appended (keys/values: lists of [B,T,n_kv,hd]); `state` is unchanged.
+    fused=False: the plain concatenation (`reference.append_slots`) instead of `_AppendSlots`."""
     if not keys:
         return MoDAState(h, state.keys, state.values, state.valid)
     new = [t for pair in zip(keys, values) for t in pair]
-    new_k, new_v = _AppendSlots.apply(capacity, pool, state.keys, state.values, *new)
+    if fused:
+        new_k, new_v = _AppendSlots.apply(capacity, pool, state.keys, state.values, *new)
+    else:
+        new_k, new_v = reference.append_slots(state.keys, state.values, new)
     return MoDAState(h, new_k, new_v, state.valid + valid)
 
 
@@ -268,11 +277,13 @@ class MoDAScheme(ResidualScheme):
     def option_schema(cls, arch: str) -> dict[str, Option]:
         """moda_norm ("pre" | "post") and moda_depth_rope ("none" | "query"), see the module docstring."""
         schema = {"moda_norm": Option("str", "pre", choices=NORMS), "moda_depth_rope": Option("str", "none", choices=DEPTH_ROPE)}
+        schema["fused"] = Option("bool", True, doc="False: the plain-autograd references (reference.py)")
         return schema
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.norm, self.depth_rope = moda_options(cfg)
+        self.fused = self.opts["fused"]  # False: the plain-autograd references throughout
         self.capacity = 2 * (cfg.n_layer - 1)  # slots of a full run: the preallocated buffer size
         self._slot_pool = BufferPool()  # slot and slot-gradient buffers, reused from step to step
 
@@ -344,7 +355,7 @@ class MoDAScheme(ResidualScheme):
             z = attn.attend(q, k, v)  # block 0: plain causal attention
         else:
             q_depth = q_raw if self.depth_rope == "none" else q
-            z = moda_attend(block, q, k, v, q_depth, state)
+            z = moda_attend(block, q, k, v, q_depth, state, self.fused)
         y = block.hook_attn_out(attn.out(z))
         h = h + y if pre else block.attn_post_norm(h + y)
         h = block.hook_resid_mid(h)
@@ -359,7 +370,7 @@ class MoDAScheme(ResidualScheme):
         y = block.hook_mlp_out(block.mlp(x))
         h = h + y if pre else block.mlp_post_norm(h + y)
         h = block.hook_resid_post(h)
-        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._slot_pool)
+        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._slot_pool, self.fused)
 
     def skip(self, position: int, state: MoDAState, rule: str | None = None) -> MoDAState:
         """Identity on h; the position's slots are written as zeros ("zero") or masked ("mask")."""
@@ -369,81 +380,42 @@ class MoDAScheme(ResidualScheme):
         B, T, _ = state.h.shape
         zero = state.h.new_zeros(B, T, self.cfg.n_kv_heads, self.cfg.head_dim)
         return append_slots(state, state.h, [zero, zero], [zero, zero], (rule == "zero",) * 2, self.capacity,
-                            self._slot_pool)
-
-
-def _hooked(*hooks: HookPoint) -> bool:
-    return any(h._forward_hooks or h._backward_hooks or h._backward_pre_hooks for h in hooks)
+                            self._slot_pool, self.fused)
 
 
 def fused_kernel_for(device: torch.device) -> bool:
     """Whether `_DepthAttention` (built on PyTorch's private, CPU-only fused flash-attention op) may run on
-    `device`. Every other device (CUDA, MPS, meta) takes the explicit joint softmax, which is plain
-    device-generic PyTorch (it forms the [B,H,T,T] pattern, so it costs memory, never correctness)."""
-    return torch.device(device).type == "cpu"
+    `device` (`torch_private.cpu_flash_attention_ok`). Every other device (CUDA, MPS, meta) takes the
+    explicit joint softmax, which is plain device-generic PyTorch (it forms the [B,H,T,T] pattern, so it
+    costs memory, never correctness)."""
+    return cpu_flash_attention_ok(device)
 
 
-def moda_attend(block, q, k, v, q_depth, state: MoDAState) -> torch.Tensor:
+def moda_attend(block, q, k, v, q_depth, state: MoDAState, fused: bool = True) -> torch.Tensor:
     """One softmax over [causal sequence keys ; same-position depth keys]; returns z [B,T,H,hd].
 
     q [B,T,H,hd] and k, v [B,T,Hkv,hd] are the sequence part (rotated); q_depth [B,T,H,hd] is the
     query used against the depth keys. On CPU without pattern hooks: `_DepthAttention` (PyTorch's fused
     CPU flash attention for the sequence part, merged with the depth part through log-sum-exp; no
-    [B,H,T,T] tensor). With a hook on `attn.hook_pattern` or `hook_moda_depth_pattern`, or on any
-    other device (`fused_kernel_for`): the same function formed explicitly.
+    [B,H,T,T] tensor). With a hook on `attn.hook_pattern` or `hook_moda_depth_pattern`, on any other
+    device (`fused_kernel_for`), or with fused=False: the same function formed explicitly
+    (`reference.depth_attention`, both pattern parts hooked).
     """
     attn = block.attn
     H, Hkv = q.shape[2], attn.n_kv_heads
     invalid = None
     if not all(state.valid):
         invalid = torch.tensor([not ok for ok in state.valid], device=q.device)
-    if _hooked(attn.hook_pattern, block.hook_moda_depth_pattern) or not fused_kernel_for(q.device):
-        return attn.hook_z(_explicit_moda_attention(block, q, k, v, q_depth, state.keys, state.values, invalid))
-    if H != Hkv:  # GQA: the fused kernel wants one K/V head per query head
+    if H != Hkv:  # GQA: one K/V head per query head
         k, v = k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2)
     keys, values = state.keys, state.values
+    if not fused or is_hooked(attn.hook_pattern, block.hook_moda_depth_pattern) or not fused_kernel_for(q.device):
+        return attn.hook_z(reference.depth_attention(q, k, v, q_depth, keys, values, invalid,
+                                                     attn.hook_pattern, block.hook_moda_depth_pattern))
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     z = _DepthAttention.apply(q, k, v, q_depth, keys, values, invalid)
     return attn.hook_z(z)
-
-
-def _explicit_moda_attention(block, q, k, v, q_depth, keys, values, invalid) -> torch.Tensor:
-    """The joint softmax with both pattern parts materialised (and hooked)."""
-    attn = block.attn
-    B, T, H, hd = q.shape
-    Hkv, S = attn.n_kv_heads, keys.shape[3]
-    groups = H // Hkv
-    scale = hd**-0.5
-
-    # sequence scores [B,H,T,T] (causal)
-    qh = q.transpose(1, 2)  # [B,H,T,hd]
-    kh = k.transpose(1, 2).repeat_interleave(groups, 1)  # [B,H,T,hd]
-    vh = v.transpose(1, 2).repeat_interleave(groups, 1)
-    seq_scores = (qh @ kh.transpose(-1, -2)) * scale
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    seq_scores = seq_scores.masked_fill(~causal, float("-inf"))
-
-    # depth scores [B,H,T,S]: per position t, its query against its own S depth keys
-    qd = q_depth.reshape(B, T, Hkv, groups, hd)  # q head = kv head * groups + g (as GQA)
-    depth_scores = (qd @ keys.to(q.dtype).transpose(-1, -2)) * scale  # [B,T,Hkv,g,S]
-    depth_scores = depth_scores.reshape(B, T, H, S).transpose(1, 2)  # [B,H,T,S]
-    if invalid is not None:
-        depth_scores = depth_scores.masked_fill(invalid, float("-inf"))
-
-    probs = torch.cat([seq_scores, depth_scores], dim=-1).softmax(-1)  # [B,H,T,T+S]
-    seq_pattern, depth_pattern = probs.split([T, S], dim=-1)
-    seq_pattern = attn.hook_pattern(seq_pattern)  # [B,H,T,T]
-    depth_pattern = block.hook_moda_depth_pattern(depth_pattern)  # [B,H,T,S]
-
-    z = (seq_pattern @ vh).transpose(1, 2)  # [B,T,H,hd]
-    depth_p = depth_pattern.transpose(1, 2).reshape(B, T, Hkv, groups, S)
-    z_depth = (depth_p @ values.to(q.dtype)).reshape(B, T, H, hd)  # [B,T,Hkv,g,hd] -> [B,T,H,hd]
-    return z + z_depth
-
-
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class _DepthAttention(torch.autograd.Function):
@@ -469,7 +441,7 @@ class _DepthAttention(torch.autograd.Function):
         g, N = H // Hkv, B * T
         scale = 1.0 / math.sqrt(hd)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,hd] views
-        out, lse_seq = _flash(qh, kh, vh, 0.0, True, scale=scale)  # [B,H,T,hd], [B,H,T]
+        out, lse_seq = cpu_flash_attention(qh, kh, vh, scale)  # [B,H,T,hd], [B,H,T]
         K, V = _slots_first(keys), _slots_first(values)  # [S,Hkv,hd,N]
         qs = q_depth.permute(2, 3, 0, 1).contiguous().mul_(scale).view(Hkv, g, hd, N)  # scaled depth query
         scores = torch.mul(K[:, :, None, 0], qs[:, :, 0])  # [S,Hkv,g,N]
@@ -490,17 +462,18 @@ class _DepthAttention(torch.autograd.Function):
             zt.addcmul_(V[s, :, None], probs[s].unsqueeze(2))
         z = zt.reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous()  # [B,T,H,hd]
         lse = lse.view(H, B, T).permute(1, 2, 0).contiguous()  # [B,T,H]: the fused kernel's layout
-        ctx.save_for_backward(qh, kh, vh, qs, z, zt, lse, probs)
-        ctx.keys, ctx.values = keys, values  # not saved: their buffer grows past them in place
+        # keys/values: views of the slot buffer, whose later appends go past them without a version bump;
+        # saved (not kept on ctx) so that autograd frees them after backward and the buffer can be reused
+        # (BufferPool), while a retained graph keeps them for another backward
+        ctx.save_for_backward(qh, kh, vh, qs, z, zt, lse, probs, keys, values)
         ctx.scale = scale
         return z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dz):
-        qh, kh, vh, qs, z, zt, lse, probs = ctx.saved_tensors
-        keys, values, scale = ctx.keys, ctx.values, ctx.scale
-        ctx.keys = ctx.values = None  # (once-differentiable: let the slot buffer be reused, see BufferPool)
+        qh, kh, vh, qs, z, zt, lse, probs, keys, values = ctx.saved_tensors
+        scale = ctx.scale
         B, T, H, hd = z.shape
         Hkv, S = keys.shape[2], keys.shape[3]
         g, N = H // Hkv, B * T
@@ -508,8 +481,8 @@ class _DepthAttention(torch.autograd.Function):
         need_q, need_k, need_v, need_qd, need_keys, need_values = ctx.needs_input_grad[:6]
         dq = dk = dv = None
         if need_q or need_k or need_v:
-            dq, dk, dv = _flash_backward(dz.transpose(1, 2), qh, kh, vh, z.transpose(1, 2),
-                                         lse.transpose(1, 2), 0.0, True, scale=scale)
+            dq, dk, dv = cpu_flash_attention_backward(dz.transpose(1, 2), qh, kh, vh, z.transpose(1, 2),
+                                                      lse.transpose(1, 2), scale)
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         K, V = _slots_first(keys), _slots_first(values)
         dzt = dz.permute(2, 3, 0, 1).contiguous().view(Hkv, g, hd, N)

@@ -1,0 +1,174 @@
+"""Plain-autograd references of every fused `torch.autograd.Function` in depthtools.arch.
+
+The fast paths of HC/mHC (hyper.py), AttnRes/DenseFormer (bankops.py) and MoDA (moda.py) are
+custom autograd Functions with hand-written backward (and, for four of them, forward-mode jvp)
+passes. Each has its reference here: the same function written in ordinary torch ops, so autograd
+derives the gradients and jvps. Read these to see what a fused Function computes; select them for
+a whole model with option `fused: False` (hc, mhc, attnres, blockattnres, denseformer and moda
+declare it in their option schemas);
+tests/test_fused_reference.py checks every Function against its reference (outputs, gradients
+and jvps, and torch.autograd.gradcheck in float64) and fused against reference models.
+
+    fused Function             reference here             used by
+    hyper._SinkhornKnopp       sinkhorn                   mHC H_res (hyper.sinkhorn_knopp)
+    hyper._ProjRms             proj_rms                   HC/mHC connectors with weights hooked
+    hyper._Mix                 stream_mix                 HC/mHC connectors with weights hooked
+    hyper._Update              stream_update              every HC/mHC sublayer
+    hyper._HCConnect           hc_connect                 HC connector (no weights hook)
+    hyper._MHCConnect          mhc_connect                mHC connector (no weights hook)
+    bankops._WeightedSum       weighted_sum               DenseFormer DWA, AttnRes hooked mixes
+    bankops._BankLogits        bank_logits                AttnRes hooked mixes
+    bankops._Push + _Mix       depth_mix                  AttnRes mixes over a DepthBank
+    moda._AppendSlots          append_slots               MoDA depth K/V cache
+    moda._DepthAttention       depth_attention            MoDA attention (CPU, no pattern hook)
+
+Shapes and argument order follow the Function each replaces (see its docstring there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x²) + eps) over the last dim, keepdim."""
+    return torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+# -- HC / mHC (hyper.py) ------------------------------------------------------------------------
+
+def sinkhorn(logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
+    """_SinkhornKnopp: logits [..., n_out, n_in] -> softmax over the dim `first` names (1 = along each
+    row, "cols_last"; 0 = down each column, "rows_last"), then 2·t_max - 1 alternating half-steps
+    M ← M / (sums along the other dim), each sum clamped at the smallest normal number."""
+    dim = {0: -2, 1: -1}  # the fused kernel's tokens-last [n_out, n_in, N] dims, here
+    tiny = torch.finfo(logits.dtype).tiny
+    m = torch.softmax(logits, dim=dim[first])
+    for step in range(2 * t_max - 1):
+        m = m / m.sum(dim[(first + 1 + step) % 2], keepdim=True).clamp_min(tiny)
+    return m
+
+
+def proj_rms(x: torch.Tensor, w: torch.Tensor, eps: float):
+    """_ProjRms: (x @ w [M,m], 1/rms(x) [M,1]) for rows x [M,k] and w [k,m]."""
+    return x @ w, _inverse_rms(x, eps)
+
+
+def stream_mix(routing: torch.Tensor, H: torch.Tensor):
+    """hyper._Mix: (u [N,d], R H [N,n,d]) = rows of [w; R] @ H for routing [N,n+1,n], streams H [N,n,d]."""
+    out = routing @ H
+    return out[:, 0], out[:, 1:]
+
+
+def stream_update(mixed: torch.Tensor, depth: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """_Update: H' = R H + β ⊗ y for mixed [...,n,d], β [...,n], y [...,d]."""
+    return mixed + depth.unsqueeze(-1) * y.unsqueeze(-2)
+
+
+def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
+    """_HCConnect (its first three outputs): the HC connector on streams H [N,n,d].
+
+        Hbar = RMSNorm(H_s) per stream (no gain)
+        alpha = S_a + s_a · tanh(Hbar @ W_a)   [N,n,n+1] = [A_m | A_r], rows = streams
+        beta  = S_b + s_b · tanh(Hbar @ w_b)   [N,n]
+        (u; R H) = [A_m | A_r]ᵀ @ H: u = Σ_s A_m[s] H_s, (R H)_j = Σ_s A_r[s,j] H_s
+    """
+    Hbar = H * _inverse_rms(H, eps)
+    alpha = Sa + sa * torch.tanh(Hbar @ Wa)
+    beta = sb + sbeta * torch.tanh(Hbar @ wb)
+    u, mixed = stream_mix(alpha.transpose(1, 2), H)
+    return u, mixed, beta
+
+
+def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
+    """_MHCConnect: the mHC connector on streams H [N,n,d].
+
+        x = RMSNorm(vec H) over n·d (no gain)
+        H_pre = σ(g_pre · x φ_pre + b_pre), H_post = 2σ(g_post · x φ_post + b_post)
+        H_res = Sinkhorn(g_res · mat(x φ_res) + b_res)   [N, n_out, n_in], mat() row-major
+        (u; H_res H) = [H_pre; H_res] @ H
+    """
+    N, n, d = H.shape
+    x = H.reshape(N, n * d)
+    x = x * _inverse_rms(x, eps)
+    h_pre = torch.sigmoid(g_pre * (x @ phi_pre) + b_pre)
+    h_post = 2 * torch.sigmoid(g_post * (x @ phi_post) + b_post)
+    h_res = sinkhorn((g_res * (x @ phi_res)).view(N, n, n) + b_res, t_max, first)
+    u, mixed = stream_mix(torch.cat([h_pre.unsqueeze(1), h_res], 1), H)
+    return u, mixed, h_post
+
+
+# -- AttnRes / DenseFormer (bankops.py) ----------------------------------------------------------
+
+def weighted_sum(weights: torch.Tensor, sources) -> torch.Tensor:
+    """_WeightedSum: Σ_i w[..., i] v_i for weights [n] (one per source) or [*lead, n] (per token)."""
+    bank = torch.stack(tuple(sources), -1)  # [*lead, d, n]
+    if weights.dim() == 1:
+        return bank @ weights
+    return (bank * weights.unsqueeze(-2)).sum(-1)
+
+
+def bank_logits(query: torch.Tensor, sources, scales) -> torch.Tensor:
+    """_BankLogits: [*lead, n] logits r_i · (v_i · q) for sources v_i [*lead,d], scales r_i [*lead], q [d]."""
+    return torch.stack([(v @ query) * r for v, r in zip(sources, scales)], -1)
+
+
+def depth_mix(query: torch.Tensor, sources, eps: float) -> torch.Tensor:
+    """What a DepthBank mix (bankops._Push of each source, then _Mix) computes: the AttnRes depth
+    attention h = Σ_i α_i v_i, α = softmax_i(r_i · (v_i · q)), r_i = 1/rms(v_i), for the mixer's
+    q = w ⊙ γ (pseudo-query times key-norm gain) over sources v_i [*lead,d] (the partial sum, if
+    any, last). Softmax logits are the key-RMSNorm dot products, without temperature."""
+    scales = [_inverse_rms(v, eps).squeeze(-1) for v in sources]
+    return weighted_sum(bank_logits(query, sources, scales).softmax(-1), sources)
+
+
+# -- MoDA (moda.py) ------------------------------------------------------------------------------
+
+def append_slots(keys, values, new):
+    """_AppendSlots: (keys', values') = the depth cache [B,T,Hkv,S,hd] (or None) with the new slots
+    new = (k_0, v_0, k_1, v_1, ...), each [B,T,Hkv,hd], concatenated on the slot axis."""
+    new_keys, new_values = torch.stack(new[0::2], 3), torch.stack(new[1::2], 3)
+    if keys is None:
+        return new_keys, new_values
+    return torch.cat([keys, new_keys.to(keys.dtype)], 3), torch.cat([values, new_values.to(values.dtype)], 3)
+
+
+def depth_attention(q, k, v, q_depth, keys, values, invalid, seq_hook=None, depth_hook=None) -> torch.Tensor:
+    """_DepthAttention: z [B,T,H,hd] = one softmax (scale 1/sqrt(hd)) over the causal sequence keys
+    k [B,T,H,hd] (values v, already expanded to H heads) and each position's S depth keys
+    keys [B,T,Hkv,S,hd] (values `values`; query head h reads kv head h // (H/Hkv)) scored with
+    q_depth [B,T,H,hd]; slots where `invalid` [S] is True get no weight.
+
+    The two parts of the pattern are formed explicitly: the sequence part [B,H,T,T] and the depth
+    part [B,H,T,S] pass through `seq_hook` / `depth_hook` (MoDA's hook_pattern and
+    hook_moda_depth_pattern), whose returned weights are used as they are.
+    """
+    B, T, H, hd = q.shape
+    Hkv, S = keys.shape[2], keys.shape[3]
+    groups = H // Hkv
+    scale = hd**-0.5
+
+    # sequence scores [B,H,T,T] (causal)
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,hd]
+    seq_scores = (qh @ kh.transpose(-1, -2)) * scale
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    seq_scores = seq_scores.masked_fill(~causal, float("-inf"))
+
+    # depth scores [B,H,T,S]: per position t, its query against its own S depth keys
+    qd = q_depth.reshape(B, T, Hkv, groups, hd)  # q head = kv head * groups + g (as GQA)
+    depth_scores = (qd @ keys.to(q.dtype).transpose(-1, -2)) * scale  # [B,T,Hkv,g,S]
+    depth_scores = depth_scores.reshape(B, T, H, S).transpose(1, 2)  # [B,H,T,S]
+    if invalid is not None:
+        depth_scores = depth_scores.masked_fill(invalid, float("-inf"))
+
+    probs = torch.cat([seq_scores, depth_scores], dim=-1).softmax(-1)  # [B,H,T,T+S]
+    seq_pattern, depth_pattern = probs.split([T, S], dim=-1)
+    if seq_hook is not None:
+        seq_pattern = seq_hook(seq_pattern)
+    if depth_hook is not None:
+        depth_pattern = depth_hook(depth_pattern)
+
+    z = (seq_pattern @ vh).transpose(1, 2)  # [B,T,H,hd]
+    depth_p = depth_pattern.transpose(1, 2).reshape(B, T, Hkv, groups, S)
+    z_depth = (depth_p @ values.to(q.dtype)).reshape(B, T, H, hd)  # [B,T,Hkv,g,hd] -> [B,T,H,hd]
+    return z + z_depth
