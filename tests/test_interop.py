@@ -340,6 +340,96 @@ def test_bpe_tokenizer_is_carried_and_fingerprint_checked(tmp_path):
         export_hf(tmp_path / "preln_bad", tmp_path / "hf2")
 
 
+def _user_tokenizer(folder: Path, texts: list[str], specials: list[str], bos_template: str | None = None) -> Path:
+    """A user's own byte-level BPE tokenizer.json (trained here, no download): `specials` take ids 0.. in order;
+    bos_template adds a Llama-style post-processor that prepends that token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=320, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    if bos_template:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos_template} $A", special_tokens=[
+            (bos_template, specials.index(bos_template))])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+USER_TEXTS = [f"doc {i}: the depth of a model is the number of blocks {i * 7} and its width"
+              + ("; a literal </s> <s> <|endoftext|> in Grüße 東京" if i % 3 == 0 else "") for i in range(120)]
+
+
+@pytest.mark.parametrize("specials,bos_template,sep,sep_id", [
+    (["<unk>", "<s>", "</s>"], "<s>", "</s>", 2),  # Llama-2 style: separator </s> = 2, a post-processor adding <s>
+    (["<|endoftext|>", "<|padding|>"], None, "<|endoftext|>", 0),  # GPT-NeoX/OLMo style: <|endoftext|> = 0
+])
+def test_user_tokenizer_export_uses_the_separator_the_data_used(tmp_path, specials, bos_template, sep, sep_id):
+    """Data prepared with the user's tokenizer.json, a trained cell, export: AutoTokenizer gives depthtools' ids
+    and its bos/eos/pad are the document separator of the training data (before: a Llama-style file exported
+    with no bos/eos at all, a prepended <s> and literal "</s>" in text encoded as the special token)."""
+    import numpy as np
+
+    from depthtools.data import load_split, load_tokenizer, prepare_inputs, read_meta
+    from depthtools.train import train_cell
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in USER_TEXTS))
+    file = _user_tokenizer(tmp_path / "tok", USER_TEXTS, specials, bos_template)
+    data = prepare_inputs([str(tmp_path / "in.jsonl")], out_dir=tmp_path / "data", tokenizer=str(file), val_fraction=0.1)
+    meta, ours = read_meta(data), load_tokenizer(data)
+    assert meta["tokenizer"]["sep_id"] == ours.sep_id == sep_id and int(np.asarray(load_split(data, "train"))[0]) == sep_id
+    cfg = ModelConfig(arch="preln", vocab_size=meta["tokenizer"]["vocab_size"], d_model=32, n_layer=2, n_heads=2,
+                      max_seq_len=32)
+    recipe = TrainConfig(tokens=2 * 4 * 32, batch_size=4, seq_len=32, eval_tokens=128, eval_every=0, log_every=1,
+                         depth_stats_every=0, checkpoint_every=0, threads=1)
+    train_cell(cfg, recipe, data, tmp_path / "cell")
+    summary = export_hf(tmp_path / "cell", tmp_path / "hf")
+    assert summary["tokenizer"]["kind"] == "bpe"
+    assert summary["tokenizer"]["special_ids"] == {k: sep_id for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    assert bool(bos_template) == any("post-processor" in n for n in summary["notes"])
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in [USER_TEXTS[3], "a literal </s> and <s> and <|endoftext|>", "héllo 🌍\n\nnew line", ""]:
+        assert tok(text).input_ids == ours.encode(text), text
+    assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == sep_id and tok.eos_token == sep
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert hf_config["eos_token_id"] == hf_config["bos_token_id"] == generation["eos_token_id"] == sep_id
+    again = export_hf(tmp_path / "cell", tmp_path / "hf2", tokenizer=data)  # the data folder named explicitly
+    assert again["tokenizer"]["special_ids"] == summary["tokenizer"]["special_ids"]
+
+
+def test_export_refuses_a_separator_it_cannot_vouch_for_and_prepare_refuses_an_ordinary_one(tmp_path):
+    from depthtools.data import BPETokenizer, prepare_inputs
+
+    file = _user_tokenizer(tmp_path / "tok", USER_TEXTS, ["<unk>", "<s>", "</s>"])
+    bpe = BPETokenizer.from_file(file, sep_token="</s>")
+    model = perturbed_preln(vocab_size=bpe.vocab_size, n_layer=1)
+    record = {"name": "tok-320", "vocab_size": bpe.vocab_size, "sep_id": 2, "sep_token": "</s>",
+              "fingerprint": bpe.fingerprint(), "file": "tokenizer.json"}
+    plain = file.read_bytes()
+    ordinary = bpe._tok.token_to_id("Ġthe")
+    for name, change, message in [
+        ("nosep", {"sep_id": None}, "has no document separator id"),
+        ("wrongname", {"sep_id": 1}, "id 1 is '<s>', but the data's separator was '</s>'"),
+        ("ordinary", {"sep_id": ordinary, "sep_token": None}, r"'Ġthe' \(id \d+\) is an ordinary token"),
+        ("beyond", {"sep_id": 10_000, "sep_token": None}, "has no token with id 10000"),
+    ]:
+        ck.save(model, tmp_path / name, extra={"tokenizer": {**record, **change}})
+        (tmp_path / name / "tokenizer.json").write_bytes(plain)
+        with pytest.raises(DepthToolsError, match=message):
+            export_hf(tmp_path / name, tmp_path / f"out_{name}")
+        assert not (tmp_path / f"out_{name}").exists()
+    # a tokenizer without any special token: data preparation refuses, with and without --sep-token
+    bare = _user_tokenizer(tmp_path / "bare", USER_TEXTS, [])
+    (tmp_path / "in.jsonl").write_text(json.dumps({"text": USER_TEXTS[0]}) + "\n")
+    with pytest.raises(DepthToolsError, match="defines none of"):
+        prepare_inputs([str(tmp_path / "in.jsonl")], out_dir=tmp_path / "data", tokenizer=str(bare))
+    with pytest.raises(DepthToolsError, match="'Ġthe' .* is an ordinary token of the vocabulary"):
+        prepare_inputs([str(tmp_path / "in.jsonl")], out_dir=tmp_path / "data", tokenizer=str(bare), sep_token="Ġthe")
+
+
 # -- every probe runs on an imported checkpoint --------------------------------------------------------
 def _finite(df):
     values = df["value"].astype(float)

@@ -142,6 +142,7 @@ def _file_tokenizer(path) -> BPETokenizer:
     from depthtools.data.tokenizer import file_tokenizer_name
 
     tok = BPETokenizer.from_file(path)
+    tok.check_separator(path)
     if tok.vocab_size > 65536:
         raise DepthToolsError(f"{path}: {tok.vocab_size:,} tokens do not fit the uint16 token files of --corpus; "
                               "prepare the text with --input (sharded, uint32 ids) instead")

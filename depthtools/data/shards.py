@@ -523,6 +523,7 @@ def resolve_tokenizer(spec: str, sep_token: str | None, units: list[Unit], text_
         return tok
     if is_tokenizer_file(spec):
         probe = BPETokenizer.from_file(spec, sep_token=sep_token)
+        probe.check_separator(spec)
         return BPETokenizer.from_file(spec, sep_token=sep_token, name=file_tokenizer_name(spec, probe.vocab_size))
     raise DepthToolsError(f"unknown tokenizer {spec!r}; valid: {', '.join(TOKENIZER_SPECS)}, or a path to a tokenizer.json")
 

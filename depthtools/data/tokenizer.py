@@ -101,6 +101,17 @@ class BPETokenizer:
         self.dtype = token_dtype(self.vocab_size)
         self.name = name or _bpe_name(self.vocab_size)
 
+    def check_separator(self, where) -> None:
+        """Refuse a separator that is an ordinary vocabulary token: text encodes to it too, so it could
+        not mark where documents start (and an export could not make it eos/bos). Checked when data
+        is prepared; a tokenizer without any special token needs one added first."""
+        added = self._tok.get_added_tokens_decoder().get(self.sep_id)
+        if added is None or not added.special:
+            raise DepthToolsError(
+                f"{where}: the document separator {self.sep_token!r} (id {self.sep_id}) is an ordinary token of the "
+                "vocabulary, not a special token, so text encodes to it too; pass --sep-token with one of the "
+                "tokenizer's special tokens, or add one (tokenizer.add_special_tokens(['<|endoftext|>']); tokenizer.save(...))")
+
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 4096) -> "BPETokenizer":
         """Train byte-level BPE; the 256 byte symbols are always in the alphabet so any text encodes."""

@@ -6,8 +6,15 @@ encodes to exactly `list(text.encode())` and decodes back. Id 0 (the NUL byte, d
 separator) is also bos/eos/pad, under its byte-level spelling "Ā" (U+0100); `split_special_tokens`
 makes a literal "Ā" in text encode as its two UTF-8 bytes, as ByteTokenizer does.
 
-Byte-level BPE (bpe4k/bpe8k) is already a `tokenizers` file: it is carried over (after checking its
-fingerprint against the one the checkpoint recorded) with "<|endoftext|>" as bos/eos/pad.
+A `tokenizers` file (depthtools' bpe4k/bpe8k, or the user's own tokenizer.json given to `data
+prepare`) is carried over after checking its fingerprint against the one the checkpoint recorded.
+bos/eos/pad are the token the data actually used as its document separator (the recorded sep_id:
+"<|endoftext|>" id 0 for depthtools' BPE, "</s>" id 2 for a Llama-2-style file, ...), not a fixed
+name; an export refuses, in one line, a record whose separator it cannot vouch for (no sep_id, an id
+the file does not have, a recorded name the id contradicts, an ordinary vocabulary token that text
+also encodes to). A post-processor that adds tokens (Llama's "<s> $A" template) is dropped from the
+exported file, and padding/truncation settings cleared, because the training data never had them:
+the exported tokenizer encodes text to exactly the ids depthtools trained on.
 A checkpoint imported from Hugging Face carries its original tokenizer files back out unchanged.
 
 Where the tokenizer comes from: checkpoints record the tokenizer's name and fingerprint in
@@ -107,23 +114,85 @@ def byte_plan(max_len: int, source: str) -> TokenizerPlan:
         "special_tokens_map.json": json.dumps(tokens, indent=2) + "\n"})
 
 
-def bpe_plan(file: Path, max_len: int, vocab_size: int, fingerprint: str | None) -> TokenizerPlan:
-    """A depthtools byte-level BPE tokenizer.json, verified against the recorded fingerprint."""
+def bpe_plan(file: Path, max_len: int, vocab_size: int, fingerprint: str | None,
+             record: dict[str, Any] | None = None) -> TokenizerPlan:
+    """A `tokenizers` file the data was prepared with, verified against the checkpoint's record.
+
+    record: the tokenizer record (config.json / meta.json "tokenizer") whose sep_id names the
+    document separator; without one, the separator is found as data preparation finds it.
+    """
+    from tokenizers import Tokenizer
+
     from depthtools.data.tokenizer import BPETokenizer
 
-    tok = BPETokenizer.from_dir(file.parent) if file.name == TOKENIZER_JSON else None
-    if tok is None:
+    if file.name != TOKENIZER_JSON:
         raise DepthToolsError(f"{file}: expected a file named {TOKENIZER_JSON}")
+    try:
+        raw = Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises plain Exception on bad files
+        raise DepthToolsError(f"{file}: not a valid tokenizer file ({str(exc).splitlines()[0]})") from None
+    record = record or {}
+    sep_id, sep_name = record.get("sep_id"), record.get("sep_token")
+    if record and (not isinstance(sep_id, int) or isinstance(sep_id, bool)):
+        raise DepthToolsError(f"the tokenizer record of this checkpoint has no document separator id (sep_id={sep_id!r}), "
+                              "so the exported bos/eos cannot be the token its data used; pass --tokenizer none")
+    if isinstance(sep_id, int):
+        token = raw.id_to_token(sep_id)
+        if token is None:
+            raise DepthToolsError(f"{file} has no token with id {sep_id}, the document separator this checkpoint's data used")
+        if isinstance(sep_name, str) and sep_name != token:
+            raise DepthToolsError(f"{file}: id {sep_id} is {token!r}, but the data's separator was {sep_name!r} "
+                                  "(not the tokenizer the data was prepared with)")
+        sep_name = token
+    tok = BPETokenizer(raw, sep_token=sep_name if isinstance(sep_name, str) else None)
     if fingerprint and tok.fingerprint() != fingerprint:
         raise DepthToolsError(f"{file} is not the tokenizer this checkpoint was trained with "
                               f"(fingerprint {tok.fingerprint()[:12]}, recorded {fingerprint[:12]})")
     if tok.vocab_size > vocab_size:
         raise DepthToolsError(f"{file} has {tok.vocab_size} tokens but the model's vocabulary is {vocab_size}")
+    added = raw.get_added_tokens_decoder().get(tok.sep_id)
+    if added is None or not added.special:
+        raise DepthToolsError(f"the data's document separator {tok.sep_token!r} (id {tok.sep_id}) is an ordinary token of "
+                              f"{file}, not a special token (text encodes to it too), so it cannot be the exported "
+                              "eos/bos; prepare the data with a tokenizer that has an end-of-text special token")
     special = {"bos_token_id": tok.sep_id, "eos_token_id": tok.sep_id, "pad_token_id": tok.sep_id}
-    tokens = {k: SEPARATOR for k in ("bos_token", "eos_token", "pad_token")}
-    return TokenizerPlan("bpe", str(file), special, {
-        "tokenizer_config.json": json.dumps(tokenizer_config(SEPARATOR, max_len), indent=2) + "\n",
-        "special_tokens_map.json": json.dumps(tokens, indent=2) + "\n"}, {TOKENIZER_JSON: file})
+    tokens = {k: tok.sep_token for k in ("bos_token", "eos_token", "pad_token")}
+    plan = TokenizerPlan("bpe", str(file), special, {
+        "tokenizer_config.json": json.dumps(tokenizer_config(tok.sep_token, max_len), indent=2) + "\n",
+        "special_tokens_map.json": json.dumps(tokens, indent=2) + "\n"})
+    cleaned, dropped = _as_trained(_json(file))
+    if dropped:
+        plan.texts[TOKENIZER_JSON] = json.dumps(cleaned, indent=2, ensure_ascii=False) + "\n"
+        plan.notes.append(f"exported {TOKENIZER_JSON} without the {' and '.join(dropped)} of {file} "
+                          "(the training data never had them; prompts start with the separator "
+                          f"{tok.sep_token!r} = bos, as every training document did)")
+    else:
+        plan.copies[TOKENIZER_JSON] = file
+    return plan
+
+
+_ADDING_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+
+
+def _as_trained(head: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The tokenizer.json as depthtools encoded with it (add_special_tokens=False, no padding or
+    truncation): post-processors that add tokens removed; returns (json, what was dropped)."""
+    head, dropped = dict(head), []
+    proc = head.get("post_processor")
+    if isinstance(proc, dict):
+        if proc.get("type") == "Sequence":
+            kept = [p for p in proc.get("processors") or [] if p.get("type") not in _ADDING_PROCESSORS]
+            if len(kept) != len(proc.get("processors") or []):
+                head["post_processor"] = {**proc, "processors": kept} if kept else None
+                dropped.append("post-processor's added tokens")
+        elif proc.get("type") in _ADDING_PROCESSORS:
+            head["post_processor"] = None
+            dropped.append(f"post-processor ({proc['type']}, which adds tokens)")
+    for key in ("padding", "truncation"):
+        if head.get(key) is not None:
+            head[key] = None
+            dropped.append(f"{key} settings")
+    return head, dropped
 
 
 def _hf_special_ids(directory: Path, recorded: dict[str, Any] | None) -> dict[str, int | None]:
@@ -173,8 +242,31 @@ def _is_depthtools_bpe(head: dict) -> bool:
     return any(t.get("content") == SEPARATOR for t in head.get("added_tokens") or [])
 
 
-def _from_path(path: Path, max_len: int, vocab_size: int) -> TokenizerPlan:
-    """An explicitly given tokenizer: a depthtools data dir, a tokenizer.json, or an HF tokenizer dir."""
+def _depthtools_record(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's tokenizer record when depthtools prepared its data with a tokenizer file."""
+    record = config.get("tokenizer")
+    if isinstance(record, dict) and record and record.get("format") != "huggingface" and record.get("name") != "byte":
+        return record
+    return None
+
+
+def _recorded_beside(directory: Path) -> dict[str, Any] | None:
+    """The tokenizer record of a prepared data folder (meta.json) or a depthtools checkpoint (config.json)."""
+    for name in ("meta.json", "config.json"):
+        try:
+            record = json.loads((directory / name).read_text(encoding="utf-8")).get("tokenizer")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("sep_id"), int) and record.get("format") != "huggingface":
+            return record
+    return None
+
+
+def _from_path(path: Path, max_len: int, vocab_size: int, record: dict[str, Any] | None = None) -> TokenizerPlan:
+    """An explicitly given tokenizer: a depthtools data dir, a tokenizer.json, or an HF tokenizer dir.
+
+    record: the checkpoint's own tokenizer record, if depthtools prepared its data; then the given
+    file must be that tokenizer (fingerprint) and the separator is the one the data used."""
     file = path if path.is_file() else path / TOKENIZER_JSON
     if path.is_dir() and not file.is_file():
         if (path / "tokenizer.model").is_file():
@@ -185,6 +277,11 @@ def _from_path(path: Path, max_len: int, vocab_size: int) -> TokenizerPlan:
     head = _json(file)
     if isinstance(head, dict) and head.get("depthtools_tokenizer") == "byte":
         return byte_plan(max_len, str(file))
+    if record is not None:
+        return bpe_plan(file, max_len, vocab_size, record.get("fingerprint"), record)
+    beside = _recorded_beside(file.parent)
+    if beside is not None:
+        return bpe_plan(file, max_len, vocab_size, beside.get("fingerprint"), beside)
     if isinstance(head, dict) and _is_depthtools_bpe(head):
         return bpe_plan(file, max_len, vocab_size, None)
     return hf_plan(file.parent, vocab_size, None)
@@ -195,9 +292,10 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
 
     tokenizer: None/"auto" (what the checkpoint records), "byte", "none", or a path (a prepared
     data directory, a tokenizer.json, or a Hugging Face tokenizer directory). Auto: tokenizer files
-    carried in the checkpoint directory (HF import) > the recorded byte tokenizer > the recorded BPE
-    tokenizer.json in the recorded data directory (fingerprint-checked) > no record: byte when the
-    vocabulary has >= 256 ids (depthtools' default), otherwise none (with a note).
+    carried in the checkpoint directory (HF import) > the recorded byte tokenizer > the recorded
+    tokenizer.json (BPE or the user's file) in the checkpoint or its recorded data directory
+    (fingerprint-checked, bos/eos = the recorded separator) > no record: byte when the vocabulary
+    has >= 256 ids (depthtools' default), otherwise none (with a note).
     """
     ckpt_dir, max_len, vocab = Path(ckpt_dir), cfg.max_seq_len, cfg.vocab_size
     spec = "auto" if tokenizer is None else str(tokenizer)
@@ -207,13 +305,14 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
         if vocab < 256:
             raise DepthToolsError(f"the byte tokenizer needs 256 ids but the model's vocabulary is {vocab}")
         return byte_plan(max_len, "byte")
+    record = _depthtools_record(config)
     if spec != "auto":
-        return _from_path(Path(spec), max_len, vocab)
-    record = config.get("tokenizer") or {}
-    if record.get("format") == "huggingface" or _is_hf_tokenizer_dir(ckpt_dir):
+        return _from_path(Path(spec), max_len, vocab, record)
+    recorded = config.get("tokenizer") or {}
+    if recorded.get("format") == "huggingface" or (not recorded and _is_hf_tokenizer_dir(ckpt_dir)):
         source = (config.get("source") or {}).get("hf_config")
         return hf_plan(ckpt_dir, vocab, source)
-    if record.get("name") == "byte":
+    if recorded.get("name") == "byte":
         return byte_plan(max_len, "byte (recorded)")
     if record:
         data = (config.get("data") or {}).get("path")
@@ -221,7 +320,7 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
         candidates = [ckpt_dir / name] + ([Path(data) / name] if data else [])
         for file in candidates:
             if file.is_file():
-                return bpe_plan(file, max_len, vocab, record.get("fingerprint"))
+                return bpe_plan(file, max_len, vocab, record.get("fingerprint"), record)
         where = ", ".join(str(c) for c in candidates)
         raise DepthToolsError(f"checkpoint records tokenizer {record.get('name')!r} but its file is missing ({where}); "
                               "pass --tokenizer DATA_DIR (the prepared data directory) or --tokenizer none")
