@@ -1,4 +1,4 @@
-"""The `depthtools` command: a thin Typer layer over the library (DESIGN §1).
+"""The `depthtools` command: a thin Typer layer over the library (docs/design.md §1).
 
 Sub-commands live in small modules (`cli/*_cmd.py`) that register on `app` or on the `grid`
 group. User errors (`DepthToolsError`) print one line to stderr and exit with code 2.

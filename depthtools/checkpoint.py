@@ -1,4 +1,4 @@
-"""Checkpoints: safetensors weights + JSON config, atomic writes, name resolution (DESIGN §5).
+"""Checkpoints: safetensors weights + JSON config, atomic writes, name resolution (docs/design.md §5).
 
 Layout of one cell directory `checkpoints/<grid>/<arch>_L<n>/`:
     model.safetensors   weights (no pickle: loading cannot run code)

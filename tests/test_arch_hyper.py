@@ -1,7 +1,7 @@
 """HC and mHC (depthtools/arch/hyper.py): init equivalence with Pre-LN, the paper equations as a
 slow per-token reference, Sinkhorn, skip/swap semantics, hooks, options and bookkeeping.
 
-The references below are written from the equations in shared/reference/architectures.md §3.1-3.2
+The references below are written from the equations in docs/reference/architectures.md §3.1-3.2
 and read only parameters from the library (plus the shared backbone: embedding, attention, MLP,
 norms, head).
 """
@@ -532,7 +532,7 @@ def test_registry_entries():
     for name, paper in (("hc", "2409.19606"), ("mhc", "2512.24880")):
         spec = get_arch(name)
         assert spec.family == "multi-stream" and spec.in_depthbench and paper in spec.paper
-    d, L = 1024, 24  # architectures.md §3.2: n = 4 gives 2L(96d + 27)
+    d, L = 1024, 24  # docs/reference/architectures.md §3.2: n = 4 gives 2L(96d + 27)
     big = ModelConfig(arch="mhc", d_model=d, n_layer=L, n_heads=16)
     assert get_arch("mhc").extra_params(big) == 2 * L * (96 * d + 27)
 

@@ -1,4 +1,4 @@
-"""Normalisation-family formulas checked against the reference equations (architectures.md §2)."""
+"""Normalisation-family formulas checked against the reference equations (docs/reference/architectures.md §2)."""
 
 import math
 

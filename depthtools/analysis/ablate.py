@@ -1,4 +1,4 @@
-"""Causal depth ablations through the sweep engine (metrics.md §2.1, §2.2, DepthBench).
+"""Causal depth ablations through the sweep engine (docs/reference/metrics.md §2.1, §2.2, DepthBench).
 
     ablate(model, tokens, mode="skip")                 bypass one block (every skip rule of the scheme)
     ablate(model, tokens, mode="swap", pairs="all")    exchange blocks i<j (DepthBench permutation score)

@@ -9,7 +9,7 @@ block s changes every later update; the causal score is
 over tokens, reported here as `causal_score_max`). Skipped runs reuse the cached prefix: one
 intact forward per batch, then for each s `run_states(plan=Plan.skipping(s, rule), start=s,
 from_state=states[s])` (L−s blocks, not L). The skip rule is the architecture's own (default or
-`rule`; architectures.md §4).
+`rule`; docs/reference/architectures.md §4).
 
 Future effect (Csordás "future" matrix): block s is skipped only at positions 1 ≤ t < cut and the
 updates are compared only at positions t ≥ cut, isolating what reaches later tokens through
@@ -21,8 +21,9 @@ such as AttnRes' source deletion or MoDA's masked depth slots) it is *unsupporte
 NaN and the table's notes say why.
 
 Summaries (`causal_summary`): fraction of late-layer pairs with C > 0.45 (both blocks in the last
-3/4 of the network, DepthBench §0.3), DepthBench's global score (1/√L)(1/L)Σ_{s<L−1} mean_{l>s} C,
-and downstream influence DI_s = mean_{l>s} C(s,l) with its second-half mean over s ≥ L/2.
+3/4 of the network; DepthBench, docs/reference/architectures.md §0.3), DepthBench's global score
+(1/√L)(1/L)Σ_{s<L−1} mean_{l>s} C, and downstream influence DI_s = mean_{l>s} C(s,l) with its
+second-half mean over s ≥ L/2.
 """
 
 from __future__ import annotations

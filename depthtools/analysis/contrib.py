@@ -1,4 +1,5 @@
-"""Per-block contributions (Csordás et al. 2025, metrics.md §2.3) and block-Jacobian identity deviation (§2.4).
+"""Per-block contributions (Csordás et al. 2025) and block-Jacobian identity deviation
+(docs/reference/metrics.md §2.3, §2.4).
 
 On the contract's geometry, with Δ_l = geometry(z_{l+1}) − geometry(z_l) the update of block l (0-based):
 
@@ -21,7 +22,7 @@ reshapes (checked at run time); a no-op hook on `attn.hook_pattern` routes atten
 explicit form (PyTorch's fused CPU attention has no forward-mode derivative). If forward AD still
 fails (e.g. a custom autograd Function without jvp) a central finite difference is used
 (`jacobian_method` column). Non-tensor states: NaN with a note. near_identity_fraction = share of
-blocks with δ < `identity_threshold` (0.1; metrics.md §2.4's stricter 0.01 is reported as
+blocks with δ < `identity_threshold` (0.1; docs/reference/metrics.md §2.4's stricter 0.01 is reported as
 near_identity_fraction_strict).
 """
 

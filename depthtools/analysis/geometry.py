@@ -1,20 +1,20 @@
-"""Similarity and geometry of the depth states z_0..z_L (metrics.md §3), on the contract only.
+"""Similarity and geometry of the depth states z_0..z_L (docs/reference/metrics.md §3), on the contract only.
 
 Every statistic is computed on `model.geometry(z_l)` ([B,T,k]: the residual stream, HC's
 concatenated streams, AttnRes' next-consumer mix, ...), streamed over token batches with float64
-accumulators, so no activations are held beyond one batch (DESIGN §7):
+accumulators, so no activations are held beyond one batch (docs/design.md §7):
 
 * angular distance d(i,j) = mean_t arccos(cos(z_i, z_j))/π for all pairs (and the adjacent diagonal);
 * minibatch linear CKA (Nguyen et al. 2021) for all (L+1)² pairs in one matmul per minibatch, via
   `similarity.CKAAccumulator`: debiased (the default estimate), biased (plug-in, for comparison)
-  and outlier-controlled (features z-scored per minibatch, metrics.md §3.3);
+  and outlier-controlled (features z-scored per minibatch, docs/reference/metrics.md §3.3);
 * effective rank (Roy & Vetterli) and participation ratio per depth, from a streamed float64
   covariance (exactly `similarity.effective_rank` / `participation_ratio` of all rows), also with
   the top-`outlier_k` massive dimensions removed;
 * DepthBench token collapse per depth (`similarity.token_collapse`, per sequence, uncentred).
 
 Position 0 (BOS / attention sink) and optionally the first k positions are excluded
-(`exclude_first`, metrics.md §0). Summaries: mean adjacent CKA, CKA block fraction (longest run of
+(`exclude_first`, docs/reference/metrics.md §0). Summaries: mean adjacent CKA, CKA block fraction (longest run of
 depths with all pairwise CKA > 0.9, over L) and N_rep = (L+1)²/Σ C_ij².
 
 Token sets follow `depthtools.analysis.tokens`: [N, T+1] windows of which the model reads the
@@ -70,7 +70,7 @@ def _rel(layer, unit: str, n_layer: int) -> float:
 
 def tidy_frame(model, rows: Iterable[dict[str, Any]], settings: dict[str, Any] | None = None,
                notes: Sequence[str] = ()) -> pd.DataFrame:
-    """A tidy table (DESIGN §6): one row per model × layer(s) × metric.
+    """A tidy table (docs/design.md §6): one row per model × layer(s) × metric.
 
     Columns: model (cell name), arch, n_layer, d_model, metric, unit, layer, layer_j (the second
     index of a pair metric, else empty), rel_depth / rel_depth_j, value, plus any extra keys the

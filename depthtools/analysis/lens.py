@@ -1,4 +1,4 @@
-"""Logit lens and tuned lens at every depth 0..L (metrics.md §1), chunked over tokens and depths.
+"""Logit lens and tuned lens at every depth 0..L (docs/reference/metrics.md §1), chunked over tokens and depths.
 
 Lens at depth l: p_l = softmax(unembed(ln_final(T_l(readout(z_l))))), with T_l the identity (logit
 lens) or a trained affine translator (tuned lens). At l = L the translator is the identity and the

@@ -1,4 +1,4 @@
-"""Seaborn plot helpers: each takes a tidy table and returns a matplotlib Axes (DESIGN §6).
+"""Seaborn plot helpers: each takes a tidy table and returns a matplotlib Axes (docs/design.md §6).
 
 The x axis is relative depth l/L so models of different depth in an iso-parameter grid overlay;
 one line per model (hue) and, where a table has several skip rules or lenses, one dash style each.

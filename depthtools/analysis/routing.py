@@ -1,4 +1,4 @@
-"""Native depth-routing statistics (metrics.md §4): how each consumer mixes earlier depths.
+"""Native depth-routing statistics (docs/reference/metrics.md §4): how each consumer mixes earlier depths.
 
 Only architectures with learned depth routing have these; each extracts its own in the common frame
 below (`ResidualScheme.depth_routing`, returning a `DepthRouting`: HC/mHC the unfolded stream

@@ -1,8 +1,8 @@
-"""Model-independent representation-similarity math (metrics.md §3).
+"""Model-independent representation-similarity math (docs/reference/metrics.md §3).
 
 Every function takes plain torch tensors with rows = tokens and columns = features
 (``[n, d]``); nothing here knows about models. Statistics are computed in float64
-(metrics.md §0: "accumulate all Gram/covariance/CKA/rank statistics in fp64") and
+(docs/reference/metrics.md §0: "accumulate all Gram/covariance/CKA/rank statistics in fp64") and
 features are centred *before* any Gram matrix is formed, because centring a
 large-norm Gram matrix loses precision (§3.2).
 
@@ -242,7 +242,7 @@ class CKAAccumulator:
     HSIC₁ converges to the full-data debiased CKA without storing activations. Memory is
     bounded by one batch of Grams: (L+1)·n²·8 bytes.
 
-    Outlier control (metrics.md §3.1/3.3; massive dims make independent data look aligned):
+    Outlier control (docs/reference/metrics.md §3.1/3.3; massive dims make independent data look aligned):
     * ``outlier_mode='remove'``: drop ``outlier_k`` dims per depth, either ``outlier_dims``
       (one index tensor per depth, or one for all depths) or, if not given, the top-k by
       mean |activation| of each batch.
@@ -389,7 +389,7 @@ def effective_rank(Z: torch.Tensor) -> torch.Tensor:
 
     ``p_i = σ_i/Σσ`` (singular values of centred Z), ``erank = exp(−Σ p log p)``. Equals r
     for r equal singular values; bounded by min(n, d) — use n ≥ 5d and compare erank/d
-    across widths (metrics.md §3.5).
+    across widths (docs/reference/metrics.md §3.5).
     """
     _check_2d(Z, "Z")
     s = torch.linalg.svdvals(centre_features(Z))  # [min(n, d)]

@@ -5,7 +5,7 @@ Per model (`effective_depth_row`), each field read from a table another analysis
 
     n_skip_over_L        N_skip/L, N_skip = exp(H(π)), π ∝ KL(intact‖skip l) (ablate skip, default rule)
     f_tau                prunable fraction at τ, greedy re-measured removal (ablate prune, default rule)
-    n_lens_over_L        N_lens/L, N_lens = exp(H(π)) of the lens CE progress g_l⁺ (metrics.md §1.4,
+    n_lens_over_L        N_lens/L, N_lens = exp(H(π)) of the lens CE progress g_l⁺ (docs/reference/metrics.md §1.4,
                          `lens.lens_progress` on the lens depth table; tuned lens preferred)
     kl_depth_over_L      first depth from which KL(p_L‖p_l) ≤ `kl_threshold` (0.1 nats) at every
                          later depth, / L (lens depth table) — the threshold reading of "N_lens"
@@ -17,7 +17,7 @@ Per model (`effective_depth_row`), each field read from a table another analysis
                          (ablate_swap: all pairs, DepthBench's number; else ablate_swap_adjacent, noted)
 
 Grid level (`grid_summary`): for each architecture, least-squares slopes over its depth sweep of
-N_skip against n_layer (marginal effective depth, metrics.md §9.12) and of the final loss against
+N_skip against n_layer (marginal effective depth, docs/reference/metrics.md §9.12) and of the final loss against
 log n_layer, fitted once per training seed and averaged. The main interval is the Student-t
 interval across training seeds (the larger noise at CPU scale; none with one seed). A second,
 named interval (`_boot_lo/_boot_hi`) is a percentile bootstrap over evaluation sequences: each

@@ -2,7 +2,7 @@
 
 For each batch of sequences the intact states z_0..z_L are computed once. A plan whose first change
 is at depth l (`Plan.first_change`) runs from the cached z_l: `model.run(plan, start=l,
-from_state=z_l)`, so a single-skip sweep costs sum_l (L-l) blocks instead of L·L (DESIGN §3, §7).
+from_state=z_l)`, so a single-skip sweep costs sum_l (L-l) blocks instead of L·L (docs/design.md §3, §7).
 The result is bit-identical to a full re-run with the plan (tested for every architecture).
 
 Batching: sequences are processed `batch_size` at a time with every plan evaluated on the batch

@@ -3,7 +3,7 @@
 `save_table(df, ckpt_dir, "ablate_skip", settings)` writes `<ckpt>/analysis/ablate_skip.parquet`
 and `ablate_skip.json` (the settings, row count, columns). `load_table(ckpt_dir, name, settings)`
 returns the table only if it was saved with the same settings, so a changed setting never reuses
-a stale result (DESIGN §6: reports read these tables and never recompute). `cached` is the one
+a stale result (docs/design.md §6: reports read these tables and never recompute). `cached` is the one
 cache rule every probe command and `analyze` use: identical settings -> reuse, else recompute.
 """
 

@@ -1,4 +1,4 @@
-"""The fixed evaluation token set every depth probe runs on (metrics.md §0).
+"""The fixed evaluation token set every depth probe runs on (docs/reference/metrics.md §0).
 
 A token set is a LongTensor [N, T+1]: the model reads `tokens[:, :-1]` (T positions) and position t
 is scored against `tokens[:, t+1]`, as in the trainer's evaluation windows. Position 0 (the first

@@ -1,4 +1,4 @@
-"""HTML reports: one self-contained file per grid, checkpoint or comparison (DESIGN §6, §8).
+"""HTML reports: one self-contained file per grid, checkpoint or comparison (docs/design.md §6, §8).
 
     from depthtools.report import grid_report, model_report
     grid_report("checkpoints/tiny", "reports/tiny.html")            # the whole grid

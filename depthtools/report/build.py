@@ -1,11 +1,11 @@
 """Assemble and write the HTML reports: `grid_report` for a trained grid, `model_report` for one or
 more checkpoints (two or more: side-by-side comparison).
 
-A report reads saved tables only (DESIGN §6), renders one self-contained HTML file (inline CSS and
+A report reads saved tables only (docs/design.md §6), renders one self-contained HTML file (inline CSS and
 script, figures as PNG data URIs, no network access: a Content-Security-Policy forbids any) with a
 table of contents, a caption under each figure saying how to read it, and tables that sort by a
 click on a header and download as CSV. Jinja2 autoescaping is on, so every string taken from a
-config, a table or a directory name is escaped (DESIGN §8). Missing inputs become a "Missing data"
+config, a table or a directory name is escaped (docs/design.md §8). Missing inputs become a "Missing data"
 section naming the cell, the file and the command that produces it.
 """
 
@@ -213,7 +213,7 @@ def _seed_caption(cells_df: pd.DataFrame) -> str:
 def _effective_depth_section(grid: GridData) -> Section:
     section = Section("effective-depth", "Effective depth",
                       "How many layers each model actually uses, and how that grows with depth (marginal effective "
-                      "depth, metrics.md §9.12).")
+                      "depth, docs/reference/metrics.md §9.12).")
     command = f"depthtools summarize --grid {grid.directory}"
     if grid.models_summary is None:
         section.add(NoteBlock(f"No effective-depth summary: run `{command}`.", level="missing"))

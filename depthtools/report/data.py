@@ -1,6 +1,6 @@
 """Read what a report shows: cell configs, training curves, eval losses and the saved analysis tables.
 
-Reports never recompute (DESIGN §6): everything here reads files that training, `depthtools analyze`,
+Reports never recompute (docs/design.md §6): everything here reads files that training, `depthtools analyze`,
 `depthtools summarize` and `depthtools tasks eval` wrote. A missing or unreadable file is not an
 error; it becomes a line in `missing` naming the cell, the file and the command that produces it,
 so a report of a half-finished grid says what it lacks instead of failing.

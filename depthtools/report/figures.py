@@ -5,7 +5,7 @@ nothing leaks between calls and nothing depends on the interactive backend) and 
 seaborn/matplotlib context managers (no global theme is changed). `to_data_uri` encodes a figure as
 a small PNG data URI (DPI 80, a few inches wide) so a report stays a few MB at most.
 
-Depth axes are relative depth l/L (models of different depth overlay, metrics.md §0); colours are
+Depth axes are relative depth l/L (models of different depth overlay, docs/reference/metrics.md §0); colours are
 one per architecture, or one per depth (viridis, shallow to deep) inside an architecture's panel.
 Labels that come from data (model and architecture names) go through `mpl_text` so a `$` in a name
 cannot switch matplotlib into mathtext.
