@@ -1,4 +1,4 @@
-"""Fixtures shared across test modules."""
+"""Fixtures shared across test modules (builders to import are in tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,11 @@ from pathlib import Path
 
 import pytest
 
-TINY_CORPUS = Path(__file__).resolve().parent / "fixtures" / "tiny_corpus"
+from tiny_models import prepare_tiny
 
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """The tiny fixture corpus as a byte-level dataset (one 'text' domain), prepared once per run
     and only read by the tests that use it (training, distributed training, interop)."""
-    from depthtools.data import prepare
-
-    return prepare("text-dir", out_dir=tmp_path_factory.mktemp("data"), text_dir=TINY_CORPUS, val_fraction=0.3)
+    return prepare_tiny(tmp_path_factory.mktemp("data"))

@@ -19,8 +19,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_corpus"
+from tiny_models import TINY_CORPUS, prepare_tiny
+
 ARCHS = ("preln", "hc")
 DEPTHS = (2, 4)
 CELLS = tuple(f"{a}_L{n}" for a in ARCHS for n in DEPTHS)
@@ -54,17 +54,16 @@ def invoke(args: list[str]):
 
 def build_tiny_grid(base: Path) -> TinyGrid:
     """Train, analyse and summarise the tiny grid under `base`, then write its report (about 20 s)."""
-    from depthtools.data import prepare
     from depthtools.grid import grid_spec, plan_grid, save_grid
     from depthtools.train.sweep import train_grid
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        data_dir = prepare("text-dir", out_dir=base / "data", text_dir=FIXTURE, val_fraction=0.3)
+        data_dir = prepare_tiny(base / "data")
         cells = plan_grid(list(ARCHS), budget=30_000, layers=list(DEPTHS), n_heads=2, ffn_multiple=8,
                           tolerance=0.25, max_seq_len=32)
-        spec = grid_spec(cells, name="mini", train=TRAIN, data={"corpus": "text-dir", "text_dir": str(FIXTURE),
+        spec = grid_spec(cells, name="mini", train=TRAIN, data={"corpus": "text-dir", "text_dir": str(TINY_CORPUS),
                                                                  "val_fraction": 0.3})
         root = base / "checkpoints"
         train_grid(spec, root=root, data_root=base / "data")

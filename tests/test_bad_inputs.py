@@ -18,10 +18,9 @@ from depthtools import checkpoint as ck
 from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+from tiny_models import SMALL, TINY_CORPUS, prepare_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_corpus"
-SMALL = dict(vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32)
 
 runner = CliRunner()
 
@@ -129,18 +128,18 @@ EVAL = ["--n-tokens", "64", "--seq-len", "16"]
 
 
 def _prepare_args(out: Path, *extra) -> list:
-    return ["data", "prepare", "--corpus", "text-dir", "--text-dir", FIXTURE, "--out", out, "--val-fraction", "0.3", *extra]
+    return ["data", "prepare", "--corpus", "text-dir", "--text-dir", TINY_CORPUS, "--out", out, "--val-fraction", "0.3", *extra]
 
 
 def test_prepare_refuses_to_overwrite_a_dataset_with_other_settings(tmp_path):
-    from depthtools.data import prepare, read_meta
+    from depthtools.data import read_meta
 
-    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3)
+    data = prepare_tiny(tmp_path / "data")
     before = {p.name: p.read_bytes() for p in data.iterdir()}
     refused(_prepare_args(tmp_path / "data", "--seed", "7"), str(data), "other settings", "seed: 0 -> 7", "--force")
     refused(_prepare_args(tmp_path / "data", "--val-fraction", "0.5"), "val_fraction: 0.3 -> 0.5", "--force")
     with pytest.raises(DepthToolsError, match=r"other settings \(seed: 0 -> 7\).*force=True"):
-        prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3, seed=7)
+        prepare_tiny(tmp_path / "data", seed=7)
     assert {p.name: p.read_bytes() for p in data.iterdir()} == before  # untouched
     same = runner.invoke(app, [str(a) for a in _prepare_args(tmp_path / "data")])  # same settings: a no-op
     assert same.exit_code == 0 and {p.name: p.read_bytes() for p in data.iterdir()} == before
@@ -158,11 +157,10 @@ def test_prepare_refuses_to_overwrite_a_dataset_with_other_settings(tmp_path):
 def trained_cell(tmp_path_factory):
     """A real trained cell on its own dataset (which the tests then prepare again)."""
     from depthtools.config import TrainConfig
-    from depthtools.data import prepare
     from depthtools.train import train_cell
 
     base = tmp_path_factory.mktemp("fingerprint")
-    data = prepare("text-dir", out_dir=base / "data", text_dir=FIXTURE, val_fraction=0.3)
+    data = prepare_tiny(base / "data")
     cell = base / "g" / "preln_L2"
     train_cell(ModelConfig(arch="preln", **SMALL), TrainConfig(tokens=4 * 8 * 32, **FAST), data, cell)
     return base, data, cell
@@ -183,12 +181,11 @@ def _fill(args: list, cell: Path) -> list:
 
 def test_evaluation_refuses_a_data_folder_prepared_again_since_training(trained_cell, data_dir):
     from depthtools.analysis.suite import eval_tokens
-    from depthtools.data import prepare
 
     base, data, cell = trained_cell
     ok = runner.invoke(app, _fill(EVALUATIONS[0], cell))
     assert ok.exit_code == 0, ok.output
-    prepare("text-dir", out_dir=base / "data", text_dir=FIXTURE, val_fraction=0.3, seed=7, force=True)
+    prepare_tiny(base / "data", seed=7, force=True)
     for args in EVALUATIONS:
         refused(_fill(args, cell), str(data), "preln_L2", "data fingerprint", "--data")
     refused([*_fill(EVALUATIONS[0], cell), "--data", data], "data fingerprint")  # naming the same folder
@@ -200,9 +197,9 @@ def test_evaluation_refuses_a_data_folder_prepared_again_since_training(trained_
 
 
 def test_tokenizer_mismatch_is_refused_in_both_directions(tmp_path, data_dir):
-    from depthtools.data import prepare, read_meta
+    from depthtools.data import read_meta
 
-    bpe = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3, tokenizer="bpe4k")
+    bpe = prepare_tiny(tmp_path / "data", tokenizer="bpe4k")
     cells = {}
     for name, data in (("bpe", bpe), ("byte", data_dir)):
         meta = read_meta(data)
@@ -371,7 +368,7 @@ def test_a_one_document_dataset_trains_and_says_it_has_no_val_loss(tmp_path):
     from depthtools.data import prepare
 
     (tmp_path / "txt").mkdir()
-    (tmp_path / "txt" / "only.txt").write_text((FIXTURE.parent.parent.parent / "README.md").read_text()[:20000])
+    (tmp_path / "txt" / "only.txt").write_text((ROOT / "README.md").read_text()[:20000])
     data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=tmp_path / "txt", val_fraction=0.3)
     result = runner.invoke(app, ["train", "--arch", "preln", "--layers", "2", "--d-model", "32", "--n-heads", "2",
                                  "--data", str(data), "--tokens", "2048", "--batch-size", "4", "--seq-len", "16",

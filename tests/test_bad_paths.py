@@ -13,9 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from tiny_models import SMALL, TINY_CORPUS, prepare_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_corpus"
 runner = CliRunner()
 
 
@@ -58,9 +58,9 @@ OUT_PATHS = [
      ["grid spec file (--out)", "is a folder; give a file name"]),
     ("grid plan --out FILE/x.json", lambda t, d, f, _: ["grid", "plan", "--preset", "tiny", "--out", f / "x.json"],
      ["cannot be created", "is a file"]),
-    ("data prepare --out FILE", lambda t, d, f, _: ["data", "prepare", "--corpus", "text-dir", "--text-dir", FIXTURE,
+    ("data prepare --out FILE", lambda t, d, f, _: ["data", "prepare", "--corpus", "text-dir", "--text-dir", TINY_CORPUS,
                                                     "--out", f], ["data folder (--out)", "is an existing file"]),
-    ("data prepare --input --out FILE", lambda t, d, f, _: ["data", "prepare", "--input", FIXTURE, "--out", f],
+    ("data prepare --input --out FILE", lambda t, d, f, _: ["data", "prepare", "--input", TINY_CORPUS, "--out", f],
      ["data folder (--out)", "is an existing file"]),
     ("grid train --root FILE", lambda t, d, f, _: ["grid", "train", _tiny_spec(t, d), "--root", f],
      ["checkpoint root (--root)", "is an existing file"]),
@@ -79,7 +79,6 @@ def test_an_output_path_that_is_the_wrong_kind_of_thing_is_one_line(name, build,
 
 
 # -- metadata that is not what it should be ---------------------------------------------------------
-SMALL = dict(vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32)
 DEEP = "[" * 200_000 + "]" * 200_000  # json.loads: RecursionError
 
 
@@ -232,9 +231,8 @@ BROKEN_DATA = [
 
 @pytest.mark.parametrize("name,damage,words", BROKEN_DATA, ids=[c[0] for c in BROKEN_DATA])
 def test_malformed_dataset_metadata_is_one_line(name, damage, words, tmp_path):
-    from depthtools.data import prepare
 
-    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3)
+    data = prepare_tiny(tmp_path / "data")
     damage(data)
     refused(_train(data, tmp_path / "cell"), *words)
     assert not (tmp_path / "cell" / "model.safetensors").exists()
@@ -318,7 +316,7 @@ def test_a_full_disk_while_training_is_one_line_naming_the_file(tmp_path, data_d
 
 
 def test_a_full_disk_while_preparing_data_is_one_line_naming_the_file(tmp_path):
-    proc = _cli(["data", "prepare", "--corpus", "text-dir", "--text-dir", FIXTURE, "--out", tmp_path / "data",
+    proc = _cli(["data", "prepare", "--corpus", "text-dir", "--text-dir", TINY_CORPUS, "--out", tmp_path / "data",
                  "--name", "mine", "--val-fraction", "0.3"], max_bytes=20_000)
     _one_line(proc, "cannot write", "train.bin", "is the disk full?")
     assert not (tmp_path / "data" / "mine").exists()

@@ -7,26 +7,18 @@ import torch
 
 from depthtools.analysis.causal import causal_scores, causal_summary, default_cuts, late_start
 from depthtools.analysis.geometry import pair_matrix
-from depthtools.arch import DepthModel, Plan
-from depthtools.config import ModelConfig
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from depthtools.arch import Plan
+from tiny_models import one_thread, windows  # noqa: F401 (fixture)
+from tiny_models import tiny as tiny_model
 
 
 def tiny(arch="preln", n_layer=4, seed=0, **options):
-    cfg = ModelConfig(arch=arch, vocab_size=40, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=32, options=options)
-    return DepthModel(cfg, seed=seed).eval()
+    """As initialised, float32 (the references below cast to float64 themselves)."""
+    return tiny_model(arch, n_layer, vocab=40, context=32, seed=seed, at_init=True, **options)
 
 
 def token_set(n=3, t=10, seed=1):
-    return torch.randint(0, 40, (n, t + 1), generator=torch.Generator().manual_seed(seed))
+    return windows(n, t + 1, seed, vocab=40)
 
 
 def zero_block(model, b):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cli.main import app
+from tiny_models import SMALL, prepare_tiny
 
 runner = CliRunner()
 
@@ -48,10 +49,8 @@ def test_written_files_follow_the_umask(tmp_path):
 
     from depthtools.analysis.tables import save_table
     from depthtools.config import ModelConfig, TrainConfig
-    from depthtools.data import prepare
     from depthtools.train import train_cell
 
-    fixture = Path(__file__).resolve().parent / "fixtures" / "tiny_corpus"
     recipe = TrainConfig(tokens=2 * 8 * 32, batch_size=8, seq_len=32, eval_tokens=512, eval_every=0, log_every=1,
                          depth_stats_every=0, checkpoint_every=0, threads=1)
     before = os.umask(0o022)
@@ -59,10 +58,9 @@ def test_written_files_follow_the_umask(tmp_path):
         for mask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o077, 0o600, 0o700)):
             os.umask(mask)
             base = tmp_path / f"umask{mask:03o}"
-            data = prepare("text-dir", out_dir=base / "data", text_dir=fixture, val_fraction=0.3)
+            data = prepare_tiny(base / "data")
             cell = base / "g" / "preln_L2"
-            train_cell(ModelConfig(arch="preln", vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32),
-                       recipe, data, cell)
+            train_cell(ModelConfig(arch="preln", **SMALL), recipe, data, cell)
             save_table(pd.DataFrame({"layer": [0, 1], "value": [0.5, 0.25]}), cell, "probe", {"n": 1})
             modes = {**{f"cell/{k}": v for k, v in _modes(cell).items()}, **{f"data/{k}": v for k, v in _modes(data).items()},
                      "data": stat.S_IMODE(data.stat().st_mode)}

@@ -1,37 +1,18 @@
-"""The depth-state contract (DESIGN §3), checked for every registered architecture."""
+"""The depth-state contract (docs/design.md §3), checked for every registered architecture."""
 
 import pytest
 import torch
 
 from depthtools.arch import DepthModel, Plan, list_archs
 from depthtools.config import ModelConfig
+from tiny_models import VOCAB, one_thread, perturb, tiny, windows  # noqa: F401 (fixture)
 
 ARCHS = [spec.name for spec in list_archs()]
-VOCAB = 61
-
-
-def tiny(arch: str, n_layer: int = 4, **kw) -> DepthModel:
-    cfg = ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=24, **kw)
-    model = DepthModel(cfg, seed=0).double().eval()
-    perturb(model)
-    return model
-
-
-def perturb(model: DepthModel, scale: float = 0.05) -> None:
-    """Move every parameter off its init so zero-init gates/queries do not hide bugs."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-
-
-def tokens(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_builds_and_is_causal(arch):
-    model, toks = tiny(arch), tokens()
+    model, toks = tiny(arch), windows(2, 12)
     logits = model(toks)
     assert logits.shape == (2, 12, VOCAB) and torch.isfinite(logits).all()
     changed = toks.clone()
@@ -43,7 +24,7 @@ def test_builds_and_is_causal(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_readout_of_final_state_is_the_models_logits(arch):
-    model, toks = tiny(arch), tokens()
+    model, toks = tiny(arch), windows(2, 12)
     states = model.run_states(toks)
     assert len(states) == model.n_layer + 1
     assert torch.equal(model.head(states[-1]), model(toks))
@@ -53,7 +34,7 @@ def test_readout_of_final_state_is_the_models_logits(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_run_from_cached_state_equals_full_run(arch):
-    model, toks = tiny(arch), tokens()
+    model, toks = tiny(arch), windows(2, 12)
     states = model.run_states(toks)
     full = model(toks)
     for depth in range(model.n_layer + 1):
@@ -65,7 +46,7 @@ def test_run_from_cached_state_equals_full_run(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_swap_twice_is_identity_and_swap_changes_output(arch):
-    model, toks = tiny(arch), tokens()
+    model, toks = tiny(arch), windows(2, 12)
     L = model.n_layer
     order = list(range(L))
     order[1], order[2] = order[2], order[1]
@@ -81,7 +62,7 @@ def test_gradients_reach_every_parameter(arch):
     cfg = ModelConfig(arch=arch, vocab_size=VOCAB, d_model=32, n_layer=3, n_heads=4, max_seq_len=24)
     model = DepthModel(cfg, seed=0)
     perturb(model, 0.02)  # zero-init gains (ReZero, queries) would give exact-zero grads elsewhere
-    toks = tokens()
+    toks = windows(2, 12)
     loss = torch.nn.functional.cross_entropy(model(toks).flatten(0, 1), toks.roll(-1, 1).flatten())
     loss.backward()
     dead = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
@@ -103,7 +84,7 @@ def test_registry_extra_parameter_formula_matches_built_model(arch):
 def test_hooks_exist_and_run_with_cache_returns_activation_cache(arch):
     from transformer_lens import ActivationCache
 
-    model, toks = tiny(arch), tokens()
+    model, toks = tiny(arch), windows(2, 12)
     logits, cache = model.run_with_cache(toks)
     assert isinstance(cache, ActivationCache)
     # with hooks attached the pattern is formed explicitly (not fused SDPA): same function
@@ -121,7 +102,7 @@ def test_training_steps_leave_the_state_dict_as_it_was(arch, tmp_path):
     state dict has the same entries, and the checkpoint saves and loads (to the same logits)."""
     from depthtools.checkpoint import load, save
 
-    model, toks = tiny(arch), tokens()
+    model, toks = tiny(arch), windows(2, 12)
     before = model.state_dict()
     for _ in range(2):
         model.train()(toks).square().mean().backward()

@@ -21,8 +21,8 @@ from depthtools.data.corpora import Corpus, Document, corpus_digest, strip_metam
 from depthtools.data.prepare import cap_documents, split_documents
 from depthtools.data.rserialize import read_lazyload_db
 from depthtools.errors import DepthToolsError
+from tiny_models import TINY_CORPUS, prepare_tiny
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny_corpus"
 UNICODE = "Grüße aus Köln — naïve café, 東京, кофе, قهوة, emoji 🌍🚀, math ∑ε≤∞\n\ttabs  and  spaces\r\n"
 
 
@@ -33,7 +33,7 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 def _tiny(tmp_path: Path, **kw) -> Path:
-    return prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3, **kw)
+    return prepare_tiny(tmp_path / "data", **kw)
 
 
 def _fake_corpus(n_docs: int, expected=(None, None, None), domain="prose") -> Corpus:
@@ -55,7 +55,7 @@ def test_byte_tokenizer_round_trips_non_ascii():
 
 
 def test_bpe_trained_on_fixture_round_trips(tmp_path):
-    texts = [p.read_text(encoding="utf-8") for p in sorted(FIXTURE.iterdir())]
+    texts = [p.read_text(encoding="utf-8") for p in sorted(TINY_CORPUS.iterdir())]
     tok = BPETokenizer.train(texts, vocab_size=600)
     assert tok.vocab_size <= 600 and tok.sep_id == 0
     for text in texts + [UNICODE, "a literal <|endoftext|> stays text"]:
@@ -106,7 +106,7 @@ def test_prepared_train_and_val_documents_are_disjoint(tmp_path):
     splits = json.loads((out / "splits.json").read_text())
     assert splits["val"] and set(splits["train"]).isdisjoint(splits["val"])
     meta = read_meta(out)
-    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == len(list(FIXTURE.iterdir()))
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == len(list(TINY_CORPUS.iterdir()))
 
 
 # ---------------------------------------------------------------- prepare
@@ -120,11 +120,11 @@ def test_text_dir_prepare_writes_bins_meta_and_domain_val(tmp_path):
     assert train.dtype == np.uint16 and len(train) == meta["splits"]["train"]["tokens"]
     assert train[0] == 0 and val[0] == 0  # a separator precedes every document
     assert int((train == 0).sum()) == meta["splits"]["train"]["documents"]
-    total_bytes = sum(len(p.read_bytes()) for p in FIXTURE.iterdir())
-    assert len(train) + len(val) == total_bytes + len(list(FIXTURE.iterdir()))
+    total_bytes = sum(len(p.read_bytes()) for p in TINY_CORPUS.iterdir())
+    assert len(train) + len(val) == total_bytes + len(list(TINY_CORPUS.iterdir()))
     val_domains = [k for k in meta["splits"] if k.startswith("val_")]
     assert val_domains and sum(meta["splits"][k]["tokens"] for k in val_domains) == len(val)
-    assert ByteTokenizer().decode(val[1:]).split("\x00")[0] in {p.read_text() for p in FIXTURE.iterdir()}
+    assert ByteTokenizer().decode(val[1:]).split("\x00")[0] in {p.read_text() for p in TINY_CORPUS.iterdir()}
     with pytest.raises(DepthToolsError, match="no split 'test'"):
         load_split(out, "test")
 
@@ -154,10 +154,10 @@ def test_bad_inputs_give_one_line_errors(tmp_path):
     cases = [
         (dict(corpus="shakespeare+nope"), "unknown corpus 'nope'"),
         (dict(corpus="text-dir"), "needs --text-dir"),
-        (dict(corpus="shakespeare", text_dir=FIXTURE), "does not include text-dir"),
+        (dict(corpus="shakespeare", text_dir=TINY_CORPUS), "does not include text-dir"),
         (dict(corpus="text-dir", text_dir=tmp_path / "missing"), "not a directory"),
-        (dict(corpus="text-dir", text_dir=FIXTURE, tokenizer="bpe3k"), "unknown tokenizer"),
-        (dict(corpus="text-dir", text_dir=FIXTURE, val_fraction=1.5), "val_fraction"),
+        (dict(corpus="text-dir", text_dir=TINY_CORPUS, tokenizer="bpe3k"), "unknown tokenizer"),
+        (dict(corpus="text-dir", text_dir=TINY_CORPUS, val_fraction=1.5), "val_fraction"),
     ]
     for kwargs, message in cases:
         with pytest.raises(DepthToolsError, match=message) as err:
@@ -255,7 +255,7 @@ def test_data_cli_list_json_and_prepare(tmp_path):
     runner = CliRunner()
     listed = json.loads(runner.invoke(data_app, ["list", "--json"]).stdout)
     assert {r["name"] for r in listed["corpora"]} >= {"shakespeare", "sympy", "text-dir"}
-    res = runner.invoke(data_app, ["prepare", "--text-dir", str(FIXTURE), "--out", str(tmp_path)])
+    res = runner.invoke(data_app, ["prepare", "--text-dir", str(TINY_CORPUS), "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert read_meta(tmp_path / "text-dir")["splits"]["train"]["tokens"] > 0
     res = runner.invoke(data_app, ["prepare", "--corpus", "nope", "--out", str(tmp_path)])

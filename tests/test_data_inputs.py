@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from depthtools.config import ModelConfig, TrainConfig
-from depthtools.data import ByteTokenizer, load_split, load_tokenizer, prepare, prepare_inputs, read_meta
+from depthtools.data import ByteTokenizer, load_split, load_tokenizer, prepare_inputs, read_meta
 from depthtools.data.budget import check_vocab, epochs_problem
 from depthtools.data.shards import ShardedTokens, verify
 from depthtools.errors import DepthToolsError
 from depthtools.train.batches import TrainBatches, windows
+from tiny_models import prepare_tiny
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny_corpus"
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the depth of a model is the number of blocks and its width the size of each state".split()
 
@@ -364,7 +364,7 @@ def test_vocabulary_rule_allows_padding_only():
 def test_budget_above_max_epochs_is_refused_with_the_numbers(tmp_path, caplog):
     from depthtools.train import train_cell
 
-    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3)
+    data = prepare_tiny(tmp_path / "data")
     n = read_meta(data)["splits"]["train"]["tokens"]
     small = ModelConfig(vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32)
     fast = dict(batch_size=4, seq_len=32, eval_tokens=256, eval_every=0, log_every=1, depth_stats_every=0,

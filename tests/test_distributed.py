@@ -36,9 +36,9 @@ from depthtools.train.launch import SlurmResources, parse_time, submit_cells
 from depthtools.train.loop import write_heartbeat
 from depthtools.train.state import latest_step
 from depthtools.train.sweep import cell_specs, cell_status, run_cell
+from tiny_models import TINY_CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_corpus"
 MODEL = ModelConfig(arch="hc", vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32)
 # What `depthtools train` below builds from its flags: 20 steps of 8 rows, 4 micro-batches of 2.
 RECIPE = TrainConfig(tokens=20 * 8 * 32, batch_size=8, micro_batch_size=2, seq_len=32, lr=1e-2, threads=1,
@@ -215,7 +215,7 @@ def mini_grid(tmp_path: Path, steps: int = 6, checkpoint_every: int = 0) -> Path
                       max_seq_len=32)
     train = dict(tokens=steps * 8 * 32, batch_size=8, seq_len=32, lr=1e-2, eval_tokens=512, log_every=10,
                  eval_every=0, depth_stats_every=0, checkpoint_every=checkpoint_every, threads=1)
-    data = {"corpus": "text-dir", "text_dir": str(FIXTURE), "val_fraction": 0.3}
+    data = {"corpus": "text-dir", "text_dir": str(TINY_CORPUS), "val_fraction": 0.3}
     return save_grid(grid_spec(cells, name="mini", train=train, data=data), tmp_path / "mini.json")
 
 

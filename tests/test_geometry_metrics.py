@@ -5,25 +5,17 @@ import torch
 
 from depthtools.analysis.geometry import depth_similarity, pair_matrix
 from depthtools.analysis.similarity import effective_rank, linear_cka, participation_ratio, token_collapse
-from depthtools.arch import DepthModel
-from depthtools.config import ModelConfig
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tiny_models import one_thread, windows  # noqa: F401 (fixture)
+from tiny_models import tiny as tiny_model
 
 
 def tiny(arch="preln", n_layer=4, seed=0):
-    cfg = ModelConfig(arch=arch, vocab_size=40, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=64)
-    return DepthModel(cfg, seed=seed).eval()
+    """As initialised, float32 (the tolerances below are float32's)."""
+    return tiny_model(arch, n_layer, vocab=40, context=64, seed=seed, at_init=True)
 
 
 def token_set(n=4, t=24, seed=1):
-    return torch.randint(0, 40, (n, t + 1), generator=torch.Generator().manual_seed(seed))
+    return windows(n, t + 1, seed, vocab=40)
 
 
 def per_depth(df, metric):

@@ -26,13 +26,12 @@ from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 from depthtools.interop import export_hf, from_hf, import_hf
-from tests.tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
+from tiny_models import one_thread, prepare_tiny  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_corpus"
 TOL = 1e-5
 runner = CliRunner()
 
@@ -322,9 +321,9 @@ def test_exported_byte_tokenizer_round_trips_text_and_drives_generate(exported, 
 
 
 def test_bpe_tokenizer_is_carried_and_fingerprint_checked(tmp_path):
-    from depthtools.data import load_tokenizer, prepare, read_meta
+    from depthtools.data import load_tokenizer, read_meta
 
-    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3, tokenizer="bpe4k")
+    data = prepare_tiny(tmp_path / "data", tokenizer="bpe4k")
     meta, bpe = read_meta(data), load_tokenizer(data)
     model = perturbed_preln(vocab_size=bpe.vocab_size, n_layer=1)
     extra = {"tokenizer": meta["tokenizer"], "data": {"path": str(data)}}

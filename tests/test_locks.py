@@ -24,10 +24,9 @@ from cli.main import app
 from depthtools import checkpoint as ck
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.fsutil import LockHeldError, acquire_lock
+from tiny_models import SMALL, TINY_CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_corpus"
-SMALL = dict(vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32)
 FAST = dict(batch_size=8, seq_len=32, lr=1e-2, eval_tokens=512, log_every=1, eval_every=0,
             depth_stats_every=0, checkpoint_every=0, threads=1)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -112,14 +111,14 @@ def test_a_second_preparation_of_a_dataset_is_refused(tmp_path):
     target = tmp_path / "data" / "mine"
     holder = _hold_lock(tmp_path / "data" / ".mine.lock")
     try:
-        args = ["data", "prepare", "--corpus", "text-dir", "--text-dir", str(FIXTURE), "--out", str(tmp_path / "data"),
+        args = ["data", "prepare", "--corpus", "text-dir", "--text-dir", str(TINY_CORPUS), "--out", str(tmp_path / "data"),
                 "--name", "mine", "--val-fraction", "0.3"]
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2, (result.output, result.exception)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and f"dataset {target} is locked by pid {holder.pid}" in lines[0], result.stderr
         assert not target.exists()
-        inputs = ["data", "prepare", "--input", str(FIXTURE), "--out", str(tmp_path / "data"), "--name", "mine"]
+        inputs = ["data", "prepare", "--input", str(TINY_CORPUS), "--out", str(tmp_path / "data"), "--name", "mine"]
         result = CliRunner().invoke(app, inputs)  # the --input (sharded) path takes the same lock
         assert result.exit_code == 2 and f"pid {holder.pid}" in result.stderr, (result.output, result.exception)
         assert not target.exists()

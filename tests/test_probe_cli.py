@@ -15,7 +15,7 @@ from depthtools.analysis.summary import load_results
 from depthtools.analysis.tables import load_settings, save_table
 from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig
-from tests.tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
+from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 runner = CliRunner()
 EVAL = ["--n-tokens", "64", "--seq-len", "16"]

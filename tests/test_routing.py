@@ -6,25 +6,16 @@ import pytest
 import torch
 
 from depthtools.analysis.routing import consumer_stats, routing_matrix, routing_stats
-from depthtools.arch import DepthModel
-from depthtools.config import ModelConfig
-
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tiny_models import one_thread, windows  # noqa: F401 (fixture)
+from tiny_models import tiny as tiny_model
 
 
 def tiny(arch, n_layer=3, **options):
-    cfg = ModelConfig(arch=arch, vocab_size=40, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=32, options=options)
-    return DepthModel(cfg, seed=0).eval()
+    """As initialised (the routing at init is what these tests know), float32."""
+    return tiny_model(arch, n_layer, vocab=40, context=32, at_init=True, **options)
 
 
-TOKENS = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+TOKENS = windows(2, 9, seed=1, vocab=40)
 
 
 def lower_triangle(W):

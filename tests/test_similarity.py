@@ -24,17 +24,9 @@ from depthtools.analysis.similarity import (
     token_collapse,
     top_outlier_dims,
 )
+from tiny_models import one_thread  # noqa: F401 (fixture)
 
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small matrices gain nothing from threads; on a busy CPU OpenMP contention makes them 50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -215,7 +207,7 @@ def test_minibatch_cka_approaches_full_debiased_value():
 
 
 def _shared_outlier_pair(n=512, d=64, seed=30):
-    """Independent X, Y except for one shared massive dimension (metrics.md §3.1 pitfall)."""
+    """Independent X, Y except for one shared massive dimension (docs/reference/metrics.md §3.1 pitfall)."""
     g = _gen(seed)
     X = torch.randn(n, d, generator=g, dtype=F64)
     Y = torch.randn(n, d, generator=g, dtype=F64)

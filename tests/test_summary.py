@@ -2,7 +2,6 @@
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -16,23 +15,13 @@ from depthtools import checkpoint as ck
 from depthtools.analysis.ablate import ablate_skip
 from depthtools.analysis.summary import SUMMARY_FIELDS, effective_depth_row, grid_slopes, sequence_profile
 from depthtools.analysis.tables import model_columns
-from depthtools.arch import DepthModel
-from depthtools.config import ModelConfig
-
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny_corpus"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tiny_models import one_thread  # noqa: F401 (fixture)
+from tiny_models import tiny as tiny_model
 
 
 def tiny(arch="preln", n_layer=4, vocab=40, seed=0):
-    cfg = ModelConfig(arch=arch, vocab_size=vocab, d_model=32, n_layer=n_layer, n_heads=4, max_seq_len=32)
-    return DepthModel(cfg, seed=seed).eval()
+    """As initialised, float32."""
+    return tiny_model(arch, n_layer, vocab=vocab, context=32, seed=seed, at_init=True)
 
 
 def test_zeroed_blocks_reduce_n_skip_to_the_live_blocks():
@@ -107,10 +96,8 @@ def _profile_ce(profile: pd.DataFrame) -> float:
     return float(profile[profile["metric"] == "ce_intact"]["value"].mean())
 
 
-def test_cli_single_commands_analyze_and_summarize(tmp_path, monkeypatch):
-    from depthtools.data.prepare import prepare
-
-    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3)
+def test_cli_single_commands_analyze_and_summarize(tmp_path, data_dir, monkeypatch):
+    data = data_dir  # read only
     grid = tmp_path / "grid"
     for L in (2, 3):
         ck.save(tiny(n_layer=L, vocab=256), grid / f"preln_L{L}", extra={"data": {"path": str(data)}})

@@ -20,7 +20,6 @@ from typer.testing import CliRunner
 from depthtools.arch import DepthModel, list_archs
 from depthtools.checkpoint import load, read_json, read_metrics, read_tensors
 from depthtools.config import ModelConfig, TrainConfig
-from depthtools.data import prepare
 from depthtools.errors import DepthToolsError
 from depthtools.grid import grid_spec, plan_grid, save_grid
 from depthtools.train import (
@@ -30,10 +29,9 @@ from depthtools.train import loop as train_loop
 from depthtools.train.flops import flops_per_token
 from depthtools.train.optim import build_optimizer
 from depthtools.train.state import latest_step, load_train_state
+from tiny_models import SMALL, TINY_CORPUS, prepare_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_corpus"
-SMALL = dict(vocab_size=256, d_model=32, n_layer=2, n_heads=2, max_seq_len=32)
 FAST = dict(batch_size=8, seq_len=32, lr=1e-2, eval_tokens=512, log_every=10, eval_every=0,
             depth_stats_every=0, checkpoint_every=0, threads=1)
 
@@ -144,7 +142,7 @@ def test_finished_cell_has_everything_and_loads(data_dir, tmp_path):
 def test_bpe_cell_carries_its_tokenizer_and_exports_after_the_data_is_gone(tmp_path):
     from depthtools.interop.tokenizer import resolve_tokenizer
 
-    data = prepare("text-dir", out_dir=tmp_path / "data", text_dir=FIXTURE, val_fraction=0.3, tokenizer="bpe4k")
+    data = prepare_tiny(tmp_path / "data", tokenizer="bpe4k")
     vocab = json.loads((data / "meta.json").read_text())["tokenizer"]["vocab_size"]
     out = tmp_path / "cell"
     train_cell(ModelConfig(arch="preln", **{**SMALL, "vocab_size": vocab}), TrainConfig(tokens=2 * 8 * 32, **FAST), data, out)
@@ -230,7 +228,7 @@ def _tiny_grid(tmp_path: Path) -> Path:
     cells = plan_grid(["preln", "hc"], budget=30_000, layers=[1, 2], n_heads=2, ffn_multiple=8,
                       tolerance=0.15, max_seq_len=32)
     train = {**FAST, "tokens": 6 * 8 * 32}
-    data = {"corpus": "text-dir", "text_dir": str(FIXTURE), "val_fraction": 0.3}
+    data = {"corpus": "text-dir", "text_dir": str(TINY_CORPUS), "val_fraction": 0.3}
     return save_grid(grid_spec(cells, name="mini", train=train, data=data), tmp_path / "mini.json")
 
 
