@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 from typer.core import TyperGroup
 
 from depthtools.errors import DepthToolsError
@@ -68,12 +69,15 @@ def print_json(obj) -> None:
 
 
 def table(title: str, columns: list[str], rows: list[list]) -> Table:
-    """A rich table whose title, headers and cells are shown literally (a `[` in a name is not markup)."""
+    """A rich table whose title, headers and cells are shown literally (a `[` in a name is not markup).
+
+    A cell that should be styled is passed as a rich `Text` (e.g. Text(state, style="green")): it is
+    rendered as it is, never parsed, so user text inside it stays literal too."""
     out = Table(title=escape(str(title)))
     for column in columns:
         out.add_column(escape(str(column)))
     for row in rows:
-        out.add_row(*(escape(str(v)) for v in row))
+        out.add_row(*(v if isinstance(v, Text) else escape(str(v)) for v in row))
     return out
 
 

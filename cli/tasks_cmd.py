@@ -18,6 +18,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from cli.main import console, fmt, print_json, table
 from depthtools.errors import DepthToolsError
@@ -57,7 +58,7 @@ def sample_command(
     if as_json:
         print_json([s.to_dict() for s in samples])
         return
-    rows = [[str(i), escape(s.prompt), f"[bold green]{escape(s.answer)}[/]", f"{s.answer_start}:{s.answer_end}",
+    rows = [[str(i), s.prompt, Text(s.answer, style="bold green"), f"{s.answer_start}:{s.answer_end}",
              str(len(s.text))] for i, s in enumerate(samples)]
     console.print(table(f"{task} (k={k}): {TASK_HELP[task]}", ["#", "prompt", "answer", "span", "bytes"], rows))
 

@@ -396,3 +396,23 @@ def test_unusable_numbers_are_one_line_errors(tmp_path, data_dir, args, words):
             base[flag] = value
     refused(["train", *[x for kv in base.items() for x in kv]], *words)
     assert not (tmp_path / "cell" / "model.safetensors").exists()
+
+
+def test_styled_table_cells_keep_their_style_and_user_text_stays_literal():
+    """table() escapes strings but renders a rich Text as styled: `tasks sample` showed its answers as
+    '[bold green]2[/]' (escaped twice over) once every cell was escaped."""
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from cli.main import table
+
+    out = Console(file=io.StringIO(), width=120, record=True, color_system="truecolor")
+    out.print(table("t[/x]", ["a[b]", "state"], [["x[red]y", Text("pending", style="dim")]]))
+    shown = out.export_text(clear=False)
+    assert "t[/x]" in shown and "a[b]" in shown and "x[red]y" in shown and "[dim]" not in shown
+    assert "\x1b[2mpending" in out.export_text(styles=True)  # dim, not the literal tag
+    sample = runner.invoke(app, ["tasks", "sample", "--task", "chase", "--k", "2", "--n", "2"], terminal_width=200)
+    assert sample.exit_code == 0, sample.output
+    assert "[bold green]" not in sample.stdout and "\\" not in sample.stdout and "q?" in sample.stdout
