@@ -179,7 +179,7 @@ def train_command(
     seed: Optional[int] = typer.Option(None, "--seed"),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or cuda."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32 or bfloat16."),
-    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="torch.compile on CUDA."),
+    compile: Optional[str] = typer.Option(None, "--compile", help="auto (default: when the run is long enough to repay it), on or off: regional torch.compile of the training step (CPU and CUDA)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads."),
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Under torchrun: ddp (default) or fsdp (FSDP2 sharding)."),
     eval_every: Optional[int] = typer.Option(None, "--eval-every"),
@@ -269,6 +269,7 @@ def grid_train_command(
     launcher: str = typer.Option("local", "--launcher", help="local (processes here), slurm (job array via submitit) or ray."),
     workers: int = typer.Option(1, "--workers", help="local: cells trained at once (1 = in this process)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="local/ray: torch threads per cell (default 1 with --workers > 1)."),
+    compile: Optional[str] = typer.Option(None, "--compile", help="auto, on or off for every cell (overrides the grid's recipe; not part of a cell's run fingerprint)."),
     partition: Optional[str] = typer.Option(None, "--partition", help="slurm: partition."),
     gpus_per_cell: int = typer.Option(1, "--gpus-per-cell", help="slurm/ray: GPUs per cell (slurm: >1 = one DDP rank per GPU)."),
     cpus_per_cell: int = typer.Option(8, "--cpus-per-cell", help="slurm/ray: CPU cores per cell."),
@@ -292,6 +293,12 @@ def grid_train_command(
     if launcher not in LAUNCHERS:
         raise DepthToolsError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
     spec = select_cells(_grid_spec(grid, preset), [c.strip() for c in cells.split(",")] if cells else None)
+    if compile is not None:
+        from depthtools.config import TrainConfig
+
+        train = {**(spec.get("train") or {}), "compile": compile}
+        TrainConfig.from_dict(train)  # a bad value: one line before any cell starts
+        spec = {**spec, "train": train}
     if launcher == "slurm":
         _grid_slurm(spec, grid, root, data_root, force, dry_run, as_json, partition=partition,
                     gpus_per_cell=gpus_per_cell, cpus_per_cell=cpus_per_cell, time=time, mem_gb=mem_gb)

@@ -126,6 +126,7 @@ SCHEDULES = ("cosine", "wsd")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 PARALLEL = ("ddp", "fsdp")
+COMPILE = ("auto", "on", "off")  # TrainConfig.compile (issue 20)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,10 @@ class TrainConfig:
     autocast on CUDA and float32 on CPU; `threads` sets torch's intra-op threads (None: leave).
     `max_epochs` bounds the token budget by the data: a budget above max_epochs × the train split's
     tokens is refused when planning and training (None: a warning above one epoch; recipes that claim
-    a paper's setting set 1). `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
+    a paper's setting set 1). `compile`: "on" trains through depthtools.arch.compiled's regional
+    `torch.compile` (CPU and CUDA; the eager path is the reference), "off" eagerly, "auto" (default)
+    compiles only when the planned run is long enough to repay the compilation (`compile_choice`).
+    `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
     sharding, for models whose weights + AdamW state do not fit one device); one process ignores it.
     """
 
@@ -179,7 +183,7 @@ class TrainConfig:
     divergence_margin: float = 5.0  # nats above the lowest logged train loss that stop the run (0 = off)
     device: str = "auto"
     dtype: str = "auto"
-    compile: bool = False
+    compile: str = "auto"  # "auto" | "on" | "off" (old configs' true/false read as "on"/"off"); see compile_choice
     threads: int | None = None
     peak_flops: float | None = None  # for MFU; None: looked up from the CUDA device name
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (same maths; not part of the run fingerprint)
@@ -188,6 +192,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lr_overrides", {str(k): float(v) for k, v in dict(self.lr_overrides).items()})
+        if isinstance(self.compile, bool):  # configs written before issue 20: true/false
+            object.__setattr__(self, "compile", "on" if self.compile else "off")
         if self.task_mix is not None:  # a JSON dict becomes a validated, frozen TaskMix
             from depthtools.data.tasks import TaskMix
 
@@ -242,6 +248,8 @@ class TrainConfig:
             raise DepthToolsError(f"TrainConfig.max_epochs must be a positive number (or None), got {epochs!r}")
         if self.parallel not in PARALLEL:
             raise DepthToolsError(f"unknown parallel {self.parallel!r}; valid: {', '.join(PARALLEL)}")
+        if self.compile not in COMPILE:
+            raise DepthToolsError(f"unknown compile {self.compile!r}; valid: {', '.join(COMPILE)}")
 
     def total_tokens(self, n_params: int) -> int:
         """The token budget for a model of `n_params` total parameters."""

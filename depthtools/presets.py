@@ -8,6 +8,9 @@ demo:            the embedded default: 3 archs x 3 depths x 3 seeds, 600k tokens
 cpu-small:       ~1.6M params, DepthBench's ten architectures x 4 depths: ~68 h of training on 2 CPU cores.
 afternoon:       preln, hc, attnres at L4..L32 x 3 seeds: 2 h 02 min of training on 2 CPU cores (measured).
 deep:            preln and hc at L6/L24/L96 (the `--ckpt hc_L96` example).
+tasks:           the depth-task grid (issue 17): preln at L2/L4/L8 x 3 seeds (~0.11M params) trained on the S5
+                 composition stream with a k curriculum; accuracy vs k separates the depths (measured:
+                 benchmarks/RESULTS.md, "Depth tasks that are learned").
 depthbench-400m: the paper's shapes (V=50280, 16 heads, d_ff multiple 16, L16..L32), for GPUs.
 """
 
@@ -29,6 +32,10 @@ class Preset:
     train: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields
     data: dict[str, Any] = field(default_factory=dict)  # corpus / tokenizer
     analysis: dict[str, Any] = field(default_factory=dict)  # depthtools.analysis.suite.analyze_grid arguments
+    # The text probe suite (lens, ablations, ...) reads text windows: off for grids trained on tasks alone.
+    probes: bool = True
+    # depthtools.analysis.tasks.evaluate_grid arguments for the demo's depth-task stage (tasks, ks, n)
+    task_eval: dict[str, Any] = field(default_factory=dict)
 
     def grid_spec(self, name: str | None = None, seeds=None) -> dict[str, Any]:
         """Plan the preset's cells and return the grid spec (see depthtools.grid.grid_spec).
@@ -97,6 +104,20 @@ PRESETS: dict[str, Preset] = {
         data=dict(corpus="default", tokenizer="byte"),
         analysis=dict(n_tokens=4096, seq_len=128, batch_size=8),
     ),
+    "tasks": Preset(
+        "tasks", "depth tasks that are learned: preln at L2/L4/L8 x 3 training seeds (~0.11M params) on the S5 "
+        "composition stream alone (answer-only loss, k curriculum 1..6, 2,500 steps); accuracy vs k and the lens "
+        "depth per k separate shallow-wide from deep-narrow beyond seed noise",
+        plan=dict(arch=["preln"], budget=125_000, vocab_size=256, layers=[2, 4, 8], seeds=[0, 1, 2], n_heads=2,
+                  head_dim_multiple=2, ffn_multiple=8, tolerance=0.08, max_seq_len=64),
+        train=dict(tokens=2_500 * 32 * 64, batch_size=32, seq_len=64, lr=3e-3, eval_every=0, eval_tokens=2048,
+                   log_every=100, depth_stats_every=0, checkpoint_every=500,
+                   task_mix=dict(fraction=1.0, tasks=["s5"], k_min=1, k_max=6, answer_only=True,
+                                 curriculum=dict(threshold=0.9, every=100, n=64))),
+        data=dict(corpus="default", tokenizer="byte"),
+        probes=False,
+        task_eval=dict(tasks=["s5"], ks="1-6", n=200),
+    ),
     "depthbench-400m": Preset(
         "depthbench-400m", "the paper's 400M shapes and recipe (GPUs); data: FineWeb-Edu tokenized with the "
         "GPT-NeoX/OLMo 50k tokenizer, prepared beforehand (docs/data.md)",
@@ -104,7 +125,7 @@ PRESETS: dict[str, Preset] = {
                   n_heads=16, head_dim_multiple=2, ffn_multiple=16, tolerance=0.04, max_seq_len=2048),
         train=dict(tokens_per_param=20, batch_size=512, micro_batch_size=16, seq_len=2048, lr=2e-3,
                    lr_overrides={"lns": 1e-2}, warmup_fraction=0.1, final_lr_fraction=0.1, eval_every=500,
-                   eval_tokens=4_194_304, log_every=10, depth_stats_every=500, checkpoint_every=500, compile=True,
+                   eval_tokens=4_194_304, log_every=10, depth_stats_every=500, checkpoint_every=500, compile="on",
                    max_epochs=1),
         # The paper's data cannot ship with a package: the grid refuses to train until it is prepared.
         data=dict(dir="fineweb-edu-olmo",

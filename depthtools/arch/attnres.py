@@ -133,6 +133,7 @@ class AttnResScheme(ResidualScheme):
     """Full / Block AttnRes over a bank of sources (see the module docstring)."""
 
     single_stream = False
+    compile_region = "sublayer"  # the depth mixes keep their fused bank (its source count grows with depth)
     skip_rules = ("mask", "next-output")
 
     @classmethod
@@ -189,9 +190,8 @@ class AttnResScheme(ResidualScheme):
         return SourceBank(sources=(x0,), bank=bank, handle=handle)
 
     def step(self, position, block, state: SourceBank, home, rope) -> SourceBank:
-        attn = lambda x: block.attn(x, *rope)  # noqa: E731
-        state = self._sublayer(2 * position, state, self.consuming_mixer(state), block, "attn", attn)
-        state = self._sublayer(2 * position + 1, state, block.mlp_res, block, "mlp", block.mlp)
+        state = self._sublayer(2 * position, state, self.consuming_mixer(state), block, "attn", rope)
+        state = self._sublayer(2 * position + 1, state, block.mlp_res, block, "mlp", rope)
         return replace(state, depth=position + 1, consumer=block.index)
 
     def skip(self, position: int, state: SourceBank, rule: str | None = None) -> SourceBank:
@@ -263,11 +263,13 @@ class AttnResScheme(ResidualScheme):
             return None
         return self.final_res if state.consumer == self.cfg.n_layer - 1 else self.attn_res[state.consumer]
 
-    def _sublayer(self, sublayer: int, state: SourceBank, mixer, block, name: str, fn) -> SourceBank:
+    def _sublayer(self, sublayer: int, state: SourceBank, mixer, block, name: str, rope) -> SourceBank:
         """Mix the bank into this sublayer's input, run it, add its output to the partial sum."""
         state = self._close_block(sublayer, state)
         h = getattr(block, f"hook_{name}_in")(self._mix(state, mixer, getattr(block, f"hook_attnres_weights_{name}")))
-        out = getattr(block, f"hook_{name}_out")(fn(getattr(block, f"{name}_norm")(h)))
+        norm = getattr(block, f"{name}_norm")
+        y = self.run_attn(norm, block.attn, h, rope) if name == "attn" else self.run_mlp(norm, block.mlp, h)
+        out = getattr(block, f"hook_{name}_out")(y)
         return replace(state, partial=out if state.partial is None else state.partial + out)
 
     def _close_block(self, sublayer: int, state: SourceBank) -> SourceBank:

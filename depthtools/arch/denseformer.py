@@ -72,6 +72,7 @@ class DenseFormerScheme(ResidualScheme):
     """Pre-LN blocks + position-bound depth-weighted averages of all retained block outputs."""
 
     single_stream = False
+    compile_region = "sublayer"  # the DWA mix keeps its fused kernel (its source count grows with depth)
     skip_rules = ("identity",)
 
     @classmethod
@@ -112,8 +113,8 @@ class DenseFormerScheme(ResidualScheme):
 
     def step(self, position, block, state: DenseState, home, rope) -> DenseState:
         x = block.hook_resid_pre(state.mixed)
-        x = block.hook_resid_mid(x + block.hook_attn_out(block.attn(block.attn_norm(x), *rope)))
-        x = block.hook_resid_post(x + block.hook_mlp_out(block.mlp(block.mlp_norm(x))))
+        x = block.hook_resid_mid(x + block.hook_attn_out(self.run_attn(block.attn_norm, block.attn, x, rope)))
+        x = block.hook_resid_post(x + block.hook_mlp_out(self.run_mlp(block.mlp_norm, block.mlp, x)))
         new = self._after_block(position, state.retained + (x,))
         return DenseState(new.retained, home.hook_dwa_out(new.mixed))
 

@@ -101,6 +101,7 @@ from depthtools.arch import reference
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme, resolve_options
+from depthtools.arch.compiled import compiling, sinkhorn_op
 from depthtools.arch.torch_private import is_hooked
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
@@ -192,7 +193,7 @@ def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20, order: str = "rows_las
     Differentiable: the gradient is the exact gradient of the unrolled t_max iterations.
     fused=False: the plain-autograd reference (`reference.sinkhorn`) instead of `_SinkhornKnopp`.
     """
-    sinkhorn = _SinkhornKnopp.apply if fused else reference.sinkhorn
+    sinkhorn = (sinkhorn_op if compiling() else _SinkhornKnopp.apply) if fused else reference.sinkhorn
     with _full_precision(logits):
         return sinkhorn(logits.to(_compute_dtype(logits)), t_max, _softmax_dim(order))
 
@@ -322,8 +323,8 @@ class _Connector(nn.Module):
         lead, (n, d) = H.shape[:-2], H.shape[-2:]
         weight_hooks = (self.hook_width_weights, self.hook_res_weights, self.hook_depth_weights)
         if H.dtype == _compute_dtype(H) and not is_hooked(*weight_hooks):
-            with _full_precision(H):
-                out = (self.fused if self.use_fused else self.reference)(H.reshape(-1, n, d))
+            with _full_precision(H):  # traced by torch.compile: the references (depthtools.arch.compiled)
+                out = (self.fused if self.use_fused and not compiling() else self.reference)(H.reshape(-1, n, d))
             if out is not None:  # (weights not hooked: the fused connector, same function)
                 u, mixed, depth = out
                 return self.hook_branch_in(u.view(*lead, d)), mixed.view(*lead, n, d), depth.view(*lead, n)
@@ -334,7 +335,7 @@ class _Connector(nn.Module):
                 width = self.hook_width_weights(width.squeeze(-2)).unsqueeze(-2)
                 routing = torch.cat([width, self.hook_res_weights(res)], dim=-2)
             depth = self.hook_depth_weights(depth)
-            mix = _Mix.apply if self.use_fused else reference.stream_mix
+            mix = _Mix.apply if self.use_fused and not compiling() else reference.stream_mix
             u, mixed = mix(routing.to(H.dtype).reshape(-1, n + 1, n), H.reshape(-1, n, d))
         return self.hook_branch_in(u.view(*lead, d)), mixed.view(*lead, n, d), depth.to(H.dtype)
 
@@ -712,7 +713,7 @@ class HyperConnection(_Connector):
         scale = torch.cat([self.alpha_scale.expand(n + 1), self.beta_scale[None]]).to(dtype)  # [n+2]
         dynamic_alpha, dynamic_beta = self._dynamic()
         proj = torch.cat([dynamic_alpha, dynamic_beta[:, None]], 1).to(dtype)  # [d, n+2]
-        proj_rms = _ProjRms.apply if self.use_fused else reference.proj_rms
+        proj_rms = _ProjRms.apply if self.use_fused and not compiling() else reference.proj_rms
         raw, inv = proj_rms(H.reshape(-1, H.shape[-1]), proj, self.eps)  # H @ proj, 1/rms per stream
         coeffs = static + scale * torch.tanh((raw * inv).view(*H.shape[:-1], n + 2))  # tanh(Hbar @ proj)
         return coeffs[..., : n + 1].transpose(-1, -2), coeffs[..., n + 1]  # [A_m | A_r]^T = [w; R], β
@@ -752,13 +753,13 @@ class ManifoldHyperConnection(_Connector):
     def reference(self, H):
         return reference.mhc_connect(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre, self.gate_post,
                                      self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps,
-                                     self.t_max, self._first)
+                                     self.t_max, self._first, sinkhorn_op if compiling() else reference.sinkhorn)
 
     def weights(self, H):
         n, dtype = self.n, _compute_dtype(H)
         x = H.flatten(-2).to(dtype)  # [B,T,n·d]
         phi = torch.cat([self.phi_pre, self.phi_post, self.phi_res], 1).to(dtype)  # [n·d, 2n+n²]
-        proj_rms = _ProjRms.apply if self.use_fused else reference.proj_rms
+        proj_rms = _ProjRms.apply if self.use_fused and not compiling() else reference.proj_rms
         raw, inv = proj_rms(x.reshape(-1, x.shape[-1]), phi, self.eps)
         mix = (raw * inv).view(*x.shape[:-1], phi.shape[1])  # [B,T,2n+n²] = x' @ phi
         pre, post, res = mix.split([n, n, n * n], dim=-1)
@@ -777,6 +778,7 @@ class HyperScheme(ResidualScheme):
 
     single_stream = False
     skip_rules = ("identity", "branch")
+    compile_region = "step"  # under torch.compile the connectors take their plain-autograd references
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:
@@ -863,7 +865,7 @@ class HyperScheme(ResidualScheme):
         u, mixed, depth = connector(H)  # [B,T,d], [B,T,n,d], [B,T,n]
         y = hook_out(fn(norm(u)))  # [B,T,d]
         dtype = torch.promote_types(mixed.dtype, y.dtype)
-        update = _Update.apply if self.opts["fused"] else reference.stream_update
+        update = _Update.apply if self.opts["fused"] and not compiling() else reference.stream_update
         return update(mixed.to(dtype), depth.to(dtype), y.to(dtype))
 
     def skip(self, position, state, rule=None):

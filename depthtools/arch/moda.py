@@ -270,6 +270,8 @@ def append_slots(state: MoDAState, h, keys: list, values: list, valid: tuple[boo
 class MoDAScheme(ResidualScheme):
     """Standard residual stream whose attention also reads same-position depth K/V memories."""
 
+    compile_region = "sublayer"  # the MLP; the depth attention keeps its fused kernel (S grows with depth)
+
     single_stream = True
     skip_rules = ("mask", "zero")
 
@@ -367,7 +369,7 @@ class MoDAScheme(ResidualScheme):
             kv_proj = block.kv_proj if hasattr(block, "kv_proj") else home.kv_proj
             k_mlp, v_mlp = kv_proj(x).view(B, T, 2, attn.n_kv_heads, attn.head_dim).unbind(2)
             keys, values = [k_raw, block.hook_moda_k(k_mlp)], [v, block.hook_moda_v(v_mlp)]
-        y = block.hook_mlp_out(block.mlp(x))
+        y = block.hook_mlp_out(self.run_mlp(block.mlp_norm, block.mlp, h) if pre else block.mlp(x))
         h = h + y if pre else block.mlp_post_norm(h + y)
         h = block.hook_resid_post(h)
         return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._slot_pool, self.fused)

@@ -108,6 +108,7 @@ class DepthModel(HookedRootModule):
             act_fn="silu", positional_embedding_type="rotary", device="cpu",
         )
         self.scheme = spec.build_scheme(cfg)
+        self.compiled = None  # depthtools.arch.compiled.CompiledRegions while training compiled
         self.config = self.scheme.recorded_config()  # cfg with changed-default options written out
         self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.hook_embed = HookPoint()
@@ -189,9 +190,18 @@ class DepthModel(HookedRootModule):
         return self.scheme.embed_state(self.hook_embed(self.tok_embed(tokens)))
 
     def block_step(self, position: int, state: State, block: int | None = None) -> State:
-        """Apply block `block` (default: the one built for `position`) at depth `position`."""
+        """Apply block `block` (default: the one built for `position`) at depth `position`.
+
+        With compiled regions attached (`depthtools.arch.compiled.enable`, the trainer's --compile), a
+        training step (autograd recording) of an unhooked block at its own position runs compiled;
+        everything else (hooks, plans that move blocks, no_grad evaluation and analyses) runs eagerly."""
         running = self.blocks[position if block is None else block]
-        return self.scheme.step(position, running, state, self.blocks[position], (self.rope_cos, self.rope_sin))
+        home = self.blocks[position]
+        compiled = self.compiled
+        if (compiled is not None and running is home and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and compiled.unhooked(running)):
+            return compiled.step(position, running, state, (self.rope_cos, self.rope_sin))
+        return self.scheme.step(position, running, state, home, (self.rope_cos, self.rope_sin))
 
     def readout(self, state: State) -> torch.Tensor:
         """[B,T,d]: what the final norm reads if the network stopped at this state."""

@@ -119,6 +119,12 @@ class NormFamilyScheme(ResidualScheme):
     """One additive residual stream; per-sublayer switches from `sublayer_specs`."""
 
     single_stream = True
+    compile_region = "step"
+
+    def compile_key(self, position: int):
+        """Blocks with the same sublayer switches compute the same step (LNS' scale reads the index)."""
+        specs = sublayer_specs(self.cfg, position)
+        return specs, position if any(spec.lns_scale for spec in specs) else None
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:

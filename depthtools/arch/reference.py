@@ -80,8 +80,10 @@ def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
     return u, mixed, beta
 
 
-def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
-    """_MHCConnect: the mHC connector on streams H [N,n,d].
+def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first,
+                sinkhorn_fn=None):
+    """_MHCConnect: the mHC connector on streams H [N,n,d] (`sinkhorn_fn`: another implementation of
+    `sinkhorn` with its signature, e.g. the compiled path's opaque op; default `sinkhorn`).
 
         x = RMSNorm(vec H) over n·d (no gain)
         H_pre = σ(g_pre · x φ_pre + b_pre), H_post = 2σ(g_post · x φ_post + b_post)
@@ -93,7 +95,7 @@ def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_po
     x = x * _inverse_rms(x, eps)
     h_pre = torch.sigmoid(g_pre * (x @ phi_pre) + b_pre)
     h_post = 2 * torch.sigmoid(g_post * (x @ phi_post) + b_post)
-    h_res = sinkhorn((g_res * (x @ phi_res)).view(N, n, n) + b_res, t_max, first)
+    h_res = (sinkhorn_fn or sinkhorn)((g_res * (x @ phi_res)).view(N, n, n) + b_res, t_max, first)
     u, mixed = stream_mix(torch.cat([h_pre.unsqueeze(1), h_res], 1), H)
     return u, mixed, h_post
 

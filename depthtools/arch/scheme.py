@@ -149,11 +149,31 @@ class ResidualScheme(nn.Module):
 
     single_stream: bool = True
     skip_rules: tuple[str, ...] = ("identity",)
+    compile_region: str = "none"  # what depthtools.arch.compiled compiles: "step" | "sublayer" | "none"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.opts = resolve_options(self.option_schema(cfg.arch), cfg)  # every option, defaults filled in
+        self.compiled_cores = None  # (attn, mlp) compiled sublayer cores, set only inside a compiled step
+
+    # -- compiled training (depthtools.arch.compiled) -------------------------------------------
+    def compile_key(self, position: int):
+        """compile_region "step": positions with equal keys share one compiled step function (so
+        `step` must compute the same function of (block, state) at all of them). Default: one key."""
+        return None
+
+    def run_attn(self, norm: nn.Module, attn: nn.Module, x: torch.Tensor, rope) -> torch.Tensor:
+        """attn(norm(x)): the pre-normed attention sublayer (compiled under compile_region "sublayer")."""
+        if self.compiled_cores is not None:
+            return self.compiled_cores[0](norm, attn, x, *rope)
+        return attn(norm(x), *rope)
+
+    def run_mlp(self, norm: nn.Module, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """mlp(norm(x)): the pre-normed MLP sublayer (compiled under compile_region "sublayer")."""
+        if self.compiled_cores is not None:
+            return self.compiled_cores[1](norm, mlp, x)
+        return mlp(norm(x))
 
     # -- what the rest of the package asks of an architecture ---------------------------------
     @classmethod

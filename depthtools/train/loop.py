@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from depthtools.arch import DepthModel
+from depthtools.arch import DepthModel, compiled
 from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, read_metrics, save
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
@@ -196,7 +196,8 @@ class Run:
     lr_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes with a changed LR
     dist: Dist = field(default_factory=Dist)
     parallel: Any = None  # under torchrun: the DDP/FSDP-wrapped LossModule (eager, for probe steps)
-    parallel_step: Any = None  # ... and the one the step runs (compiled or the same)
+    parallel_step: Any = None  # ... and the one the step runs (the same; compiled regions live in the model)
+    compile: dict[str, Any] = field(default_factory=dict)  # TrainConfig.compile resolved (config.json)
 
     @property
     def tokens_per_step(self) -> int:
@@ -278,15 +279,19 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
                 eval_sets[key] = windows
                 domains[key] = split.get("domain", "all")
     distributed.check_same(dist, start, "the step to resume from", device)
-    step_model, parallel, compile_ = model, None, train_cfg.compile and device.type == "cuda"
+    total_steps = train_cfg.total_steps(params_total)
+    compile_on, compile_why = compiled.decide(train_cfg.compile, model.scheme.compile_region, total_steps,
+                                              train_cfg.batch_size * train_cfg.seq_len, model_cfg.n_layer,
+                                              model_cfg.d_model, device)
+    if compile_on == "on":  # regional: training steps of unhooked blocks compile, the rest stays eager
+        compile_on = "on" if compiled.enable(model, device) else "off"
+    step_model, parallel = model, None
     if dist.enabled:
         torch.manual_seed(distributed.rank_seed(train_cfg.seed, dist.rank, start))
         parallel = distributed.wrap(LossModule(model), dist, device)
         if dist.fsdp:  # sharding replaced the parameters: a new optimizer, holding the restored state
             full_optimizer, optimizer = optimizer, build_optimizer(model, train_cfg, device)[0]
             distributed.move_optimizer_state(full_optimizer, names, model, optimizer)
-    elif compile_:
-        step_model = torch.compile(model)
     batches = TrainBatches(load_split(data_dir, "train"), train_cfg.batch_size, train_cfg.seq_len, train_cfg.seed,
                            device, dist.rank, dist.world_size, task_mix=train_cfg.task_mix,
                            tokenizer=meta["tokenizer"]["name"])
@@ -300,13 +305,15 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
         model_cfg=model_cfg, train_cfg=train_cfg, out_dir=out_dir, data_dir=data_dir, meta=meta, device=device,
         dtype=resolve_dtype(train_cfg, device), model=model, step_model=step_model, optimizer=optimizer,
         param_names=names, batches=batches,
-        eval_sets=eval_sets, domains=domains, total_steps=train_cfg.total_steps(params_total),
+        eval_sets=eval_sets, domains=domains, total_steps=total_steps,
         peak_lr=peak_lr, fingerprint=fingerprint, lr_free_fingerprint=lr_free, lr_changes=lr_changes,
         min_train_loss=float(min_loss) if isinstance(min_loss, (int, float)) else math.inf,
         flops_per_token=flops_per_token(model_cfg, params_total, train_cfg.seq_len),
         peak_flops=peak and peak * dist.world_size,  # tokens/s are the whole world's
         start_step=start, progress=progress if dist.is_main else None, dist=dist, parallel=parallel,
-        parallel_step=torch.compile(parallel) if parallel is not None and compile_ else parallel,
+        parallel_step=parallel,
+        compile={"setting": train_cfg.compile, "resolved": compile_on, "why": compile_why,
+                 "region": model.scheme.compile_region if compile_on == "on" else None},
     )
 
 
@@ -589,6 +596,7 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
             "device": run.device.type, "dtype": str(run.dtype).replace("torch.", ""),
             "depth_scaling": None if scaling is None else {"block_lr_factor": scaling[0], "block_eps_factor": scaling[1]},
             "flops_per_token": run.flops_per_token, "elapsed_s": elapsed, "world_size": run.dist.world_size,
+            "compile": run.compile,
             **({"lr_changes": run.lr_changes} if run.lr_changes else {}),
             **({"task_levels": dict(run.batches.mixer.levels)} if _has_curriculum(run) else {}),
         },

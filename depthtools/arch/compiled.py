@@ -1,0 +1,267 @@
+"""Regional `torch.compile` for training steps (issue 20): what is compiled, when, and for which device.
+
+The eager path is the reference; this module only accelerates it. `enable(model)` attaches a
+`CompiledRegions` to a `DepthModel`; `DepthModel.block_step` then runs a block through a compiled
+region when (a) autograd records (a training step; evaluation, analyses and `torch.no_grad` sweeps
+stay eager and compile nothing), (b) the block runs at its own position (no swap/replace plan), and
+(c) no hook of any kind is attached to any hook point of the block (`torch_private.is_hooked`), so
+`run_with_cache`, `run_with_hooks`, probes with pattern hooks and every analysis see the eager path.
+
+Which region, per scheme (`ResidualScheme.compile_region`, chosen by measurement, benchmarks/RESULTS.md):
+
+    "step"      the whole block step (norms, attention, MLP, connectors, update) is one graph
+                shared by every block with the same `compile_key(position)` (the block's parameters
+                are graph inputs, so L blocks compile once): the norm family, HC, mHC.
+    "sublayer"  only norm + attention and norm + SwiGLU are compiled (two graphs for the model);
+                the depth mixing stays on its hand-written fused kernels, whose state (a growing
+                source bank, MoDA's slot buffers) changes shape with depth and would compile once
+                per position: Full/Block AttnRes, DenseFormer, MoDA (its MLP sublayer).
+    "none"      nothing compiled.
+
+Inside a compiled step the hand-written autograd Functions (hyper.py) are replaced by their
+plain-autograd references (reference.py) -- what inductor fuses -- except mHC's Sinkhorn, which
+inductor compiles ~2.7x slower than the fused tokens-last kernel (n = 4 reductions; measured 4.9 vs
+1.8 ms fwd+bwd at 1024 tokens): it stays opaque, as the `depthtools::sinkhorn` custom op below.
+
+Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
+found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute
+capability is at least 7.0 (Triton's floor); anything else runs eager. The private CPU-only kernels
+(torch_private) are never selected for a non-CPU tensor.
+
+Caches: inductor's FX-graph and AOTAutograd caches are on disk, so a (shape, graph) compiles once
+per machine. Their folder: $DEPTHTOOLS_COMPILE_CACHE, else $TORCHINDUCTOR_CACHE_DIR, else
+~/.cache/depthtools/inductor (torch's own default, /tmp/torchinductor_$USER, is cleared on reboot).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from depthtools.arch.torch_private import is_hooked
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "DEPTHTOOLS_COMPILE_CACHE"
+REGIONS = ("step", "sublayer", "none")
+
+
+# -- device dispatch -------------------------------------------------------------------------------
+
+def backend_for(device: torch.device | str) -> str | None:
+    """The compiler backend for tensors on `device`: "inductor" where inductor can generate kernels for
+    it (CPU: a C++ compiler on PATH; CUDA: Triton importable and compute capability >= 7.0), else None
+    (the run stays eager and says why in the log)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "inductor" if any(shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "clang++", "c++")) else None
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return None
+        index = device.index if device.index is not None else 0
+        return "inductor" if tuple(torch.cuda.get_device_capability(index)) >= (7, 0) else None
+    return None
+
+
+def cache_dir() -> Path:
+    """Where inductor's on-disk caches live (see the module docstring); sets TORCHINDUCTOR_CACHE_DIR
+    for this process if it was not set, so compiled graphs are reused by later runs on this machine."""
+    chosen = os.environ.get(CACHE_ENV) or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
+        Path.home() / ".cache" / "depthtools" / "inductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
+    import torch._inductor.config as inductor_config  # public module of torch.compile's settings
+    inductor_config.fx_graph_cache = True
+    inductor_config.autotune_local_cache = True
+    return Path(chosen)
+
+
+# -- mHC's Sinkhorn as an opaque op (the fused tokens-last kernel, device-generic torch ops) -------
+
+@torch.library.custom_op("depthtools::sinkhorn_tokens_last", mutates_args=())
+def _sinkhorn_tl(z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
+    """Sinkhorn of tokens-last logits z [n_out, n_in, N] (hyper._sinkhorn_forward); contiguous result."""
+    from depthtools.arch.hyper import _sinkhorn_forward
+
+    return _sinkhorn_forward(z, t_max, first)[0].contiguous()
+
+
+@_sinkhorn_tl.register_fake
+def _(z, t_max, first):
+    return z.new_empty(z.shape)
+
+
+@torch.library.custom_op("depthtools::sinkhorn_tokens_last_backward", mutates_args=())
+def _sinkhorn_tl_backward(grad: torch.Tensor, z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
+    """Gradient of `_sinkhorn_tl` w.r.t. z (recomputes the cheap forward for its saved terms)."""
+    from depthtools.arch.hyper import _sinkhorn_backward, _sinkhorn_forward
+
+    _, saved = _sinkhorn_forward(z, t_max, first)
+    return _sinkhorn_backward(saved, grad.contiguous()).contiguous()
+
+
+@_sinkhorn_tl_backward.register_fake
+def _(grad, z, t_max, first):
+    return z.new_empty(z.shape)
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    z, t_max, first = inputs
+    ctx.save_for_backward(z)
+    ctx.t_max, ctx.first = t_max, first
+
+
+def _sinkhorn_grad(ctx, grad):
+    (z,) = ctx.saved_tensors
+    return _sinkhorn_tl_backward(grad, z, ctx.t_max, ctx.first), None, None
+
+
+_sinkhorn_tl.register_autograd(_sinkhorn_grad, setup_context=_sinkhorn_setup)
+
+
+def sinkhorn_op(logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
+    """`reference.sinkhorn`'s signature (logits [..., n, n]) on the fused tokens-last kernel, as an op
+    torch.compile does not trace into (the layout change around it is fused into its neighbours)."""
+    n = logits.shape[-1]
+    z = logits.reshape(-1, n, n).permute(1, 2, 0).contiguous()
+    return _sinkhorn_tl(z, t_max, first).permute(2, 0, 1).reshape(logits.shape)
+
+
+def compiling() -> bool:
+    """Whether this code is being traced by torch.compile (then the schemes take their traceable
+    formulations: plain-autograd references, no private APIs, no buffer pools)."""
+    return torch.compiler.is_compiling()
+
+
+# -- the regions -----------------------------------------------------------------------------------
+
+def _hook_points(block: nn.Module) -> list[nn.Module]:
+    from transformer_lens.hook_points import HookPoint
+
+    return [m for m in block.modules() if isinstance(m, HookPoint)]
+
+
+class CompiledRegions:
+    """The compiled callables of one model (see the module docstring). Not part of the model's state:
+    `model.compiled = None` (or `disable(model)`) returns it to the eager path."""
+
+    def __init__(self, model: nn.Module, region: str | None = None):
+        scheme = model.scheme
+        self.region = region or scheme.compile_region
+        if self.region not in REGIONS:
+            raise ValueError(f"unknown compile region {self.region!r}; valid: {REGIONS}")
+        self.backend = "inductor"
+        self._points = {id(b): _hook_points(b) for b in model.blocks}
+        self._steps: dict[Any, Callable] = {}
+        self._scheme = scheme
+        self.cores = None
+        if self.region == "sublayer":
+            self.cores = (torch.compile(_attn_core, backend=self.backend, dynamic=False),
+                          torch.compile(_mlp_core, backend=self.backend, dynamic=False))
+
+    def unhooked(self, block: nn.Module) -> bool:
+        points = self._points.get(id(block))
+        if points is None:
+            points = self._points[id(block)] = _hook_points(block)
+        return not is_hooked(*points)
+
+    def step(self, position: int, block: nn.Module, state, rope):
+        """The block step through the compiled region (the caller checked the conditions)."""
+        scheme = self._scheme
+        if self.region == "step":
+            key = scheme.compile_key(position)
+            fn = self._steps.get(key)
+            if fn is None:
+                fn = self._steps[key] = _step_function(scheme, position, self.backend)
+            return fn(block, state, *rope)
+        scheme.compiled_cores = self.cores
+        try:
+            return scheme.step(position, block, state, block, rope)
+        finally:
+            scheme.compiled_cores = None
+
+
+def _step_function(scheme, position: int, backend: str) -> Callable:
+    """scheme.step at `position` (and every position with its compile key) as one compiled function
+    of (block, state, cos, sin); the block's parameters are graph inputs, so all blocks share it."""
+    def block_step(block, state, cos, sin):
+        return scheme.step(position, block, state, block, (cos, sin))
+
+    return torch.compile(block_step, backend=backend, dynamic=False)
+
+
+def _attn_core(norm: nn.Module, attn: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return attn(norm(x), cos, sin)
+
+
+def _mlp_core(norm: nn.Module, mlp: nn.Module, x: torch.Tensor):
+    return mlp(norm(x))
+
+
+def enable(model: nn.Module, device: torch.device | str | None = None) -> bool:
+    """Attach compiled regions to `model` (a DepthModel) for training on `device` (default: where its
+    parameters are). Returns False, leaving the model eager, when the device has no compiler backend
+    (`backend_for`) or the architecture declares no region."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if backend_for(device) is None:
+        logger.warning("compile: no compiler backend for %s here (CPU: a C++ compiler; CUDA: Triton and "
+                       "compute capability >= 7.0); training eagerly", device)
+        model.compiled = None
+        return False
+    if model.scheme.compile_region == "none":
+        model.compiled = None
+        return False
+    cache_dir()
+    model.compiled = CompiledRegions(model)
+    return True
+
+
+def disable(model: nn.Module) -> None:
+    model.compiled = None
+
+
+# -- "auto": does compiling pay for itself? ---------------------------------------------------------
+
+# Measured on the 2-core dev machine, 1 thread, L32 d64, batch 8x128 (benchmarks/bench_compile.py,
+# benchmarks/RESULTS.md "Compiled training (issue 20)"): saved seconds per training step per
+# (token x layer x d_model) -- the saving scales with the elementwise work -- and the first step's
+# extra time with a cold inductor cache (a warm cache makes it ~5 s).
+SAVING_PER_UNIT_S = {"step": 6e-8, "sublayer": 2.5e-8}  # preln / moda, the smallest of each region
+COMPILE_COST_S = {"step": 40.0, "sublayer": 15.0}
+CUDA_MIN_STEPS = 1000  # not measured on a GPU yet: compile CUDA runs of at least this many steps
+
+
+def decide(setting: str, region: str, total_steps: int, tokens_per_step: int, n_layer: int, d_model: int,
+           device: torch.device | str) -> tuple[str, str]:
+    """("on" | "off", why) for TrainConfig.compile `setting` ("auto" | "on" | "off").
+
+    "auto" is "on" when the planned run's estimated saving exceeds the estimated (cold-cache)
+    compile time: total_steps x SAVING_PER_UNIT_S[region] x tokens_per_step x n_layer x d_model >
+    COMPILE_COST_S[region] on CPU; total_steps >= CUDA_MIN_STEPS on CUDA. A CI-sized run (tens to
+    hundreds of steps of a d <= 64, L <= 8 model) estimates a saving of well under a second: "off".
+    "on" without a compiler backend for the device (`backend_for`) is "off" too, with the reason."""
+    device = torch.device(device)
+    if setting == "off":
+        return "off", "compile off"
+    if region == "none":
+        return "off", "this architecture declares no compiled region"
+    if setting == "auto":
+        if device.type == "cuda":
+            if total_steps < CUDA_MIN_STEPS:
+                return "off", f"auto: {total_steps} steps < {CUDA_MIN_STEPS} on CUDA"
+        else:
+            saving = total_steps * SAVING_PER_UNIT_S[region] * tokens_per_step * n_layer * d_model
+            cost = COMPILE_COST_S[region]
+            if saving <= cost:
+                return "off", f"auto: estimated saving {saving:.0f} s <= compile time ~{cost:.0f} s"
+    if backend_for(device) is None:
+        return "off", f"no compiler backend for {device.type} here (CPU: C++ compiler; CUDA: Triton, capability >= 7.0)"
+    if setting == "on":
+        return "on", "compile on"
+    return "on", "auto: the estimated saving exceeds the compile time"

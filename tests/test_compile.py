@@ -1,0 +1,204 @@
+"""Compiled training (issue 20): compiled regions vs the eager reference, the compile setting and its
+"auto" rule, device dispatch without a GPU, and hooks that always see the eager path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from depthtools.arch import DepthModel, compiled
+from depthtools.arch.moda import fused_kernel_for
+from depthtools.arch.torch_private import cpu_flash_attention_ok
+from depthtools.config import ModelConfig, TrainConfig
+from depthtools.errors import DepthToolsError
+from depthtools.train import loop as train_loop
+from tiny_models import SMALL, one_thread  # noqa: F401  (one intra-op thread for this module)
+
+# float32 tolerance: a compiled graph fuses elementwise chains and may reorder reductions of up to
+# d x T = 16 x 8 terms; each reordering moves a sum by a few ulps (eps = 1.2e-7), and ~10 such
+# steps per block chain through 2 blocks and the backward. Observed differences are ~1e-6 relative;
+# 1e-4 relative (on the scale of each tensor) is far below any real bug (a dropped term, a wrong
+# branch: O(1e-2) or more) and far above reordering noise.
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """Inductor's cache in a temporary folder (a test must not fill ~/.cache)."""
+    import os
+
+    before = os.environ.get(compiled.CACHE_ENV)
+    os.environ[compiled.CACHE_ENV] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    if before is None:
+        os.environ.pop(compiled.CACHE_ENV, None)
+    else:
+        os.environ[compiled.CACHE_ENV] = before
+
+
+def _model(arch: str, **options) -> DepthModel:
+    cfg = ModelConfig(arch=arch, vocab_size=64, d_model=16, n_layer=2, n_heads=2, max_seq_len=8, options=options)
+    model = DepthModel(cfg, seed=0).train()
+    with torch.no_grad():  # move every parameter off its init, so zero-init gates and queries hide nothing
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _loss_and_grads(model: DepthModel, tokens: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    scale = max(float(b.abs().max()), 1e-6)
+    err = float((a - b).abs().max()) / scale
+    assert err <= RTOL, f"{what}: compiled vs eager differ by {err:.2e} of the tensor's scale (> {RTOL})"
+
+
+# one architecture per compiled region and connector kind: the norm family's step, HC's and mHC's
+# (references + the opaque Sinkhorn op) and AttnRes' sublayer cores
+@pytest.mark.parametrize("arch", ["preln", "hc", "mhc", "attnres"])
+def test_compiled_training_step_matches_eager(arch):
+    model = _model(arch)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    eager_logits, eager_grads = _loss_and_grads(model, tokens)
+    assert compiled.enable(model)
+    calls = []
+    step = model.compiled.step
+    model.compiled.step = lambda *a: calls.append(a[0]) or step(*a)
+    logits, grads = _loss_and_grads(model, tokens)
+    assert calls == [0, 1], "the compiled region did not run"
+    _close(logits, eager_logits, "logits")
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in grads.items():
+        _close(grad, eager_grads[name], f"grad {name}")
+    with torch.no_grad():  # evaluation stays eager: bit-identical to the eager model
+        compiled.disable(model)
+        reference = model(tokens[:, :-1])
+        compiled.enable(model)
+        assert torch.equal(model(tokens[:, :-1]), reference)
+
+
+def test_hooks_and_plans_bypass_the_compiled_region():
+    """A hooked block, run_with_cache, and a swap plan run eagerly (the compiled region must not run:
+    here it raises), and hooks fire as on the eager model."""
+    from depthtools.arch import Plan
+
+    model = _model("hc")
+    model.compiled = compiled.CompiledRegions(model)
+
+    def refuse(*args):
+        raise AssertionError("compiled region ran")
+
+    model.compiled.step = refuse
+    tokens = torch.randint(0, 64, (2, 8))
+    with pytest.raises(AssertionError, match="compiled region ran"):
+        model(tokens)  # unhooked training forward: compiled
+    seen = []
+    for block in model.blocks:
+        block.hook_attn_out.add_hook(lambda t, hook: seen.append(hook.name))
+    model(tokens).sum().backward()
+    assert seen == ["blocks.0.hook_attn_out", "blocks.1.hook_attn_out"]
+    model.reset_hooks()
+    _, cache = model.run_with_cache(tokens)
+    assert "blocks.1.hook_streams_post" in cache
+    model.run(tokens, plan=Plan.swapping(0, 1, 2))  # blocks at other positions: eager
+    with torch.no_grad():
+        model(tokens)  # evaluation: eager
+
+
+def test_compile_setting_reads_old_configs_and_refuses_bad_values():
+    assert TrainConfig().compile == "auto"
+    assert TrainConfig(compile=True).compile == "on" and TrainConfig(compile=False).compile == "off"
+    assert TrainConfig.from_dict({"compile": True}).compile == "on"
+    assert TrainConfig.from_json(TrainConfig(compile="off").to_json()).compile == "off"
+    with pytest.raises(DepthToolsError, match=r"unknown compile 'fast'; valid: auto, on, off"):
+        TrainConfig(compile="fast")
+    # compile changes how fast, not what is trained: the run fingerprint ignores it (old runs resume)
+    model_cfg = ModelConfig(arch="preln", **SMALL)
+    prints = {train_loop.run_fingerprint(model_cfg, TrainConfig(compile=c), "data") for c in (False, True, "auto")}
+    assert len(prints) == 1
+
+
+def test_cli_compile_option(tmp_path):
+    from cli.main import app
+
+    result = CliRunner().invoke(app, ["train", "--arch", "preln", "--layers", "2", "--d-model", "32",
+                                      "--compile", "maybe", "--data", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unknown compile 'maybe'; valid: auto, on, off" in result.output
+    result = CliRunner().invoke(app, ["grid", "train", "--preset", "tiny", "--compile", "sometimes",
+                                      "--root", str(tmp_path)])
+    assert result.exit_code == 2 and "unknown compile 'sometimes'" in result.output
+
+
+def test_auto_compiles_long_runs_only(monkeypatch):
+    monkeypatch.setattr(compiled, "backend_for", lambda device: "inductor")
+    cpu = torch.device("cpu")
+    # CI-sized: the tiny preset's cells and the tests' runs
+    assert compiled.decide("auto", "step", 300, 16 * 128, 4, 64, cpu)[0] == "off"
+    assert compiled.decide("auto", "step", 40, 8 * 32, 2, 32, cpu)[0] == "off"
+    # the benchmark's run: L32 d64, 500 steps of 8x128 -> ~63 s saved vs ~40 s compile
+    assert compiled.decide("auto", "step", 500, 8 * 128, 32, 64, cpu)[0] == "on"
+    assert compiled.decide("auto", "step", 100, 8 * 128, 32, 64, cpu)[0] == "off"
+    assert compiled.decide("auto", "none", 10**6, 8 * 128, 32, 64, cpu)[0] == "off"
+    assert compiled.decide("off", "step", 10**6, 8 * 128, 32, 64, cpu)[0] == "off"
+    assert compiled.decide("on", "step", 1, 1, 1, 1, cpu)[0] == "on"
+    cuda = torch.device("cuda")
+    assert compiled.decide("auto", "step", 999, 8 * 128, 32, 64, cuda)[0] == "off"
+    assert compiled.decide("auto", "step", 5000, 8 * 128, 32, 64, cuda)[0] == "on"
+    monkeypatch.setattr(compiled, "backend_for", lambda device: None)
+    choice, why = compiled.decide("on", "step", 10**6, 8 * 128, 32, 64, cuda)
+    assert choice == "off" and "no compiler backend" in why
+
+
+def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
+    """CUDA gets Triton only at compute capability >= 7.0 with Triton installed; no CPU-only kernel
+    (the private CPU flash attention behind MoDA's fused path) is selected for a CUDA tensor."""
+    import importlib.util
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else None)
+    assert compiled.backend_for(cuda) == "inductor"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (6, 1))
+    assert compiled.backend_for(cuda) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert compiled.backend_for(cuda) is None
+    assert compiled.backend_for(torch.device("meta")) is None
+    assert not cpu_flash_attention_ok(cuda, torch.float32) and not fused_kernel_for(cuda)
+    assert cpu_flash_attention_ok(torch.device("cpu"), torch.float32)
+
+
+def test_sinkhorn_op_matches_the_fused_function():
+    """The opaque op the compiled mHC step uses: forward and gradient equal to hyper._SinkhornKnopp."""
+    from depthtools.arch.hyper import _SinkhornKnopp
+
+    logits = torch.randn(3, 5, 4, 4, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(3, 5, 4, 4, dtype=torch.float64)
+    for first in (0, 1):
+        a = compiled.sinkhorn_op(logits, 7, first)
+        (ga,) = torch.autograd.grad(a, logits, grad)
+        b = _SinkhornKnopp.apply(logits, 7, first)
+        (gb,) = torch.autograd.grad(b, logits, grad)
+        assert torch.allclose(a, b, atol=1e-12) and torch.allclose(ga, gb, atol=1e-12)
+
+
+def test_trainer_records_the_resolved_decision(data_dir, tmp_path):
+    """A CI-sized run with the default "auto" trains eagerly and says so in config.json."""
+    from depthtools.train import train_cell
+
+    recipe = TrainConfig(tokens=8 * 32 * 3, batch_size=8, seq_len=32, eval_tokens=256, eval_every=0,
+                         log_every=1, depth_stats_every=0, checkpoint_every=0, threads=1)
+    train_cell(ModelConfig(arch="hc", **SMALL), recipe, data_dir, tmp_path / "cell")
+    record = json.loads((tmp_path / "cell" / "config.json").read_text())["train_resolved"]["compile"]
+    assert record["setting"] == "auto" and record["resolved"] == "off" and record["why"].startswith("auto:")
