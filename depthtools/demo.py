@@ -92,7 +92,8 @@ def run_demo(preset: str = "demo", root: str | Path = "checkpoints", data_root: 
     chosen = get_preset(preset)
     spec = load_spec(chosen.grid_spec())
     grid_dir = Path(root) / spec["name"]
-    stages = _Stages(on_progress, ["data", "train", "analyze", "summary", *(["tasks"] if tasks else []), "report"])
+    probes = ["analyze", "summary"] if chosen.probes else []  # text probes: not for models trained on tasks alone
+    stages = _Stages(on_progress, ["data", "train", *probes, *(["tasks"] if tasks else []), "report"])
     notes: list[str] = []
 
     stages.update("data", 0.0, f"preparing corpus {chosen.data.get('corpus', 'default')}")
@@ -105,17 +106,18 @@ def run_demo(preset: str = "demo", root: str | Path = "checkpoints", data_root: 
         train_grid(spec, root=root, data_root=data_root, progress=_train_progress(stages, spec))
     stages.done("train")
 
-    analysis = analyze_grid(grid_dir, **chosen.analysis,
-                            progress=lambda what, done, total: stages.update("analyze", done / max(total, 1), what))
-    notes += analysis.not_applicable
-    stages.done("analyze")
+    if probes:
+        analysis = analyze_grid(grid_dir, **chosen.analysis,
+                                progress=lambda what, done, total: stages.update("analyze", done / max(total, 1), what))
+        notes += analysis.not_applicable
+        stages.done("analyze")
 
-    stages.update("summary", 0.0, "effective-depth summary")
-    summarize_grid(grid_dir, n_boot=200)
-    stages.done("summary")
+        stages.update("summary", 0.0, "effective-depth summary")
+        summarize_grid(grid_dir, n_boot=200)
+        stages.done("summary")
 
     if tasks:
-        notes += _evaluate_tasks(grid_dir, stages, n=TASK_SAMPLES)
+        notes += _evaluate_tasks(grid_dir, stages, **{"n": TASK_SAMPLES, **chosen.task_eval})
         stages.done("tasks")
 
     stages.update("report", 0.0, "writing the grid report")
@@ -140,10 +142,11 @@ def _train_in_pool(spec: dict[str, Any], root, data_root, workers: int, stages: 
     return [f"training failed for {r['name']}: {r['error']}" for r in results if r.get("error")]
 
 
-def _evaluate_tasks(grid_dir: Path, stages: _Stages, n: int) -> list[str]:
-    """The synthetic serial-computation tasks on every cell (accuracy, answer loss, lens depth per k)."""
+def _evaluate_tasks(grid_dir: Path, stages: _Stages, **settings) -> list[str]:
+    """The synthetic serial-computation tasks on every cell (accuracy, answer loss, lens depth per k);
+    `settings` are evaluate_grid's (n, and the preset's tasks and ks)."""
     from depthtools.analysis.tasks import evaluate_grid
 
-    df, _ = evaluate_grid(grid_dir, n=n, progress=lambda what, done, total: stages.update(
+    df, _ = evaluate_grid(grid_dir, **settings, progress=lambda what, done, total: stages.update(
         "tasks", done / max(total, 1), f"depth tasks: {what}"))
     return list(df.attrs.get("notes", []))

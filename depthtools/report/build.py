@@ -315,23 +315,67 @@ def _depth_reached_table(cells: list[CellData]):
                        "(0: the smallest k already fails), and the largest k evaluated.")
 
 
+def task_only(cells: list[CellData]) -> bool:
+    """Whether every cell trained on the synthetic task stream alone (task_mix fraction 1): such models never
+    saw text, so their text validation loss and the text probes measure nothing they were trained for."""
+    def fraction(cell: CellData):
+        mix = (cell.config.get("train") or {}).get("task_mix")
+        return mix.get("fraction") if isinstance(mix, dict) else None
+
+    return bool(cells) and all(fraction(c) == 1 for c in cells)
+
+
+TASK_ONLY_NOTE = ("Every model here was trained on the synthetic task stream alone (task_mix fraction 1, loss on the "
+                  "answers), so this report shows the depth tasks only: the text validation loss in the cells table "
+                  "is out of distribution for these models, and the text probes (lens, ablations, effective depth) "
+                  "were not run.")
+
+
 def grid_sections(grid: GridData) -> list[Section]:
     """Every section of a grid report, in page order."""
     cells_df = frames.cells_frame(grid.cells)
     tasks_section, task_summary = _tasks_section(grid)
-    missing = list(grid.missing)
-    if not task_summary.empty:
+    only_tasks = task_only(grid.cells)
+    missing = [m for m in grid.missing if not only_tasks]  # text-probe tables are not expected of task-only cells
+    if not task_summary.empty or only_tasks:
         missing += [(c.name, "analysis/tasks_eval.parquet", f"run `depthtools tasks eval --grid {grid.directory}`")
                     for c in grid.cells if c.table("tasks_eval") is None]
     found = Section("findings", "Findings", "Computed from the tables below; each sentence quotes the numbers.")
-    items = (findings.seed_noise(cells_df) + findings.loss_vs_depth(cells_df) + findings.lowest_loss(cells_df)
-             + findings.marginal_depth(grid.grid_summary)
-             + findings.deepest_usage(grid.models_summary) + findings.tasks(task_summary)
-             + findings.depth_reached(frames.table_of(grid.cells, "tasks_depth_reached")[0])
-             + findings.missing(len(missing), len({m[0] for m in missing})))
+    task_items = (findings.depth_separation(frames.task_frame(grid.cells)) + findings.tasks(task_summary)
+                  + findings.depth_reached(frames.table_of(grid.cells, "tasks_depth_reached")[0]))
+    if only_tasks:
+        items = [TASK_ONLY_NOTE] + task_items
+    else:
+        items = (findings.seed_noise(cells_df) + findings.loss_vs_depth(cells_df) + findings.lowest_loss(cells_df)
+                 + findings.marginal_depth(grid.grid_summary) + findings.deepest_usage(grid.models_summary)
+                 + task_items)
+    items += findings.missing(len(missing), len({m[0] for m in missing}))
     found.add(ListBlock(items) if items else NoteBlock("Not enough finished cells for findings yet.", level="missing"))
+    if only_tasks:
+        return [_overview(grid, cells_df), found, tasks_section, _task_training_section(grid.cells),
+                _missing_section(missing, "cell")]
     return [_overview(grid, cells_df), found, *_loss_sections(cells_df, grid.cells), _effective_depth_section(grid),
             _probe_section(grid), tasks_section, _missing_section(missing, "cell")]
+
+
+def _task_training_section(cells: list[CellData]) -> Section:
+    """Training of task-only cells: the answer loss, and the curriculum level each run reached over time."""
+    section = Section("training-curves", "Training", "The answer loss during training and the curriculum: a level "
+                      "rises by one when the model answers the threshold share of held-out samples at that level.")
+    curves = frames.curves_frame(cells)
+    curves = curves[curves["split"] == "train"] if "split" in curves else curves
+    if curves.empty:
+        return section.add(NoteBlock("No training curves (metrics.jsonl) were found.", level="missing"))
+    section.add(figure_block(
+        "fig-training-curves", "Answer loss vs tokens", "Training loss on the answer tokens and end markers at each "
+        "log step; colour = depth (dark shallow → yellow deep).", figures.plot_training_curves, curves))
+    levels = frames.curriculum_frame(cells)
+    if len(levels):
+        section.add(figure_block(
+            "fig-curriculum", "Curriculum level vs tokens", "The k level each run trains up to (rows: tasks). A "
+            "line that climbs higher reached larger k within the same budget; lines of one depth are its seeds.",
+            figures.plot_curriculum, levels))
+    return section
 
 
 def grid_report(grid_dir: str | Path, out_path: str | Path, title: str | None = None) -> Path:

@@ -310,6 +310,32 @@ def plot_task_accuracy(tasks: pd.DataFrame, value_label: str = "accuracy") -> Fi
     return fig
 
 
+@styled
+def plot_curriculum(levels: pd.DataFrame) -> Figure:
+    """Curriculum level against training tokens: rows = tasks, columns = architectures, one line per run
+    (colour = depth; the seeds of one depth share its colour)."""
+    _require(levels, ["arch", "task", "n_layer", "tokens", "level", "model"], "curriculum")
+    data, order, palette = depth_labels(_labelled(levels, "arch", "task"))
+    colour = dict(zip(order, palette))
+    archs, names = sorted(data["arch"].unique()), sorted(data["task"].unique())
+    fig, axes = new_figure(len(archs) * len(names), ncols=len(archs), width=3.2, height=2.2, sharey=True)
+    for r, task in enumerate(names):
+        for c, arch in enumerate(archs):
+            ax = axes[r * len(archs) + c]
+            sub = data[(data["arch"] == arch) & (data["task"] == task)]
+            for (depth, _model), run in sub.groupby(["depth", "model"], sort=True):
+                run = run.sort_values("tokens")
+                ax.step(run["tokens"], run["level"], where="post", color=colour[depth], linewidth=1.0, alpha=0.85)
+            ax.set_title(f"{arch} · {task}")
+            ax.set_xlabel("training tokens")
+            ax.set_ylabel("curriculum level k")
+    from matplotlib.lines import Line2D
+
+    axes[-1].legend(handles=[Line2D([], [], color=colour[d], label=d) for d in order], loc="upper left",
+                    bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return fig
+
+
 # -- model / compare figures -----------------------------------------------------------------------
 
 def _model_hue(df: pd.DataFrame, models: Sequence[str], *more_labels: str):

@@ -252,8 +252,62 @@ def depth_reached(reached: pd.DataFrame | None) -> list[str]:
         k_max = first.get("k_max_evaluated")
         tested = f" (of k ≤ {int(k_max)} evaluated)" if finite(k_max) else ""
         iv = _row_interval(best, "depth_reached")
+        others = [f"{r['arch']} L{int(r['n_layer'])} {r['depth_reached']:.3g} ({_row_interval(r, 'depth_reached').noise()})"
+                  for i, r in means.sort_values(["arch", "n_layer"]).iterrows() if i != means.index[0]]
+        every = f"; per model: {', '.join(others)}" if len(means) > 1 else ""
         out.append(f"Depth task {task}: {best['arch']} L{int(best['n_layer'])} solves up to k = "
-                   f"{best['depth_reached']:.3g}{threshold}{tested}, mean over seeds ({iv.noise()}).")
+                   f"{best['depth_reached']:.3g}{threshold}{tested}, mean over seeds ({iv.noise()}){every}.")
+    return out
+
+
+def depth_separation(tasks: pd.DataFrame | None) -> list[str]:
+    """Per depth task and architecture: where, in k, the deepest model's accuracy differs from the shallowest's
+    beyond training-seed noise (Welch t-interval over their per-seed accuracies excludes 0).
+
+    This is the question the tasks exist for: at a fixed parameter count, does trading width for depth buy
+    serial steps? A k where the interval covers 0 is a tie and is never reported as a difference; with one
+    seed per model no noise estimate exists and nothing is compared.
+    """
+    if tasks is None or tasks.empty or not {"metric", "task", "k", "value", "arch", "n_layer"} <= set(tasks.columns):
+        return []
+    acc = with_seed(tasks[tasks["metric"] == "accuracy"]).dropna(subset=["value"])
+    out = []
+    for (task, arch), sub in acc.groupby(["task", "arch"], sort=True):
+        depths = sorted(sub["n_layer"].astype(int).unique())
+        if len(depths) < 2:
+            continue
+        shallow, deep = depths[0], depths[-1]
+        gaps = []
+        for k, at_k in sub.groupby("k", sort=True):
+            a = at_k[at_k["n_layer"] == deep]["value"].astype(float).tolist()
+            b = at_k[at_k["n_layer"] == shallow]["value"].astype(float).tolist()
+            if a and b:
+                gaps.append((int(k), float(pd.Series(a).mean()), float(pd.Series(b).mean()), contrast(a, b)))
+        if not gaps:
+            continue
+        who = f"Depth task {task} ({arch}, deep-narrow L{deep} vs shallow-wide L{shallow})"
+        widest = max(gaps, key=lambda g: abs(g[3].mean))
+        if not widest[3].has_noise:
+            out.append(f"{who}: the largest accuracy gap is {widest[3].mean:+.2f} at k = {widest[0]} "
+                       f"({widest[1]:.2f} vs {widest[2]:.2f}); not compared without a seed-noise estimate "
+                       f"({widest[3].noise()}).")
+            continue
+        deeper = [g for g in gaps if g[3].excludes_zero() and g[3].mean > 0]
+        shallower = [g for g in gaps if g[3].excludes_zero() and g[3].mean < 0]
+        if not deeper and not shallower:
+            out.append(f"{who}: accuracy is within seed noise at every k evaluated (largest gap {widest[3].mean:+.2f} "
+                       f"at k = {widest[0]}, Welch {widest[3].noise()}), so depth buys no measured serial step here.")
+            continue
+        parts = []
+        for group, winner in ((deeper, f"L{deep} is more accurate"), (shallower, f"L{shallow} is more accurate")):
+            if group:
+                top = max(group, key=lambda g: abs(g[3].mean))
+                parts.append(f"{winner} beyond seed noise at k = {', '.join(str(g[0]) for g in group)} (largest at "
+                             f"k = {top[0]}: {top[1]:.2f} vs {top[2]:.2f}, difference {top[3].mean:+.2f}, "
+                             f"Welch {top[3].noise()})")
+        tie = len(gaps) - len(deeper) - len(shallower)
+        tail = f"; at the other {tie} k the two are within seed noise" if tie else ""
+        out.append(f"{who}: {'; '.join(parts)}{tail}.")
     return out
 
 
