@@ -405,6 +405,8 @@ def grid_status_command(
 
     Example: depthtools grid status tiny.json --root checkpoints
     """
+    from rich.text import Text
+
     from depthtools.train.sweep import STATES, grid_status
 
     spec = _grid_spec(grid, preset)
@@ -420,6 +422,6 @@ def grid_status_command(
 
     console.print(table(
         f"grid {spec.get('name')} in {root / spec.get('name', 'grid')}", ["cell", "state", "step", "detail"],
-        [[r["cell"], f"[{colour[r['state']]}]{r['state']}[/]", step(r), r["detail"]] for r in rows],
+        [[r["cell"], Text(r["state"], style=colour[r["state"]]), step(r), r["detail"]] for r in rows],
     ))
     console.print(", ".join(f"{state} {n}" for state, n in counts.items()))

@@ -279,6 +279,8 @@ def test_grid_status_and_slurm_dry_run_after_a_kill(tmp_path):
     assert "stale heartbeat" in states["hc_L2"][1]
     table = CliRunner().invoke(app, ["grid", "status", str(spec_path), "--root", str(root)])
     assert "done 1, running 1, failed 1, pending 1" in table.output
+    assert "[dim]" not in table.output and "[/]" not in table.output  # states styled, not shown as markup
+    assert all(state in table.output for state in ("done", "running", "failed", "pending"))
     dry = CliRunner().invoke(app, ["grid", "train", str(spec_path), "--root", str(root), "--data-root", str(data_root),
                                    "--launcher", "slurm", "--dry-run", "--partition", "gpu", "--gpus-per-cell", "2",
                                    "--time", "2:00:00"])
