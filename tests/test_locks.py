@@ -87,13 +87,19 @@ def test_a_second_trainer_on_the_same_cell_is_refused_and_a_dead_holder_is_taken
     assert not (out / "train.lock").exists()  # released (and removed) at the end
 
 
-def test_the_cell_lock_is_released_when_training_fails(data_dir, tmp_path):
-    from depthtools.train import train_cell
+def test_the_cell_lock_is_released_when_training_fails(data_dir, tmp_path, monkeypatch):
+    from depthtools.train import loop, train_cell
 
     out = tmp_path / "cell"
-    bad = TrainConfig(tokens=6 * 8 * 32, **{**FAST, "seq_len": 64})  # longer than max_seq_len: refused in prepare_run
-    with pytest.raises(Exception, match="exceeds the model's max_seq_len"):
-        train_cell(ModelConfig(arch="preln", **SMALL), bad, data_dir, out)
+
+    def fail_inside_the_lock(*args, **kwargs):
+        assert (out / "train.lock").exists()
+        raise RuntimeError("simulated failure while training")
+
+    monkeypatch.setattr(loop, "prepare_run", fail_inside_the_lock)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        train_cell(ModelConfig(arch="preln", **SMALL), TrainConfig(tokens=6 * 8 * 32, **FAST), data_dir, out)
+    monkeypatch.undo()
     assert not (out / "train.lock").exists()
     train_cell(ModelConfig(arch="preln", **SMALL), TrainConfig(tokens=2 * 8 * 32, **FAST), data_dir, out)  # not locked
 

@@ -226,11 +226,11 @@ class Run:
 
 
 def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str, Any], data_dir: Path,
-                 cell: str | None = None) -> None:
+                 cell: str | None = None, warn: bool = True) -> None:
     """One-line errors for a model that cannot read this data or this sequence length (a vocabulary
     planned for another tokenizer included), and for a token budget above max_epochs of the data
-    (a logged warning above one epoch when max_epochs is unset); see depthtools.data.budget."""
-    from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
+    (a logged warning above one epoch when max_epochs is unset and `warn`); see depthtools.data.budget."""
+    from depthtools.data.budget import check_epochs, check_vocab, epochs_problem, text_tokens_read
 
     check_vocab(model_cfg.vocab_size, meta["tokenizer"], str(data_dir), cell)
     if train_cfg.seq_len > model_cfg.max_seq_len:
@@ -243,8 +243,11 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
         raise DepthToolsError(f"one step (batch_size {train_cfg.batch_size} x seq_len {train_cfg.seq_len} = "
                               f"{step_tokens:,} tokens) exceeds the whole token budget ({budget:,}); lower --seq-len "
                               "or --batch-size, or raise --tokens")
-    check_epochs(text_tokens_read(train_cfg, count_params(model_cfg)["total"]), int(meta["splits"]["train"]["tokens"]),
-                 train_cfg.max_epochs, str(data_dir), cell)
+    read, available = text_tokens_read(train_cfg, count_params(model_cfg)["total"]), int(meta["splits"]["train"]["tokens"])
+    if warn:
+        check_epochs(read, available, train_cfg.max_epochs, str(data_dir), cell)
+    elif (found := epochs_problem(read, available, train_cfg.max_epochs, str(data_dir), cell)) and found[0] == "error":
+        raise DepthToolsError(found[1])
 
 
 def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = Dist(),
@@ -698,6 +701,8 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     if is_finished(out_dir) and not force:
         tidy_finished(out_dir)
         raise CellFinishedError(finished)
+    # refuse unusable inputs before the cell folder, its lock or a heartbeat exist: a refused start writes nothing
+    check_inputs(model_cfg, train_cfg, read_meta(Path(data_dir)), Path(data_dir), out_dir.name, warn=False)
     dist = distributed.setup(resolve_device(train_cfg).type, train_cfg.parallel)  # torchrun: join the group
     ok, lock = False, None
     try:
