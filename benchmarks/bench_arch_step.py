@@ -52,16 +52,20 @@ def rss_mib() -> float:
 
 
 def build_step(arch: str, args):
-    """A model, its AdamW optimizer and a closure running one training step."""
+    """A model, its AdamW optimizer and a closure running one training step. "ARCH+compile": the
+    model trains through its compiled regions (depthtools.arch.compiled, the trainer's --compile on)."""
     import torch
 
-    from depthtools.arch import DepthModel
+    from depthtools.arch import DepthModel, compiled
     from depthtools.config import ModelConfig, TrainConfig
     from depthtools.train.optim import build_optimizer
 
+    arch, _, variant = arch.partition("+")
     cfg = ModelConfig(arch=arch, vocab_size=args.vocab, d_model=args.d_model, n_layer=args.n_layer,
                       n_heads=args.n_heads, max_seq_len=args.seq)
     model = DepthModel(cfg, seed=0).train()
+    if variant == "compile":
+        compiled.enable(model)
     optimizer, _ = build_optimizer(model, TrainConfig(), torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
@@ -103,9 +107,8 @@ def run_worker(arch: str, args) -> None:
 
     torch.set_num_threads(args.threads)
     model, step = build_step(arch, args)
-    for _ in range(args.warmup):
-        step()
-    print(json.dumps({"params": model.param_counts()["total"]}), flush=True)
+    warmup = [timed(step)[0] for _ in range(args.warmup)]  # the first includes any compilation
+    print(json.dumps({"params": model.param_counts()["total"], "warmup_s": warmup}), flush=True)
     for line in sys.stdin:
         if line.strip() != "step":
             break
@@ -123,11 +126,12 @@ def _reply(name: str, worker: subprocess.Popen) -> str:
 def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
     """Per architecture: median wall ms/step and the median per-round ratios to Pre-LN (wall, CPU)."""
     if args.processes == "one":
-        workers, params = {}, {}
+        workers, params, warmups = {}, {}, {}
         for name in names:  # started one after another: only one process works at a time
             workers[name] = subprocess.Popen([sys.executable, __file__, *_strip_arch_values(sys.argv[1:]), "--worker", name],
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            params[name] = json.loads(_reply(name, workers[name]))["params"]
+            reply = json.loads(_reply(name, workers[name]))
+            params[name], warmups[name] = reply["params"], reply.get("warmup_s")
 
         def step_of(name, worker):
             def step():
@@ -166,6 +170,8 @@ def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
         "x": statistics.median(w / b for w, b in zip(wall[name], wall[base])),
         "cpu_x": statistics.median(c / b for c, b in zip(cpu[name], cpu[base])),
         "params": params[name],
+        "warm_s": [1000 * w for w in wall[name]],  # every timed step (ms)
+        **({"warmup_s": warmups[name]} if args.processes == "one" else {}),
     } for name in names}
 
 

@@ -7,7 +7,10 @@ the preset's iso-parameter rules (V=50280, 16 heads, d_ff multiple 16, ~405M par
 MFU = flops_per_token (depthtools.train.flops) x tokens/s / the device's bf16 peak.
 
     python benchmarks/gpu_400m_step.py                        # L=24, 20 timed steps, micro-batch 8 x 2048
-    python benchmarks/gpu_400m_step.py --layers 32 --micro-batch 4 --no-compile
+    python benchmarks/gpu_400m_step.py --layers 32 --micro-batch 4 --compile off   # (--no-compile = off)
+    python benchmarks/gpu_400m_step.py --compile whole        # torch.compile(model) instead of the regions
+--compile: "regional" (default; what the trainer's --compile on does, depthtools.arch.compiled), "whole"
+(the whole model, the trainer's behaviour before issue 20) or "off" (eager).
     python benchmarks/gpu_400m_step.py --plan-only            # shapes and FLOPs/token, no GPU needed
 Prints one row per architecture and the ratio hc/preln measured in the same run. Needs CUDA.
 """
@@ -39,7 +42,7 @@ def plan_cells(layers: int, seq_len: int) -> list[Cell]:
     return plan_grid(**plan)
 
 
-def time_cell(cell: Cell, steps: int, warmup: int, micro: int, seq_len: int, compile: bool) -> dict:
+def time_cell(cell: Cell, steps: int, warmup: int, micro: int, seq_len: int, compile: str) -> dict:
     """Warm up, then time `steps` optimizer steps of one micro-batch each; returns tokens/s and MFU."""
     device = torch.device("cuda")
     gc.collect()  # the previous cell's model and optimizer are gone once its call returned
@@ -49,7 +52,11 @@ def time_cell(cell: Cell, steps: int, warmup: int, micro: int, seq_len: int, com
     recipe = TrainConfig(tokens=1, batch_size=micro, seq_len=seq_len, lr=2e-3)
     model = DepthModel(cfg, seed=0).to(device)
     optimizer, _ = build_optimizer(model, recipe, device)  # fused AdamW on CUDA
-    step_model = torch.compile(model) if compile else model
+    step_model = torch.compile(model) if compile == "whole" else model
+    if compile == "regional":
+        from depthtools.arch import compiled
+
+        compiled.enable(model, device)
     data = torch.randint(0, cfg.vocab_size, (micro, seq_len + 1), device=device)
     inputs, targets = data[:, :-1], data[:, 1:]
     params = list(model.parameters())
@@ -86,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation happens here)")
     parser.add_argument("--micro-batch", type=int, default=8, help="rows per step (the preset's micro-batch is 16)")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager mode")
+    parser.add_argument("--compile", choices=("regional", "whole", "off"), default="regional",
+                        help="regional (the trainer's --compile on), whole (torch.compile(model)) or off")
+    parser.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="= --compile off")
     parser.add_argument("--plan-only", action="store_true", help="print the shapes and FLOPs/token, then stop")
     args = parser.parse_args(argv)
     if not args.plan_only and not torch.cuda.is_available():

@@ -15,13 +15,14 @@ Which region, per scheme (`ResidualScheme.compile_region`, chosen by measurement
     "sublayer"  only norm + attention and norm + SwiGLU are compiled (two graphs for the model);
                 the depth mixing stays on its hand-written fused kernels, whose state (a growing
                 source bank, MoDA's slot buffers) changes shape with depth and would compile once
-                per position: Full/Block AttnRes, DenseFormer, MoDA (its MLP sublayer).
-    "none"      nothing compiled.
+                per position: Full/Block AttnRes, DenseFormer.
+    "none"      nothing compiled: MoDA (its MLP core compiled gained nothing measurable, -3% to +5%;
+                its cost is the depth attention and slot bookkeeping, which stay on the fused kernels).
 
 Inside a compiled step the hand-written autograd Functions (hyper.py) are replaced by their
 plain-autograd references (reference.py) -- what inductor fuses -- except mHC's Sinkhorn, which
 inductor compiles ~2.7x slower than the fused tokens-last kernel (n = 4 reductions; measured 4.9 vs
-1.8 ms fwd+bwd at 1024 tokens): it stays opaque, as the `depthtools::sinkhorn` custom op below.
+1.8 ms fwd+bwd at 1024 tokens): it stays opaque, as the `depthtools::sinkhorn_tokens_last` custom op below.
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
 found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute
@@ -232,8 +233,10 @@ def disable(model: nn.Module) -> None:
 # benchmarks/RESULTS.md "Compiled training (issue 20)"): saved seconds per training step per
 # (token x layer x d_model) -- the saving scales with the elementwise work -- and the first step's
 # extra time with a cold inductor cache (a warm cache makes it ~5 s).
-SAVING_PER_UNIT_S = {"step": 6e-8, "sublayer": 2.5e-8}  # preln / moda, the smallest of each region
-COMPILE_COST_S = {"step": 40.0, "sublayer": 15.0}
+# Saved per step: preln 70 ms, hc 182 ms, attnres 135 ms, blockattnres 60 ms at 8x128 (2.1M units);
+# first-step compile: 17-28 s for a whole-block region, 4-9 s for the sublayer cores.
+SAVING_PER_UNIT_S = {"step": 3.5e-8, "sublayer": 2.5e-8}  # preln / blockattnres: the smallest of each region
+COMPILE_COST_S = {"step": 30.0, "sublayer": 10.0}
 CUDA_MIN_STEPS = 1000  # not measured on a GPU yet: compile CUDA runs of at least this many steps
 
 

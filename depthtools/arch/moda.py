@@ -270,7 +270,7 @@ def append_slots(state: MoDAState, h, keys: list, values: list, valid: tuple[boo
 class MoDAScheme(ResidualScheme):
     """Standard residual stream whose attention also reads same-position depth K/V memories."""
 
-    compile_region = "sublayer"  # the MLP; the depth attention keeps its fused kernel (S grows with depth)
+    compile_region = "none"  # measured: compiling its MLP core gains nothing (depthtools.arch.compiled)
 
     single_stream = True
     skip_rules = ("mask", "zero")
