@@ -310,7 +310,7 @@ class AttnResScheme(ResidualScheme):
         (an optimizer step or any in-place edit bumps a version; .to()/.double() move the storage).
         None when the versions are unknown (`torch_private.versions`' fallback): then no bank is used."""
         params = self.__dict__.get("_mixer_params")
-        if params is None:  # flat list once (nn.Module attribute lookups cost ~2 µs each)
+        if params is None:  # flat list once (nn.Module attribute lookups are slow per call)
             params = self.__dict__["_mixer_params"] = [p for m in self._mixers for p in (m.query, m.key_norm.weight)]
         counts = versions(params)
         return None if counts is None else (params[0].data_ptr(), counts)

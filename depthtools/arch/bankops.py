@@ -142,9 +142,9 @@ def bank_logits(query: torch.Tensor, sources: tuple[torch.Tensor, ...], scales: 
 # First-order only; the mixes' weights are not hookable here (the scheme uses the per-source
 # functions above when a weights hook is attached).
 
-FLUSH_AT = 8  # pending mixes that trigger a bulk flush (~4 passes over the sources it covers; 6-10 measured alike)
-TWO_PHASE_FROM = 6  # mixes over fewer banked sources are not grouped (4-12 measured: 6 best)
-TWO_PHASE_GROUP = 16  # mixers per group (one [N,G,n0] x [N,n0,d] batched matmul; 8-32 measured: 16 best)
+FLUSH_AT = 8  # pending mixes that trigger a bulk flush (~4 passes over the sources it covers; see RESULTS.md)
+TWO_PHASE_FROM = 6  # mixes over fewer banked sources are not grouped (tuned: RESULTS.md)
+TWO_PHASE_GROUP = 16  # mixers per group (one [N,G,n0] x [N,n0,d] batched matmul; tuned: RESULTS.md)
 GROUPS_KEPT = 2  # computed groups a bank keeps (a lens readout and the next step share one)
 
 

@@ -21,8 +21,8 @@ Which region, per scheme (`ResidualScheme.compile_region`, chosen by measurement
 
 Inside a compiled step the hand-written autograd Functions (hyper.py) are replaced by their
 plain-autograd references (reference.py) -- what inductor fuses -- except mHC's Sinkhorn, which
-inductor compiles ~2.7x slower than the fused tokens-last kernel (n = 4 reductions; measured 4.9 vs
-1.8 ms fwd+bwd at 1024 tokens): it stays opaque, as the `depthtools::sinkhorn_tokens_last` custom op below.
+inductor compiles slower than the fused tokens-last kernel (n = 4 reductions; benchmarks/RESULTS.md):
+it stays opaque, as the `depthtools::sinkhorn_tokens_last` custom op below.
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
 found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute

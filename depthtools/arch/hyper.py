@@ -1,6 +1,6 @@
 """Hyper-Connections (HC) and Manifold-Constrained Hyper-Connections (mHC): n residual streams.
 
-Equations, inits and sources: shared/reference/architectures.md §3.1 (HC), §3.2 (mHC), §4.
+Equations, inits and sources: docs/reference/architectures.md §3.1 (HC), §3.2 (mHC), §4.
 
 State: H [B,T,n,d], n parallel residual streams per token (n = options["n_streams"], default 4);
 z_0 = n copies of the embedding. Every sublayer (attention, then MLP: 2 per block, sublayer
@@ -272,7 +272,7 @@ class _SinkhornKnopp(torch.autograd.Function):
     """The unrolled Sinkhorn iteration with a hand-written backward, run with tokens last.
 
     Why: n is tiny (4), and PyTorch's CPU kernels for reductions/softmax over a size-4 last
-    dimension are ~10-100x slower than over a contiguous token dimension; autograd would also
+    dimension are far slower than over a contiguous token dimension (measured: RESULTS.md); autograd would also
     record ~6 nodes per half-step. Layout inside: [n_out, n_in, N] with N = all leading dims.
     See `_sinkhorn_forward` / `_sinkhorn_backward`.
     """
@@ -349,8 +349,8 @@ class _Connector(nn.Module):
 class _ProjRms(torch.autograd.Function):
     """(x @ w [M,m], 1/rms(x) [M,1]) for rows x [M,k] and a thin projection w [k,m].
 
-    x @ w is formed as (wᵀ xᵀ)ᵀ: MKL's CPU GEMM is ~5x faster for m = 6 output columns in that
-    orientation; mean(x²) is one fused dot product (no x² temporary).
+    x @ w is formed as (wᵀ xᵀ)ᵀ: MKL's CPU GEMM is faster for m = 6 output columns in that
+    orientation (benchmarks/RESULTS.md); mean(x²) is one fused dot product (no x² temporary).
     """
 
     @staticmethod
@@ -474,7 +474,7 @@ def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
     Projections of a normalised vector are computed as (x @ W) · inverse_rms (as in Liger's
     reference), which avoids materialising the normalised [B,T,n,d] copy. mean(x²) as one fused
-    dot product (no x² temporary; pow's backward is ~4x slower on CPU).
+    dot product (no x² temporary; pow's backward is slower on CPU: benchmarks/RESULTS.md).
     """
     return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
 
@@ -501,9 +501,9 @@ class _HCConnect(torch.autograd.Function):
         N, n, d = H.shape
         P = torch.cat([Wa, wb.unsqueeze(1)], 1)  # [d, n+2]
         Hf = H.view(N * n, d)
-        raw = (P.t() @ Hf.t()).t().contiguous()  # [Nn, n+2]; (Pᵀ Hᵀ)ᵀ: ~5x faster CPU GEMM than H @ P at n+2 = 6
+        raw = (P.t() @ Hf.t()).t().contiguous()  # [Nn, n+2]; (Pᵀ Hᵀ)ᵀ: the faster CPU GEMM orientation at n+2 = 6
         inv = fused_inverse_rms(Hf, eps, keepdim=True)
-        t = torch.sigmoid(raw * inv * 2).mul_(2).sub_(1)  # tanh(x) = 2σ(2x) - 1: CPU tanh is ~3x slower here
+        t = torch.sigmoid(raw * inv * 2).mul_(2).sub_(1)  # tanh(x) = 2σ(2x) - 1: CPU tanh is slower here (bench_speedups.py tanh)
         scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
         coeffs = (t.view(N, n, n + 2) * scale).add_(torch.cat([Sa, sb.unsqueeze(1)], 1))
         routing = coeffs[..., : n + 1].transpose(1, 2).contiguous()  # [N, n+1, n]

@@ -1,6 +1,6 @@
 """Backbone layers shared by every architecture: RMSNorm, RoPE, causal attention, SwiGLU.
 
-Llama-style, no biases. Hook points follow TransformerLens names (DESIGN §4). Attention runs
+Llama-style, no biases. Hook points follow TransformerLens names (docs/design.md §4). Attention runs
 PyTorch's fused SDPA unless a hook is attached to `hook_pattern` (then the pattern is formed
 explicitly so it can be read or edited) — so hooks cost nothing when none are attached.
 """
@@ -37,8 +37,8 @@ def inverse_rms_derivative(t: torch.Tensor, inv: torch.Tensor, dim: int) -> torc
 class BufferPool(dict):
     """Work buffers a scheme keeps from one step to the next (AttnRes gradients, MoDA depth K/V).
 
-    Why: fresh allocations of tens of MB come back from the OS as page faults every step (AttnRes
-    at L=32, 8x128 tokens: ~8k minor faults per step; MoDA ~9k, ~6% of its step). Not model state:
+    Why: fresh allocations of tens of MB come back from the OS as page faults every step (counts in
+    benchmarks/RESULTS.md). Not model state:
     a deep copy of the model starts empty."""
 
     def __deepcopy__(self, memo):

@@ -10,7 +10,7 @@ What changes is attention: the query of head h at position t in block b attends,
 
     o_t = sum_j p_j v_b[j] + sum_s p_s V_s[t],   p = softmax([q·k_b[j] ; q_d·K_s[t]] / sqrt(hd))
 
-Depth slots (DepthBench `MoDATransformerBlock`, reference/architectures.md §3.5):
+Depth slots (DepthBench `MoDATransformerBlock`, docs/reference/architectures.md §3.5):
   slot 2b   = attention of block b: its own K, V (raw, before RoPE; hook_k / hook_v values),
   slot 2b+1 = MLP of block b: an extra ``kv_proj: d -> 2·n_kv·hd`` on the MLP's (normed) input.
 Block 0 therefore attends plainly (fused SDPA when no hook is attached). Nothing reads the slots
@@ -114,7 +114,7 @@ def moda_options(cfg: ModelConfig) -> tuple[str, str]:
 # view buffer[:S].permute(3, 4, 1, 0, 2) = [B,T,n_kv,S,hd]. Tokens last because every depth
 # operation is a per-token contraction over S or hd, which PyTorch's CPU kernels vectorise well
 # along a long contiguous token axis (a batched matmul per token and head is dominated by its
-# per-item overhead: ~3x slower measured at L=32, d=64).
+# per-item overhead; measured in benchmarks/RESULTS.md).
 
 _TO_VIEW = (3, 4, 1, 0, 2)  # [S,Hkv,hd,B,T] -> [B,T,Hkv,S,hd]
 _TO_BUFFER = (3, 2, 4, 0, 1)  # [B,T,Hkv,S,hd] -> [S,Hkv,hd,B,T]

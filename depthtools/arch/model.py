@@ -89,7 +89,7 @@ class Block(nn.Module):
 class DepthModel(HookedRootModule):
     """Decoder-only LM: RoPE, SwiGLU, RMSNorm, untied embeddings, any residual scheme.
 
-    The contract (DESIGN §3): `embed`, `block_step`, `readout`, `geometry`, `head`, `run`,
+    The contract (docs/design.md §3): `embed`, `block_step`, `readout`, `geometry`, `head`, `run`,
     `run_states`. `forward(tokens)` = `run(tokens)` = logits [B,T,V].
     """
 

@@ -12,7 +12,7 @@ depth-μP, CompleteP) is the same sublayer update with different switches:
     h = alpha · h + y                         (DeepNorm (2L)^¼, KEEL 2L)
     if post_norm: h = NormPost(h)             (Post-LN, DeepNorm, KEEL, Mix-LN prefix)
 
-Equations and constants: shared/reference/architectures.md §2. The state is the plain residual
+Equations and constants: docs/reference/architectures.md §2. The state is the plain residual
 stream [B,T,d]; z_l = block output (already normalised for post-norm placements); skip = identity.
 
 Swap semantics: parameters (norm gains, ReZero/LayerScale gains, LNS's 1/sqrt(b+1) from the

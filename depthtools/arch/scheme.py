@@ -15,7 +15,7 @@ adding one is a scheme file (a subclass plus its `ARCH_SPECS`) and its line in r
     tl_limits / tl_norm_site / tl_branch_scale   TransformerLens cache functions (tl_cache.py)
     recorded_config, no_decay_names              checkpoints, weight decay
 
-Swap convention (DESIGN §3): a block's parameters travel with it; what is tied to a *position*
+Swap convention (docs/design.md §3): a block's parameters travel with it; what is tied to a *position*
 (structure, position-bound parameters) stays. `step(position, block, state, home)` receives the
 block that runs (`block`) and the block that was built for this position (`home`); a tensor the
 running block lacks (a structurally mismatched key, e.g. KEEL block 0's missing norm) is taken
@@ -114,7 +114,7 @@ def resolve_options(schema: dict[str, Option], cfg: ModelConfig) -> dict[str, An
 
 @dataclass
 class DepthRouting:
-    """Native depth routing in the common frame of `depthtools.analysis.routing` (metrics.md §4).
+    """Native depth routing in the common frame of `depthtools.analysis.routing` (docs/reference/metrics.md §4).
 
     consumers: [(c, kind)] consumer depths in sublayers (kind "attn" | "mlp" | "dwa" | "final");
     weights:   [2L+1, 2L+1] float64, weights[c, i] = token-mean weight of source depth i in consumer

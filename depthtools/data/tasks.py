@@ -1,6 +1,6 @@
 """Synthetic serial-computation probes: byte-level task samples with a difficulty knob k and exact answers.
 
-Three tasks, each needing k serial steps (DESIGN: does extra depth become extra computation?):
+Three tasks, each needing k serial steps (docs/design.md: does extra depth become extra computation?):
 
     chase   k-hop pointer chasing / variable binding (k=2):  "S=Z;h=0;Z=3;V=Z;L=q;q=8;L?8"
             the query's chain has k bindings; a second chain of the same length ends in another digit,

@@ -17,7 +17,7 @@ Under `torchrun` the same code runs data-parallel (`depthtools.train.distributed
 on its share of the step's global batch through a DDP/FSDP2 wrapper that reduces gradients on the
 last micro-step only; rank 0 alone writes files. One process is the unchanged single-process path.
 
-Outputs in out_dir (DESIGN §5): model.safetensors + config.json (via depthtools.checkpoint.save),
+Outputs in out_dir (docs/design.md §5): model.safetensors + config.json (via depthtools.checkpoint.save),
 metrics.jsonl (one JSON record per log step), eval.json (written last: its presence means
 "finished"), and train_state/ while training (removed at the end unless keep_train_state).
 heartbeat.json (host, pid, step; or the error that stopped the run) exists only until the cell is

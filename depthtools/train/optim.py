@@ -3,7 +3,7 @@
 Groups: weight decay on matrices only. 1-D tensors (norm gains, ReZero/LayerScale gains, biases)
 and names matching the scheme's `no_decay_names()` (HC/mHC routing, AttnRes queries, DWA weights)
 get weight_decay 0. For depthmup/completep the parameters inside blocks additionally get
-LR × (L/L_base)^(a−1) and eps × (L/L_base)^(−a) (reference/architectures.md §2.8; a and L_base
+LR × (L/L_base)^(a−1) and eps × (L/L_base)^(−a) (docs/reference/architectures.md §2.8; a and L_base
 come from the model's options `depth_exponent` / `base_layers`, defaults as the architecture).
 
 Each group carries `lr_scale`: the trainer sets group lr = peak lr × lr_scale × schedule(step).
@@ -67,8 +67,8 @@ def build_optimizer(model: nn.Module, train_cfg: TrainConfig, device: torch.devi
     """AdamW over `param_groups` with PyTorch's fused kernel (CUDA and CPU).
 
     Why fused on CPU too: PyTorch's CPU default is the per-tensor loop, whose cost grows with the
-    number of parameter tensors; at L=32, d=64 the fused step is 3-4x faster (preln 14.7 -> 4.7 ms,
-    hc 23.6 -> 6.3 ms, mhc 34.5 -> 9.3 ms; benchmarks/RESULTS.md). Same update rule.
+    number of parameter tensors; the fused step is several times faster (benchmarks/RESULTS.md, fused
+    AdamW; `python benchmarks/bench_speedups.py optimizer`). Same update rule.
     """
     groups, names = param_groups(model, train_cfg)
     optimizer = torch.optim.AdamW(
