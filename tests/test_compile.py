@@ -202,3 +202,39 @@ def test_trainer_records_the_resolved_decision(data_dir, tmp_path):
     train_cell(ModelConfig(arch="hc", **SMALL), recipe, data_dir, tmp_path / "cell")
     record = json.loads((tmp_path / "cell" / "config.json").read_text())["train_resolved"]["compile"]
     assert record["setting"] == "auto" and record["resolved"] == "off" and record["why"].startswith("auto:")
+
+
+def test_compiled_training_resumes_bit_identically_after_an_interruption(data_dir, tmp_path):
+    """The trainer's promise (kill, resume, same weights and metrics) holds for a compiled run too: a
+    preln cell trained straight through with compile="on" equals one interrupted after its step-4
+    checkpoint and resumed in a fresh model (whose compiled region is rebuilt)."""
+    from depthtools.checkpoint import read_metrics, read_tensors
+    from depthtools.train import loop as train_loop
+    from depthtools.train import train_cell
+
+    recipe = TrainConfig(tokens=8 * 32 * 8, batch_size=8, seq_len=32, eval_tokens=256, eval_every=0, log_every=1,
+                         depth_stats_every=0, checkpoint_every=4, threads=1, compile="on")
+    model = ModelConfig(arch="preln", **SMALL)
+    straight = train_cell(model, recipe, data_dir, tmp_path / "straight")
+    real_append = train_loop._append_metrics
+
+    def append_then_die(run, record):
+        real_append(run, record)
+        if record["step"] == 6:
+            raise KeyboardInterrupt("simulated kill after step 6 (last checkpoint: step 4)")
+
+    train_loop._append_metrics = append_then_die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_cell(model, recipe, data_dir, tmp_path / "resumed")
+    finally:
+        train_loop._append_metrics = real_append
+    resumed = train_cell(model, recipe, data_dir, tmp_path / "resumed")
+    assert resumed["resumed_from"] == 4
+    config = json.loads((tmp_path / "straight" / "config.json").read_text())
+    assert config["train_resolved"]["compile"]["resolved"] == "on", config["train_resolved"]["compile"]
+    a, b = read_tensors(tmp_path / "straight" / "model.safetensors"), read_tensors(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "resumed")) == strip(read_metrics(tmp_path / "straight"))
+    assert straight["train_loss"] == resumed["train_loss"]
