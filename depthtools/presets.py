@@ -106,11 +106,11 @@ PRESETS: dict[str, Preset] = {
     ),
     "tasks": Preset(
         "tasks", "depth tasks that are learned: preln at L2/L4/L8 x 3 training seeds (~0.11M params) on the S5 "
-        "composition stream alone (answer-only loss, k curriculum 1..6, 2,500 steps); accuracy vs k and the lens "
+        "composition stream alone (answer-only loss, k curriculum 1..6, 5,000 steps); accuracy vs k and the lens "
         "depth per k separate shallow-wide from deep-narrow beyond seed noise",
         plan=dict(arch=["preln"], budget=125_000, vocab_size=256, layers=[2, 4, 8], seeds=[0, 1, 2], n_heads=2,
                   head_dim_multiple=2, ffn_multiple=8, tolerance=0.08, max_seq_len=64),
-        train=dict(tokens=2_500 * 32 * 64, batch_size=32, seq_len=64, lr=3e-3, eval_every=0, eval_tokens=2048,
+        train=dict(tokens=5_000 * 32 * 64, batch_size=32, seq_len=64, lr=3e-3, eval_every=0, eval_tokens=2048,
                    log_every=100, depth_stats_every=0, checkpoint_every=500,
                    task_mix=dict(fraction=1.0, tasks=["s5"], k_min=1, k_max=6, answer_only=True,
                                  curriculum=dict(threshold=0.9, every=100, n=64))),

@@ -296,7 +296,8 @@ def depth_separation(tasks: pd.DataFrame | None) -> list[str]:
         shallower = [g for g in gaps if g[3].excludes_zero() and g[3].mean < 0]
         if not deeper and not shallower:
             out.append(f"{who}: accuracy is within seed noise at every k evaluated (largest gap {widest[3].mean:+.2f} "
-                       f"at k = {widest[0]}, Welch {widest[3].noise()}), so depth buys no measured serial step here.")
+                       f"at k = {widest[0]}, Welch {widest[3].noise()}): no depth difference is resolved at this budget and "
+                       "number of seeds.")
             continue
         parts = []
         for group, winner in ((deeper, f"L{deep} is more accurate"), (shallower, f"L{shallow} is more accurate")):
