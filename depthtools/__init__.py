@@ -10,15 +10,18 @@ Notebook entry points (each returns plain objects or tidy DataFrames):
 Probes live in depthtools.analysis.* (lens, ablate, causal, geometry, contrib, routing, summary).
 """
 
-from depthtools.arch import DepthModel, Plan, build_model, get_arch, list_archs
-from depthtools.checkpoint import load, save
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.grid import plan_grid
 
 __version__ = "0.1.0"
 
-_LAZY = {  # heavier entry points, imported on first use so `import depthtools` stays quick
+# Everything that needs torch is imported on first use, so `import depthtools` and the torch-free
+# subpackages (depthtools.data: `data prepare` and its worker processes) do not pay torch's and
+# TransformerLens' ~4 s import.
+_LAZY = {
+    "DepthModel": "depthtools.arch", "Plan": "depthtools.arch", "build_model": "depthtools.arch",
+    "get_arch": "depthtools.arch", "list_archs": "depthtools.arch",
+    "load": "depthtools.checkpoint", "save": "depthtools.checkpoint", "plan_grid": "depthtools.grid",
     "train_cell": "depthtools.train", "train_grid": "depthtools.train",
     "analyze_grid": "depthtools.analysis.suite", "summarize_grid": "depthtools.analysis.suite",
     "grid_report": "depthtools.report", "model_report": "depthtools.report",

@@ -434,3 +434,16 @@ def test_depthbench_preset_refuses_too_little_data_and_says_what_it_needs(tmp_pa
     bad = runner.invoke(app, ["grid", "plan", "--arch", "preln", "--budget", "2M", "--layers", "2", "--n-heads", "2",
                               "--vocab-size", "50280", "--data", str(byte), "--tolerance", "0.5"])
     assert bad.exit_code == 2 and "vocab_size=50,280 does not match the byte tokenizer" in bad.output, bad.output
+
+
+def test_data_preparation_does_not_import_torch():
+    """`data prepare` and its worker processes import depthtools.data, which needs no torch: importing
+    torch and TransformerLens there cost ~4 CPU-seconds per process before any text was read (issue 21's
+    throughput measurement). Checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import sys, depthtools, depthtools.data, depthtools.data.inputs, depthtools.data.shards; "
+            "print(sorted(m for m in ('torch', 'transformer_lens') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", out
