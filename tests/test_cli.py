@@ -101,3 +101,22 @@ def test_user_errors_are_one_line_on_stderr_with_exit_code_2(tmp_path):
     assert usage.returncode == 2 and "cannot read list" in usage.stderr
     typo = run_cli("archz")
     assert typo.returncode == 2 and "No such command" in typo.stderr
+
+
+def test_cli_and_analysis_package_start_without_torch_and_keep_their_exports():
+    """`depthtools --help`, `data prepare` and `grid status` need no model: importing the CLI used to load
+    torch and TransformerLens (~4 s) through depthtools.analysis' eager imports. The package's exports stay
+    what they were, including `ablate` and `sweep`, functions named like their own submodules."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cli.main; loaded = [m for m in ('torch', 'transformer_lens') if m in sys.modules]; "
+            "import depthtools.analysis.ablate, depthtools.analysis.sweep; "
+            "from depthtools.analysis import ablate, sweep, linear_cka, grid_summary, tasks; "
+            "import depthtools.analysis as a, depthtools.analysis.similarity as s; "
+            "assert callable(ablate) and callable(sweep) and callable(linear_cka), (ablate, sweep); "
+            "assert set(s.__all__) <= set(a.__all__), set(s.__all__) - set(a.__all__); "
+            "assert all(hasattr(a, n) for n in a.__all__); print(loaded)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
