@@ -260,19 +260,24 @@ def depth_reached(reached: pd.DataFrame | None) -> list[str]:
     return out
 
 
-def depth_separation(tasks: pd.DataFrame | None) -> list[str]:
+def depth_separation(tasks: pd.DataFrame | None, threshold: float = 0.9) -> list[str]:
     """Per depth task and architecture: where, in k, the deepest model's accuracy differs from the shallowest's
     beyond training-seed noise (Welch t-interval over their per-seed accuracies excludes 0).
 
     This is the question the tasks exist for: at a fixed parameter count, does trading width for depth buy
     serial steps? A k where the interval covers 0 is a tie and is never reported as a difference; with one
-    seed per model no noise estimate exists and nothing is compared.
+    seed per model no noise estimate exists and nothing is compared. A task that no model learned (no
+    model's seed-mean accuracy reaches `threshold` at the smallest k evaluated) is not compared at all:
+    its accuracy differences measure heuristics, which `depth_reached` says in words.
     """
     if tasks is None or tasks.empty or not {"metric", "task", "k", "value", "arch", "n_layer"} <= set(tasks.columns):
         return []
     acc = with_seed(tasks[tasks["metric"] == "accuracy"]).dropna(subset=["value"])
+    smallest = acc[acc["k"] == acc.groupby("task")["k"].transform("min")]
+    learned = {task for task, sub in smallest.groupby("task")
+               if sub.groupby(["arch", "n_layer"])["value"].mean().max() >= threshold}
     out = []
-    for (task, arch), sub in acc.groupby(["task", "arch"], sort=True):
+    for (task, arch), sub in acc[acc["task"].isin(learned)].groupby(["task", "arch"], sort=True):
         depths = sorted(sub["n_layer"].astype(int).unique())
         if len(depths) < 2:
             continue
