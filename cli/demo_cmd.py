@@ -13,7 +13,7 @@ from cli.main import app, console
 
 @app.command("demo")
 def demo_command(
-    preset: str = typer.Option("demo", "--preset", help="Named grid to run (demo: about 15 min on 2 CPU cores, measured in benchmarks/RESULTS.md; tiny: the CI-sized grid)."),
+    preset: str = typer.Option("demo", "--preset", help="Named grid to run (demo: about 10 min on 2 idle CPU cores, measured in benchmarks/RESULTS.md; tasks: the depth-task grid, ~19 min; tiny: the CI-sized grid)."),
     root: Path = typer.Option(Path("checkpoints"), "--root", help="Cells land in ROOT/<preset>/<cell>/."),
     data_root: Path = typer.Option(Path("data"), "--data-root", help="Where the corpus is prepared."),
     reports: Path = typer.Option(Path("reports"), "--reports", help="The report lands in REPORTS/<preset>/index.html."),
