@@ -1,7 +1,7 @@
 """Named grids (tolerances are wider than DepthBench's ±3% where small widths make the width grain
 coarse, or where an architecture's extra parameters are absorbed by a narrower width): shapes, recipe and data in one place so `--preset NAME` means the same everywhere.
 
-tiny:            CI-sized (~0.25M params, 3 depths), 60k tokens per cell: ~80 s for all 12 cells on 2 CPU cores.
+tiny:            CI-sized (~0.25M params, 3 depths), 60k tokens per cell: 43 s for all 12 cells on 2 idle CPU cores (measured).
 demo:            the embedded default: 3 archs x 3 depths x 3 seeds, 600k tokens per cell (design study in
                  benchmarks/RESULTS.md: no configuration that fits 15 minutes resolves a depth effect
                  beyond seed noise, and the report says so).
@@ -55,7 +55,7 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
-        "tiny", "CI-sized: ~0.25M params, 3 depths, ~80 s for all 12 cells on 2 CPU cores",
+        "tiny", "CI-sized: ~0.25M params, 3 depths, 43 s for all 12 cells on 2 idle CPU cores (measured)",
         plan=dict(arch=["preln", "lns", "hc", "attnres"], budget=250_000, vocab_size=256, layers=[2, 4, 8],
                   n_heads=2, head_dim_multiple=2, ffn_multiple=8, tolerance=0.06, max_seq_len=64),
         train=dict(tokens=60_000, batch_size=8, seq_len=64, lr=3e-3, eval_every=50, eval_tokens=8192,
