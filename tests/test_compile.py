@@ -209,26 +209,14 @@ def test_compiled_training_resumes_bit_identically_after_an_interruption(data_di
     preln cell trained straight through with compile="on" equals one interrupted after its step-4
     checkpoint and resumed in a fresh model (whose compiled region is rebuilt)."""
     from depthtools.checkpoint import read_metrics, read_tensors
-    from depthtools.train import loop as train_loop
     from depthtools.train import train_cell
+    from tiny_models import train_killed_after
 
     recipe = TrainConfig(tokens=8 * 32 * 8, batch_size=8, seq_len=32, eval_tokens=256, eval_every=0, log_every=1,
                          depth_stats_every=0, checkpoint_every=4, threads=1, compile="on")
     model = ModelConfig(arch="preln", **SMALL)
     straight = train_cell(model, recipe, data_dir, tmp_path / "straight")
-    real_append = train_loop._append_metrics
-
-    def append_then_die(run, record):
-        real_append(run, record)
-        if record["step"] == 6:
-            raise KeyboardInterrupt("simulated kill after step 6 (last checkpoint: step 4)")
-
-    train_loop._append_metrics = append_then_die
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            train_cell(model, recipe, data_dir, tmp_path / "resumed")
-    finally:
-        train_loop._append_metrics = real_append
+    train_killed_after(6, model, recipe, data_dir, tmp_path / "resumed")  # its last checkpoint: step 4
     resumed = train_cell(model, recipe, data_dir, tmp_path / "resumed")
     assert resumed["resumed_from"] == 4
     config = json.loads((tmp_path / "straight" / "config.json").read_text())

@@ -21,7 +21,7 @@ from depthtools.errors import DepthToolsError
 from depthtools.train import train_cell
 from depthtools.train import loop as train_loop
 from depthtools.train.batches import IGNORE, TrainBatches
-from tiny_models import one_thread  # noqa: F401 (autouse fixture)
+from tiny_models import one_thread, train_killed_after  # noqa: F401 (one_thread: autouse fixture)
 
 CPU = torch.device("cpu")
 
@@ -150,28 +150,12 @@ def task_recipe(**over) -> TrainConfig:
     return TrainConfig(**{**base, **over})
 
 
-class Interrupted(RuntimeError):
-    pass
-
-
 @pytest.fixture(scope="module")
 def task_cells(data_dir, tmp_path_factory):
     """The same task cell trained straight through, and interrupted after step 100 then resumed (~30 s)."""
     root = tmp_path_factory.mktemp("task_cells")
     straight = train_cell(TASK_MODEL, task_recipe(), data_dir, root / "straight")
-    real_append = train_loop._append_metrics
-
-    def append_then_die(run, record):
-        real_append(run, record)
-        if record["step"] == 100:
-            raise Interrupted("simulated crash between checkpoints 80 and 120")
-
-    train_loop._append_metrics = append_then_die
-    try:
-        with pytest.raises(Interrupted):
-            train_cell(TASK_MODEL, task_recipe(), data_dir, root / "resumed")
-    finally:
-        train_loop._append_metrics = real_append
+    train_killed_after(100, TASK_MODEL, task_recipe(), data_dir, root / "resumed")  # between checkpoints 80 and 120
     saved = json.loads((root / "resumed" / "train_state" / "latest.json").read_text())
     resumed = train_cell(TASK_MODEL, task_recipe(), data_dir, root / "resumed")
     return root, straight, resumed, saved

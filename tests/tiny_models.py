@@ -64,3 +64,28 @@ def prepare_tiny(out_dir: Path, **kw) -> Path:
     from depthtools.data import prepare
 
     return prepare("text-dir", out_dir=out_dir, text_dir=TINY_CORPUS, **{"val_fraction": 0.3, **kw})
+
+
+class SimulatedKill(BaseException):
+    """What `train_killed_after` raises inside the trainer (a BaseException, like the KeyboardInterrupt or
+    SystemExit of a real kill, so no `except Exception` in the trainer can swallow it)."""
+
+
+def train_killed_after(step: int, model_cfg, recipe, data_dir: Path, out: Path) -> None:
+    """Train a cell and stop it abruptly right after the metrics record of `step` is written, the way a
+    kill between two checkpoints would; the caller then resumes with train_cell and compares."""
+    from depthtools.train import loop, train_cell
+
+    real_append = loop._append_metrics
+
+    def append_then_die(run, record):
+        real_append(run, record)
+        if record["step"] == step:
+            raise SimulatedKill(f"simulated kill after step {step}")
+
+    loop._append_metrics = append_then_die
+    try:
+        with pytest.raises(SimulatedKill):
+            train_cell(model_cfg, recipe, data_dir, out)
+    finally:
+        loop._append_metrics = real_append
