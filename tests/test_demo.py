@@ -65,8 +65,9 @@ def test_demo_rerun_reuses_what_is_done(demo):
 
 
 def test_notebook_runs_top_to_bottom(demo, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbclient  # in the [dev] extra: a missing kernel stack must fail, not skip
+    import nbformat
+
     root, _ = demo
     monkeypatch.setenv("DEPTHTOOLS_CKPT", str(root / "checkpoints" / "tiny" / "hc_L4"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
