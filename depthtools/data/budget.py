@@ -75,15 +75,17 @@ def text_tokens_read(train_cfg, params_total: int) -> int:
 
 
 def check_epochs(budget_tokens: int, train_tokens: int, max_epochs: float | None, where: str,
-                 cell: str | None = None, how: str | None = None) -> str | None:
-    """Raise on an over-budget cell; log (and return) the warning for one above 1 epoch with no limit set."""
+                 cell: str | None = None, how: str | None = None, warn: bool = True) -> str | None:
+    """Raise on an over-budget cell; log (when `warn`) and return the warning for one above 1 epoch with no
+    limit set."""
     found = epochs_problem(budget_tokens, train_tokens, max_epochs, where, cell, how)
     if found is None:
         return None
     level, message = found
     if level == "error":
         raise DepthToolsError(message)
-    logger.warning("%s", message)
+    if warn:
+        logger.warning("%s", message)
     return message
 
 

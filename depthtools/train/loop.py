@@ -176,8 +176,7 @@ class Run:
     meta: dict[str, Any]
     device: torch.device
     dtype: torch.dtype
-    model: DepthModel
-    step_model: Any  # the model the step runs (compiled or not)
+    model: DepthModel  # compiled regions, when on, live in it (depthtools.arch.compiled)
     optimizer: torch.optim.AdamW
     param_names: list[str]
     batches: TrainBatches
@@ -195,8 +194,7 @@ class Run:
     min_train_loss: float = math.inf  # lowest logged train loss so far (carried through resumes)
     lr_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes with a changed LR
     dist: Dist = field(default_factory=Dist)
-    parallel: Any = None  # under torchrun: the DDP/FSDP-wrapped LossModule (eager, for probe steps)
-    parallel_step: Any = None  # ... and the one the step runs (the same; compiled regions live in the model)
+    parallel: Any = None  # under torchrun: the DDP/FSDP-wrapped LossModule
     compile: dict[str, Any] = field(default_factory=dict)  # TrainConfig.compile resolved (config.json)
 
     @property
@@ -209,10 +207,10 @@ class Run:
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, probe: DepthProbe | None = None) -> torch.Tensor:
         """Mean loss of one micro-batch through what runs the step: the DDP/FSDP wrapper under torchrun
-        (so gradients are reduced), else the (compiled) model; probe steps run eagerly."""
+        (so gradients are reduced), else the model (whose compiled regions, if any, skip hooked blocks)."""
         if self.parallel is not None:
-            return (self.parallel if probe is not None else self.parallel_step)(inputs, targets, probe)
-        return forward_loss(self.model if probe is not None else self.step_model, inputs, targets, probe)
+            return self.parallel(inputs, targets, probe)
+        return forward_loss(self.model, inputs, targets, probe)
 
     def autocast(self):
         if self.dtype == torch.float32:
@@ -230,7 +228,7 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
     """One-line errors for a model that cannot read this data or this sequence length (a vocabulary
     planned for another tokenizer included), and for a token budget above max_epochs of the data
     (a logged warning above one epoch when max_epochs is unset and `warn`); see depthtools.data.budget."""
-    from depthtools.data.budget import check_epochs, check_vocab, epochs_problem, text_tokens_read
+    from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
 
     check_vocab(model_cfg.vocab_size, meta["tokenizer"], str(data_dir), cell)
     if train_cfg.seq_len > model_cfg.max_seq_len:
@@ -243,11 +241,8 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
         raise DepthToolsError(f"one step (batch_size {train_cfg.batch_size} x seq_len {train_cfg.seq_len} = "
                               f"{step_tokens:,} tokens) exceeds the whole token budget ({budget:,}); lower --seq-len "
                               "or --batch-size, or raise --tokens")
-    read, available = text_tokens_read(train_cfg, count_params(model_cfg)["total"]), int(meta["splits"]["train"]["tokens"])
-    if warn:
-        check_epochs(read, available, train_cfg.max_epochs, str(data_dir), cell)
-    elif (found := epochs_problem(read, available, train_cfg.max_epochs, str(data_dir), cell)) and found[0] == "error":
-        raise DepthToolsError(found[1])
+    check_epochs(text_tokens_read(train_cfg, count_params(model_cfg)["total"]), int(meta["splits"]["train"]["tokens"]),
+                 train_cfg.max_epochs, str(data_dir), cell, warn=warn)
 
 
 def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = Dist(),
@@ -288,7 +283,7 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
                                               model_cfg.d_model, device)
     if compile_on == "on":  # regional: training steps of unhooked blocks compile, the rest stays eager
         compile_on = "on" if compiled.enable(model, device) else "off"
-    step_model, parallel = model, None
+    parallel = None
     if dist.enabled:
         torch.manual_seed(distributed.rank_seed(train_cfg.seed, dist.rank, start))
         parallel = distributed.wrap(LossModule(model), dist, device)
@@ -306,7 +301,7 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
     peak = train_cfg.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
     return Run(
         model_cfg=model_cfg, train_cfg=train_cfg, out_dir=out_dir, data_dir=data_dir, meta=meta, device=device,
-        dtype=resolve_dtype(train_cfg, device), model=model, step_model=step_model, optimizer=optimizer,
+        dtype=resolve_dtype(train_cfg, device), model=model, optimizer=optimizer,
         param_names=names, batches=batches,
         eval_sets=eval_sets, domains=domains, total_steps=total_steps,
         peak_lr=peak_lr, fingerprint=fingerprint, lr_free_fingerprint=lr_free, lr_changes=lr_changes,
@@ -314,7 +309,6 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
         flops_per_token=flops_per_token(model_cfg, params_total, train_cfg.seq_len),
         peak_flops=peak and peak * dist.world_size,  # tokens/s are the whole world's
         start_step=start, progress=progress if dist.is_main else None, dist=dist, parallel=parallel,
-        parallel_step=parallel,
         compile={"setting": train_cfg.compile, "resolved": compile_on, "why": compile_why,
                  "region": model.scheme.compile_region if compile_on == "on" else None},
     )
