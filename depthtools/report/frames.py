@@ -95,8 +95,8 @@ def curves_frame(cells: Sequence[CellData]) -> pd.DataFrame:
 
 
 def curriculum_frame(cells: Sequence[CellData]) -> pd.DataFrame:
-    """Long curriculum records: tokens, task, level (the k a run trains up to) and the held-out accuracy at that
-    level, from the task_level_<task> / task_acc_<task> fields of metrics.jsonl (empty without a curriculum)."""
+    """Long curriculum records: tokens, task and level (the k a run trains up to), from the task_level_<task>
+    fields of metrics.jsonl (empty without a curriculum)."""
     frames = []
     for c in cells:
         m = c.metrics
@@ -104,11 +104,8 @@ def curriculum_frame(cells: Sequence[CellData]) -> pd.DataFrame:
         if m.empty or x is None:
             continue
         for column in (col for col in m.columns if col.startswith("task_level_")):
-            task = column[len("task_level_"):]
-            acc = m.get(f"task_acc_{task}")
-            part = pd.DataFrame({"tokens": x, "level": pd.to_numeric(m[column], errors="coerce"),
-                                 "accuracy": pd.to_numeric(acc, errors="coerce") if acc is not None else float("nan")})
-            frames.append(part.dropna(subset=["level"]).assign(task=task, **c.info()))
+            part = pd.DataFrame({"tokens": x, "level": pd.to_numeric(m[column], errors="coerce")})
+            frames.append(part.dropna(subset=["level"]).assign(task=column[len("task_level_"):], **c.info()))
     return concat(frames)
 
 
