@@ -152,7 +152,7 @@ class TrainConfig:
     tokens is refused when planning and training (None: a warning above one epoch; recipes that claim
     a paper's setting set 1). `compile`: "on" trains through depthtools.arch.compiled's regional
     `torch.compile` (CPU and CUDA; the eager path is the reference), "off" eagerly, "auto" (default)
-    compiles only when the planned run is long enough to repay the compilation (`compile_choice`).
+    compiles only when the planned run is long enough to repay the compilation (`depthtools.arch.compiled.decide`).
     `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
     sharding, for models whose weights + AdamW state do not fit one device); one process ignores it.
     """
@@ -183,7 +183,7 @@ class TrainConfig:
     divergence_margin: float = 5.0  # nats above the lowest logged train loss that stop the run (0 = off)
     device: str = "auto"
     dtype: str = "auto"
-    compile: str = "auto"  # "auto" | "on" | "off" (old configs' true/false read as "on"/"off"); see compile_choice
+    compile: str = "auto"  # "auto" | "on" | "off" (old configs' true/false read as "on"/"off"); see depthtools.arch.compiled.decide
     threads: int | None = None
     peak_flops: float | None = None  # for MFU; None: looked up from the CUDA device name
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (same maths; not part of the run fingerprint)
