@@ -336,7 +336,7 @@ def grid_sections(grid: GridData) -> list[Section]:
     cells_df = frames.cells_frame(grid.cells)
     tasks_section, task_summary = _tasks_section(grid)
     only_tasks = task_only(grid.cells)
-    missing = [m for m in grid.missing if not only_tasks]  # text-probe tables are not expected of task-only cells
+    missing = [] if only_tasks else list(grid.missing)  # text-probe tables are not expected of task-only cells
     if not task_summary.empty or only_tasks:
         missing += [(c.name, "analysis/tasks_eval.parquet", f"run `depthtools tasks eval --grid {grid.directory}`")
                     for c in grid.cells if c.table("tasks_eval") is None]
