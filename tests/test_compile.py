@@ -226,3 +226,43 @@ def test_compiled_training_resumes_bit_identically_after_an_interruption(data_di
     strip = lambda rs: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rs]  # noqa: E731
     assert strip(read_metrics(tmp_path / "resumed")) == strip(read_metrics(tmp_path / "straight"))
     assert straight["train_loss"] == resumed["train_loss"]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_sinkhorn_cpu_kernel_matches_the_reference(dtype, tol):
+    """The C kernel behind the compiled path's Sinkhorn op (cpu_kernels) against the plain-autograd
+    reference: values and gradients, both orders, token counts around its block size, several t_max."""
+    from depthtools.arch import cpu_kernels, reference
+
+    if cpu_kernels.library() is None:
+        pytest.skip("no C compiler here: the op takes the torch-op kernel")
+    gen = torch.Generator().manual_seed(0)
+    for tokens, t_max in ((1, 20), (63, 1), (65, 7), (200, 20)):
+        for first in (0, 1):
+            logits = (4 * torch.randn(tokens, 4, 4, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_(True)
+            grad = torch.randn(tokens, 4, 4, generator=gen, dtype=torch.float64).to(dtype)
+            want = reference.sinkhorn(logits, t_max, first)
+            (want_grad,) = torch.autograd.grad(want, logits, grad)
+            z = logits.detach().permute(1, 2, 0).contiguous()
+            got = cpu_kernels.sinkhorn_forward(z, t_max, first).permute(2, 0, 1)
+            got_grad = cpu_kernels.sinkhorn_backward(z, grad.permute(1, 2, 0).contiguous(), t_max, first).permute(2, 0, 1)
+            assert float((got - want.detach()).abs().max()) <= tol, (tokens, t_max, first)
+            assert float((got_grad - want_grad).abs().max()) <= tol * float(want_grad.abs().max()), (tokens, t_max, first)
+    assert not cpu_kernels.usable(torch.zeros(4, 4, 3, dtype=torch.float16))
+    assert not cpu_kernels.usable(torch.zeros(4, 3, 4).transpose(1, 2))
+
+
+def test_unrolled_stream_mix_matches_bmm():
+    """The compiled path's stream mix (n multiply-adds per row) equals [w; R] @ H, values and gradients."""
+    from depthtools.arch import reference
+
+    gen = torch.Generator().manual_seed(0)
+    routing = torch.randn(6, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    H = torch.randn(6, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    u, mixed = reference.stream_mix_unrolled(routing, H)
+    out = routing @ H
+    assert torch.allclose(u, out[:, 0], rtol=0, atol=1e-14) and torch.allclose(mixed, out[:, 1:], rtol=0, atol=1e-14)
+    g = torch.randn(6, 5, 8, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((u * g[:, 0]).sum() + (mixed * g[:, 1:]).sum(), (routing, H))
+    want = torch.autograd.grad((out * g).sum(), (routing, H))
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-13) for a, b in zip(got, want))

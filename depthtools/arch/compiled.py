@@ -20,9 +20,12 @@ Which region, per scheme (`ResidualScheme.compile_region`, chosen by measurement
                 its cost is the depth attention and slot bookkeeping, which stay on the fused kernels).
 
 Inside a compiled step the hand-written autograd Functions (hyper.py) are replaced by their
-plain-autograd references (reference.py) -- what inductor fuses -- except mHC's Sinkhorn, which
-inductor compiles slower than the fused tokens-last kernel (n = 4 reductions; benchmarks/RESULTS.md):
-it stays opaque, as the `depthtools::sinkhorn_tokens_last` custom op below.
+plain-autograd references (reference.py) -- what inductor fuses; the HC/mHC stream mix [w; R] @ H is
+written there as n multiply-adds per row under compile, so it fuses too -- except mHC's Sinkhorn,
+which inductor compiles slower than the fused tokens-last kernel (n = 4 reductions; benchmarks/RESULTS.md):
+it stays opaque, as the `depthtools::sinkhorn_tokens_last` custom op below, whose CPU float32/float64
+implementation is a small C kernel iterating each token's 4x4 matrix in registers (cpu_kernels.py;
+the torch-op kernel elsewhere).
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
 found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute
@@ -87,9 +90,13 @@ def cache_dir() -> Path:
 
 @torch.library.custom_op("depthtools::sinkhorn_tokens_last", mutates_args=())
 def _sinkhorn_tl(z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-    """Sinkhorn of tokens-last logits z [n_out, n_in, N] (hyper._sinkhorn_forward); contiguous result."""
+    """Sinkhorn of tokens-last logits z [n_out, n_in, N] (hyper._sinkhorn_forward); contiguous result.
+    CPU float32/float64: the C kernel (cpu_kernels), else the torch-op kernel."""
+    from depthtools.arch import cpu_kernels
     from depthtools.arch.hyper import _sinkhorn_forward
 
+    if cpu_kernels.usable(z):
+        return cpu_kernels.sinkhorn_forward(z, t_max, first)
     return _sinkhorn_forward(z, t_max, first)[0].contiguous()
 
 
@@ -101,8 +108,12 @@ def _(z, t_max, first):
 @torch.library.custom_op("depthtools::sinkhorn_tokens_last_backward", mutates_args=())
 def _sinkhorn_tl_backward(grad: torch.Tensor, z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
     """Gradient of `_sinkhorn_tl` w.r.t. z (recomputes the cheap forward for its saved terms)."""
+    from depthtools.arch import cpu_kernels
     from depthtools.arch.hyper import _sinkhorn_backward, _sinkhorn_forward
 
+    grad = grad.contiguous()
+    if cpu_kernels.usable(z, grad):
+        return cpu_kernels.sinkhorn_backward(z, grad, t_max, first)
     _, saved = _sinkhorn_forward(z, t_max, first)
     return _sinkhorn_backward(saved, grad.contiguous()).contiguous()
 

@@ -55,9 +55,27 @@ def proj_rms(x: torch.Tensor, w: torch.Tensor, eps: float):
 
 
 def stream_mix(routing: torch.Tensor, H: torch.Tensor):
-    """hyper._Mix: (u [N,d], R H [N,n,d]) = rows of [w; R] @ H for routing [N,n+1,n], streams H [N,n,d]."""
+    """hyper._Mix: (u [N,d], R H [N,n,d]) = rows of [w; R] @ H for routing [N,n+1,n], streams H [N,n,d].
+
+    Under torch.compile: the same sums as n multiply-adds per output row (`stream_mix_unrolled`), which
+    inductor fuses with the connector's other elementwise work; a [N,n+1,n] @ [N,n,d] bmm is an extern
+    call it cannot fuse (its backward two more)."""
+    if torch.compiler.is_compiling():
+        return stream_mix_unrolled(routing, H)
     out = routing @ H
     return out[:, 0], out[:, 1:]
+
+
+def stream_mix_unrolled(routing: torch.Tensor, H: torch.Tensor):
+    """`stream_mix` as Σ_s routing[:, j, s] H_s, one multiply-add per stream s (index order)."""
+    n = H.shape[1]
+    rows = []
+    for j in range(routing.shape[1]):
+        acc = routing[:, j, 0, None] * H[:, 0]
+        for s in range(1, n):
+            acc = acc + routing[:, j, s, None] * H[:, s]
+        rows.append(acc)
+    return rows[0], torch.stack(rows[1:], 1)
 
 
 def stream_update(mixed: torch.Tensor, depth: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
