@@ -15,16 +15,29 @@ size, --cache to reuse one), so compile times are cold-cache figures.
                 (first + (run_steps − 1) × warm) ÷ the same for eager Pre-LN -- extrapolated from the
                 measured first and warm steps, not a timed 500-step run
 
+--timed-run: instead, TIME whole runs of --run-steps training steps, each in a fresh process (model
+build + every step, compilation included; interpreter start and imports excluded), one process at a
+time: eager Pre-LN first and last (the baseline is their mean), then per architecture the eager run,
+"+compile" with a COLD inductor cache (an empty folder) and "+compile" again with that folder WARM
+(what a second run on the machine sees). Reported: run wall s, ratio to eager Pre-LN's run, first step
+s, and extra s = the run minus run_steps × its median step (model build and the first steps' extra:
+compilation, for "+compile").
+
 Usage: python benchmarks/bench_compile.py [--batches 8 16] [--reps 7] [--arch preln hc mhc attnres moda]
        [--run-steps 500] [--profile ARCH+compile]   (--profile: a torch.profiler table of 2 warm steps)
+       python benchmarks/bench_compile.py --timed-run [--run-steps 500] [--batches 8] [--arch hc mhc]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,6 +82,54 @@ def profile(name: str, args) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
 
 
+def run_worker(name: str, batch: int, args) -> None:
+    """One whole timed run in this (fresh) process: build the model, then --run-steps steps."""
+    import torch
+
+    import depthtools.arch.compiled  # noqa: F401  (imports before the clock: build_step imports lazily)
+    import depthtools.train.optim  # noqa: F401
+
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    _, step = bench_arch_step.build_step(name, shape_args(batch, args))
+    steps = []
+    for _ in range(args.run_steps):
+        t = time.perf_counter()
+        step()
+        steps.append(time.perf_counter() - t)
+    total = time.perf_counter() - start
+    print(json.dumps({"total_s": total, "first_s": steps[0], "median_s": statistics.median(steps)}), flush=True)
+
+
+def timed_runs(names: list[str], batch: int, args) -> list[dict]:
+    def one(name: str, cache: str) -> dict:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "DEPTHTOOLS_COMPILE_CACHE": cache, "TORCHINDUCTOR_CACHE_DIR": cache}
+        cmd = [sys.executable, __file__, "--run-worker", name, "--batches", str(batch), "--run-steps",
+               str(args.run_steps), "--n-layer", str(args.n_layer), "--d-model", str(args.d_model)]
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        result = json.loads(out.strip().splitlines()[-1])
+        print(f"  {name} batch {batch}: {result}", file=sys.stderr, flush=True)
+        return result
+
+    rows = []
+    base = [one("preln", tempfile.mkdtemp(prefix="depthtools-inductor-"))]
+    for name in names:
+        if name != "preln":
+            rows.append({"name": name, "cache": "-", **one(name, tempfile.mkdtemp(prefix="depthtools-inductor-"))})
+        cache = tempfile.mkdtemp(prefix="depthtools-inductor-")
+        rows.append({"name": f"{name}+compile", "cache": "cold", **one(f"{name}+compile", cache)})
+        rows.append({"name": f"{name}+compile", "cache": "warm", **one(f"{name}+compile", cache)})
+    base.append(one("preln", tempfile.mkdtemp(prefix="depthtools-inductor-")))
+    base_total = statistics.mean(b["total_s"] for b in base)
+    rows.insert(0, {"name": "preln", "cache": "-", "total_s": base_total, "first_s": base[0]["first_s"],
+                    "median_s": statistics.mean(b["median_s"] for b in base),
+                    "note": " / ".join(f"{b['total_s']:.0f}" for b in base)})
+    for r in rows:
+        r["batch"], r["x"] = batch, r["total_s"] / base_total
+        r["compile_s"] = max(0.0, r["total_s"] - args.run_steps * r["median_s"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 16])
@@ -81,10 +142,27 @@ def main() -> None:
     parser.add_argument("--run-steps", dest="run_steps", type=int, default=500)
     parser.add_argument("--cache", help="inductor cache folder (default: a fresh one per batch size: cold)")
     parser.add_argument("--profile", help="print a profiler table for this model (e.g. mhc+compile) and exit")
+    parser.add_argument("--timed-run", dest="timed_run", action="store_true",
+                        help="time whole --run-steps runs in fresh processes, cold and warm inductor cache")
+    parser.add_argument("--run-worker", dest="run_worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.run_worker:
+        run_worker(args.run_worker, args.batches[0], args)
+        return
     if args.profile:
         profile(args.profile, args)
+        return
+    if args.timed_run:
+        rows = [r for batch in args.batches for r in timed_runs(args.arch, batch, args)]
+        print(f"\nL={args.n_layer} d={args.d_model} heads=4 seq=128 vocab=256 threads=1; timed runs of {args.run_steps} "
+              "steps (model build + steps, compile included), fresh process each, one at a time\n")
+        print("| model | batch | inductor cache | run s | x eager preln run | first step s | median step ms | extra s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            total = f"{r['total_s']:.0f}" + (f" (runs {r['note']})" if "note" in r else "")
+            print(f"| {r['name']} | {r['batch']}x128 | {r['cache']} | {total} | {r['x']:.2f} | {r['first_s']:.1f} | "
+                  f"{1000 * r['median_s']:.0f} | {r['compile_s']:.1f} |")
         return
     names = ["preln"] + [n for a in args.arch for n in (a, f"{a}+compile") if n != "preln"]
     rows = []
