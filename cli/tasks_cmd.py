@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from cli.main import console, fmt, print_json, table
+from depthtools.data.tasks import TASKS
 from depthtools.errors import DepthToolsError
 
 tasks_app = typer.Typer(help="Synthetic serial-computation probes: show samples, evaluate checkpoints per task and k.",
@@ -36,7 +37,7 @@ def _records(df) -> list[dict[str, Any]]:
     return json.loads(df.to_json(orient="records"))
 
 
-TASK_NAMES = "chase, s5, add"
+TASK_NAMES = ", ".join(TASKS)
 
 
 @tasks_app.command("sample")
@@ -67,7 +68,7 @@ def sample_command(
 def eval_command(
     ckpt: Optional[str] = typer.Option(None, "--ckpt", help="Checkpoint path or cell name (e.g. preln_L8)."),
     grid: Optional[Path] = typer.Option(None, "--grid", help="Grid directory: evaluate every checkpoint in it."),
-    tasks: str = typer.Option("chase,s5,add", "--tasks", help=f"Comma-separated tasks ({TASK_NAMES})."),
+    tasks: str = typer.Option(",".join(TASKS), "--tasks", help=f"Comma-separated tasks ({TASK_NAMES})."),
     k: str = typer.Option("1-8", "--k", "-k", help="k values: a range 1-8, a list 1,2,4, or one number."),
     n: int = typer.Option(200, "-n", "--n", help="Samples per task and k."),
     seed: int = typer.Option(0, "--seed", help="Sample seed (every model of a grid sees the same samples)."),

@@ -16,7 +16,7 @@ import torch
 from depthtools.arch import DepthModel
 from depthtools.checkpoint import load, read_metrics, read_tensors
 from depthtools.config import ModelConfig, TrainConfig
-from depthtools.data.tasks import TASKS, Curriculum, TaskMix, TaskMixer, generate, max_sample_tokens, task_row
+from depthtools.data.tasks import MIX_TASKS, TASKS, Curriculum, TaskMix, TaskMixer, generate, max_sample_tokens, task_row
 from depthtools.errors import DepthToolsError
 from depthtools.train import train_cell
 from depthtools.train import loop as train_loop
@@ -120,7 +120,7 @@ def test_curriculum_rules_and_validation():
     assert mix.start_levels() == {"chase": 1} and TaskMix(1.0, ("chase",), 1, 3).start_levels() == {"chase": 3}
     assert TaskMix.from_value(mix.to_dict()) == mix
     # the issue-17 fields stay out of older mixes' JSON, so their run fingerprints do not change
-    assert TaskMix(0.05).to_dict() == {"fraction": 0.05, "tasks": list(TASKS), "k_min": 1, "k_max": 4}
+    assert TaskMix(0.05).to_dict() == {"fraction": 0.05, "tasks": list(MIX_TASKS), "k_min": 1, "k_max": 4}
 
 
 def test_levels_decide_the_rows_and_are_validated():

@@ -21,7 +21,7 @@ from depthtools.arch import DepthModel
 from depthtools.checkpoint import save
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import ByteTokenizer
-from depthtools.data.tasks import TASKS, TaskMix, TaskMixer, generate
+from depthtools.data.tasks import MAX_K, TASKS, TaskMix, TaskMixer, generate
 from depthtools.errors import DepthToolsError
 from depthtools.train.batches import TrainBatches
 from tiny_models import one_thread  # noqa: F401 (autouse fixture)
@@ -66,6 +66,19 @@ def solve_add(prompt: str) -> tuple[str, int]:
     return str(a + b), longest
 
 
+def solve_hop(prompt: str) -> tuple[str, int]:
+    """Walk the table as a dict {index: digit} from the start, k times; also checks the path revisits nothing."""
+    table, query = prompt.rstrip("=").split(";")
+    start, hops = query.split("^")
+    assert sorted(table) == list("0123456789")  # a permutation
+    pointer = dict(enumerate(int(c) for c in table))
+    visited = [int(start)]
+    for _ in range(int(hops)):
+        visited.append(pointer[visited[-1]])
+    assert len(set(visited)) == len(visited), ("the path repeats an entry", prompt)
+    return str(visited[-1]), int(hops)
+
+
 def check_sample(task: str, k: int | None, text: str, start: int, end: int) -> None:
     prompt, answer = text[:start], text[start:end]
     assert text[end:] == "\n" and "\0" not in text and text.isascii()
@@ -73,6 +86,8 @@ def check_sample(task: str, k: int | None, text: str, start: int, end: int) -> N
         expected, steps = solve_chase(prompt)
     elif task == "s5":
         expected, steps = solve_s5(prompt), prompt.count("*") + 1
+    elif task == "hop":
+        expected, steps = solve_hop(prompt)
     else:
         expected, steps = solve_add(prompt)
     assert answer == expected, (task, text)
@@ -91,7 +106,7 @@ def test_generators_are_deterministic_per_seed(task):
 @pytest.mark.parametrize("task", TASKS)
 def test_every_answer_is_correct_by_an_independent_solver(task):
     tokenizer = ByteTokenizer()
-    for k in (1, 2, 3, 5, 8, 12):
+    for k in (k for k in (1, 2, 3, 5, 8, 9, 12) if k <= MAX_K[task]):
         for s in generate(task, k, 40, seed=k):
             check_sample(task, k, s.text, s.answer_start, s.answer_end)
             ids = tokenizer.encode(s.text)
@@ -115,6 +130,23 @@ def test_pointer_chasing_cannot_be_solved_by_position_or_chain_length():
     assert min(digits_in_prompt) >= 2
 
 
+def test_hop_needs_every_hop_not_a_shortcut():
+    """No fixed table slot and no shorter walk gives t^k(s) away (digit frequencies cannot: t is a permutation)."""
+    for k in (1, 3, 6):
+        samples = generate("hop", k, 600, seed=k)
+        answers = [int(s.answer) for s in samples]
+        assert max(np.bincount(answers, minlength=10)) / len(answers) < 0.16  # about uniform over the 10 digits
+        for slot in range(10):
+            # ~0.19: the slot is on the path (about 1 in 10) or holds the answer's digit by chance (1 in 10)
+            assert np.mean([s.prompt[slot] == s.answer for s in samples]) < 0.26, (k, slot)
+        for s in samples:
+            table, start = s.prompt[:10], int(s.prompt[11])
+            walk = [start]
+            for _ in range(k - 1):
+                walk.append(int(table[walk[-1]]))
+            assert str(walk[-1]) != s.answer and str(start) != s.answer  # k-1 hops (or none) never answer it
+
+
 def _reaches(pairs: list[str], start: str, target: str) -> bool:
     bindings = dict(p.split("=") for p in pairs)
     value = start
@@ -134,12 +166,14 @@ def _depth_to(pairs: list[str], var: str) -> int:
 
 
 def test_bad_task_and_k_are_one_line_errors():
-    with pytest.raises(DepthToolsError, match="unknown task 'nope'; valid: chase, s5, add"):
+    with pytest.raises(DepthToolsError, match="unknown task 'nope'; valid: chase, s5, add, hop"):
         generate("nope", 1, 1)
     with pytest.raises(DepthToolsError, match="k must be an integer >= 1"):
         generate("s5", 0, 1)
     with pytest.raises(DepthToolsError, match="too large for 'chase'"):
         generate("chase", 26, 1)
+    with pytest.raises(DepthToolsError, match="too large for 'hop': at most 9 .a path of k.1 distinct entries"):
+        generate("hop", 10, 1)
 
 
 # -- training mix --------------------------------------------------------------------------------
@@ -168,7 +202,7 @@ def _corpus(n: int = 20_000) -> np.ndarray:
 
 
 def test_mix_fraction_matches_config_and_batches_recompute_identically():
-    corpus, mix, B, T, steps = _corpus(), TaskMix(0.2, ("chase", "s5", "add"), 2, 4), 16, 64, 150
+    corpus, mix, B, T, steps = _corpus(), TaskMix(0.2, TASKS, 2, 4), 16, 64, 150
     plain = TrainBatches(corpus, B, T, seed=3, device=torch.device("cpu"))
     mixed = TrainBatches(corpus, B, T, seed=3, device=torch.device("cpu"), task_mix=mix)
     task_rows = seen_ks = 0
@@ -185,7 +219,7 @@ def test_mix_fraction_matches_config_and_batches_recompute_identically():
                 text = piece.decode("ascii")
                 if not text.endswith("\n"):
                     continue  # the row's last sample is cut off
-                task = "chase" if "?" in text else "add" if "+" in text else "s5"
+                task = "chase" if "?" in text else "add" if "+" in text else "hop" if "^" in text else "s5"
                 start, end = text.index("?" if task == "chase" else "=") + 1, len(text) - 1
                 check_sample(task, None, text, start, end)
                 ks.add(_k_of(task, text[:start]))
@@ -207,6 +241,8 @@ def _k_of(task: str, prompt: str) -> int:
         return solve_chase(prompt)[1]
     if task == "s5":
         return prompt.count("*") + 1
+    if task == "hop":
+        return solve_hop(prompt)[1]
     return solve_add(prompt)[1]
 
 

@@ -80,7 +80,7 @@ def _score_batch(model, ids: torch.Tensor, spans: list[tuple[int, int]]) -> dict
         logits = model.unembed(model.ln_final(rows))
         return logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16 models)
 
-    state = model.embed(ids)
+    state = model.embed(ids[:, :-1])  # the last token is only ever a target: a sample fits a row of seq_len+1
     for depth in range(model.n_layer + 1):
         if depth:
             state = model.run_states(from_state=state, start=depth - 1, stop=depth)[-1]
@@ -114,7 +114,7 @@ def answer_accuracy(model, samples: Sequence[TaskSample], batch_size: int = 64) 
         for start in range(0, len(samples), batch_size):
             ids, spans = _encode(samples[start:start + batch_size])
             ids = ids.to(device)
-            predicted = model(ids).argmax(-1)  # [N, T]: predicted[:, t] is the guess for ids[:, t+1]
+            predicted = model(ids[:, :-1]).argmax(-1)  # [N, T-1]: predicted[:, t] is the guess for ids[:, t+1]
             for i, (a, b) in enumerate(spans):
                 correct += bool((predicted[i, a - 1:b] == ids[i, a:b + 1]).all())
     finally:
@@ -180,7 +180,7 @@ def task_eval(
         for task in tasks:
             for k in ks:
                 samples = generate(task, k, n, seed)
-                longest = max(len(s.text) for s in samples) + 1
+                longest = max(len(s.text) for s in samples)  # separator + text, less the last token (a target only)
                 if longest > model.config.max_seq_len:
                     notes.append(f"{task} k={k} left out: samples need {longest} tokens, the context is "
                                  f"{model.config.max_seq_len}")

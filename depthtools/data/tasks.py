@@ -12,6 +12,12 @@ Three tasks, each needing k serial steps (docs/design.md: does extra depth becom
     add     n-digit addition whose longest carry chain has exactly k positions (k=3):  "803412+176595=980007"
             (a chain is a maximal run of digit positions, from the least significant, that carry out);
             the sum is written most significant digit first, so its first digit needs the whole chain.
+    hop     k-hop pointer chasing through a table (k=2):  "3947102658;4^2=5"
+            the first ten digits are a permutation t of 0..9 (t[i] = the i-th digit), then the start s and
+            k; the answer is t^k(s), t applied k times. The path s, t(s), ..., t^k(s) visits k+1 distinct
+            entries (so k <= 9 and no cycle shortens it); the rest of t is random, and every digit appears
+            once, so neither a table slot nor a digit's frequency gives the answer (answer: one digit). Unlike chase, each lookup is by position, not by name,
+            which is what a model at the demo's scale learns (benchmarks/RESULTS.md, issue 17, third pass).
 
 Every sample is ASCII text ``prompt + answer + "\\n"``: byte offsets equal character offsets, the text
 encodes with `ByteTokenizer` and never contains NUL (id 0, the document separator). `answer_start` and
@@ -48,15 +54,18 @@ import numpy as np
 
 from depthtools.errors import DepthToolsError
 
-TASKS = ("chase", "s5", "add")
+TASKS = ("chase", "s5", "add", "hop")
+MIX_TASKS = ("chase", "s5", "add")  # TaskMix's default tasks (kept from before hop, so configs keep their meaning)
 TASK_HELP = {
     "chase": "k-hop pointer chasing with a decoy chain and distractor bindings (answer: 1 digit)",
     "s5": "compose k permutations of 0..4, left to right (answer: 5-digit one-line notation)",
     "add": "n-digit addition whose longest carry chain has exactly k positions (answer: the sum)",
+    "hop": "follow a 10-entry table t from s k times: t^k(s) (answer: 1 digit)",
 }
 CHASE_NAMES = string.ascii_lowercase + string.ascii_uppercase
 CHASE_EXTRA = 2  # distractor bindings besides the decoy chain
-MAX_K = {"chase": (len(CHASE_NAMES) - CHASE_EXTRA) // 2, "s5": 10_000, "add": 10_000}
+HOP_TABLE = 10  # entries of hop's table: the digits 0..9 are both its indices and its values
+MAX_K = {"chase": (len(CHASE_NAMES) - CHASE_EXTRA) // 2, "s5": 10_000, "add": 10_000, "hop": HOP_TABLE - 1}
 END = "\n"
 
 # first key of every generator stream, so evaluation samples, mix rows and the row mask never share one
@@ -189,7 +198,20 @@ def _add(k: int, draw: Draw) -> tuple[str, str]:
     raise AssertionError("unreachable: the last attempt has no free positions")
 
 
-GENERATORS: dict[str, Callable[[int, Draw], tuple[str, str]]] = {"chase": _chase, "s5": _s5, "add": _add}
+def _hop(k: int, draw: Draw) -> tuple[str, str]:
+    path = draw.sample(range(HOP_TABLE), k + 1)  # s = path[0] -> path[1] -> ... -> path[k], all distinct
+    table = [0] * HOP_TABLE
+    for here, there in zip(path, path[1:]):
+        table[here] = there
+    # the rest is a random bijection from the entries not yet set to the values not yet used
+    sources = [i for i in range(HOP_TABLE) if i not in path[:-1]]
+    values = draw.shuffle([v for v in range(HOP_TABLE) if v not in path[1:]])
+    for here, there in zip(sources, values):
+        table[here] = there
+    return "".join(map(str, table)) + f";{path[0]}^{k}=", str(path[k])
+
+
+GENERATORS: dict[str, Callable[[int, Draw], tuple[str, str]]] = {"chase": _chase, "s5": _s5, "add": _add, "hop": _hop}
 
 
 def check_task(task: str) -> str:
@@ -203,8 +225,9 @@ def check_k(task: str, k: int) -> int:
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise DepthToolsError(f"k must be an integer >= 1 (the number of serial steps), got {k!r}")
     if k > MAX_K[task]:
-        raise DepthToolsError(f"k={k} is too large for {task!r}: at most {MAX_K[task]} "
-                              f"({len(CHASE_NAMES)} variable names, {CHASE_EXTRA} kept for distractors)")
+        why = (f"{len(CHASE_NAMES)} variable names, {CHASE_EXTRA} kept for distractors" if task == "chase" else
+               f"a path of k+1 distinct entries in a {HOP_TABLE}-entry table")
+        raise DepthToolsError(f"k={k} is too large for {task!r}: at most {MAX_K[task]} ({why})")
     return int(k)
 
 
@@ -264,10 +287,11 @@ def max_sample_tokens(task: str, k: int) -> int:
 
     chase: 2k+2 bindings of 4 bytes ("a=b;"), the query "a?" and a 1-digit answer; s5: k blocks of 6
     bytes ("01234*", the last one "="), a 5-digit answer; add: two operands of at most k+3 digits, "+",
-    "=" and a sum of at most k+4 digits.
+    "=" and a sum of at most k+4 digits; hop: the table, ";", s, "^", k, "=" and a 1-digit answer.
     """
     check_k(task, k)
-    body = {"chase": 4 * (2 * k + CHASE_EXTRA) + 2 + 1, "s5": 6 * k + 5, "add": 2 * (k + 3) + 2 + (k + 4)}[task]
+    body = {"chase": 4 * (2 * k + CHASE_EXTRA) + 2 + 1, "s5": 6 * k + 5, "add": 2 * (k + 3) + 2 + (k + 4),
+            "hop": HOP_TABLE + 3 + len(str(k)) + 1 + 1}[task]
     return 1 + body + len(END)
 
 
@@ -334,7 +358,7 @@ class TaskMix:
     """
 
     fraction: float
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = MIX_TASKS
     k_min: int = 1
     k_max: int = 4
     answer_only: bool = False  # loss of task rows on answer + end marker only
@@ -495,7 +519,7 @@ def _as_tensor(values: np.ndarray, like):
 
 
 __all__ = [
-    "TASKS", "TASK_HELP", "MAX_K", "END", "CURRICULUM_SEED", "Curriculum", "Draw", "TaskSample", "TaskMix",
+    "TASKS", "MIX_TASKS", "TASK_HELP", "MAX_K", "HOP_TABLE", "END", "CURRICULUM_SEED", "Curriculum", "Draw", "TaskSample", "TaskMix",
     "TaskMixer", "check_k", "check_task", "generate", "longest_carry_chain", "make_sample", "max_sample_tokens",
     "parse_k", "parse_tasks", "task_row", "task_row_and_answers",
 ]
