@@ -17,7 +17,8 @@ Which region, per scheme (`ResidualScheme.compile_region`, chosen by measurement
                 source bank, MoDA's slot buffers) changes shape with depth and would compile once
                 per position: Full/Block AttnRes, DenseFormer.
     "none"      nothing compiled: MoDA (its MLP core compiled gained nothing measurable, -3% to +5%;
-                its cost is the depth attention and slot bookkeeping, which stay on the fused kernels).
+                its cost is the depth attention, memory-bound on the slot cache: a fused C kernel
+                for it measured slower than the torch-op loops, benchmarks/RESULTS.md).
 
 Inside a compiled step the hand-written autograd Functions (hyper.py) are replaced by their
 plain-autograd references (reference.py) -- what inductor fuses; the HC/mHC stream mix [w; R] @ H is

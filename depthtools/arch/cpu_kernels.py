@@ -9,9 +9,10 @@ to compile (1.6-1.9 vs 2.2 ms fwd+bwd at N = 1024). Here each token's n x n matr
 registers/L1 (tokens in blocks of 16, the block the vectorised inner loop), forward and backward
 (the backward recomputes the iterates per block, so nothing is saved between them): ~0.1 ms.
 
-Same arithmetic, in the same order, as `hyper._sinkhorn_forward` / `_sinkhorn_backward` (softmax over
-dim `first` -- max-subtracted exp, then division by the sum --, half-steps m / max(Σ m, tiny), sums in
-index order); only exp's last ulp and the compiler's fused multiply-adds can differ (no -ffast-math).
+The same iteration as `hyper._sinkhorn_forward` / `_sinkhorn_backward` (softmax over dim `first` --
+max-subtracted exp, then 1/sum --, half-steps m · 1/max(Σ m, tiny), sums in index order); it multiplies
+by reciprocals where the torch kernel divides (4 divisions per half-step instead of 16: the kernel is
+division-bound), so results differ by an ulp or so per half-step; no -ffast-math, no FMA contraction.
 tests/test_compile.py compares it with the reference in float64 and float32, values and gradients.
 
 Used only by the compiled training path (`compiled.sinkhorn_op`, opaque to torch.compile) for
