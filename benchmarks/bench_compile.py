@@ -25,7 +25,7 @@ compilation, for "+compile").
 
 Usage: python benchmarks/bench_compile.py [--batches 8 16] [--reps 7] [--arch preln hc mhc attnres moda]
        [--run-steps 500] [--profile ARCH+compile]   (--profile: a torch.profiler table of 2 warm steps)
-       python benchmarks/bench_compile.py --timed-run [--run-steps 500] [--batches 8] [--arch hc mhc]
+       python benchmarks/bench_compile.py --timed-run [--run-steps 500] [--batches 8] [--arch hc mhc] [--skip-eager]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def timed_runs(names: list[str], batch: int, args) -> list[dict]:
     rows = []
     base = [one("preln", tempfile.mkdtemp(prefix="depthtools-inductor-"))]
     for name in names:
-        if name != "preln":
+        if name != "preln" and not args.skip_eager:
             rows.append({"name": name, "cache": "-", **one(name, tempfile.mkdtemp(prefix="depthtools-inductor-"))})
         cache = tempfile.mkdtemp(prefix="depthtools-inductor-")
         rows.append({"name": f"{name}+compile", "cache": "cold", **one(f"{name}+compile", cache)})
@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--profile", help="print a profiler table for this model (e.g. mhc+compile) and exit")
     parser.add_argument("--timed-run", dest="timed_run", action="store_true",
                         help="time whole --run-steps runs in fresh processes, cold and warm inductor cache")
+    parser.add_argument("--skip-eager", dest="skip_eager", action="store_true",
+                        help="--timed-run: time only eager Pre-LN and the compiled runs (not each eager architecture)")
     parser.add_argument("--run-worker", dest="run_worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
