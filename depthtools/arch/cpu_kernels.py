@@ -1,13 +1,13 @@
 """mHC's Sinkhorn as one small C kernel for CPU tensors, built on first use with the system C compiler.
 
-Why (issue 20, benchmarks/RESULTS.md): the Sinkhorn of n = 4 streams is 2·t_max - 1 = 39 alternating
-half-steps over [4, 4, N] logits. With torch ops each half-step is three dispatches of tiny kernels
-(~15k per training step at L32: ~170 ms of a 750 ms mHC step), and inductor does no better: written
-as a reduction it compiles to slower code than the eager tokens-last kernel, and written as 16
-elementwise [N] streams it fuses into one loop but materialises hundreds of [N] buffers and takes ~60 s
-to compile (1.6-1.9 vs 2.2 ms fwd+bwd at N = 1024). Here each token's n x n matrix is iterated in
-registers/L1 (tokens in blocks of 16, the block the vectorised inner loop), forward and backward
-(the backward recomputes the iterates per block, so nothing is saved between them): ~0.1 ms.
+Why (issue 20; figures in benchmarks/RESULTS.md, "Compiled training (issue 20)"): the Sinkhorn of
+n = 4 streams is 2·t_max - 1 = 39 alternating half-steps over [4, 4, N] logits. With torch ops each
+half-step is three dispatches of tiny kernels (~15k per training step at L32), and inductor does no
+better: written as a reduction it compiles to slower code than the eager tokens-last kernel, and
+written as 16 elementwise [N] streams it fuses into one loop per direction but materialises hundreds
+of [N] buffers and takes about a minute to compile. Here each token's n x n matrix is iterated in
+L1 (tokens in blocks of 64, the vectorised inner loop), forward and backward (the backward recomputes
+the iterates per block, so nothing is saved between them): about 3x faster than the torch kernel.
 
 The same iteration as `hyper._sinkhorn_forward` / `_sinkhorn_backward` (softmax over dim `first` --
 max-subtracted exp, then 1/sum --, half-steps m · 1/max(Σ m, tiny), sums in index order); it multiplies

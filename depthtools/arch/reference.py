@@ -92,8 +92,9 @@ def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
         (u; R H) = [A_m | A_r]ᵀ @ H: u = Σ_s A_m[s] H_s, (R H)_j = Σ_s A_r[s,j] H_s
     """
     Hbar = H * _inverse_rms(H, eps)
-    alpha = Sa + sa * torch.tanh(Hbar @ Wa)
-    beta = sb + sbeta * torch.tanh(Hbar @ wb)
+    proj = Hbar @ torch.cat([Wa, wb.unsqueeze(-1)], -1)  # one GEMM: [N,n,n+2]
+    alpha = Sa + sa * torch.tanh(proj[..., :-1])
+    beta = sb + sbeta * torch.tanh(proj[..., -1])
     u, mixed = stream_mix(alpha.transpose(1, 2), H)
     return u, mixed, beta
 
@@ -111,9 +112,10 @@ def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_po
     N, n, d = H.shape
     x = H.reshape(N, n * d)
     x = x * _inverse_rms(x, eps)
-    h_pre = torch.sigmoid(g_pre * (x @ phi_pre) + b_pre)
-    h_post = 2 * torch.sigmoid(g_post * (x @ phi_post) + b_post)
-    h_res = (sinkhorn_fn or sinkhorn)((g_res * (x @ phi_res)).view(N, n, n) + b_res, t_max, first)
+    pre, post, res = (x @ torch.cat([phi_pre, phi_post, phi_res], 1)).split([n, n, n * n], 1)  # one GEMM
+    h_pre = torch.sigmoid(g_pre * pre + b_pre)
+    h_post = 2 * torch.sigmoid(g_post * post + b_post)
+    h_res = (sinkhorn_fn or sinkhorn)((g_res * res).view(N, n, n) + b_res, t_max, first)
     u, mixed = stream_mix(torch.cat([h_pre.unsqueeze(1), h_res], 1), H)
     return u, mixed, h_post
 
