@@ -11,6 +11,9 @@ deep:            preln and hc at L6/L24/L96 (the `--ckpt hc_L96` example).
 tasks:           the depth-task grid (issue 17): preln at L2/L4/L8 x 3 seeds (~0.12M params) trained on the S5
                  composition stream with a k curriculum; L8 solves k=4 and L2 k=2, beyond seed noise; 18 min 58 s
                  on 2 CPU cores (measured: benchmarks/RESULTS.md, "Depth tasks that are learned").
+hop:             pointer chasing that is learned (issue 17): the tasks grid's shapes x 2 seeds on the hop
+                 stream (k-hop lookups in a 10-entry table), 8,000 steps per cell; L8 solves k=2, L2 and L4
+                 k=1; 29 min 50 s on 2 CPU cores, one shared (measured: benchmarks/RESULTS.md, "Pointer chasing").
 depthbench-400m: the paper's shapes (V=50280, 16 heads, d_ff multiple 16, L16..L32), for GPUs.
 """
 
@@ -117,6 +120,21 @@ PRESETS: dict[str, Preset] = {
         data=dict(corpus="default", tokenizer="byte"),
         probes=False,
         task_eval=dict(tasks=["s5"], ks="1-6", n=200),
+    ),
+    "hop": Preset(
+        "hop", "pointer chasing that is learned: preln at L2/L4/L8 x 2 training seeds (~0.12M params) on the hop "
+        "stream alone (follow a 10-entry table k times; answer-only loss, k curriculum 1..6, 8,000 steps, lr 1e-3); "
+        "L8 solves k=2, L2 and L4 k=1, beyond seed noise at k=2; 30 min on 2 CPU cores, one shared (measured)",
+        plan=dict(arch=["preln"], budget=125_000, vocab_size=256, layers=[2, 4, 8], seeds=[0, 1], n_heads=2,
+                  head_dim_multiple=2, ffn_multiple=8, tolerance=0.08, max_seq_len=64),
+        # lr 1e-3, short warmup: at the tasks preset's 3e-3 a 2-layer model never learned hop k=1 in 2,500 steps
+        train=dict(tokens=8_000 * 32 * 64, batch_size=32, seq_len=64, lr=1e-3, warmup_fraction=0.02, eval_every=0,
+                   eval_tokens=2048, log_every=100, depth_stats_every=0, checkpoint_every=500,
+                   task_mix=dict(fraction=1.0, tasks=["hop"], k_min=1, k_max=6, answer_only=True,
+                                 curriculum=dict(threshold=0.9, every=100, n=64))),
+        data=dict(corpus="default", tokenizer="byte"),
+        probes=False,
+        task_eval=dict(tasks=["hop"], ks="1-6", n=200),
     ),
     "depthbench-400m": Preset(
         "depthbench-400m", "the paper's 400M shapes and recipe (GPUs); data: FineWeb-Edu tokenized with the "
