@@ -11,8 +11,8 @@ the iterates per block, so nothing is saved between them): about 3x faster than 
 
 The same iteration as `hyper._sinkhorn_forward` / `_sinkhorn_backward` (softmax over dim `first` --
 max-subtracted exp, then 1/sum --, half-steps m · 1/max(Σ m, tiny), sums in index order); it multiplies
-by reciprocals where the torch kernel divides (4 divisions per half-step instead of 16: the kernel is
-division-bound), so results differ by an ulp or so per half-step; no -ffast-math, no FMA contraction.
+by reciprocals where the torch kernel divides (4 divisions per half-step instead of 16; not timed
+separately), so results differ by an ulp or so per half-step; no -ffast-math, no FMA contraction.
 tests/test_compile.py compares it with the reference in float64 and float32, values and gradients.
 
 Used only by the compiled training path (`compiled.sinkhorn_op`, opaque to torch.compile) for
