@@ -8,7 +8,7 @@ constant learning rate, a Pre-LN `DepthModel`, 1 thread. Formats:
           (--extra N distractor bindings; the package uses 2; 0 leaves the query chain and its decoy)
   pairs   associative recall, every pair queried and scored: "a5b3c7d1" then "b3a5d1c7" (an induction
           head's task); --separators writes the same as "a=5;b=3;c=7;d=1;b?3;a?5;d?1;c?7;"
-  hop     the package's pointer chasing by position: "3947102658;4^2=" -> t^k(s) = 5
+  hop     the package's pointer chasing by position: "3947102658;4^2=" -> t^k(s) = t(t(4)) = 9
 
 Every --every steps it prints the held-out accuracy of the first answer at k = 1..--k-max (128 fresh
 samples per k; for pairs, the first query's value).

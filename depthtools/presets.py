@@ -13,7 +13,7 @@ tasks:           the depth-task grid (issue 17): preln at L2/L4/L8 x 3 seeds (~0
                  on 2 CPU cores (measured: benchmarks/RESULTS.md, "Depth tasks that are learned").
 hop:             pointer chasing that is learned (issue 17): the tasks grid's shapes x 2 seeds on the hop
                  stream (k-hop lookups in a 10-entry table), 8,000 steps per cell; L8 solves k=2, L2 and L4
-                 k=1; 29 min 50 s on 2 CPU cores, one shared (measured: benchmarks/RESULTS.md, "Pointer chasing").
+                 k=1; 16 min 31 s on 2 idle CPU cores (measured: benchmarks/RESULTS.md, "Pointer chasing").
 depthbench-400m: the paper's shapes (V=50280, 16 heads, d_ff multiple 16, L16..L32), for GPUs.
 """
 
@@ -124,7 +124,7 @@ PRESETS: dict[str, Preset] = {
     "hop": Preset(
         "hop", "pointer chasing that is learned: preln at L2/L4/L8 x 2 training seeds (~0.12M params) on the hop "
         "stream alone (follow a 10-entry table k times; answer-only loss, k curriculum 1..6, 8,000 steps, lr 1e-3); "
-        "L8 solves k=2, L2 and L4 k=1, beyond seed noise at k=2; 30 min on 2 CPU cores, one shared (measured)",
+        "L8 solves k=2, L2 and L4 k=1, beyond seed noise at k=2; 16.5 min on 2 idle CPU cores (measured)",
         plan=dict(arch=["preln"], budget=125_000, vocab_size=256, layers=[2, 4, 8], seeds=[0, 1], n_heads=2,
                   head_dim_multiple=2, ffn_multiple=8, tolerance=0.08, max_seq_len=64),
         # lr 1e-3, short warmup: at the tasks preset's 3e-3 a 2-layer model never learned hop k=1 in 2,500 steps

@@ -12,7 +12,7 @@ Three tasks, each needing k serial steps (docs/design.md: does extra depth becom
     add     n-digit addition whose longest carry chain has exactly k positions (k=3):  "803412+176595=980007"
             (a chain is a maximal run of digit positions, from the least significant, that carry out);
             the sum is written most significant digit first, so its first digit needs the whole chain.
-    hop     k-hop pointer chasing through a table (k=2):  "3947102658;4^2=5"
+    hop     k-hop pointer chasing through a table (k=2):  "3947102658;4^2=9"  (t(4) = 1, t(1) = 9)
             the first ten digits are a permutation t of 0..9 (t[i] = the i-th digit), then the start s and
             k; the answer is t^k(s), t applied k times. The path s, t(s), ..., t^k(s) visits k+1 distinct
             entries (so k <= 9 and no cycle shortens it); the rest of t is random, and every digit appears
