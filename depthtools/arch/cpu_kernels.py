@@ -78,16 +78,7 @@ static void fwd_block_@S@(@T@ *restrict m, @T@ *restrict p, @T@ *restrict ys, @T
             @T@ *restrict row = m + (k0 + j * st) * BLK;
             for (int b = 0; b < BLK; b++) row[b] = @EXP@(row[b] - mx[b]);
         }
-        for (int b = 0; b < BLK; b++) s[b] = m[k0 * BLK + b];
-        for (int j = 1; j < n; j++) {
-            const @T@ *restrict row = m + (k0 + j * st) * BLK;
-            for (int b = 0; b < BLK; b++) s[b] += row[b];
-        }
-        for (int b = 0; b < BLK; b++) s[b] = 1 / s[b];
-        for (int j = 0; j < n; j++) {
-            @T@ *restrict row = m + (k0 + j * st) * BLK;
-            for (int b = 0; b < BLK; b++) row[b] = row[b] * s[b];
-        }
+        half_step_@S@(m, s, n, first, g, 0);  /* then 1/sum: the sum is >= 1 (its max term is exp(0)), no clamp */
     }
     if (p) memcpy(p, m, sizeof(@T@) * nn * BLK);
     int steps = 2 * t_max - 1;
