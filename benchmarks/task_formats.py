@@ -1,8 +1,8 @@
 """Which pointer-chasing format does a small model learn? (issue 17, third pass)
 
 A bare training loop, so that nothing but the format differs between rows of the study: one sample per
-row (padded with NUL after it, or before it with --pad left), cross-entropy on the answer tokens only, AdamW (wd 0.1, betas 0.9/0.95) at a
-constant learning rate, a Pre-LN `DepthModel`, 1 thread. Formats:
+row (padded with NUL after it, or before it with --pad left), cross-entropy on the answer tokens only,
+AdamW (wd 0.1, betas 0.9/0.95) at a constant learning rate, a Pre-LN `DepthModel`, 1 thread. Formats:
 
   chase   the package's pointer chasing by name:  "S=Z;h=0;Z=3;V=Z;L=q;q=8;L?" -> 8
           (--extra N distractor bindings; the package uses 2; 0 leaves the query chain and its decoy)
@@ -33,13 +33,9 @@ from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig
 
 
-def chase_sample(k: int, rng: random.Random) -> tuple[str, list[int]]:
-    text, answer = tasks.GENERATORS["chase"](k, tasks.Draw(rng.getrandbits(60)))
-    return text + answer, [len(text)]
-
-
-def hop_sample(k: int, rng: random.Random) -> tuple[str, list[int]]:
-    text, answer = tasks.GENERATORS["hop"](k, tasks.Draw(rng.getrandbits(60)))
+def package_sample(task: str, k: int, rng: random.Random) -> tuple[str, list[int]]:
+    """One sample of the package's generator for `task` (chase or hop): its text and answer offset."""
+    text, answer = tasks.GENERATORS[task](k, tasks.Draw(rng.getrandbits(60)))
     return text + answer, [len(text)]
 
 
@@ -97,7 +93,7 @@ def main() -> None:
         make = lambda k, rng: pairs_sample(args.pairs, rng, args.separators)  # noqa: E731
         ks = [1]
     else:
-        make = chase_sample if args.format == "chase" else hop_sample
+        make = lambda k, rng: package_sample(args.format, k, rng)  # noqa: E731
         ks = list(range(1, args.k_max + 1))
     width = max(len(make(k, random.Random(i))[0]) for k in ks for i in range(200)) + 2
     model = DepthModel(ModelConfig(arch="preln", vocab_size=256, d_model=args.d_model, n_layer=args.layers,

@@ -1,6 +1,6 @@
 """Synthetic serial-computation probes: byte-level task samples with a difficulty knob k and exact answers.
 
-Three tasks, each needing k serial steps (docs/design.md: does extra depth become extra computation?):
+Four tasks, each needing k serial steps (docs/design.md: does extra depth become extra computation?):
 
     chase   k-hop pointer chasing / variable binding (k=2):  "S=Z;h=0;Z=3;V=Z;L=q;q=8;L?8"
             the query's chain has k bindings; a second chain of the same length ends in another digit,
@@ -16,8 +16,9 @@ Three tasks, each needing k serial steps (docs/design.md: does extra depth becom
             the first ten digits are a permutation t of 0..9 (t[i] = the i-th digit), then the start s and
             k; the answer is t^k(s), t applied k times. The path s, t(s), ..., t^k(s) visits k+1 distinct
             entries (so k <= 9 and no cycle shortens it); the rest of t is random, and every digit appears
-            once, so neither a table slot nor a digit's frequency gives the answer (answer: one digit). Unlike chase, each lookup is by position, not by name,
-            which is what a model at the demo's scale learns (benchmarks/RESULTS.md, issue 17, third pass).
+            once, so neither a table slot nor a digit's frequency gives the answer (answer: one digit).
+            Unlike chase, each lookup is by position, not by name, which is what a model at the demo's
+            scale learns (benchmarks/RESULTS.md, "Pointer chasing that is learned").
 
 Every sample is ASCII text ``prompt + answer + "\\n"``: byte offsets equal character offsets, the text
 encodes with `ByteTokenizer` and never contains NUL (id 0, the document separator). `answer_start` and
@@ -519,7 +520,7 @@ def _as_tensor(values: np.ndarray, like):
 
 
 __all__ = [
-    "TASKS", "MIX_TASKS", "TASK_HELP", "MAX_K", "HOP_TABLE", "END", "CURRICULUM_SEED", "Curriculum", "Draw", "TaskSample", "TaskMix",
-    "TaskMixer", "check_k", "check_task", "generate", "longest_carry_chain", "make_sample", "max_sample_tokens",
+    "TASKS", "MIX_TASKS", "TASK_HELP", "MAX_K", "HOP_TABLE", "END", "CURRICULUM_SEED", "Curriculum", "Draw",
+    "TaskSample", "TaskMix", "TaskMixer", "check_k", "check_task", "generate", "longest_carry_chain", "make_sample", "max_sample_tokens",
     "parse_k", "parse_tasks", "task_row", "task_row_and_answers",
 ]
