@@ -6,12 +6,15 @@
     grad-pool   Full AttnRes training step with and without the reused bank gradient buffers
     moda-pool   MoDA training step with and without the reused depth K/V and gradient buffers
     tanh        the HC connector's tanh on its [4096, 6] coefficient block vs 2·sigmoid(2x) - 1
+    sinkhorn    mHC's Sinkhorn (n = 4, t_max = 20) forward + backward at 1024 tokens: the torch-op
+                tokens-last kernel vs the C kernel of arch/cpu_kernels.py (the compiled path's op)
 
 The A/B modes time Pre-LN, the model as shipped ("on") and the same model with the feature
 switched off ("off") in one process, in shuffled rounds, and print the median per-round ratios
 to Pre-LN on process CPU time (the trainer's fused AdamW, L=32, d=64, batch 8 x 128, 1 thread).
 
     python benchmarks/bench_speedups.py optimizer
+    python benchmarks/bench_speedups.py sinkhorn
     python benchmarks/bench_speedups.py two-phase grad-pool moda-pool --rounds 15
 """
 
@@ -94,9 +97,32 @@ def tanh_ab(args) -> None:
           f"max |difference| {diff:.1e}")
 
 
+def sinkhorn_ab(args) -> None:
+    from depthtools.arch import cpu_kernels
+    from depthtools.arch.hyper import _sinkhorn_backward, _sinkhorn_forward
+
+    z, g = torch.randn(4, 4, 1024), torch.randn(4, 4, 1024)
+    if not cpu_kernels.usable(z, g):
+        print("sinkhorn   the C kernel is unavailable here (no C compiler, or its build failed): nothing to compare")
+        return
+
+    def torch_ops():
+        _, saved = _sinkhorn_forward(z, 20, 1)
+        return _sinkhorn_backward(saved, g)
+
+    def c_kernel():
+        cpu_kernels.sinkhorn_forward(z, 20, 1)
+        return cpu_kernels.sinkhorn_backward(z, g, 20, 1)
+
+    diff = (torch_ops() - c_kernel()).abs().max().item()
+    ops_ms, c_ms = mean_ms(torch_ops, 200), mean_ms(c_kernel, 200)
+    print(f"sinkhorn   fwd+bwd at 1024 tokens: torch ops {ops_ms:.2f} ms, C kernel {c_ms:.2f} ms "
+          f"(ratio {c_ms / ops_ms:.2f}); max |gradient difference| {diff:.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("modes", nargs="+", choices=["optimizer", "tanh", *SWITCH_OFF])
+    parser.add_argument("modes", nargs="+", choices=["optimizer", "tanh", "sinkhorn", *SWITCH_OFF])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -106,6 +132,8 @@ def main() -> None:
             optimizer_ab(args)
         elif mode == "tanh":
             tanh_ab(args)
+        elif mode == "sinkhorn":
+            sinkhorn_ab(args)
         else:
             feature_ab(mode, args)
 
