@@ -266,3 +266,75 @@ def test_unrolled_stream_mix_matches_bmm():
     got = torch.autograd.grad((u * g[:, 0]).sum() + (mixed * g[:, 1:]).sum(), (routing, H))
     want = torch.autograd.grad((out * g).sum(), (routing, H))
     assert all(torch.allclose(a, b, rtol=0, atol=1e-13) for a, b in zip(got, want))
+
+
+def _hc_inputs(tokens: int, n: int, d: int, dtype: torch.dtype, seed: int = 0):
+    """Streams, HC connector parameters off their init (scale ~0.5 so tanh is used well past its linear
+    part) and output gradients, drawn in float64 then cast."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda *shape, s=1.0: (s * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)  # noqa: E731
+    params = [draw(tokens, n, d), draw(d, n + 1, s=0.3), draw(d, s=0.3), draw(n, n + 1), draw(n), draw((), s=0.5),
+              draw((), s=0.5)]
+    grads = [draw(tokens, d), draw(tokens, n, d), draw(tokens, n)]
+    return params, grads
+
+
+def _hc_forward_backward(connect, params, grads):
+    leaves = [p.clone().requires_grad_(True) for p in params]
+    out = connect(*leaves, 1e-8)
+    return [t.detach() for t in (*out, *torch.autograd.grad(out, leaves, grads))]
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_hc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
+    """The compiled HC step's opaque connector (`depthtools::hc_connect`: the fused C kernel, or its torch
+    fallback where the kernel does not apply) against the plain-autograd reference in float64 on the same
+    inputs: (u, R H, β) and the gradients of the streams and all six parameters, for several token
+    counts, stream counts and widths (odd ones too: the kernel's vector loops have remainders).
+    float64: to 1e-12 of each tensor's scale. float32: within 2e-6 of the scale, or within 5x the error
+    of the reference itself run in float32: token sums of the parameter gradients cancel (the sum is
+    ~100x smaller than its terms for ds_beta here), which amplifies rounding, and the kernel's tanh
+    is within 4 ulp where torch's is within ~1 (measured worst: 1.5e-5 vs the reference's 3.4e-6)."""
+    from depthtools.arch import cpu_kernels, reference
+
+    if kernel == "c" and cpu_kernels.library("connector") is None:
+        pytest.skip("no C compiler here: the op takes its torch fallback")
+    if kernel == "torch":
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *a, **k: False)
+    names = ("u", "R H", "beta", "dH", "dW_a", "dw_b", "dS_a", "ds_b", "ds_a", "ds_beta")
+    for tokens, n, d in ((1, 4, 64), (63, 4, 16), (200, 2, 7), (33, 5, 33)):
+        params, grads = _hc_inputs(tokens, n, d, dtype)
+        exact = _hc_forward_backward(reference.hc_connect, [p.double() for p in params], [g.double() for g in grads])
+        got = _hc_forward_backward(compiled.hc_connect_op, params, grads)
+        same_dtype = _hc_forward_backward(reference.hc_connect, params, grads)
+        for name, a, b, c in zip(names, got, exact, same_dtype):
+            scale = max(float(b.abs().max()), 1e-30)
+            err = float((a.double() - b).abs().max()) / scale
+            bound = 1e-12 if dtype == torch.float64 else max(2e-6, 5 * float((c.double() - b).abs().max()) / scale)
+            assert err <= bound, f"{kernel} {dtype} tokens={tokens} n={n} d={d}: {name} off by {err:.1e} (> {bound:.1e})"
+
+
+def test_hc_connector_op_registration():
+    """Fake (meta) kernels, schema and autograd registration of the op, as torch.compile relies on them."""
+    params, _ = _hc_inputs(5, 4, 8, torch.float32)
+    H, Wa, wb, Sa, sb, sa, sbeta = params
+    args = (H, torch.cat([Wa, wb[:, None]], 1).t().contiguous(), torch.cat([Sa, sb[:, None]], 1),
+            torch.cat([sa.expand(5), sbeta[None]]).requires_grad_(True), 1e-8)
+    torch.library.opcheck(torch.ops.depthtools.hc_connect.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_connector_kernel_tanh_is_accurate():
+    """The C connector kernel's vectorisable float32 tanh: within 4 ulp (relative) of float64 tanh over
+    [-12, 12], exact at 0 and ±inf, NaN for NaN."""
+    from depthtools.arch import cpu_kernels
+
+    if cpu_kernels.library("connector") is None:
+        pytest.skip("no C compiler here")
+    x = torch.linspace(-12, 12, 400_001)
+    got, want = cpu_kernels.tanh_f32(x).double(), torch.tanh(x.double())
+    rel = (got - want).abs() / want.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert float(rel[want != 0].max()) <= 4 * torch.finfo(torch.float32).eps
+    special = cpu_kernels.tanh_f32(torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30]))
+    assert special[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and torch.isnan(special[4]) and special[5] == 1e-30

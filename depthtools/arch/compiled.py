@@ -22,11 +22,14 @@ Which region, per scheme (`ResidualScheme.compile_region`, chosen by measurement
 
 Inside a compiled step the hand-written autograd Functions (hyper.py) are replaced by their
 plain-autograd references (reference.py) -- what inductor fuses; the HC/mHC stream mix [w; R] @ H is
-written there as n multiply-adds per row under compile, so it fuses too -- except mHC's Sinkhorn,
-which inductor compiles slower than the fused tokens-last kernel (n = 4 reductions; benchmarks/RESULTS.md):
-it stays opaque, as the `depthtools::sinkhorn_tokens_last` custom op below, whose CPU float32/float64
-implementation is a small C kernel iterating each token's 4x4 matrix in registers (cpu_kernels.py;
-the torch-op kernel elsewhere).
+written there as n multiply-adds per row under compile, so it fuses too -- with two exceptions, kept
+opaque as custom ops because inductor's code for them is slower (benchmarks/RESULTS.md):
+  mHC's Sinkhorn (n = 4 reductions), `depthtools::sinkhorn_tokens_last`: on CPU (float32/float64) a
+    small C kernel iterating each token's 4x4 matrix in registers, the torch-op kernel elsewhere;
+  HC's whole connector on CPU, `depthtools::hc_connect`: one C kernel per direction that reads each
+    token's streams once (inductor's code makes ~5 passes over the stream state forward, ~8 backward,
+    and the state streams from memory); on other devices the reference, which inductor fuses there.
+Both kernels are in cpu_kernels.py.
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
 found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute
@@ -144,6 +147,99 @@ def sinkhorn_op(logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
     n = logits.shape[-1]
     z = logits.reshape(-1, n, n).permute(1, 2, 0).contiguous()
     return _sinkhorn_tl(z, t_max, first).permute(2, 0, 1).reshape(logits.shape)
+
+
+# -- the HC connector as one opaque op (CPU: the fused C kernel; elsewhere torch ops) -----------------
+#
+# Inside a compiled block step on CPU, HC's connector runs as this op instead of inductor's code for the
+# plain-autograd reference: one pass over the stream state per direction instead of ~5 forward and ~8
+# backward (cpu_kernels; measured in benchmarks/RESULTS.md, "Third pass"). On other devices the compiled
+# step keeps the reference (`connector_op`), so inductor generates those kernels there.
+
+@torch.library.custom_op("depthtools::hc_connect", mutates_args=())
+def _hc_connect(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out = [w; R] @ H [N,n+1,d], β [N,n], raw, inv, t) -- cpu_kernels.hc_connect_forward's contract;
+    the last three are saved for the backward. Torch ops where the C kernel does not apply."""
+    from depthtools.arch import cpu_kernels
+
+    H, Pt, S, scale = H.contiguous(), Pt.contiguous(), S.contiguous(), scale.contiguous()
+    if cpu_kernels.usable(H, Pt, S, scale, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
+        return cpu_kernels.hc_connect_forward(H, Pt, S, scale, eps)
+    N, n, d = H.shape
+    raw = (H.reshape(N * n, d) @ Pt.t()).view(N, n, n + 2)
+    inv = torch.rsqrt(torch.linalg.vecdot(H, H) / d + eps)
+    t = torch.tanh(raw * inv.unsqueeze(-1))
+    coeffs = S + scale * t
+    return torch.bmm(coeffs[..., : n + 1].transpose(1, 2), H), coeffs[..., n + 1].contiguous(), raw, inv, t
+
+
+@_hc_connect.register_fake
+def _(H, Pt, S, scale, eps):
+    N, n, d = H.shape
+    return (H.new_empty(N, n + 1, d), H.new_empty(N, n), H.new_empty(N, n, n + 2), H.new_empty(N, n),
+            H.new_empty(N, n, n + 2))
+
+
+@torch.library.custom_op("depthtools::hc_connect_backward", mutates_args=())
+def _hc_connect_backward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor,
+                         raw: torch.Tensor, inv: torch.Tensor, t: torch.Tensor, g_out: torch.Tensor,
+                         g_depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dL/dH, dL/dPt, dL/dS, dL/dscale) of `_hc_connect` (as hyper._HCConnect.backward)."""
+    from depthtools.arch import cpu_kernels
+    from depthtools.arch.layers import inverse_rms_derivative
+
+    args = [x.contiguous() for x in (H, Pt, S, scale, raw, inv, t, g_out, g_depth)]
+    if cpu_kernels.usable(*args, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
+        return cpu_kernels.hc_connect_backward(*args)
+    H, Pt, S, scale, raw, inv, t, g_out, g_depth = args
+    N, n, d = H.shape
+    coeffs = S + scale * t
+    g_coeffs = torch.cat([torch.bmm(H, g_out.transpose(1, 2)), g_depth.unsqueeze(-1)], -1)  # [N, n, n+2]
+    gH = torch.bmm(coeffs[..., : n + 1], g_out)
+    g_a = g_coeffs * scale * (1 - t * t)
+    g_raw = g_a * inv.unsqueeze(-1)
+    g_inv = (g_a * raw).sum(-1, keepdim=True)
+    gH = gH + g_raw @ Pt + H * inverse_rms_derivative(g_inv, inv.unsqueeze(-1), d)
+    return gH, g_raw.reshape(N * n, n + 2).t() @ H.reshape(N * n, d), g_coeffs.sum(0), (g_coeffs * t).sum((0, 1))
+
+
+@_hc_connect_backward.register_fake
+def _(H, Pt, S, scale, raw, inv, t, g_out, g_depth):
+    return tuple(x.new_empty(x.shape) for x in (H, Pt, S, scale))  # contiguous, as the kernel returns them
+
+
+def _hc_connect_setup(ctx, inputs, output):
+    H, Pt, S, scale, _ = inputs
+    ctx.save_for_backward(H, Pt, S, scale, *output[2:])
+
+
+def _hc_connect_grad(ctx, g_out, g_depth, *_):
+    H, Pt, S, scale, raw, inv, t = ctx.saved_tensors
+    N, n, d = H.shape
+    g_out = H.new_zeros(N, n + 1, d) if g_out is None else g_out
+    g_depth = H.new_zeros(N, n) if g_depth is None else g_depth
+    return (*_hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth), None)
+
+
+_hc_connect.register_autograd(_hc_connect_grad, setup_context=_hc_connect_setup)
+
+
+def connector_op(H: torch.Tensor) -> bool:
+    """Whether an HC connector traced by torch.compile runs as the opaque `depthtools::hc_connect`: on CPU
+    (a static property under tracing, guarded by dynamo), where its C kernel beats inductor's code."""
+    return compiling() and H.device.type == "cpu"
+
+
+def hc_connect_op(H, Wa, wb, Sa, sb, sa, sbeta, eps):
+    """`reference.hc_connect` (u, R H, β) as the opaque op; the parameters are packed by traced ops
+    (P = [W_a | w_b], S = [S_a | s_b], scale = [s_a .. s_a, s_b]), whose gradients autograd unpacks."""
+    n = H.shape[1]
+    Pt = torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous()
+    S = torch.cat([Sa, sb.unsqueeze(1)], 1)
+    scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
+    out, depth, *_ = _hc_connect(H, Pt, S, scale, eps)
+    return out[:, 0], out[:, 1:], depth
 
 
 def compiling() -> bool:

@@ -1,4 +1,8 @@
-"""mHC's Sinkhorn as one small C kernel for CPU tensors, built on first use with the system C compiler.
+"""Small C kernels for the compiled training path on CPU, built on first use with the system C compiler:
+two libraries, "sinkhorn" (mHC's Sinkhorn, below) and "connector" (HC's whole connector, forward and
+backward: see _CONNECTOR_HEAD's comment and `hc_connect_forward`).
+
+mHC's Sinkhorn:
 
 Why (issue 20; figures in benchmarks/RESULTS.md, "Compiled training (issue 20)"): the Sinkhorn of
 n = 4 streams is 2·t_max - 1 = 39 alternating half-steps over [4, 4, N] logits. With torch ops each
@@ -15,10 +19,10 @@ by reciprocals where the torch kernel divides (4 divisions per half-step instead
 separately), so results differ by an ulp or so per half-step; no -ffast-math, no FMA contraction.
 tests/test_compile.py compares it with the reference in float64 and float32, values and gradients.
 
-Used only by the compiled training path (`compiled.sinkhorn_op`, opaque to torch.compile) for
-contiguous float32/float64 CPU tensors; anything else (CUDA, other dtypes, no C compiler, a failed
-build) takes the torch-op kernel. The shared object is cached next to inductor's cache
-(`compiled.cache_dir()`), keyed by the source, the compiler and this CPU's flags (-march=native).
+Both are used only by the compiled training path (`compiled.sinkhorn_op`, `compiled.hc_connect_op`,
+opaque to torch.compile) for contiguous float32/float64 CPU tensors; anything else (CUDA, other dtypes,
+no C compiler, a failed build) takes torch ops. Each shared object is cached next to inductor's cache
+(`compiled.cache_dir()`), keyed by its source, the compiler, its flags and this CPU's flags (-march=native).
 """
 
 from __future__ import annotations
@@ -165,9 +169,192 @@ _SOURCE = "#include <math.h>\n#include <stdlib.h>\n#include <string.h>\n#define 
 # -O3 vectorises the blocks' inner loops; no -ffast-math (it would reorder the sums and drop the
 # NaN/Inf semantics the torch kernel has); -ffp-contract=off: no fused multiply-adds either.
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+
+# The HC connector as one C kernel per direction (issue 20, second library; figures in RESULTS.md,
+# "Third pass"). At d = 64 a connector's cost is passes over the [N, n, d] stream state, which on CPU
+# stream from memory (~10 GB/s per core here): inductor's code for the reference makes ~5 passes forward
+# and ~8 backward. These kernels make one: per token, the n rows' 1/rms and thin projection, the tanh
+# coefficients, and the mix [w; R] @ H (forward); the coefficient gradients, dL/dH and the parameter
+# gradients (backward), all from that token's 1 KB of streams in L1. Rows of d are dot products and
+# multiply-adds, which the compiler vectorises only if it may reassociate a sum (-fassociative-math:
+# a fixed, compile-time order -- deterministic, not the index order of a plain loop) and contract
+# multiply-adds; NaN and Inf still propagate (no -ffinite-math-only). Single-threaded.
+_CONNECTOR_HEAD = r"""#include <math.h>
+#include <string.h>
+#include <stdlib.h>
+#define NMAX 16
+#define MMAX (NMAX + 2)
+#define FLUSH 64
+
+/* tanh for float32, branch-free so the compiler vectorises its loop: tanh |x| = (1 - e)/(1 + e) with
+   e = exp(-2|x|) (Cody-Waite reduction, degree-7 Taylor polynomial, 2^k from its exponent bits) for
+   |x| >= 0.3, and the Taylor series to x^9 below (relative error < 1e-7); |x| clamped at 9, where
+   tanh rounds to 1 in float32. NaN propagates. */
+static inline float tanh_f32(float x) {
+    float y = fabsf(x);
+    y = y > 9.0f ? 9.0f : y;
+    float z = -2.0f * y;
+    float kf = rintf(z * 1.44269504088896341f);
+    float r = (z - kf * 0.693359375f) - kf * -2.12194440e-4f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+    int bits = ((int)kf + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, sizeof two_k);
+    float e = p * two_k;
+    float big = (1.0f - e) / (1.0f + e);
+    float y2 = y * y;
+    float small = y * (1.0f + y2 * (-1.0f / 3 + y2 * (2.0f / 15 + y2 * (-17.0f / 315 + y2 * (62.0f / 2835)))));
+    float res = y < 0.3f ? small : big;
+    return copysignf(res, x);
+}
+static inline double tanh_f64(double x) { return tanh(x); }
+
+/* for tests: tanh_f32 over x [n] */
+void tanh_f32_array(const float *restrict x, float *restrict y, long n) {
+    for (long i = 0; i < n; i++) y[i] = tanh_f32(x[i]);
+}
+
+"""
+_CONNECTOR_TEMPLATE = r"""/* HC connector, forward, per token t (streams H_t [n][d]; m = n + 2 coefficient columns):
+     inv_s = 1/sqrt(mean H_s^2 + eps), raw[s][j] = H_s . P_j, tt = tanh(raw * inv), coef = S + scale * tt
+     out[0] = sum_s coef[s][0] H_s (branch input u), out[1 + o] = sum_s coef[s][1 + o] H_s (R H), depth[s] = coef[s][n + 1]
+   raw, inv and tt are kept for the backward. */
+void hc_connect_forward_@S@(const @T@ *restrict H, const @T@ *restrict Pt, const @T@ *restrict S,
+                            const @T@ *restrict scale, long N, int n, int d, @T@ eps,
+                            @T@ *restrict out, @T@ *restrict depth, @T@ *restrict raw, @T@ *restrict inv,
+                            @T@ *restrict tt) {
+    int m = n + 2, q = n + 1;
+    @T@ a[NMAX * MMAX], coef[NMAX * MMAX];
+    for (long t = 0; t < N; t++) {
+        const @T@ *restrict Ht = H + t * n * d;
+        @T@ *restrict rawt = raw + t * n * m, *restrict tt_t = tt + t * n * m;
+        for (int s = 0; s < n; s++) {
+            const @T@ *restrict h = Ht + s * d;
+            @T@ ss = 0;
+            for (int i = 0; i < d; i++) ss += h[i] * h[i];
+            @T@ iv = 1 / @SQRT@(ss / d + eps);
+            inv[t * n + s] = iv;
+            for (int j = 0; j < m; j++) {
+                const @T@ *restrict p = Pt + (long)j * d;
+                @T@ acc = 0;
+                for (int i = 0; i < d; i++) acc += h[i] * p[i];
+                rawt[s * m + j] = acc;
+                a[s * m + j] = acc * iv;
+            }
+        }
+        for (int k = 0; k < n * m; k++) tt_t[k] = tanh_@S@(a[k]);
+        for (int s = 0; s < n; s++)
+            for (int j = 0; j < m; j++) coef[s * m + j] = S[s * m + j] + scale[j] * tt_t[s * m + j];
+        for (int s = 0; s < n; s++) depth[t * n + s] = coef[s * m + n + 1];
+        for (int r = 0; r < q; r++) {
+            @T@ *restrict o = out + (t * q + r) * d;
+            @T@ c = coef[r];
+            for (int i = 0; i < d; i++) o[i] = c * Ht[i];
+            for (int s = 1; s < n; s++) {
+                const @T@ *restrict h = Ht + s * d;
+                c = coef[s * m + r];
+                for (int i = 0; i < d; i++) o[i] += c * h[i];
+            }
+        }
+    }
+}
+
+/* Its backward, from g_out [N][n+1][d] and g_depth [N][n]:
+     gc[s][r] = g_out[r] . H_s (r <= n), gc[s][n+1] = g_depth[s];  gH_s = sum_r coef[s][r] g_out[r]
+     ga = gc * scale * (1 - tt^2), graw = ga * inv_s, ginv_s = sum_j ga[s][j] raw[s][j]
+     gH_s += sum_j graw[s][j] P_j - ginv_s inv_s^3 / d H_s
+   and the parameter gradients summed over tokens (in double, flushed from float every FLUSH tokens):
+     gPt[j] = sum graw[s][j] H_s, gS = sum gc, gscale[j] = sum_s gc[s][j] tt[s][j]. */
+int hc_connect_backward_@S@(const @T@ *restrict H, const @T@ *restrict Pt, const @T@ *restrict S,
+                            const @T@ *restrict scale, const @T@ *restrict raw, const @T@ *restrict inv,
+                            const @T@ *restrict tt, const @T@ *restrict g_out, const @T@ *restrict g_depth,
+                            long N, int n, int d, @T@ *restrict gH, @T@ *restrict gPt, @T@ *restrict gS,
+                            @T@ *restrict gscale) {
+    int m = n + 2, q = n + 1;
+    long nw = (long)m * d + n * m + m;
+    double *work = (double *)calloc(nw, sizeof(double));
+    @T@ *gPf = (@T@ *)calloc((long)m * d, sizeof(@T@));  /* partial sums over FLUSH tokens, added into gPd */
+    if (!work || !gPf) { free(work); free(gPf); return 1; }
+    double *restrict gPd = work, *restrict gSd = work + (long)m * d, *restrict gscd = gSd + n * m;
+    @T@ coef[NMAX * MMAX], graw[NMAX * MMAX];
+    for (long t = 0; t < N; t++) {
+        const @T@ *restrict Ht = H + t * n * d;
+        const @T@ *restrict gt = g_out + t * q * d;
+        const @T@ *restrict rawt = raw + t * n * m, *restrict tt_t = tt + t * n * m;
+        for (int k = 0; k < n * m; k++) coef[k] = S[k] + scale[k % m] * tt_t[k];
+        for (int s = 0; s < n; s++) {
+            const @T@ *restrict h = Ht + s * d;
+            @T@ *restrict gh = gH + (t * n + s) * d;
+            @T@ iv = inv[t * n + s];
+            @T@ gi = 0;
+            for (int j = 0; j < m; j++) {
+                @T@ gc;
+                if (j < q) {
+                    const @T@ *restrict gj = gt + j * d;
+                    gc = 0;
+                    for (int i = 0; i < d; i++) gc += gj[i] * h[i];
+                } else {
+                    gc = g_depth[t * n + s];
+                }
+                @T@ tj = tt_t[s * m + j];
+                gSd[s * m + j] += gc;
+                gscd[j] += (double)gc * tj;
+                @T@ ga = gc * scale[j] * (1 - tj * tj);
+                graw[s * m + j] = ga * iv;
+                gi += ga * rawt[s * m + j];
+            }
+
+            @T@ c = coef[s * m];
+            for (int i = 0; i < d; i++) gh[i] = c * gt[i];
+            for (int r = 1; r < q; r++) {
+                const @T@ *restrict gr = gt + r * d;
+                c = coef[s * m + r];
+                for (int i = 0; i < d; i++) gh[i] += c * gr[i];
+            }
+            @T@ k_inv = -gi * iv * iv * iv / d;
+            for (int i = 0; i < d; i++) gh[i] += k_inv * h[i];
+            for (int j = 0; j < m; j++) {
+                @T@ g = graw[s * m + j];
+                const @T@ *restrict p = Pt + (long)j * d;
+                @T@ *restrict gp = gPf + (long)j * d;
+                for (int i = 0; i < d; i++) { gh[i] += g * p[i]; gp[i] += g * h[i]; }
+            }
+        }
+        if ((t + 1) % FLUSH == 0 || t == N - 1) {
+            for (long i = 0; i < (long)m * d; i++) { gPd[i] += gPf[i]; gPf[i] = 0; }
+        }
+    }
+    for (long i = 0; i < (long)m * d; i++) gPt[i] = (@T@)gPd[i];
+    for (int k = 0; k < n * m; k++) gS[k] = (@T@)gSd[k];
+    for (int j = 0; j < m; j++) gscale[j] = (@T@)gscd[j];
+    free(work); free(gPf);
+    return 0;
+}
+"""
+_CONNECTOR_SOURCE = _CONNECTOR_HEAD + "".join(
+    _CONNECTOR_TEMPLATE.replace("@T@", t).replace("@S@", s).replace("@SQRT@", q)
+    for t, s, q in (("float", "f32", "sqrtf"), ("double", "f64", "sqrt")))
+_CONNECTOR_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fassociative-math",
+                    "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC"]
+CONNECTOR_MAX_STREAMS = 16  # NMAX in the C source: the kernels' per-token arrays
+
+_LIBRARIES = {  # name: (source, flags, {function: argument types after the suffix's scalar type is known})
+    "sinkhorn": (_SOURCE, _FLAGS),
+    "connector": (_CONNECTOR_SOURCE, _CONNECTOR_FLAGS),
+}
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+
+
+def _signatures(name: str, scalar) -> dict[str, list]:
+    if name == "sinkhorn":
+        return {"sinkhorn_forward": [_P, _P, _L, _I, _I, _I, scalar],
+                "sinkhorn_backward": [_P, _P, _P, _L, _I, _I, _I, scalar]}
+    return {"hc_connect_forward": [_P, _P, _P, _P, _L, _I, _I, scalar, _P, _P, _P, _P, _P],
+            "hc_connect_backward": [_P] * 9 + [_L, _I, _I] + [_P] * 4}
+
+
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed = False
+_libs: dict[str, ctypes.CDLL | None] = {}
 
 
 def _compiler() -> str | None:
@@ -186,62 +373,67 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
-def _build() -> ctypes.CDLL | None:
+def _build(name: str) -> ctypes.CDLL | None:
     from depthtools.arch.compiled import cache_dir
 
     cc = _compiler()
     if cc is None:
         return None
-    key = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:20]
+    source, flags = _LIBRARIES[name]
+    key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_key()]).encode()).hexdigest()[:20]
     folder = cache_dir() / "depthtools_kernels"
-    target = folder / f"sinkhorn-{key}.so"
+    target = folder / f"{name}-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            src, out = Path(tmp) / "sinkhorn.c", Path(tmp) / "sinkhorn.so"
-            src.write_text(_SOURCE)
-            subprocess.run([cc, *_FLAGS, "-o", str(out), str(src), "-lm"], check=True, capture_output=True, text=True)
+            src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+            src.write_text(source)
+            subprocess.run([cc, *flags, "-o", str(out), str(src), "-lm"], check=True, capture_output=True, text=True)
             os.replace(out, target)  # atomic: concurrent builders agree
     lib = ctypes.CDLL(str(target))
-    for suffix, ctype in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
-        fwd, bwd = getattr(lib, f"sinkhorn_forward_{suffix}"), getattr(lib, f"sinkhorn_backward_{suffix}")
-        fwd.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctype]
-        bwd.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctype]
-        fwd.restype = bwd.restype = ctypes.c_int
+    for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+        for fn, argtypes in _signatures(name, scalar).items():
+            f = getattr(lib, f"{fn}_{suffix}")
+            f.argtypes = argtypes
+            f.restype = None if fn == "hc_connect_forward" else ctypes.c_int
+    if name == "connector":
+        lib.tanh_f32_array.argtypes, lib.tanh_f32_array.restype = [_P, _P, _L], None
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The built kernel library, or None (no compiler, or the build failed: logged once)."""
-    global _lib, _failed
-    if _lib is not None or _failed:
-        return _lib
+def library(name: str = "sinkhorn") -> ctypes.CDLL | None:
+    """The built kernel library `name` ("sinkhorn" or "connector"), or None (no compiler, or the
+    build failed: logged once)."""
+    if name in _libs:
+        return _libs[name]
     with _lock:
-        if _lib is None and not _failed:
+        if name not in _libs:
+            lib = None
             try:
-                _lib = _build()
+                lib = _build(name)
             except (OSError, subprocess.CalledProcessError) as exc:
                 detail = getattr(exc, "stderr", "") or exc
-                logger.warning("Sinkhorn CPU kernel unavailable (%s); using the torch-op kernel", str(detail)[:500])
-            _failed = _lib is None
-    return _lib
+                logger.warning("%s CPU kernels unavailable (%s); using torch ops", name, str(detail)[:500])
+            _libs[name] = lib
+    return _libs[name]
 
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether the C kernel takes these tensors: CPU, float32/float64, contiguous, same dtype, built."""
+def usable(*tensors: torch.Tensor, name: str = "sinkhorn") -> bool:
+    """Whether the C kernels of library `name` take these tensors: CPU, float32/float64, contiguous,
+    same dtype, and the library built."""
     t = tensors[0]
     return (all(x.device.type == "cpu" and x.dtype == t.dtype and x.is_contiguous() for x in tensors)
-            and t.dtype in _SUFFIX and library() is not None)
+            and t.dtype in _SUFFIX and library(name) is not None)
 
 
 def sinkhorn_forward(z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
     """The Sinkhorn result [n, n, N] of tokens-last logits z (contiguous; `usable(z)`)."""
     n, N = z.shape[0], z.shape[2]
     out = torch.empty_like(z)
-    fn = getattr(library(), f"sinkhorn_forward_{_SUFFIX[z.dtype]}")
+    fn = getattr(library("sinkhorn"), f"sinkhorn_forward_{_SUFFIX[z.dtype]}")
     if fn(z.data_ptr(), out.data_ptr(), N, n, t_max, first, torch.finfo(z.dtype).tiny):
         raise MemoryError("Sinkhorn CPU kernel: out of memory")
     return out
@@ -251,7 +443,43 @@ def sinkhorn_backward(z: torch.Tensor, grad: torch.Tensor, t_max: int, first: in
     """The gradient of the logits z [n, n, N] from the result's gradient `grad` (same layout)."""
     n, N = z.shape[0], z.shape[2]
     out = torch.empty_like(z)
-    fn = getattr(library(), f"sinkhorn_backward_{_SUFFIX[z.dtype]}")
+    fn = getattr(library("sinkhorn"), f"sinkhorn_backward_{_SUFFIX[z.dtype]}")
     if fn(z.data_ptr(), grad.data_ptr(), out.data_ptr(), N, n, t_max, first, torch.finfo(z.dtype).tiny):
         raise MemoryError("Sinkhorn CPU kernel: out of memory")
     return out
+
+
+def _fn(name: str, t: torch.Tensor):
+    return getattr(library("connector"), f"{name}_{_SUFFIX[t.dtype]}")
+
+
+def hc_connect_forward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor, eps: float):
+    """The HC connector on streams H [N,n,d] (contiguous, `usable(..., name="connector")`):
+    (out [N,n+1,d] = [w; R] @ H, depth [N,n], raw [N,n,n+2], inv [N,n], t [N,n,n+2]) for the projection
+    Pt = [W_m | W_r | W_b]ᵀ [n+2,d], static S = [S_m | S_r | S_b] [n,n+2] and scale [n+2] (s_a x (n+1), s_b);
+    raw = H_s · P_j, inv = 1/rms(H_s), t = tanh(raw · inv), coefficients S + scale ⊙ t."""
+    N, n, d = H.shape
+    out, depth = H.new_empty(N, n + 1, d), H.new_empty(N, n)
+    raw, inv, t = H.new_empty(N, n, n + 2), H.new_empty(N, n), H.new_empty(N, n, n + 2)
+    _fn("hc_connect_forward", H)(H.data_ptr(), Pt.data_ptr(), S.data_ptr(), scale.data_ptr(), N, n, d, eps,
+                                 out.data_ptr(), depth.data_ptr(), raw.data_ptr(), inv.data_ptr(), t.data_ptr())
+    return out, depth, raw, inv, t
+
+
+def hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth):
+    """(dL/dH, dL/dPt, dL/dS, dL/dscale) from the gradients g_out [N,n+1,d], g_depth [N,n] of
+    `hc_connect_forward`'s first two outputs (all contiguous); parameter gradients summed in float64."""
+    N, n, d = H.shape
+    gH, gPt, gS, gscale = torch.empty_like(H), torch.empty_like(Pt), torch.empty_like(S), torch.empty_like(scale)
+    if _fn("hc_connect_backward", H)(H.data_ptr(), Pt.data_ptr(), S.data_ptr(), scale.data_ptr(), raw.data_ptr(),
+                                     inv.data_ptr(), t.data_ptr(), g_out.data_ptr(), g_depth.data_ptr(), N, n, d,
+                                     gH.data_ptr(), gPt.data_ptr(), gS.data_ptr(), gscale.data_ptr()):
+        raise MemoryError("HC connector CPU kernel: out of memory")
+    return gH, gPt, gS, gscale
+
+
+def tanh_f32(x: torch.Tensor) -> torch.Tensor:
+    """The connector kernel's float32 tanh over a contiguous float32 tensor (for tests)."""
+    y = torch.empty_like(x)
+    library("connector").tanh_f32_array(x.data_ptr(), y.data_ptr(), x.numel())
+    return y

@@ -101,6 +101,7 @@ from depthtools.arch import reference
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme, resolve_options
+from depthtools.arch import compiled
 from depthtools.arch.compiled import compiling, sinkhorn_op
 from depthtools.arch.torch_private import is_hooked
 from depthtools.config import ModelConfig
@@ -702,6 +703,9 @@ class HyperConnection(_Connector):
 
     def reference(self, H):
         dynamic_alpha, dynamic_beta = self._dynamic()
+        if compiled.connector_op(H):  # traced on CPU: the same function as one opaque op (its C kernel)
+            return compiled.hc_connect_op(H, dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta,
+                                          self.alpha_scale, self.beta_scale, self.eps)
         return reference.hc_connect(H, dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta,
                                     self.alpha_scale, self.beta_scale, self.eps)
 
