@@ -81,7 +81,10 @@ operations on a 1 MB stream state, so its cost is call overhead and extra passes
 weights hook (width/res/depth) is attached, each connector runs as ONE autograd node
 (`_HCConnect` with forward-mode jvp, so torch.func.jvp works; `_MHCConnect`, whose Sinkhorn has
 no jvp, like `sinkhorn_knopp`) with a hand-written backward, and the update H ← R H + β ⊗ y is
-`_Update`. With a weights hook the connector is formed step by step (`weights`) so the hooked
+`_Update`. On CPU (float32/float64, the C library built) `_HCConnect` runs its forward and backward on
+the fused C kernel of cpu_kernels.py -- one pass over the stream state per direction, ~16% off an eager
+HC step at L32 d64 (benchmarks/RESULTS.md, "Third pass") -- and its torch ops elsewhere; its jvp is
+the same either way. With a weights hook the connector is formed step by step (`weights`) so the hooked
 tensors can be read and edited. Option fused (True): False runs every one of these Functions'
 plain-autograd reference instead (depthtools/arch/reference.py; the same function, slower), for
 checking the hand-written backwards and for debugging.
@@ -101,7 +104,7 @@ from depthtools.arch import reference
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme, resolve_options
-from depthtools.arch import compiled
+from depthtools.arch import compiled, cpu_kernels
 from depthtools.arch.compiled import compiling, sinkhorn_op
 from depthtools.arch.torch_private import is_hooked
 from depthtools.config import ModelConfig
@@ -480,6 +483,13 @@ def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
 
 
+def _hc_kernel_applies(*tensors: torch.Tensor) -> bool:
+    """Whether _HCConnect runs on the fused C kernel (cpu_kernels.hc_connect_forward/backward): CPU
+    float32/float64 tensors of one dtype, at most CONNECTOR_MAX_STREAMS streams, the library built."""
+    return (tensors[0].shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS
+            and cpu_kernels.usable(*(t.contiguous() for t in tensors), name="connector"))
+
+
 def _zero_or(t, like_shape, ref):
     return t if t is not None else ref.new_zeros(like_shape)
 
@@ -500,11 +510,19 @@ class _HCConnect(torch.autograd.Function):
     def forward(H, Wa, wb, Sa, sb, sa, sbeta, eps):
         H = H.contiguous()
         N, n, d = H.shape
+        if _hc_kernel_applies(H, Wa, wb, Sa, sb, sa, sbeta):  # CPU: the fused C kernel, one pass over H
+            scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
+            Pt = torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous()
+            S = torch.cat([Sa, sb.unsqueeze(1)], 1)
+            out, depth, raw, inv, t = cpu_kernels.hc_connect_forward(H, Pt, S, scale, eps)
+            routing = (S[:, : n + 1] + scale[: n + 1] * t[..., : n + 1]).transpose(1, 2).contiguous()
+            return (out[:, 0], out[:, 1:], depth, routing, raw.view(N * n, n + 2), inv.view(N * n, 1),
+                    t.view(N * n, n + 2), scale)
         P = torch.cat([Wa, wb.unsqueeze(1)], 1)  # [d, n+2]
         Hf = H.view(N * n, d)
         raw = (P.t() @ Hf.t()).t().contiguous()  # [Nn, n+2]; (Pᵀ Hᵀ)ᵀ: the faster CPU GEMM orientation at n+2 = 6
         inv = fused_inverse_rms(Hf, eps, keepdim=True)
-        t = torch.sigmoid(raw * inv * 2).mul_(2).sub_(1)  # tanh(x) = 2σ(2x) - 1: CPU tanh is slower here (bench_speedups.py tanh)
+        t = torch.tanh(raw * inv)  # (2σ(2x) - 1 measured 3x slower than torch.tanh: bench_speedups.py tanh)
         scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
         coeffs = (t.view(N, n, n + 2) * scale).add_(torch.cat([Sa, sb.unsqueeze(1)], 1))
         routing = coeffs[..., : n + 1].transpose(1, 2).contiguous()  # [N, n+1, n]
@@ -517,16 +535,25 @@ class _HCConnect(torch.autograd.Function):
         routing, raw, inv, t, scale = output[3:]
         ctx.mark_non_differentiable(routing, raw, inv, t, scale)
         ctx.eps = inputs[7]
-        ctx.save_for_backward(H, Wa, wb, routing, raw, inv, t, scale)
+        ctx.save_for_backward(H, Wa, wb, routing, raw, inv, t, scale, inputs[3], inputs[4])  # + S_a, s_b
         ctx.save_for_forward(H, Wa, wb, routing, raw, inv, t, scale)
 
     @staticmethod
     def backward(ctx, g_u, g_mixed, g_depth, *_):
-        H, Wa, wb, routing, raw, inv, t, scale = ctx.saved_tensors
+        H, Wa, wb, routing, raw, inv, t, scale, Sa, sb = ctx.saved_tensors
         H = H.contiguous()
         N, n, d = H.shape
         need = ctx.needs_input_grad
         g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
+        if _hc_kernel_applies(H, Wa, wb, Sa, g_out):  # the fused C kernel, one pass over H and g_out
+            Pt = torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous()
+            S = torch.cat([Sa, sb.unsqueeze(1)], 1)
+            g_depth = _zero_or(g_depth, (N, n), H).contiguous()
+            gH, gPt, gS, g_scale = cpu_kernels.hc_connect_backward(
+                H, Pt, S, scale, raw.view(N, n, n + 2), inv.view(N, n), t.view(N, n, n + 2), g_out, g_depth)
+            return (gH if need[0] else None, gPt[: n + 1].t() if need[1] else None, gPt[n + 1] if need[2] else None,
+                    gS[:, : n + 1] if need[3] else None, gS[:, n + 1] if need[4] else None,
+                    g_scale[: n + 1].sum() if need[5] else None, g_scale[n + 1] if need[6] else None, None)
         g_coeffs = H.new_empty(N, n, n + 2)
         g_coeffs[..., : n + 1] = torch.bmm(H, g_out.transpose(1, 2))  # = (g_out Hᵀ)ᵀ = dL/d[w; R]ᵀ
         if g_depth is None:
