@@ -280,8 +280,9 @@ def _hc_inputs(tokens: int, n: int, d: int, dtype: torch.dtype, seed: int = 0):
 
 
 def _hc_forward_backward(connect, params, grads):
+    """Outputs and input gradients of connect(*params[, eps]) for output gradients `grads`."""
     leaves = [p.clone().requires_grad_(True) for p in params]
-    out = connect(*leaves, 1e-8)
+    out = connect(*leaves, 1e-8) if len(params) == 7 else connect(*leaves)
     return [t.detach() for t in (*out, *torch.autograd.grad(out, leaves, grads))]
 
 
@@ -315,19 +316,65 @@ def test_hc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
             assert err <= bound, f"{kernel} {dtype} tokens={tokens} n={n} d={d}: {name} off by {err:.1e} (> {bound:.1e})"
 
 
-def test_hc_connector_op_registration():
-    """Fake (meta) kernels, schema and autograd registration of the op, as torch.compile relies on them."""
+def _mhc_inputs(tokens: int, n: int, d: int, dtype: torch.dtype, seed: int = 0):
+    """Streams, mHC connector parameters (projections, gates, biases: strong enough that the sigmoids and
+    the Sinkhorn are far from their linear parts) and output gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda *shape, s=1.0: (s * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)  # noqa: E731
+    params = [draw(tokens, n, d), draw(n * d, n, s=0.3), draw(n * d, n, s=0.3), draw(n * d, n * n, s=0.3), draw(()),
+              draw(()), draw(()), draw(n), draw(n), draw(n, n, s=2.0)]
+    return params, [draw(tokens, d), draw(tokens, n, d), draw(tokens, n)]
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mhc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
+    """The compiled mHC step's opaque connector (`depthtools::mhc_connect`: the fused C kernel with the
+    Sinkhorn inside, or the reference's vjp where the kernel does not apply) against the float64
+    reference: outputs and the gradients of the streams and all nine parameters, both Sinkhorn orders,
+    token counts around the kernel's block of 64. Bounds as for HC (the kernel's exp is within 2 ulp)."""
+    from depthtools.arch import cpu_kernels, reference
+
+    if kernel == "c" and cpu_kernels.library("connector") is None:
+        pytest.skip("no C compiler here: the op takes its torch fallback")
+    if kernel == "torch":
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *a, **k: False)
+    for (tokens, n, d, t_max), first in zip(((1, 4, 16, 20), (63, 4, 8, 7), (130, 2, 8, 20), (65, 3, 5, 3)), (0, 1, 0, 1)):
+        params, grads = _mhc_inputs(tokens, n, d, dtype)
+
+        def connect(fn):
+            return lambda *xs: fn(*xs[:10], 1e-6, t_max, first)
+
+        exact = _hc_forward_backward(connect(reference.mhc_connect), [p.double() for p in params],
+                                     [g.double() for g in grads])
+        got = _hc_forward_backward(connect(compiled.mhc_connect_op), params, grads)
+        same_dtype = _hc_forward_backward(connect(reference.mhc_connect), params, grads)
+        for i, (a, b, c) in enumerate(zip(got, exact, same_dtype)):
+            scale = max(float(b.abs().max()), 1e-30)
+            err = float((a.double() - b).abs().max()) / scale
+            bound = 1e-12 if dtype == torch.float64 else max(2e-6, 5 * float((c.double() - b).abs().max()) / scale)
+            assert err <= bound, f"{kernel} {dtype} tokens={tokens} n={n} d={d}: output/grad {i} off by {err:.1e} (> {bound:.1e})"
+
+
+def test_connector_op_registration():
+    """Fake (meta) kernels, schema and autograd registration of the HC and mHC ops, as torch.compile relies on them."""
     params, _ = _hc_inputs(5, 4, 8, torch.float32)
     H, Wa, wb, Sa, sb, sa, sbeta = params
     args = (H, torch.cat([Wa, wb[:, None]], 1).t().contiguous(), torch.cat([Sa, sb[:, None]], 1),
             torch.cat([sa.expand(5), sbeta[None]]).requires_grad_(True), 1e-8)
     torch.library.opcheck(torch.ops.depthtools.hc_connect.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    H, pp, po, pr, gp, gq, gr, bp, bq, br = _mhc_inputs(5, 4, 8, torch.float32)[0]
+    args = (H, torch.cat([pp, po, pr], 1).t().contiguous().requires_grad_(True), torch.stack([gp, gq, gr]), bp, bq,
+            br.reshape(-1), 1e-6, 4, 0)
+    torch.library.opcheck(torch.ops.depthtools.mhc_connect.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
-def test_connector_kernel_tanh_is_accurate():
-    """The C connector kernel's vectorisable float32 tanh: within 4 ulp (relative) of float64 tanh over
-    [-12, 12], exact at 0 and ±inf, NaN for NaN."""
+def test_connector_kernel_tanh_and_exp_are_accurate():
+    """The C connector kernels' vectorisable float32 tanh and exp: tanh within 4 ulp (relative) of float64
+    tanh over [-12, 12], exact at 0 and ±inf, NaN for NaN; exp within 2 ulp over [-87, 88] (where its
+    value is a normal float), NaN for NaN."""
     from depthtools.arch import cpu_kernels
 
     if cpu_kernels.library("connector") is None:
@@ -338,3 +385,7 @@ def test_connector_kernel_tanh_is_accurate():
     assert float(rel[want != 0].max()) <= 4 * torch.finfo(torch.float32).eps
     special = cpu_kernels.tanh_f32(torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30]))
     assert special[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and torch.isnan(special[4]) and special[5] == 1e-30
+    x = torch.linspace(-87, 88, 400_001)
+    got, want = cpu_kernels.exp_f32(x).double(), torch.exp(x.double())
+    assert float(((got - want).abs() / want).max()) <= 2 * torch.finfo(torch.float32).eps
+    assert torch.isnan(cpu_kernels.exp_f32(torch.tensor([float("nan")]))).all()

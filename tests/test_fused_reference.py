@@ -97,7 +97,7 @@ def test_functions_with_jvp_match_reference_and_pass_gradcheck(name, monkeypatch
     reference's autograd, and gradcheck (finite differences) with check_forward_ad. _HCConnect on CPU
     runs on the fused C kernel where it is built; "(torch ops)" checks its torch-op path too."""
     if name.endswith("(torch ops)"):
-        monkeypatch.setattr(hyper, "_hc_kernel_applies", lambda *tensors: False)
+        monkeypatch.setattr(hyper, "_connector_kernel_applies", lambda *tensors: False)
         name = name.split()[0]
     fused, ref, make = JVP_CASES[name]
     inputs = make()
@@ -118,6 +118,18 @@ def test_sinkhorn_and_mhc_connector_match_reference(first):
     assert_same_function(lambda z: hyper._SinkhornKnopp.apply(z, 3, first), lambda z: reference.sinkhorn(z, 3, first),
                          (strong,))
     assert_same_function(hyper._MHCConnect.apply, reference.mhc_connect, mhc_inputs(first))
+
+
+@pytest.mark.parametrize("path", ["c kernel", "torch ops"])
+@pytest.mark.parametrize("first", [0, 1])
+def test_mhc_connector_both_paths_pass_gradcheck(first, path, monkeypatch):
+    """_MHCConnect on CPU runs on the fused C kernel where it is built, else its torch ops: each path
+    equals the reference (above) and passes gradcheck against finite differences."""
+    if path == "torch ops":
+        monkeypatch.setattr(hyper, "_connector_kernel_applies", lambda *tensors: False)
+    inputs = mhc_inputs(first)
+    assert_same_function(hyper._MHCConnect.apply, reference.mhc_connect, inputs)
+    assert torch.autograd.gradcheck(lambda *a: hyper._MHCConnect.apply(*a, 1e-6, 3, first), inputs[:10])
 
 
 def test_connector_modules_take_the_reference_with_fused_false():

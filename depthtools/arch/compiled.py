@@ -26,10 +26,11 @@ written there as n multiply-adds per row under compile, so it fuses too -- with 
 opaque as custom ops because inductor's code for them is slower (benchmarks/RESULTS.md):
   mHC's Sinkhorn (n = 4 reductions), `depthtools::sinkhorn_tokens_last`: on CPU (float32/float64) a
     small C kernel iterating each token's 4x4 matrix in registers, the torch-op kernel elsewhere;
-  HC's whole connector on CPU, `depthtools::hc_connect`: one C kernel per direction that reads each
-    token's streams once (inductor's code makes ~5 passes over the stream state forward, ~8 backward,
-    and the state streams from memory); on other devices the reference, which inductor fuses there.
-Both kernels are in cpu_kernels.py.
+  HC's and mHC's whole connectors on CPU, `depthtools::hc_connect` / `depthtools::mhc_connect`: one C
+    kernel per direction that reads each token's streams once (inductor's code makes ~5 passes over the
+    stream state forward, ~8 backward, and the state streams from memory; mHC's kernel runs the
+    Sinkhorn inside, per block of 64 tokens); on other devices the references, which inductor fuses there.
+The kernels are in cpu_kernels.py.
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
 found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute
@@ -149,12 +150,12 @@ def sinkhorn_op(logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
     return _sinkhorn_tl(z, t_max, first).permute(2, 0, 1).reshape(logits.shape)
 
 
-# -- the HC connector as one opaque op (CPU: the fused C kernel; elsewhere torch ops) -----------------
+# -- the HC / mHC connectors as opaque ops (CPU: the fused C kernels; elsewhere torch ops) ------------
 #
-# Inside a compiled block step on CPU, HC's connector runs as this op instead of inductor's code for the
-# plain-autograd reference: one pass over the stream state per direction instead of ~5 forward and ~8
-# backward (cpu_kernels; measured in benchmarks/RESULTS.md, "Third pass"). On other devices the compiled
-# step keeps the reference (`connector_op`), so inductor generates those kernels there.
+# Inside a compiled block step on CPU, a connector runs as one of these ops instead of inductor's code for
+# the plain-autograd reference: one pass over the stream state per direction instead of ~5 forward and
+# ~8 backward (cpu_kernels; measured in benchmarks/RESULTS.md, "Third pass"). On other devices the
+# compiled step keeps the references (`connector_op`), so inductor generates those kernels there.
 
 @torch.library.custom_op("depthtools::hc_connect", mutates_args=())
 def _hc_connect(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor,
@@ -225,9 +226,82 @@ def _hc_connect_grad(ctx, g_out, g_depth, *_):
 _hc_connect.register_autograd(_hc_connect_grad, setup_context=_hc_connect_setup)
 
 
+@torch.library.custom_op("depthtools::mhc_connect", mutates_args=())
+def _mhc_connect(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
+                 b_res: torch.Tensor, eps: float, t_max: int, first: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out = [H_pre; H_res] @ H [N,n+1,d], H_post [N,n], raw, inv) -- cpu_kernels.mhc_connect_forward's
+    contract (b_res flattened row-major); raw and inv are saved for the backward. Torch ops (the
+    reference) where the C kernel does not apply."""
+    from depthtools.arch import cpu_kernels
+
+    args = [x.contiguous() for x in (H, PhiT, gates, b_pre, b_post, b_res)]
+    if cpu_kernels.usable(*args, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
+        return cpu_kernels.mhc_connect_forward(*args, eps, t_max, first)
+    out, depth = _mhc_reference(*args, eps, t_max, first)
+    x = H.reshape(H.shape[0], -1)
+    return out, depth, x @ PhiT.t(), torch.rsqrt(torch.linalg.vecdot(x, x) / x.shape[1] + eps)
+
+
+def _mhc_reference(H, PhiT, gates, b_pre, b_post, b_res, eps, t_max, first):
+    """(out, H_post) of `_mhc_connect` by `reference.mhc_connect` (differentiable torch ops)."""
+    from depthtools.arch import reference
+
+    n = H.shape[1]
+    phi_pre, phi_post, phi_res = PhiT.t().split([n, n, n * n], 1)
+    u, mixed, depth = reference.mhc_connect(H, phi_pre, phi_post, phi_res, gates[0], gates[1], gates[2], b_pre,
+                                            b_post, b_res.view(n, n), eps, t_max, first)
+    return torch.cat([u.unsqueeze(1), mixed], 1), depth
+
+
+@_mhc_connect.register_fake
+def _(H, PhiT, gates, b_pre, b_post, b_res, eps, t_max, first):
+    N, n, d = H.shape
+    return H.new_empty(N, n + 1, d), H.new_empty(N, n), H.new_empty(N, PhiT.shape[0]), H.new_empty(N)
+
+
+@torch.library.custom_op("depthtools::mhc_connect_backward", mutates_args=())
+def _mhc_connect_backward(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre: torch.Tensor,
+                          b_post: torch.Tensor, b_res: torch.Tensor, raw: torch.Tensor, inv: torch.Tensor,
+                          g_out: torch.Tensor, g_depth: torch.Tensor, eps: float, t_max: int, first: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `_mhc_connect`'s six tensor inputs (the reference's vjp where the kernel does not apply)."""
+    from depthtools.arch import cpu_kernels
+
+    args = [x.contiguous() for x in (H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth)]
+    if cpu_kernels.usable(*args, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
+        return cpu_kernels.mhc_connect_backward(*args, t_max, first)
+    _, vjp = torch.func.vjp(lambda *xs: _mhc_reference(*xs, eps, t_max, first), *args[:6])
+    return tuple(g.contiguous() for g in vjp((args[8], args[9])))
+
+
+@_mhc_connect_backward.register_fake
+def _(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth, eps, t_max, first):
+    return tuple(x.new_empty(x.shape) for x in (H, PhiT, gates, b_pre, b_post, b_res))
+
+
+def _mhc_connect_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:6], *output[2:])
+    ctx.eps, ctx.t_max, ctx.first = inputs[6:]
+
+
+def _mhc_connect_grad(ctx, g_out, g_depth, *_):
+    H, PhiT, gates, b_pre, b_post, b_res, raw, inv = ctx.saved_tensors
+    N, n, d = H.shape
+    g_out = H.new_zeros(N, n + 1, d) if g_out is None else g_out
+    g_depth = H.new_zeros(N, n) if g_depth is None else g_depth
+    grads = _mhc_connect_backward(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth, ctx.eps,
+                                  ctx.t_max, ctx.first)
+    return (*grads, None, None, None)
+
+
+_mhc_connect.register_autograd(_mhc_connect_grad, setup_context=_mhc_connect_setup)
+
+
 def connector_op(H: torch.Tensor) -> bool:
-    """Whether an HC connector traced by torch.compile runs as the opaque `depthtools::hc_connect`: on CPU
-    (a static property under tracing, guarded by dynamo), where its C kernel beats inductor's code."""
+    """Whether an HC/mHC connector traced by torch.compile runs as the opaque `depthtools::hc_connect` /
+    `depthtools::mhc_connect`: on CPU (a static property under tracing, guarded by dynamo), where their C
+    kernels beat inductor's code."""
     return compiling() and H.device.type == "cpu"
 
 
@@ -376,3 +450,11 @@ def decide(setting: str, region: str, total_steps: int, tokens_per_step: int, n_
     if setting == "on":
         return "on", "compile on"
     return "on", "auto: the estimated saving exceeds the compile time"
+
+
+def mhc_connect_op(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
+    """`reference.mhc_connect` (u, H_res H, H_post) as the opaque op (parameters packed by traced ops)."""
+    PhiT = torch.cat([phi_pre, phi_post, phi_res], 1).t().contiguous()
+    gates = torch.stack([g_pre, g_post, g_res])
+    out, depth, *_ = _mhc_connect(H, PhiT, gates, b_pre, b_post, b_res.reshape(-1), eps, t_max, first)
+    return out[:, 0], out[:, 1:], depth

@@ -186,21 +186,28 @@ _CONNECTOR_HEAD = r"""#include <math.h>
 #define MMAX (NMAX + 2)
 #define FLUSH 64
 
-/* tanh for float32, branch-free so the compiler vectorises its loop: tanh |x| = (1 - e)/(1 + e) with
-   e = exp(-2|x|) (Cody-Waite reduction, degree-7 Taylor polynomial, 2^k from its exponent bits) for
-   |x| >= 0.3, and the Taylor series to x^9 below (relative error < 1e-7); |x| clamped at 9, where
-   tanh rounds to 1 in float32. NaN propagates. */
-static inline float tanh_f32(float x) {
-    float y = fabsf(x);
-    y = y > 9.0f ? 9.0f : y;
-    float z = -2.0f * y;
-    float kf = rintf(z * 1.44269504088896341f);
-    float r = (z - kf * 0.693359375f) - kf * -2.12194440e-4f;
+/* exp for float32, branch-free so the compiler vectorises its loops (libm's expf is a call per element):
+   x clamped to [-87.3, 88.3] (below, exp is under FLT_MIN and returns ~FLT_MIN: it only ever enters a
+   sum with a term >= 1 or a 1/(1 + .) here), exp(x) = 2^k exp(r), k = rint(x / ln 2), Cody-Waite r,
+   degree-7 Taylor polynomial (relative error < 1e-7), 2^k from its exponent bits. NaN propagates. */
+static inline float exp_f32(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    float kf = rintf(x * 1.44269504088896341f);
+    float r = fmaf(-kf, -2.12194440e-4f, fmaf(-kf, 0.693359375f, x));  /* fmaf: -fassociative-math may not merge ln 2's two parts */
     float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
     int bits = ((int)kf + 127) << 23;
     float two_k;
     memcpy(&two_k, &bits, sizeof two_k);
-    float e = p * two_k;
+    return p * two_k;
+}
+
+/* tanh for float32, branch-free: tanh |x| = (1 - e)/(1 + e), e = exp(-2|x|), for |x| >= 0.3, and the
+   Taylor series to x^9 below (relative error < 1e-7); |x| clamped at 9, where tanh rounds to 1 in
+   float32. NaN propagates. */
+static inline float tanh_f32(float x) {
+    float y = fabsf(x);
+    y = y > 9.0f ? 9.0f : y;
+    float e = exp_f32(-2.0f * y);
     float big = (1.0f - e) / (1.0f + e);
     float y2 = y * y;
     float small = y * (1.0f + y2 * (-1.0f / 3 + y2 * (2.0f / 15 + y2 * (-17.0f / 315 + y2 * (62.0f / 2835)))));
@@ -209,13 +216,34 @@ static inline float tanh_f32(float x) {
 }
 static inline double tanh_f64(double x) { return tanh(x); }
 
-/* for tests: tanh_f32 over x [n] */
+/* for tests: tanh_f32 / exp_f32 over x [n] */
 void tanh_f32_array(const float *restrict x, float *restrict y, long n) {
     for (long i = 0; i < n; i++) y[i] = tanh_f32(x[i]);
 }
+void exp_f32_array(const float *restrict x, float *restrict y, long n) {
+    for (long i = 0; i < n; i++) y[i] = exp_f32(x[i]);
+}
 
 """
-_CONNECTOR_TEMPLATE = r"""/* HC connector, forward, per token t (streams H_t [n][d]; m = n + 2 coefficient columns):
+_CONNECTOR_TEMPLATE = r"""/* out[j] = x . P_j for the m rows of P [m][k], four at a time: four independent sums per pass over
+   x (a single vectorised sum is bound by the latency of its multiply-add chain) */
+static inline void dots_@S@(const @T@ *restrict x, const @T@ *restrict P, int k, int m, @T@ *restrict out) {
+    int j = 0;
+    for (; j + 4 <= m; j += 4) {
+        const @T@ *restrict p0 = P + (long)j * k, *restrict p1 = p0 + k, *restrict p2 = p1 + k, *restrict p3 = p2 + k;
+        @T@ a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+        for (int i = 0; i < k; i++) { a0 += x[i] * p0[i]; a1 += x[i] * p1[i]; a2 += x[i] * p2[i]; a3 += x[i] * p3[i]; }
+        out[j] = a0; out[j + 1] = a1; out[j + 2] = a2; out[j + 3] = a3;
+    }
+    for (; j < m; j++) {
+        const @T@ *restrict p = P + (long)j * k;
+        @T@ acc = 0;
+        for (int i = 0; i < k; i++) acc += x[i] * p[i];
+        out[j] = acc;
+    }
+}
+
+/* HC connector, forward, per token t (streams H_t [n][d]; m = n + 2 coefficient columns):
      inv_s = 1/sqrt(mean H_s^2 + eps), raw[s][j] = H_s . P_j, tt = tanh(raw * inv), coef = S + scale * tt
      out[0] = sum_s coef[s][0] H_s (branch input u), out[1 + o] = sum_s coef[s][1 + o] H_s (R H), depth[s] = coef[s][n + 1]
    raw, inv and tt are kept for the backward. */
@@ -234,13 +262,8 @@ void hc_connect_forward_@S@(const @T@ *restrict H, const @T@ *restrict Pt, const
             for (int i = 0; i < d; i++) ss += h[i] * h[i];
             @T@ iv = 1 / @SQRT@(ss / d + eps);
             inv[t * n + s] = iv;
-            for (int j = 0; j < m; j++) {
-                const @T@ *restrict p = Pt + (long)j * d;
-                @T@ acc = 0;
-                for (int i = 0; i < d; i++) acc += h[i] * p[i];
-                rawt[s * m + j] = acc;
-                a[s * m + j] = acc * iv;
-            }
+            dots_@S@(h, Pt, d, m, rawt + s * m);
+            for (int j = 0; j < m; j++) a[s * m + j] = rawt[s * m + j] * iv;
         }
         for (int k = 0; k < n * m; k++) tt_t[k] = tanh_@S@(a[k]);
         for (int s = 0; s < n; s++)
@@ -331,9 +354,177 @@ int hc_connect_backward_@S@(const @T@ *restrict H, const @T@ *restrict Pt, const
     return 0;
 }
 """
-_CONNECTOR_SOURCE = _CONNECTOR_HEAD + "".join(
-    _CONNECTOR_TEMPLATE.replace("@T@", t).replace("@S@", s).replace("@SQRT@", q)
-    for t, s, q in (("float", "f32", "sqrtf"), ("double", "f64", "sqrt")))
+# mHC's connector: the same single pass, in blocks of BLK tokens so the sigmoids and the Sinkhorn
+# (the Sinkhorn library's block routines, compiled again here) run tokens-last and vectorised.
+_MHC_TEMPLATE = r"""
+/* mHC connector, forward, in blocks of BLK tokens (x_t = vec H_t, K = n*d; J = 2n + n*n coefficient columns;
+   Phi transposed PhiT [J][K]; gates = (g_pre, g_post, g_res)):
+     inv = 1/sqrt(mean x^2 + eps), a_j = (x . Phi_j) inv
+     H_pre = sigmoid(g_pre a_pre + b_pre), H_post = 2 sigmoid(g_post a_post + b_post),
+     H_res = Sinkhorn(g_res a_res + b_res) (fwd_block: softmax over `first`, 2 t_max - 1 half-steps; entry o*n + i)
+     out[0] = sum_s H_pre[s] H_s, out[1 + o] = sum_i H_res[o][i] H_i, depth = H_post.
+   raw = x . Phi_j and inv are kept for the backward, which recomputes the rest. 1 = out of memory. */
+int mhc_connect_forward_@S@(const @T@ *restrict H, const @T@ *restrict PhiT, const @T@ *restrict gates,
+                            const @T@ *restrict b_pre, const @T@ *restrict b_post, const @T@ *restrict b_res,
+                            long N, int n, int d, @T@ eps, int t_max, int first, @T@ tiny,
+                            @T@ *restrict out, @T@ *restrict depth, @T@ *restrict raw, @T@ *restrict inv) {
+    int K = n * d, J = 2 * n + n * n, nn = n * n, q = n + 1;
+    @T@ *buf = (@T@ *)malloc(sizeof(@T@) * (long)(J + nn) * BLK);
+    if (!buf) return 1;
+    @T@ *restrict a = buf, *restrict m = buf + (long)J * BLK;
+    for (long t0 = 0; t0 < N; t0 += BLK) {
+        long cnt = N - t0 < BLK ? N - t0 : BLK;
+        for (long b = 0; b < cnt; b++) {
+            const @T@ *restrict x = H + (t0 + b) * K;
+            @T@ ss = 0;
+            for (int i = 0; i < K; i++) ss += x[i] * x[i];
+            @T@ iv = 1 / @SQRT@(ss / K + eps);
+            inv[t0 + b] = iv;
+            @T@ *restrict rt = raw + (t0 + b) * J;
+            dots_@S@(x, PhiT, K, J, rt);
+            for (int j = 0; j < J; j++) a[j * BLK + b] = rt[j] * iv;
+        }
+        for (int j = 0; j < J; j++) for (long b = cnt; b < BLK; b++) a[j * BLK + b] = 0;
+        for (int k = 0; k < nn; k++)
+            for (int b = 0; b < BLK; b++) m[k * BLK + b] = gates[2] * a[(2 * n + k) * BLK + b] + b_res[k];
+        fwd_block_@S@(m, 0, 0, 0, n, t_max, first, tiny);
+        for (long b = 0; b < cnt; b++) {
+            long t = t0 + b;
+            const @T@ *restrict Ht = H + t * K;
+            @T@ pre[NMAX];
+            for (int s = 0; s < n; s++) {
+                pre[s] = 1 / (1 + @EXP@(-(gates[0] * a[s * BLK + b] + b_pre[s])));
+                depth[t * n + s] = 2 / (1 + @EXP@(-(gates[1] * a[(n + s) * BLK + b] + b_post[s])));
+            }
+            for (int r = 0; r < q; r++) {
+                @T@ *restrict o = out + (t * q + r) * d;
+                for (int i = 0; i < d; i++) o[i] = 0;
+                for (int s = 0; s < n; s++) {
+                    @T@ c = r == 0 ? pre[s] : m[((r - 1) * n + s) * BLK + b];
+                    const @T@ *restrict h = Ht + s * d;
+                    for (int i = 0; i < d; i++) o[i] += c * h[i];
+                }
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* Its backward from g_out [N][n+1][d] and g_depth [N][n]: per block, the forward's coefficients are
+   recomputed (the Sinkhorn with its iterates), then
+     g_pre[s] = g_out[0] . H_s, g_res[o][i] = g_out[1 + o] . H_i, gH_s = H_pre[s] g_out[0] + sum_o H_res[o][s] g_out[1 + o]
+     dz_pre = g_pre H_pre (1 - H_pre), dz_post = g_depth H_post (1 - H_post / 2), dz_res = Sinkhorn backward of g_res
+     da = dz * gate, g_raw = da inv, g_inv = sum_j da_j raw_j, gx += sum_j g_raw_j Phi_j - g_inv inv^3 / K x
+   and, summed over tokens in double: gPhiT_j = sum g_raw_j x, g_gates = sum dz . a per section, g_b = sum dz. */
+int mhc_connect_backward_@S@(const @T@ *restrict H, const @T@ *restrict PhiT, const @T@ *restrict gates,
+                             const @T@ *restrict b_pre, const @T@ *restrict b_post, const @T@ *restrict b_res,
+                             const @T@ *restrict raw, const @T@ *restrict inv, const @T@ *restrict g_out,
+                             const @T@ *restrict g_depth, long N, int n, int d, int t_max, int first, @T@ tiny,
+                             @T@ *restrict gH, @T@ *restrict gPhiT, @T@ *restrict g_gates, @T@ *restrict g_b_pre,
+                             @T@ *restrict g_b_post, @T@ *restrict g_b_res) {
+    int K = n * d, J = 2 * n + n * n, nn = n * n, q = n + 1, steps = 2 * t_max - 1;
+    long per_block = (long)(J + 3 * nn + 4 * n) * BLK + (long)steps * (nn + n) * BLK;
+    @T@ *buf = (@T@ *)malloc(sizeof(@T@) * per_block);
+    @T@ *gPf = (@T@ *)calloc((long)J * K, sizeof(@T@));
+    double *acc = (double *)calloc((long)J * K + 3 + J, sizeof(double));
+    if (!buf || !gPf || !acc) { free(buf); free(gPf); free(acc); return 1; }
+    @T@ *restrict a = buf, *restrict m = a + (long)J * BLK, *restrict p = m + (long)nn * BLK;
+    @T@ *restrict gm = p + (long)nn * BLK;
+    @T@ *restrict pre = gm + (long)nn * BLK, *restrict post = pre + (long)n * BLK;
+    @T@ *restrict gpre = post + (long)n * BLK, *restrict gpost = gpre + (long)n * BLK;
+    @T@ *restrict ys = gpost + (long)n * BLK, *restrict ssv = ys + (long)steps * nn * BLK;
+    double *restrict gPd = acc, *restrict gg = acc + (long)J * K, *restrict gb = gg + 3;
+    for (long t0 = 0; t0 < N; t0 += BLK) {
+        long cnt = N - t0 < BLK ? N - t0 : BLK;
+        for (int j = 0; j < J; j++) {
+            for (long b = 0; b < cnt; b++) a[j * BLK + b] = raw[(t0 + b) * J + j] * inv[t0 + b];
+            for (long b = cnt; b < BLK; b++) a[j * BLK + b] = 0;
+        }
+        for (int s = 0; s < n; s++)
+            for (int b = 0; b < BLK; b++) {
+                pre[s * BLK + b] = 1 / (1 + @EXP@(-(gates[0] * a[s * BLK + b] + b_pre[s])));
+                post[s * BLK + b] = 2 / (1 + @EXP@(-(gates[1] * a[(n + s) * BLK + b] + b_post[s])));
+            }
+        for (int k = 0; k < nn; k++)
+            for (int b = 0; b < BLK; b++) m[k * BLK + b] = gates[2] * a[(2 * n + k) * BLK + b] + b_res[k];
+        fwd_block_@S@(m, p, ys, ssv, n, t_max, first, tiny);
+        for (int k = 0; k < nn * BLK; k++) gm[k] = 0;
+        for (int k = 0; k < n * BLK; k++) gpre[k] = gpost[k] = 0;
+        for (long b = 0; b < cnt; b++) {
+            long t = t0 + b;
+            const @T@ *restrict Ht = H + t * K;
+            const @T@ *restrict gt = g_out + t * q * d;
+            for (int s = 0; s < n; s++) {
+                const @T@ *restrict h = Ht + s * d;
+                @T@ *restrict gh = gH + t * K + s * d;
+                for (int r = 0; r < q; r++) {
+                    const @T@ *restrict gr = gt + r * d;
+                    @T@ c = r == 0 ? pre[s * BLK + b] : m[((r - 1) * n + s) * BLK + b], dot = 0;
+                    if (r == 0) for (int i = 0; i < d; i++) { gh[i] = c * gr[i]; dot += gr[i] * h[i]; }
+                    else for (int i = 0; i < d; i++) { gh[i] += c * gr[i]; dot += gr[i] * h[i]; }
+                    if (r == 0) gpre[s * BLK + b] = dot; else gm[((r - 1) * n + s) * BLK + b] = dot;
+                }
+                gpost[s * BLK + b] = g_depth[t * n + s];
+            }
+        }
+        for (int step = steps - 1; step >= 0; step--) {  /* Sinkhorn backward: gm <- d loss / d logits */
+            int dim = (first + 1 + step) % 2;
+            for (int gr = 0; gr < n; gr++)
+                back_group_@S@(gm, ys + (long)step * nn * BLK, ssv + ((long)step * n + gr) * BLK, n, dim, gr);
+        }
+        for (int gr = 0; gr < n; gr++) back_group_@S@(gm, p, 0, n, first, gr);
+        /* dz into a's place as da = dz * gate, with the gate and bias sums */
+        for (int s = 0; s < n; s++) {
+            double sg0 = 0, sb0 = 0, sg1 = 0, sb1 = 0;
+            for (long b = 0; b < cnt; b++) {
+                @T@ hp = pre[s * BLK + b], hq = post[s * BLK + b];
+                @T@ dz0 = gpre[s * BLK + b] * hp * (1 - hp), dz1 = gpost[s * BLK + b] * hq * (1 - hq * (@T@)0.5);
+                sg0 += (double)dz0 * a[s * BLK + b]; sb0 += dz0;
+                sg1 += (double)dz1 * a[(n + s) * BLK + b]; sb1 += dz1;
+                a[s * BLK + b] = dz0 * gates[0];
+                a[(n + s) * BLK + b] = dz1 * gates[1];
+            }
+            gg[0] += sg0; gb[s] += sb0; gg[1] += sg1; gb[n + s] += sb1;
+        }
+        for (int k = 0; k < nn; k++) {
+            double sg = 0, sb = 0;
+            for (long b = 0; b < cnt; b++) {
+                @T@ dz = gm[k * BLK + b];
+                sg += (double)dz * a[(2 * n + k) * BLK + b]; sb += dz;
+                a[(2 * n + k) * BLK + b] = dz * gates[2];
+            }
+            gg[2] += sg; gb[2 * n + k] += sb;
+        }
+        for (long b = 0; b < cnt; b++) {
+            long t = t0 + b;
+            const @T@ *restrict x = H + t * K;
+            @T@ *restrict gx = gH + t * K;
+            @T@ iv = inv[t], gi = 0;
+            for (int j = 0; j < J; j++) gi += a[j * BLK + b] * raw[t * J + j];
+            @T@ coef = -gi * iv * iv * iv / K;
+            for (int i = 0; i < K; i++) gx[i] += coef * x[i];
+            for (int j = 0; j < J; j++) {
+                @T@ g = a[j * BLK + b] * iv;
+                const @T@ *restrict ph = PhiT + (long)j * K;
+                @T@ *restrict gp = gPf + (long)j * K;
+                for (int i = 0; i < K; i++) { gx[i] += g * ph[i]; gp[i] += g * x[i]; }
+            }
+        }
+        for (long i = 0; i < (long)J * K; i++) { gPd[i] += gPf[i]; gPf[i] = 0; }
+    }
+    for (long i = 0; i < (long)J * K; i++) gPhiT[i] = (@T@)gPd[i];
+    for (int i = 0; i < 3; i++) g_gates[i] = (@T@)gg[i];
+    for (int s = 0; s < n; s++) { g_b_pre[s] = (@T@)gb[s]; g_b_post[s] = (@T@)gb[n + s]; }
+    for (int k = 0; k < nn; k++) g_b_res[k] = (@T@)gb[2 * n + k];
+    free(buf); free(gPf); free(acc);
+    return 0;
+}
+"""
+_CONNECTOR_SOURCE = _CONNECTOR_HEAD + "#define BLK 64\n" + "".join(
+    (_TEMPLATE + _CONNECTOR_TEMPLATE + _MHC_TEMPLATE).replace("@T@", t).replace("@S@", s).replace("@SQRT@", q)
+    .replace("@EXP@", e)
+    for t, s, q, e in (("float", "f32", "sqrtf", "exp_f32"), ("double", "f64", "sqrt", "exp")))
 _CONNECTOR_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fassociative-math",
                     "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC"]
 CONNECTOR_MAX_STREAMS = 16  # NMAX in the C source: the kernels' per-token arrays
@@ -350,7 +541,9 @@ def _signatures(name: str, scalar) -> dict[str, list]:
         return {"sinkhorn_forward": [_P, _P, _L, _I, _I, _I, scalar],
                 "sinkhorn_backward": [_P, _P, _P, _L, _I, _I, _I, scalar]}
     return {"hc_connect_forward": [_P, _P, _P, _P, _L, _I, _I, scalar, _P, _P, _P, _P, _P],
-            "hc_connect_backward": [_P] * 9 + [_L, _I, _I] + [_P] * 4}
+            "hc_connect_backward": [_P] * 9 + [_L, _I, _I] + [_P] * 4,
+            "mhc_connect_forward": [_P] * 6 + [_L, _I, _I, scalar, _I, _I, scalar] + [_P] * 4,
+            "mhc_connect_backward": [_P] * 10 + [_L, _I, _I, _I, _I, scalar] + [_P] * 6}
 
 
 _lock = threading.Lock()
@@ -397,7 +590,8 @@ def _build(name: str) -> ctypes.CDLL | None:
             f.argtypes = argtypes
             f.restype = None if fn == "hc_connect_forward" else ctypes.c_int
     if name == "connector":
-        lib.tanh_f32_array.argtypes, lib.tanh_f32_array.restype = [_P, _P, _L], None
+        for fn in ("tanh_f32_array", "exp_f32_array"):
+            getattr(lib, fn).argtypes, getattr(lib, fn).restype = [_P, _P, _L], None
     return lib
 
 
@@ -479,7 +673,44 @@ def hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth):
 
 
 def tanh_f32(x: torch.Tensor) -> torch.Tensor:
-    """The connector kernel's float32 tanh over a contiguous float32 tensor (for tests)."""
+    """The connector kernels' float32 tanh over a contiguous float32 tensor (for tests)."""
     y = torch.empty_like(x)
     library("connector").tanh_f32_array(x.data_ptr(), y.data_ptr(), x.numel())
     return y
+
+
+def exp_f32(x: torch.Tensor) -> torch.Tensor:
+    """The connector kernels' float32 exp over a contiguous float32 tensor (for tests)."""
+    y = torch.empty_like(x)
+    library("connector").exp_f32_array(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
+
+
+def mhc_connect_forward(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre: torch.Tensor,
+                        b_post: torch.Tensor, b_res: torch.Tensor, eps: float, t_max: int, first: int):
+    """The mHC connector on streams H [N,n,d] (all contiguous, `usable(..., name="connector")`): (out [N,n+1,d]
+    = [H_pre; H_res] @ H, H_post [N,n], raw [N,J], inv [N]) for PhiT = [φ_pre | φ_post | φ_res]ᵀ [J, n·d]
+    (J = 2n + n²), gates = (g_pre, g_post, g_res) [3], biases b_pre [n], b_post [n], b_res [n·n] (row o =
+    output stream); raw = vec(H) · φ_j, inv = 1/rms(vec H); the Sinkhorn as `sinkhorn_forward`."""
+    N, n, d = H.shape
+    J = PhiT.shape[0]
+    out, depth, raw, inv = H.new_empty(N, n + 1, d), H.new_empty(N, n), H.new_empty(N, J), H.new_empty(N)
+    if _fn("mhc_connect_forward", H)(H.data_ptr(), PhiT.data_ptr(), gates.data_ptr(), b_pre.data_ptr(),
+                                     b_post.data_ptr(), b_res.data_ptr(), N, n, d, eps, t_max, first,
+                                     torch.finfo(H.dtype).tiny, out.data_ptr(), depth.data_ptr(), raw.data_ptr(),
+                                     inv.data_ptr()):
+        raise MemoryError("mHC connector CPU kernel: out of memory")
+    return out, depth, raw, inv
+
+
+def mhc_connect_backward(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth, t_max: int, first: int):
+    """(dL/dH, dL/dPhiT, dL/dgates, dL/db_pre, dL/db_post, dL/db_res) from the gradients g_out [N,n+1,d],
+    g_depth [N,n] of `mhc_connect_forward`'s first two outputs; parameter gradients summed in float64."""
+    N, n, d = H.shape
+    grads = [torch.empty_like(x) for x in (H, PhiT, gates, b_pre, b_post, b_res)]
+    if _fn("mhc_connect_backward", H)(H.data_ptr(), PhiT.data_ptr(), gates.data_ptr(), b_pre.data_ptr(),
+                                      b_post.data_ptr(), b_res.data_ptr(), raw.data_ptr(), inv.data_ptr(),
+                                      g_out.data_ptr(), g_depth.data_ptr(), N, n, d, t_max, first,
+                                      torch.finfo(H.dtype).tiny, *(g.data_ptr() for g in grads)):
+        raise MemoryError("mHC connector CPU kernel: out of memory")
+    return tuple(grads)

@@ -81,10 +81,11 @@ operations on a 1 MB stream state, so its cost is call overhead and extra passes
 weights hook (width/res/depth) is attached, each connector runs as ONE autograd node
 (`_HCConnect` with forward-mode jvp, so torch.func.jvp works; `_MHCConnect`, whose Sinkhorn has
 no jvp, like `sinkhorn_knopp`) with a hand-written backward, and the update H ← R H + β ⊗ y is
-`_Update`. On CPU (float32/float64, the C library built) `_HCConnect` runs its forward and backward on
-the fused C kernel of cpu_kernels.py -- one pass over the stream state per direction, ~16% off an eager
-HC step at L32 d64 (benchmarks/RESULTS.md, "Third pass") -- and its torch ops elsewhere; its jvp is
-the same either way. With a weights hook the connector is formed step by step (`weights`) so the hooked
+`_Update`. On CPU (float32/float64, the C library built) `_HCConnect` and `_MHCConnect` run their
+forward and backward on the fused C kernels of cpu_kernels.py -- one pass over the stream state per
+direction; an eager step at L32 d64 went from ~1.9x / ~2.3x eager Pre-LN to ~1.6x / ~1.7x
+(benchmarks/RESULTS.md, "Third pass") -- and their torch ops elsewhere; _HCConnect's jvp is the same
+either way. With a weights hook the connector is formed step by step (`weights`) so the hooked
 tensors can be read and edited. Option fused (True): False runs every one of these Functions'
 plain-autograd reference instead (depthtools/arch/reference.py; the same function, slower), for
 checking the hand-written backwards and for debugging.
@@ -483,9 +484,10 @@ def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
 
 
-def _hc_kernel_applies(*tensors: torch.Tensor) -> bool:
-    """Whether _HCConnect runs on the fused C kernel (cpu_kernels.hc_connect_forward/backward): CPU
-    float32/float64 tensors of one dtype, at most CONNECTOR_MAX_STREAMS streams, the library built."""
+def _connector_kernel_applies(*tensors: torch.Tensor) -> bool:
+    """Whether _HCConnect / _MHCConnect run on their fused C kernels (cpu_kernels.hc_connect_* /
+    mhc_connect_*): CPU float32/float64 tensors of one dtype (streams first), at most
+    CONNECTOR_MAX_STREAMS streams, the library built."""
     return (tensors[0].shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS
             and cpu_kernels.usable(*(t.contiguous() for t in tensors), name="connector"))
 
@@ -510,7 +512,7 @@ class _HCConnect(torch.autograd.Function):
     def forward(H, Wa, wb, Sa, sb, sa, sbeta, eps):
         H = H.contiguous()
         N, n, d = H.shape
-        if _hc_kernel_applies(H, Wa, wb, Sa, sb, sa, sbeta):  # CPU: the fused C kernel, one pass over H
+        if _connector_kernel_applies(H, Wa, wb, Sa, sb, sa, sbeta):  # CPU: the fused C kernel, one pass over H
             scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
             Pt = torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous()
             S = torch.cat([Sa, sb.unsqueeze(1)], 1)
@@ -545,7 +547,7 @@ class _HCConnect(torch.autograd.Function):
         N, n, d = H.shape
         need = ctx.needs_input_grad
         g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
-        if _hc_kernel_applies(H, Wa, wb, Sa, g_out):  # the fused C kernel, one pass over H and g_out
+        if _connector_kernel_applies(H, Wa, wb, Sa, g_out):  # the fused C kernel, one pass over H and g_out
             Pt = torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous()
             S = torch.cat([Sa, sb.unsqueeze(1)], 1)
             g_depth = _zero_or(g_depth, (N, n), H).contiguous()
@@ -628,6 +630,14 @@ class _MHCConnect(torch.autograd.Function):
     def forward(ctx, H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
         H = H.contiguous()
         N, n, d = H.shape
+        ctx.kernel = _connector_kernel_applies(H, phi_pre, phi_post, phi_res, g_pre, b_pre, b_res)
+        if ctx.kernel:  # CPU: the fused C kernel, one pass over H per direction
+            params = (torch.cat([phi_pre, phi_post, phi_res], 1).t().contiguous(), torch.stack([g_pre, g_post, g_res]),
+                      b_pre.contiguous(), b_post.contiguous(), b_res.reshape(-1).contiguous())
+            out, depth, raw, inv = cpu_kernels.mhc_connect_forward(H, *params, eps, t_max, first)
+            ctx.save_for_backward(H, *params, raw, inv)
+            ctx.t_max, ctx.first = t_max, first
+            return out[:, 0], out[:, 1:], depth
         x = H.view(N, n * d)
         Phi = torch.cat([phi_pre, phi_post, phi_res], 1)  # [nd, 2n+n²]
         raw = Phi.t() @ x.t()  # [2n+n², N]: coefficients first, tokens last
@@ -648,6 +658,8 @@ class _MHCConnect(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_u, g_mixed, g_depth):
+        if ctx.kernel:
+            return _MHCConnect._kernel_backward(ctx, g_u, g_mixed, g_depth)
         H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, routing, raw, inv, mix, h_pre, h_post = ctx.saved_tensors
         N, n, d = H.shape
         need = ctx.needs_input_grad
@@ -694,6 +706,19 @@ class _MHCConnect(torch.autograd.Function):
                 if need[i]:
                     grads[i] = g_Phi[lo:hi].t()
         return tuple(grads)
+
+    @staticmethod
+    def _kernel_backward(ctx, g_u, g_mixed, g_depth):
+        """The backward on the fused C kernel (cpu_kernels.mhc_connect_backward), its gradients unpacked."""
+        H, PhiT, gates, b_pre, b_post, b_res, raw, inv = ctx.saved_tensors
+        N, n, d = H.shape
+        g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
+        gH, g_PhiT, g_gates, g_b_pre, g_b_post, g_b_res = cpu_kernels.mhc_connect_backward(
+            H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, _zero_or(g_depth, (N, n), H).contiguous(),
+            ctx.t_max, ctx.first)
+        grads = (gH, g_PhiT[:n].t(), g_PhiT[n : 2 * n].t(), g_PhiT[2 * n :].t(), g_gates[0], g_gates[1], g_gates[2],
+                 g_b_pre, g_b_post, g_b_res.view(n, n))
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
 
 
 class HyperConnection(_Connector):
@@ -782,6 +807,10 @@ class ManifoldHyperConnection(_Connector):
                                  self._first)
 
     def reference(self, H):
+        if compiled.connector_op(H):  # traced on CPU: the same function as one opaque op (its C kernel)
+            return compiled.mhc_connect_op(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre,
+                                           self.gate_post, self.gate_res, self.bias_pre, self.bias_post,
+                                           self.bias_res, self.eps, self.t_max, self._first)
         return reference.mhc_connect(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre, self.gate_post,
                                      self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps,
                                      self.t_max, self._first, sinkhorn_op if compiling() else reference.sinkhorn)
