@@ -389,3 +389,31 @@ def test_connector_kernel_tanh_and_exp_are_accurate():
     got, want = cpu_kernels.exp_f32(x).double(), torch.exp(x.double())
     assert float(((got - want).abs() / want).max()) <= 2 * torch.finfo(torch.float32).eps
     assert torch.isnan(cpu_kernels.exp_f32(torch.tensor([float("nan")]))).all()
+
+
+def test_connector_kernels_do_not_depend_on_the_thread_count():
+    """The connector kernels split tokens over torch's intra-op threads, and sum parameter gradients per
+    fixed chunk of tokens, then over the chunks in order: 1 and 3 threads give bit-identical results."""
+    from depthtools.arch import cpu_kernels
+
+    if cpu_kernels.library("connector") is None:
+        pytest.skip("no C compiler here")
+    (H, Wa, wb, Sa, sb, sa, sbeta), (gu, gm, gd) = _hc_inputs(700, 4, 16, torch.float32)
+    g_out = torch.cat([gu[:, None], gm], 1).contiguous()
+    Pt, S = torch.cat([Wa, wb[:, None]], 1).t().contiguous(), torch.cat([Sa, sb[:, None]], 1).contiguous()
+    scale = torch.cat([sa.expand(5), sbeta[None]]).contiguous()
+    (_, pp, po, pr, g1, g2, g3, bp, bq, br), _ = _mhc_inputs(700, 4, 16, torch.float32)
+    PhiT, gates = torch.cat([pp, po, pr], 1).t().contiguous(), torch.stack([g1, g2, g3])
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            hc = cpu_kernels.hc_connect_forward(H, Pt, S, scale, 1e-8)
+            hc_grads = cpu_kernels.hc_connect_backward(H, Pt, S, scale, *hc[2:], g_out, gd)
+            mhc = cpu_kernels.mhc_connect_forward(H, PhiT, gates, bp, bq, br.reshape(-1), 1e-6, 20, 0)
+            mhc_grads = cpu_kernels.mhc_connect_backward(H, PhiT, gates, bp, bq, br.reshape(-1), mhc[2], mhc[3], g_out,
+                                                         gd, 20, 0)
+            results.append([*hc, *hc_grads, *mhc, *mhc_grads])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

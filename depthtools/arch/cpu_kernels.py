@@ -185,6 +185,20 @@ _CONNECTOR_HEAD = r"""#include <math.h>
 #define NMAX 16
 #define MMAX (NMAX + 2)
 #define FLUSH 64
+#define MAX_CHUNKS 256
+#ifdef _OPENMP
+#include <omp.h>
+#define THREAD_ID omp_get_thread_num()
+#else
+#define THREAD_ID 0
+#endif
+
+/* Tokens per chunk of a backward's parameter-gradient sums: a multiple of 64 giving at most MAX_CHUNKS
+   chunks. Chunks, not threads, fix the summation order, so results do not depend on the thread count. */
+static inline long chunk_tokens(long N) {
+    long blocks = (N + 64 * MAX_CHUNKS - 1) / (64 * MAX_CHUNKS);
+    return 64 * (blocks > 0 ? blocks : 1);
+}
 
 /* exp for float32, branch-free so the compiler vectorises its loops (libm's expf is a call per element):
    x clamped to [-87.3, 88.3] (below, exp is under FLT_MIN and returns ~FLT_MIN: it only ever enters a
@@ -250,10 +264,11 @@ static inline void dots_@S@(const @T@ *restrict x, const @T@ *restrict P, int k,
 void hc_connect_forward_@S@(const @T@ *restrict H, const @T@ *restrict Pt, const @T@ *restrict S,
                             const @T@ *restrict scale, long N, int n, int d, @T@ eps,
                             @T@ *restrict out, @T@ *restrict depth, @T@ *restrict raw, @T@ *restrict inv,
-                            @T@ *restrict tt) {
+                            @T@ *restrict tt, int threads) {
     int m = n + 2, q = n + 1;
-    @T@ a[NMAX * MMAX], coef[NMAX * MMAX];
+    #pragma omp parallel for num_threads(threads) schedule(static)
     for (long t = 0; t < N; t++) {
+        @T@ a[NMAX * MMAX], coef[NMAX * MMAX];
         const @T@ *restrict Ht = H + t * n * d;
         @T@ *restrict rawt = raw + t * n * m, *restrict tt_t = tt + t * n * m;
         for (int s = 0; s < n; s++) {
@@ -286,71 +301,79 @@ void hc_connect_forward_@S@(const @T@ *restrict H, const @T@ *restrict Pt, const
      gc[s][r] = g_out[r] . H_s (r <= n), gc[s][n+1] = g_depth[s];  gH_s = sum_r coef[s][r] g_out[r]
      ga = gc * scale * (1 - tt^2), graw = ga * inv_s, ginv_s = sum_j ga[s][j] raw[s][j]
      gH_s += sum_j graw[s][j] P_j - ginv_s inv_s^3 / d H_s
-   and the parameter gradients summed over tokens (in double, flushed from float every FLUSH tokens):
-     gPt[j] = sum graw[s][j] H_s, gS = sum gc, gscale[j] = sum_s gc[s][j] tt[s][j]. */
+   and the parameter gradients summed over tokens: gPt[j] = sum graw[s][j] H_s, gS = sum gc,
+   gscale[j] = sum_s gc[s][j] tt[s][j] -- per chunk of tokens (in double; gPt from float partials of
+   FLUSH tokens), then over the chunks in order, so the result does not depend on the thread count. */
 int hc_connect_backward_@S@(const @T@ *restrict H, const @T@ *restrict Pt, const @T@ *restrict S,
                             const @T@ *restrict scale, const @T@ *restrict raw, const @T@ *restrict inv,
                             const @T@ *restrict tt, const @T@ *restrict g_out, const @T@ *restrict g_depth,
                             long N, int n, int d, @T@ *restrict gH, @T@ *restrict gPt, @T@ *restrict gS,
-                            @T@ *restrict gscale) {
+                            @T@ *restrict gscale, int threads) {
     int m = n + 2, q = n + 1;
-    long nw = (long)m * d + n * m + m;
-    double *work = (double *)calloc(nw, sizeof(double));
-    @T@ *gPf = (@T@ *)calloc((long)m * d, sizeof(@T@));  /* partial sums over FLUSH tokens, added into gPd */
-    if (!work || !gPf) { free(work); free(gPf); return 1; }
-    double *restrict gPd = work, *restrict gSd = work + (long)m * d, *restrict gscd = gSd + n * m;
-    @T@ coef[NMAX * MMAX], graw[NMAX * MMAX];
-    for (long t = 0; t < N; t++) {
-        const @T@ *restrict Ht = H + t * n * d;
-        const @T@ *restrict gt = g_out + t * q * d;
-        const @T@ *restrict rawt = raw + t * n * m, *restrict tt_t = tt + t * n * m;
-        for (int k = 0; k < n * m; k++) coef[k] = S[k] + scale[k % m] * tt_t[k];
-        for (int s = 0; s < n; s++) {
-            const @T@ *restrict h = Ht + s * d;
-            @T@ *restrict gh = gH + (t * n + s) * d;
-            @T@ iv = inv[t * n + s];
-            @T@ gi = 0;
-            for (int j = 0; j < m; j++) {
-                @T@ gc;
-                if (j < q) {
-                    const @T@ *restrict gj = gt + j * d;
-                    gc = 0;
-                    for (int i = 0; i < d; i++) gc += gj[i] * h[i];
-                } else {
-                    gc = g_depth[t * n + s];
+    long nw = (long)m * d + n * m + m, ch = chunk_tokens(N), nch = (N + ch - 1) / ch;
+    double *part = (double *)calloc(nch * nw, sizeof(double));  /* per chunk: gPt, gS, gscale */
+    @T@ *gPfs = (@T@ *)calloc((long)threads * m * d, sizeof(@T@));  /* per thread: float partials of gPt */
+    if (!part || !gPfs) { free(part); free(gPfs); return 1; }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long c = 0; c < nch; c++) {
+        @T@ coef[NMAX * MMAX], graw[NMAX * MMAX];
+        @T@ *restrict gPf = gPfs + (long)THREAD_ID * m * d;
+        double *restrict gPd = part + c * nw, *restrict gSd = gPd + (long)m * d, *restrict gscd = gSd + n * m;
+        long t_end = (c + 1) * ch < N ? (c + 1) * ch : N;
+        for (long t = c * ch; t < t_end; t++) {
+            const @T@ *restrict Ht = H + t * n * d;
+            const @T@ *restrict gt = g_out + t * q * d;
+            const @T@ *restrict rawt = raw + t * n * m, *restrict tt_t = tt + t * n * m;
+            for (int k = 0; k < n * m; k++) coef[k] = S[k] + scale[k % m] * tt_t[k];
+            for (int s = 0; s < n; s++) {
+                const @T@ *restrict h = Ht + s * d;
+                @T@ *restrict gh = gH + (t * n + s) * d;
+                @T@ iv = inv[t * n + s];
+                @T@ gi = 0;
+                for (int j = 0; j < m; j++) {
+                    @T@ gc;
+                    if (j < q) {
+                        const @T@ *restrict gj = gt + j * d;
+                        gc = 0;
+                        for (int i = 0; i < d; i++) gc += gj[i] * h[i];
+                    } else {
+                        gc = g_depth[t * n + s];
+                    }
+                    @T@ tj = tt_t[s * m + j];
+                    gSd[s * m + j] += gc;
+                    gscd[j] += (double)gc * tj;
+                    @T@ ga = gc * scale[j] * (1 - tj * tj);
+                    graw[s * m + j] = ga * iv;
+                    gi += ga * rawt[s * m + j];
                 }
-                @T@ tj = tt_t[s * m + j];
-                gSd[s * m + j] += gc;
-                gscd[j] += (double)gc * tj;
-                @T@ ga = gc * scale[j] * (1 - tj * tj);
-                graw[s * m + j] = ga * iv;
-                gi += ga * rawt[s * m + j];
-            }
 
-            @T@ c = coef[s * m];
-            for (int i = 0; i < d; i++) gh[i] = c * gt[i];
-            for (int r = 1; r < q; r++) {
-                const @T@ *restrict gr = gt + r * d;
-                c = coef[s * m + r];
-                for (int i = 0; i < d; i++) gh[i] += c * gr[i];
+                @T@ c = coef[s * m];
+                for (int i = 0; i < d; i++) gh[i] = c * gt[i];
+                for (int r = 1; r < q; r++) {
+                    const @T@ *restrict gr = gt + r * d;
+                    c = coef[s * m + r];
+                    for (int i = 0; i < d; i++) gh[i] += c * gr[i];
+                }
+                @T@ k_inv = -gi * iv * iv * iv / d;
+                for (int i = 0; i < d; i++) gh[i] += k_inv * h[i];
+                for (int j = 0; j < m; j++) {
+                    @T@ g = graw[s * m + j];
+                    const @T@ *restrict p = Pt + (long)j * d;
+                    @T@ *restrict gp = gPf + (long)j * d;
+                    for (int i = 0; i < d; i++) { gh[i] += g * p[i]; gp[i] += g * h[i]; }
+                }
             }
-            @T@ k_inv = -gi * iv * iv * iv / d;
-            for (int i = 0; i < d; i++) gh[i] += k_inv * h[i];
-            for (int j = 0; j < m; j++) {
-                @T@ g = graw[s * m + j];
-                const @T@ *restrict p = Pt + (long)j * d;
-                @T@ *restrict gp = gPf + (long)j * d;
-                for (int i = 0; i < d; i++) { gh[i] += g * p[i]; gp[i] += g * h[i]; }
-            }
-        }
-        if ((t + 1) % FLUSH == 0 || t == N - 1) {
-            for (long i = 0; i < (long)m * d; i++) { gPd[i] += gPf[i]; gPf[i] = 0; }
+            if ((t + 1 - c * ch) % FLUSH == 0 || t == t_end - 1)
+                for (long i = 0; i < (long)m * d; i++) { gPd[i] += gPf[i]; gPf[i] = 0; }
         }
     }
+    for (long c = 1; c < nch; c++)
+        for (long i = 0; i < nw; i++) part[i] += part[c * nw + i];
+    double *restrict gPd = part, *restrict gSd = part + (long)m * d, *restrict gscd = gSd + n * m;
     for (long i = 0; i < (long)m * d; i++) gPt[i] = (@T@)gPd[i];
     for (int k = 0; k < n * m; k++) gS[k] = (@T@)gSd[k];
     for (int j = 0; j < m; j++) gscale[j] = (@T@)gscd[j];
-    free(work); free(gPf);
+    free(part); free(gPfs);
     return 0;
 }
 """
@@ -367,12 +390,16 @@ _MHC_TEMPLATE = r"""
 int mhc_connect_forward_@S@(const @T@ *restrict H, const @T@ *restrict PhiT, const @T@ *restrict gates,
                             const @T@ *restrict b_pre, const @T@ *restrict b_post, const @T@ *restrict b_res,
                             long N, int n, int d, @T@ eps, int t_max, int first, @T@ tiny,
-                            @T@ *restrict out, @T@ *restrict depth, @T@ *restrict raw, @T@ *restrict inv) {
+                            @T@ *restrict out, @T@ *restrict depth, @T@ *restrict raw, @T@ *restrict inv,
+                            int threads) {
     int K = n * d, J = 2 * n + n * n, nn = n * n, q = n + 1;
-    @T@ *buf = (@T@ *)malloc(sizeof(@T@) * (long)(J + nn) * BLK);
-    if (!buf) return 1;
-    @T@ *restrict a = buf, *restrict m = buf + (long)J * BLK;
-    for (long t0 = 0; t0 < N; t0 += BLK) {
+    long per_thread = (long)(J + nn) * BLK, nblk = (N + BLK - 1) / BLK;
+    @T@ *bufs = (@T@ *)malloc(sizeof(@T@) * per_thread * threads);
+    if (!bufs) return 1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long blk = 0; blk < nblk; blk++) {
+        @T@ *restrict a = bufs + (long)THREAD_ID * per_thread, *restrict m = a + (long)J * BLK;
+        long t0 = blk * BLK;
         long cnt = N - t0 < BLK ? N - t0 : BLK;
         for (long b = 0; b < cnt; b++) {
             const @T@ *restrict x = H + (t0 + b) * K;
@@ -407,8 +434,96 @@ int mhc_connect_forward_@S@(const @T@ *restrict H, const @T@ *restrict PhiT, con
             }
         }
     }
-    free(buf);
+    free(bufs);
     return 0;
+}
+
+/* One block of mHC's backward (tokens t0 .. t0 + cnt - 1, cnt <= BLK): gH for its tokens, float partial
+   sums of gPhiT into gPf, double sums of the gate and bias gradients into gg, gb (see below). A function
+   of its own so every buffer is a restrict parameter (the vectoriser then knows they do not overlap). */
+static void mhc_backward_block_@S@(const @T@ *restrict H, const @T@ *restrict PhiT, const @T@ *restrict gates,
+                                   const @T@ *restrict b_pre, const @T@ *restrict b_post, const @T@ *restrict b_res,
+                                   const @T@ *restrict raw, const @T@ *restrict inv, const @T@ *restrict g_out,
+                                   const @T@ *restrict g_depth, long t0, long cnt, int n, int d, int t_max,
+                                   int first, @T@ tiny, @T@ *restrict a, @T@ *restrict m, @T@ *restrict p,
+                                   @T@ *restrict gm, @T@ *restrict pre, @T@ *restrict post, @T@ *restrict gpre,
+                                   @T@ *restrict gpost, @T@ *restrict ys, @T@ *restrict ssv, @T@ *restrict gH,
+                                   @T@ *restrict gPf, double *restrict gg, double *restrict gb) {
+    int K = n * d, J = 2 * n + n * n, nn = n * n, q = n + 1, steps = 2 * t_max - 1;
+    for (int j = 0; j < J; j++) {
+        for (long b = 0; b < cnt; b++) a[j * BLK + b] = raw[(t0 + b) * J + j] * inv[t0 + b];
+        for (long b = cnt; b < BLK; b++) a[j * BLK + b] = 0;
+    }
+    for (int s = 0; s < n; s++)
+        for (int b = 0; b < BLK; b++) {
+            pre[s * BLK + b] = 1 / (1 + @EXP@(-(gates[0] * a[s * BLK + b] + b_pre[s])));
+            post[s * BLK + b] = 2 / (1 + @EXP@(-(gates[1] * a[(n + s) * BLK + b] + b_post[s])));
+        }
+    for (int k = 0; k < nn; k++)
+        for (int b = 0; b < BLK; b++) m[k * BLK + b] = gates[2] * a[(2 * n + k) * BLK + b] + b_res[k];
+    fwd_block_@S@(m, p, ys, ssv, n, t_max, first, tiny);
+    for (int k = 0; k < nn * BLK; k++) gm[k] = 0;
+    for (int k = 0; k < n * BLK; k++) gpre[k] = gpost[k] = 0;
+    for (long b = 0; b < cnt; b++) {
+        long t = t0 + b;
+        const @T@ *restrict Ht = H + t * K;
+        const @T@ *restrict gt = g_out + t * q * d;
+        for (int s = 0; s < n; s++) {
+            const @T@ *restrict h = Ht + s * d;
+            @T@ *restrict gh = gH + t * K + s * d;
+            for (int r = 0; r < q; r++) {
+                const @T@ *restrict gr = gt + r * d;
+                @T@ c = r == 0 ? pre[s * BLK + b] : m[((r - 1) * n + s) * BLK + b], dot = 0;
+                if (r == 0) for (int i = 0; i < d; i++) { gh[i] = c * gr[i]; dot += gr[i] * h[i]; }
+                else for (int i = 0; i < d; i++) { gh[i] += c * gr[i]; dot += gr[i] * h[i]; }
+                if (r == 0) gpre[s * BLK + b] = dot; else gm[((r - 1) * n + s) * BLK + b] = dot;
+            }
+            gpost[s * BLK + b] = g_depth[t * n + s];
+        }
+    }
+    for (int step = steps - 1; step >= 0; step--) {  /* Sinkhorn backward: gm <- d loss / d logits */
+        int dim = (first + 1 + step) % 2;
+        for (int gr = 0; gr < n; gr++)
+            back_group_@S@(gm, ys + (long)step * nn * BLK, ssv + ((long)step * n + gr) * BLK, n, dim, gr);
+    }
+    for (int gr = 0; gr < n; gr++) back_group_@S@(gm, p, 0, n, first, gr);
+    /* dz into a's place as da = dz * gate, with the gate and bias sums */
+    for (int s = 0; s < n; s++) {
+        double sg0 = 0, sb0 = 0, sg1 = 0, sb1 = 0;
+        for (long b = 0; b < cnt; b++) {
+            @T@ hp = pre[s * BLK + b], hq = post[s * BLK + b];
+            @T@ dz0 = gpre[s * BLK + b] * hp * (1 - hp), dz1 = gpost[s * BLK + b] * hq * (1 - hq * (@T@)0.5);
+            sg0 += (double)dz0 * a[s * BLK + b]; sb0 += dz0;
+            sg1 += (double)dz1 * a[(n + s) * BLK + b]; sb1 += dz1;
+            a[s * BLK + b] = dz0 * gates[0];
+            a[(n + s) * BLK + b] = dz1 * gates[1];
+        }
+        gg[0] += sg0; gb[s] += sb0; gg[1] += sg1; gb[n + s] += sb1;
+    }
+    for (int k = 0; k < nn; k++) {
+        double sg = 0, sb = 0;
+        for (long b = 0; b < cnt; b++) {
+            @T@ dz = gm[k * BLK + b];
+            sg += (double)dz * a[(2 * n + k) * BLK + b]; sb += dz;
+            a[(2 * n + k) * BLK + b] = dz * gates[2];
+        }
+        gg[2] += sg; gb[2 * n + k] += sb;
+    }
+    for (long b = 0; b < cnt; b++) {
+        long t = t0 + b;
+        const @T@ *restrict x = H + t * K;
+        @T@ *restrict gx = gH + t * K;
+        @T@ iv = inv[t], gi = 0;
+        for (int j = 0; j < J; j++) gi += a[j * BLK + b] * raw[t * J + j];
+        @T@ coef = -gi * iv * iv * iv / K;
+        for (int i = 0; i < K; i++) gx[i] += coef * x[i];
+        for (int j = 0; j < J; j++) {
+            @T@ g = a[j * BLK + b] * iv;
+            const @T@ *restrict ph = PhiT + (long)j * K;
+            @T@ *restrict gp = gPf + (long)j * K;
+            for (int i = 0; i < K; i++) { gx[i] += g * ph[i]; gp[i] += g * x[i]; }
+        }
+    }
 }
 
 /* Its backward from g_out [N][n+1][d] and g_depth [N][n]: per block, the forward's coefficients are
@@ -416,108 +531,47 @@ int mhc_connect_forward_@S@(const @T@ *restrict H, const @T@ *restrict PhiT, con
      g_pre[s] = g_out[0] . H_s, g_res[o][i] = g_out[1 + o] . H_i, gH_s = H_pre[s] g_out[0] + sum_o H_res[o][s] g_out[1 + o]
      dz_pre = g_pre H_pre (1 - H_pre), dz_post = g_depth H_post (1 - H_post / 2), dz_res = Sinkhorn backward of g_res
      da = dz * gate, g_raw = da inv, g_inv = sum_j da_j raw_j, gx += sum_j g_raw_j Phi_j - g_inv inv^3 / K x
-   and, summed over tokens in double: gPhiT_j = sum g_raw_j x, g_gates = sum dz . a per section, g_b = sum dz. */
+   and, summed over tokens in double per chunk of blocks, then over the chunks in order (independent of
+   the thread count): gPhiT_j = sum g_raw_j x, g_gates = sum dz . a per section, g_b = sum dz. */
 int mhc_connect_backward_@S@(const @T@ *restrict H, const @T@ *restrict PhiT, const @T@ *restrict gates,
                              const @T@ *restrict b_pre, const @T@ *restrict b_post, const @T@ *restrict b_res,
                              const @T@ *restrict raw, const @T@ *restrict inv, const @T@ *restrict g_out,
                              const @T@ *restrict g_depth, long N, int n, int d, int t_max, int first, @T@ tiny,
                              @T@ *restrict gH, @T@ *restrict gPhiT, @T@ *restrict g_gates, @T@ *restrict g_b_pre,
-                             @T@ *restrict g_b_post, @T@ *restrict g_b_res) {
-    int K = n * d, J = 2 * n + n * n, nn = n * n, q = n + 1, steps = 2 * t_max - 1;
-    long per_block = (long)(J + 3 * nn + 4 * n) * BLK + (long)steps * (nn + n) * BLK;
-    @T@ *buf = (@T@ *)malloc(sizeof(@T@) * per_block);
-    @T@ *gPf = (@T@ *)calloc((long)J * K, sizeof(@T@));
-    double *acc = (double *)calloc((long)J * K + 3 + J, sizeof(double));
-    if (!buf || !gPf || !acc) { free(buf); free(gPf); free(acc); return 1; }
-    @T@ *restrict a = buf, *restrict m = a + (long)J * BLK, *restrict p = m + (long)nn * BLK;
-    @T@ *restrict gm = p + (long)nn * BLK;
-    @T@ *restrict pre = gm + (long)nn * BLK, *restrict post = pre + (long)n * BLK;
-    @T@ *restrict gpre = post + (long)n * BLK, *restrict gpost = gpre + (long)n * BLK;
-    @T@ *restrict ys = gpost + (long)n * BLK, *restrict ssv = ys + (long)steps * nn * BLK;
-    double *restrict gPd = acc, *restrict gg = acc + (long)J * K, *restrict gb = gg + 3;
-    for (long t0 = 0; t0 < N; t0 += BLK) {
-        long cnt = N - t0 < BLK ? N - t0 : BLK;
-        for (int j = 0; j < J; j++) {
-            for (long b = 0; b < cnt; b++) a[j * BLK + b] = raw[(t0 + b) * J + j] * inv[t0 + b];
-            for (long b = cnt; b < BLK; b++) a[j * BLK + b] = 0;
+                             @T@ *restrict g_b_post, @T@ *restrict g_b_res, int threads) {
+    int K = n * d, J = 2 * n + n * n, nn = n * n, steps = 2 * t_max - 1;
+    long per_thread = (long)(J + 3 * nn + 4 * n) * BLK + (long)steps * (nn + n) * BLK;
+    long nw = (long)J * K + 3 + J, ch = chunk_tokens(N), nch = (N + ch - 1) / ch;
+    @T@ *bufs = (@T@ *)malloc(sizeof(@T@) * per_thread * threads);
+    @T@ *gPfs = (@T@ *)malloc(sizeof(@T@) * (long)J * K * threads);  /* per thread: float partials of gPhiT */
+    double *part = (double *)calloc(nch * nw, sizeof(double));  /* per chunk: gPhiT, g_gates, g_b */
+    if (!bufs || !gPfs || !part) { free(bufs); free(gPfs); free(part); return 1; }
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long c = 0; c < nch; c++) {
+        @T@ *restrict a = bufs + (long)THREAD_ID * per_thread, *restrict m = a + (long)J * BLK;
+        @T@ *restrict p = m + (long)nn * BLK, *restrict gm = p + (long)nn * BLK;
+        @T@ *restrict pre = gm + (long)nn * BLK, *restrict post = pre + (long)n * BLK;
+        @T@ *restrict gpre = post + (long)n * BLK, *restrict gpost = gpre + (long)n * BLK;
+        @T@ *restrict ys = gpost + (long)n * BLK, *restrict ssv = ys + (long)steps * nn * BLK;
+        @T@ *restrict gPf = gPfs + (long)THREAD_ID * J * K;
+        double *restrict gPd = part + c * nw, *restrict gg = gPd + (long)J * K, *restrict gb = gg + 3;
+        long c_end = (c + 1) * ch < N ? (c + 1) * ch : N;
+        for (long i = 0; i < (long)J * K; i++) gPf[i] = 0;
+        for (long t0 = c * ch; t0 < c_end; t0 += BLK) {
+            long cnt = c_end - t0 < BLK ? c_end - t0 : BLK;
+            mhc_backward_block_@S@(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth, t0, cnt, n, d,
+                                   t_max, first, tiny, a, m, p, gm, pre, post, gpre, gpost, ys, ssv, gH, gPf, gg, gb);
+            for (long i = 0; i < (long)J * K; i++) { gPd[i] += gPf[i]; gPf[i] = 0; }
         }
-        for (int s = 0; s < n; s++)
-            for (int b = 0; b < BLK; b++) {
-                pre[s * BLK + b] = 1 / (1 + @EXP@(-(gates[0] * a[s * BLK + b] + b_pre[s])));
-                post[s * BLK + b] = 2 / (1 + @EXP@(-(gates[1] * a[(n + s) * BLK + b] + b_post[s])));
-            }
-        for (int k = 0; k < nn; k++)
-            for (int b = 0; b < BLK; b++) m[k * BLK + b] = gates[2] * a[(2 * n + k) * BLK + b] + b_res[k];
-        fwd_block_@S@(m, p, ys, ssv, n, t_max, first, tiny);
-        for (int k = 0; k < nn * BLK; k++) gm[k] = 0;
-        for (int k = 0; k < n * BLK; k++) gpre[k] = gpost[k] = 0;
-        for (long b = 0; b < cnt; b++) {
-            long t = t0 + b;
-            const @T@ *restrict Ht = H + t * K;
-            const @T@ *restrict gt = g_out + t * q * d;
-            for (int s = 0; s < n; s++) {
-                const @T@ *restrict h = Ht + s * d;
-                @T@ *restrict gh = gH + t * K + s * d;
-                for (int r = 0; r < q; r++) {
-                    const @T@ *restrict gr = gt + r * d;
-                    @T@ c = r == 0 ? pre[s * BLK + b] : m[((r - 1) * n + s) * BLK + b], dot = 0;
-                    if (r == 0) for (int i = 0; i < d; i++) { gh[i] = c * gr[i]; dot += gr[i] * h[i]; }
-                    else for (int i = 0; i < d; i++) { gh[i] += c * gr[i]; dot += gr[i] * h[i]; }
-                    if (r == 0) gpre[s * BLK + b] = dot; else gm[((r - 1) * n + s) * BLK + b] = dot;
-                }
-                gpost[s * BLK + b] = g_depth[t * n + s];
-            }
-        }
-        for (int step = steps - 1; step >= 0; step--) {  /* Sinkhorn backward: gm <- d loss / d logits */
-            int dim = (first + 1 + step) % 2;
-            for (int gr = 0; gr < n; gr++)
-                back_group_@S@(gm, ys + (long)step * nn * BLK, ssv + ((long)step * n + gr) * BLK, n, dim, gr);
-        }
-        for (int gr = 0; gr < n; gr++) back_group_@S@(gm, p, 0, n, first, gr);
-        /* dz into a's place as da = dz * gate, with the gate and bias sums */
-        for (int s = 0; s < n; s++) {
-            double sg0 = 0, sb0 = 0, sg1 = 0, sb1 = 0;
-            for (long b = 0; b < cnt; b++) {
-                @T@ hp = pre[s * BLK + b], hq = post[s * BLK + b];
-                @T@ dz0 = gpre[s * BLK + b] * hp * (1 - hp), dz1 = gpost[s * BLK + b] * hq * (1 - hq * (@T@)0.5);
-                sg0 += (double)dz0 * a[s * BLK + b]; sb0 += dz0;
-                sg1 += (double)dz1 * a[(n + s) * BLK + b]; sb1 += dz1;
-                a[s * BLK + b] = dz0 * gates[0];
-                a[(n + s) * BLK + b] = dz1 * gates[1];
-            }
-            gg[0] += sg0; gb[s] += sb0; gg[1] += sg1; gb[n + s] += sb1;
-        }
-        for (int k = 0; k < nn; k++) {
-            double sg = 0, sb = 0;
-            for (long b = 0; b < cnt; b++) {
-                @T@ dz = gm[k * BLK + b];
-                sg += (double)dz * a[(2 * n + k) * BLK + b]; sb += dz;
-                a[(2 * n + k) * BLK + b] = dz * gates[2];
-            }
-            gg[2] += sg; gb[2 * n + k] += sb;
-        }
-        for (long b = 0; b < cnt; b++) {
-            long t = t0 + b;
-            const @T@ *restrict x = H + t * K;
-            @T@ *restrict gx = gH + t * K;
-            @T@ iv = inv[t], gi = 0;
-            for (int j = 0; j < J; j++) gi += a[j * BLK + b] * raw[t * J + j];
-            @T@ coef = -gi * iv * iv * iv / K;
-            for (int i = 0; i < K; i++) gx[i] += coef * x[i];
-            for (int j = 0; j < J; j++) {
-                @T@ g = a[j * BLK + b] * iv;
-                const @T@ *restrict ph = PhiT + (long)j * K;
-                @T@ *restrict gp = gPf + (long)j * K;
-                for (int i = 0; i < K; i++) { gx[i] += g * ph[i]; gp[i] += g * x[i]; }
-            }
-        }
-        for (long i = 0; i < (long)J * K; i++) { gPd[i] += gPf[i]; gPf[i] = 0; }
     }
+    for (long c = 1; c < nch; c++)
+        for (long i = 0; i < nw; i++) part[i] += part[c * nw + i];
+    double *restrict gPd = part, *restrict gg = part + (long)J * K, *restrict gb = gg + 3;
     for (long i = 0; i < (long)J * K; i++) gPhiT[i] = (@T@)gPd[i];
     for (int i = 0; i < 3; i++) g_gates[i] = (@T@)gg[i];
     for (int s = 0; s < n; s++) { g_b_pre[s] = (@T@)gb[s]; g_b_post[s] = (@T@)gb[n + s]; }
     for (int k = 0; k < nn; k++) g_b_res[k] = (@T@)gb[2 * n + k];
-    free(buf); free(gPf); free(acc);
+    free(bufs); free(gPfs); free(part);
     return 0;
 }
 """
@@ -529,9 +583,11 @@ _CONNECTOR_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-m
                     "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC"]
 CONNECTOR_MAX_STREAMS = 16  # NMAX in the C source: the kernels' per-token arrays
 
-_LIBRARIES = {  # name: (source, flags, {function: argument types after the suffix's scalar type is known})
-    "sinkhorn": (_SOURCE, _FLAGS),
-    "connector": (_CONNECTOR_SOURCE, _CONNECTOR_FLAGS),
+_LIBRARIES = {  # name: (source, flag sets in order of preference: the first that builds is used)
+    "sinkhorn": (_SOURCE, [_FLAGS]),
+    # the connector kernels split their token loops over torch's intra-op threads with OpenMP (the
+    # libgomp torch itself loads); without it they build and run on one thread
+    "connector": (_CONNECTOR_SOURCE, [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS]),
 }
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
@@ -540,10 +596,10 @@ def _signatures(name: str, scalar) -> dict[str, list]:
     if name == "sinkhorn":
         return {"sinkhorn_forward": [_P, _P, _L, _I, _I, _I, scalar],
                 "sinkhorn_backward": [_P, _P, _P, _L, _I, _I, _I, scalar]}
-    return {"hc_connect_forward": [_P, _P, _P, _P, _L, _I, _I, scalar, _P, _P, _P, _P, _P],
-            "hc_connect_backward": [_P] * 9 + [_L, _I, _I] + [_P] * 4,
-            "mhc_connect_forward": [_P] * 6 + [_L, _I, _I, scalar, _I, _I, scalar] + [_P] * 4,
-            "mhc_connect_backward": [_P] * 10 + [_L, _I, _I, _I, _I, scalar] + [_P] * 6}
+    return {"hc_connect_forward": [_P, _P, _P, _P, _L, _I, _I, scalar, _P, _P, _P, _P, _P, _I],
+            "hc_connect_backward": [_P] * 9 + [_L, _I, _I] + [_P] * 4 + [_I],
+            "mhc_connect_forward": [_P] * 6 + [_L, _I, _I, scalar, _I, _I, scalar] + [_P] * 4 + [_I],
+            "mhc_connect_backward": [_P] * 10 + [_L, _I, _I, _I, _I, scalar] + [_P] * 6 + [_I]}
 
 
 _lock = threading.Lock()
@@ -566,13 +622,10 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
-def _build(name: str) -> ctypes.CDLL | None:
+def _compile(name: str, source: str, cc: str, flags: list[str]) -> Path:
+    """The shared object of `source` built with `flags` (cached by source, compiler, flags and CPU)."""
     from depthtools.arch.compiled import cache_dir
 
-    cc = _compiler()
-    if cc is None:
-        return None
-    source, flags = _LIBRARIES[name]
     key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_key()]).encode()).hexdigest()[:20]
     folder = cache_dir() / "depthtools_kernels"
     target = folder / f"{name}-{key}.so"
@@ -583,7 +636,21 @@ def _build(name: str) -> ctypes.CDLL | None:
             src.write_text(source)
             subprocess.run([cc, *flags, "-o", str(out), str(src), "-lm"], check=True, capture_output=True, text=True)
             os.replace(out, target)  # atomic: concurrent builders agree
-    lib = ctypes.CDLL(str(target))
+    return target
+
+
+def _build(name: str) -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        return None
+    source, flag_sets = _LIBRARIES[name]
+    for i, flags in enumerate(flag_sets):
+        try:
+            lib = ctypes.CDLL(str(_compile(name, source, cc, flags)))
+            break
+        except (OSError, subprocess.CalledProcessError):
+            if i == len(flag_sets) - 1:
+                raise
     for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
         for fn, argtypes in _signatures(name, scalar).items():
             f = getattr(lib, f"{fn}_{suffix}")
@@ -656,7 +723,8 @@ def hc_connect_forward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale
     out, depth = H.new_empty(N, n + 1, d), H.new_empty(N, n)
     raw, inv, t = H.new_empty(N, n, n + 2), H.new_empty(N, n), H.new_empty(N, n, n + 2)
     _fn("hc_connect_forward", H)(H.data_ptr(), Pt.data_ptr(), S.data_ptr(), scale.data_ptr(), N, n, d, eps,
-                                 out.data_ptr(), depth.data_ptr(), raw.data_ptr(), inv.data_ptr(), t.data_ptr())
+                                 out.data_ptr(), depth.data_ptr(), raw.data_ptr(), inv.data_ptr(), t.data_ptr(),
+                                 torch.get_num_threads())
     return out, depth, raw, inv, t
 
 
@@ -667,7 +735,8 @@ def hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth):
     gH, gPt, gS, gscale = torch.empty_like(H), torch.empty_like(Pt), torch.empty_like(S), torch.empty_like(scale)
     if _fn("hc_connect_backward", H)(H.data_ptr(), Pt.data_ptr(), S.data_ptr(), scale.data_ptr(), raw.data_ptr(),
                                      inv.data_ptr(), t.data_ptr(), g_out.data_ptr(), g_depth.data_ptr(), N, n, d,
-                                     gH.data_ptr(), gPt.data_ptr(), gS.data_ptr(), gscale.data_ptr()):
+                                     gH.data_ptr(), gPt.data_ptr(), gS.data_ptr(), gscale.data_ptr(),
+                                     torch.get_num_threads()):
         raise MemoryError("HC connector CPU kernel: out of memory")
     return gH, gPt, gS, gscale
 
@@ -698,7 +767,7 @@ def mhc_connect_forward(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor
     if _fn("mhc_connect_forward", H)(H.data_ptr(), PhiT.data_ptr(), gates.data_ptr(), b_pre.data_ptr(),
                                      b_post.data_ptr(), b_res.data_ptr(), N, n, d, eps, t_max, first,
                                      torch.finfo(H.dtype).tiny, out.data_ptr(), depth.data_ptr(), raw.data_ptr(),
-                                     inv.data_ptr()):
+                                     inv.data_ptr(), torch.get_num_threads()):
         raise MemoryError("mHC connector CPU kernel: out of memory")
     return out, depth, raw, inv
 
@@ -711,6 +780,6 @@ def mhc_connect_backward(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, 
     if _fn("mhc_connect_backward", H)(H.data_ptr(), PhiT.data_ptr(), gates.data_ptr(), b_pre.data_ptr(),
                                       b_post.data_ptr(), b_res.data_ptr(), raw.data_ptr(), inv.data_ptr(),
                                       g_out.data_ptr(), g_depth.data_ptr(), N, n, d, t_max, first,
-                                      torch.finfo(H.dtype).tiny, *(g.data_ptr() for g in grads)):
+                                      torch.finfo(H.dtype).tiny, *(g.data_ptr() for g in grads), torch.get_num_threads()):
         raise MemoryError("mHC connector CPU kernel: out of memory")
     return tuple(grads)
