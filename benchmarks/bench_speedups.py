@@ -8,13 +8,15 @@
     tanh        the HC connector's tanh on its [4096, 6] coefficient block vs 2·sigmoid(2x) - 1
     sinkhorn    mHC's Sinkhorn (n = 4, t_max = 20) forward + backward at 1024 tokens: the torch-op
                 tokens-last kernel vs the C kernel of arch/cpu_kernels.py (the compiled path's op)
+    connector   HC's and mHC's connector Functions (_HCConnect, _MHCConnect) forward + backward at
+                1024 tokens, n = 4, d = 64: their torch ops vs the fused C kernels of arch/cpu_kernels.py
 
 The A/B modes time Pre-LN, the model as shipped ("on") and the same model with the feature
 switched off ("off") in one process, in shuffled rounds, and print the median per-round ratios
 to Pre-LN on process CPU time (the trainer's fused AdamW, L=32, d=64, batch 8 x 128, 1 thread).
 
     python benchmarks/bench_speedups.py optimizer
-    python benchmarks/bench_speedups.py sinkhorn
+    python benchmarks/bench_speedups.py sinkhorn connector
     python benchmarks/bench_speedups.py two-phase grad-pool moda-pool --rounds 15
 """
 
@@ -120,9 +122,50 @@ def sinkhorn_ab(args) -> None:
           f"(ratio {c_ms / ops_ms:.2f}); max |gradient difference| {diff:.1e}")
 
 
+def connector_ab(args) -> None:
+    from depthtools.arch import cpu_kernels, hyper
+
+    if cpu_kernels.library("connector") is None:
+        print("connector  the C kernels are unavailable here (no C compiler, or the build failed): nothing to compare")
+        return
+    gen = torch.Generator().manual_seed(0)
+    N, n, d = 1024, 4, 64
+    H = torch.randn(N, n, d, generator=gen)
+    grads = (torch.randn(N, d, generator=gen), torch.randn(N, n, d, generator=gen), torch.randn(N, n, generator=gen))
+    leaves = {
+        "hc": [H, 0.1 * torch.randn(d, n + 1, generator=gen), 0.1 * torch.randn(d, generator=gen),
+               torch.randn(n, n + 1, generator=gen), torch.randn(n, generator=gen), torch.tensor(0.3), torch.tensor(0.2)],
+        "mhc": [H, *(0.05 * torch.randn(n * d, k, generator=gen) for k in (n, n, n * n)), torch.tensor(0.5),
+                torch.tensor(0.5), torch.tensor(0.5), torch.randn(n, generator=gen), torch.randn(n, generator=gen),
+                torch.randn(n, n, generator=gen)],
+    }
+    calls = {"hc": lambda xs: hyper._HCConnect.apply(*xs, 1e-8)[:3],
+             "mhc": lambda xs: hyper._MHCConnect.apply(*xs, 1e-6, 20, 0)}
+    kernel_applies = hyper._connector_kernel_applies
+
+    def run(arch: str, kernel: bool):
+        hyper._connector_kernel_applies = kernel_applies if kernel else (lambda *tensors: False)
+        try:
+            xs = [t.clone().requires_grad_(True) for t in leaves[arch]]
+            return torch.autograd.grad(calls[arch](xs), xs, grads)
+        finally:
+            hyper._connector_kernel_applies = kernel_applies
+
+    for arch in ("hc", "mhc"):
+        diff = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+                   for a, b in zip(run(arch, True), run(arch, False)))
+        times = {True: [], False: []}
+        for _ in range(args.rounds):
+            for kernel in random.Random(len(times[True])).sample([True, False], 2):
+                times[kernel].append(mean_ms(lambda: run(arch, kernel), 10))
+        ops_ms, c_ms = statistics.median(times[False]), statistics.median(times[True])
+        print(f"connector  {arch:4s} fwd+bwd at {N} tokens: torch ops {ops_ms:.2f} ms, C kernel {c_ms:.2f} ms "
+              f"(ratio {c_ms / ops_ms:.2f}); largest relative gradient difference {diff:.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("modes", nargs="+", choices=["optimizer", "tanh", "sinkhorn", *SWITCH_OFF])
+    parser.add_argument("modes", nargs="+", choices=["optimizer", "tanh", "sinkhorn", "connector", *SWITCH_OFF])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -134,6 +177,8 @@ def main() -> None:
             tanh_ab(args)
         elif mode == "sinkhorn":
             sinkhorn_ab(args)
+        elif mode == "connector":
+            connector_ab(args)
         else:
             feature_ab(mode, args)
 

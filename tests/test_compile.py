@@ -177,6 +177,13 @@ def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     assert compiled.backend_for(torch.device("meta")) is None
     assert not cpu_flash_attention_ok(cuda, torch.float32) and not fused_kernel_for(cuda)
     assert cpu_flash_attention_ok(torch.device("cpu"), torch.float32)
+    # the connector C kernels: never for a non-CPU tensor, eagerly or in a compiled step
+    from depthtools.arch import cpu_kernels, hyper
+
+    meta = torch.empty(8, 4, 16, device="meta")
+    assert not cpu_kernels.usable(meta, name="connector") and not hyper._connector_kernel_applies(meta)
+    monkeypatch.setattr(compiled, "compiling", lambda: True)
+    assert not compiled.connector_op(meta) and compiled.connector_op(torch.empty(8, 4, 16))
 
 
 def test_sinkhorn_op_matches_the_fused_function():
