@@ -27,8 +27,8 @@ opaque as custom ops because inductor's code for them is slower (benchmarks/RESU
   mHC's Sinkhorn (n = 4 reductions), `depthtools::sinkhorn_tokens_last`: on CPU (float32/float64) a
     small C kernel iterating each token's 4x4 matrix in registers, the torch-op kernel elsewhere;
   HC's and mHC's whole connectors on CPU, `depthtools::hc_connect` / `depthtools::mhc_connect`: one C
-    kernel per direction that reads each token's streams once (inductor's code makes ~5 passes over the
-    stream state forward, ~8 backward, and the state streams from memory; mHC's kernel runs the
+    kernel per direction that reads each token's streams once (inductor's code for a block is 7 kernels
+    forward and 9 backward, most passing over the stream state, which streams from memory; mHC's kernel runs the
     Sinkhorn inside, per block of 64 tokens); on other devices the references, which inductor fuses there.
 The kernels are in cpu_kernels.py.
 
@@ -153,8 +153,8 @@ def sinkhorn_op(logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
 # -- the HC / mHC connectors as opaque ops (CPU: the fused C kernels; elsewhere torch ops) ------------
 #
 # Inside a compiled block step on CPU, a connector runs as one of these ops instead of inductor's code for
-# the plain-autograd reference: one pass over the stream state per direction instead of ~5 forward and
-# ~8 backward (cpu_kernels; measured in benchmarks/RESULTS.md, "Third pass"). On other devices the
+# the plain-autograd reference: one pass over the stream state per direction instead of most of the
+# block's 7 forward and 9 backward kernels (cpu_kernels; measured in benchmarks/RESULTS.md, "Third pass"). On other devices the
 # compiled step keeps the references (`connector_op`), so inductor generates those kernels there.
 
 @torch.library.custom_op("depthtools::hc_connect", mutates_args=())

@@ -170,15 +170,17 @@ _SOURCE = "#include <math.h>\n#include <stdlib.h>\n#include <string.h>\n#define 
 # NaN/Inf semantics the torch kernel has); -ffp-contract=off: no fused multiply-adds either.
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
 
-# The HC connector as one C kernel per direction (issue 20, second library; figures in RESULTS.md,
-# "Third pass"). At d = 64 a connector's cost is passes over the [N, n, d] stream state, which on CPU
-# stream from memory (~10 GB/s per core here): inductor's code for the reference makes ~5 passes forward
-# and ~8 backward. These kernels make one: per token, the n rows' 1/rms and thin projection, the tanh
-# coefficients, and the mix [w; R] @ H (forward); the coefficient gradients, dL/dH and the parameter
-# gradients (backward), all from that token's 1 KB of streams in L1. Rows of d are dot products and
-# multiply-adds, which the compiler vectorises only if it may reassociate a sum (-fassociative-math:
-# a fixed, compile-time order -- deterministic, not the index order of a plain loop) and contract
-# multiply-adds; NaN and Inf still propagate (no -ffinite-math-only). Single-threaded.
+# HC's (and, below, mHC's) connector as one C kernel per direction (issue 20, second library; figures in
+# RESULTS.md, "Third pass"). At d = 64 a connector's cost is passes over the [N, n, d] stream state, which on
+# CPU streams from memory (~8 GB/s per core here); inductor's code for an HC block is 7 kernels forward and 9
+# backward, most of them passing over it. These kernels make one: per token, the n rows' 1/rms and thin
+# projection, the tanh coefficients and the mix [w; R] @ H (forward); the coefficient gradients, dL/dH and
+# the parameter gradients (backward), all from that token's 1 KB of streams in L1. Rows of d are dot
+# products and multiply-adds, which the compiler vectorises only if it may reassociate a sum
+# (-fassociative-math: a fixed, compile-time order -- deterministic, not the index order of a plain loop)
+# and contract multiply-adds; NaN and Inf still propagate (no -ffinite-math-only). Tokens are split over
+# torch's intra-op threads (OpenMP); parameter gradients are summed per fixed chunk of tokens, so results
+# do not depend on the thread count.
 _CONNECTOR_HEAD = r"""#include <math.h>
 #include <string.h>
 #include <stdlib.h>
@@ -586,8 +588,9 @@ CONNECTOR_MAX_STREAMS = 16  # NMAX in the C source: the kernels' per-token array
 _LIBRARIES = {  # name: (source, flag sets in order of preference: the first that builds is used)
     "sinkhorn": (_SOURCE, [_FLAGS]),
     # the connector kernels split their token loops over torch's intra-op threads with OpenMP (the
-    # libgomp torch itself loads); without it they build and run on one thread
-    "connector": (_CONNECTOR_SOURCE, [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS]),
+    # libgomp torch itself loads); without it they build and run on one thread; a compiler that lacks
+    # the x86 / vectorising flags gets plain -O3 (same results up to rounding, slower)
+    "connector": (_CONNECTOR_SOURCE, [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]]),
 }
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
