@@ -167,6 +167,12 @@ def _hc_connect(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch
     H, Pt, S, scale = H.contiguous(), Pt.contiguous(), S.contiguous(), scale.contiguous()
     if cpu_kernels.usable(H, Pt, S, scale, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
         return cpu_kernels.hc_connect_forward(H, Pt, S, scale, eps)
+    return _hc_reference(H, Pt, S, scale, eps)
+
+
+def _hc_reference(H, Pt, S, scale, eps):
+    """`_hc_connect`'s outputs by differentiable torch ops: raw = H_s · P_j, inv = 1/rms(H_s),
+    t = tanh(raw · inv), coefficients S + scale ⊙ t, out = [w; R] @ H, β."""
     N, n, d = H.shape
     raw = (H.reshape(N * n, d) @ Pt.t()).view(N, n, n + 2)
     inv = torch.rsqrt(torch.linalg.vecdot(H, H) / d + eps)
@@ -185,33 +191,24 @@ def _(H, Pt, S, scale, eps):
 @torch.library.custom_op("depthtools::hc_connect_backward", mutates_args=())
 def _hc_connect_backward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor,
                          raw: torch.Tensor, inv: torch.Tensor, t: torch.Tensor, g_out: torch.Tensor,
-                         g_depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dL/dH, dL/dPt, dL/dS, dL/dscale) of `_hc_connect` (as hyper._HCConnect.backward)."""
+                         g_depth: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dL/dH, dL/dPt, dL/dS, dL/dscale) of `_hc_connect` (the reference's vjp where the kernel does not apply)."""
     from depthtools.arch import cpu_kernels
-    from depthtools.arch.layers import inverse_rms_derivative
 
     args = [x.contiguous() for x in (H, Pt, S, scale, raw, inv, t, g_out, g_depth)]
     if cpu_kernels.usable(*args, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
         return cpu_kernels.hc_connect_backward(*args)
-    H, Pt, S, scale, raw, inv, t, g_out, g_depth = args
-    N, n, d = H.shape
-    coeffs = S + scale * t
-    g_coeffs = torch.cat([torch.bmm(H, g_out.transpose(1, 2)), g_depth.unsqueeze(-1)], -1)  # [N, n, n+2]
-    gH = torch.bmm(coeffs[..., : n + 1], g_out)
-    g_a = g_coeffs * scale * (1 - t * t)
-    g_raw = g_a * inv.unsqueeze(-1)
-    g_inv = (g_a * raw).sum(-1, keepdim=True)
-    gH = gH + g_raw @ Pt + H * inverse_rms_derivative(g_inv, inv.unsqueeze(-1), d)
-    return gH, g_raw.reshape(N * n, n + 2).t() @ H.reshape(N * n, d), g_coeffs.sum(0), (g_coeffs * t).sum((0, 1))
+    _, vjp = torch.func.vjp(lambda *xs: _hc_reference(*xs, eps)[:2], *args[:4])
+    return tuple(g.contiguous() for g in vjp((args[7], args[8])))
 
 
 @_hc_connect_backward.register_fake
-def _(H, Pt, S, scale, raw, inv, t, g_out, g_depth):
+def _(H, Pt, S, scale, raw, inv, t, g_out, g_depth, eps):
     return tuple(x.new_empty(x.shape) for x in (H, Pt, S, scale))  # contiguous, as the kernel returns them
 
 
 def _hc_connect_setup(ctx, inputs, output):
-    H, Pt, S, scale, _ = inputs
+    H, Pt, S, scale, ctx.eps = inputs
     ctx.save_for_backward(H, Pt, S, scale, *output[2:])
 
 
@@ -220,7 +217,7 @@ def _hc_connect_grad(ctx, g_out, g_depth, *_):
     N, n, d = H.shape
     g_out = H.new_zeros(N, n + 1, d) if g_out is None else g_out
     g_depth = H.new_zeros(N, n) if g_depth is None else g_depth
-    return (*_hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth), None)
+    return (*_hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth, ctx.eps), None)
 
 
 _hc_connect.register_autograd(_hc_connect_grad, setup_context=_hc_connect_setup)
