@@ -181,7 +181,7 @@ def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     from depthtools.arch import cpu_kernels, hyper
 
     meta = torch.empty(8, 4, 16, device="meta")
-    assert not cpu_kernels.usable(meta, name="connector") and not hyper._connector_kernel_applies(meta)
+    assert not cpu_kernels.connector_usable(meta) and not hyper._connector_kernel_applies(meta)
     monkeypatch.setattr(compiled, "compiling", lambda: True)
     assert not compiled.connector_op(meta) and compiled.connector_op(torch.empty(8, 4, 16))
 
@@ -309,7 +309,7 @@ def test_hc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
     if kernel == "c" and cpu_kernels.library("connector") is None:
         pytest.skip("no C compiler here: the op takes its torch fallback")
     if kernel == "torch":
-        monkeypatch.setattr(cpu_kernels, "usable", lambda *a, **k: False)
+        monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
     names = ("u", "R H", "beta", "dH", "dW_a", "dw_b", "dS_a", "ds_b", "ds_a", "ds_beta")
     for tokens, n, d in ((1, 4, 64), (63, 4, 16), (200, 2, 7), (33, 5, 33)):
         params, grads = _hc_inputs(tokens, n, d, dtype)
@@ -345,7 +345,7 @@ def test_mhc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
     if kernel == "c" and cpu_kernels.library("connector") is None:
         pytest.skip("no C compiler here: the op takes its torch fallback")
     if kernel == "torch":
-        monkeypatch.setattr(cpu_kernels, "usable", lambda *a, **k: False)
+        monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
     for (tokens, n, d, t_max), first in zip(((1, 4, 16, 20), (63, 4, 8, 7), (130, 2, 8, 20), (65, 3, 5, 3)), (0, 1, 0, 1)):
         params, grads = _mhc_inputs(tokens, n, d, dtype)
 

@@ -165,7 +165,7 @@ def _hc_connect(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch
     from depthtools.arch import cpu_kernels
 
     H, Pt, S, scale = H.contiguous(), Pt.contiguous(), S.contiguous(), scale.contiguous()
-    if cpu_kernels.usable(H, Pt, S, scale, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
+    if cpu_kernels.connector_usable(H, Pt, S, scale):
         return cpu_kernels.hc_connect_forward(H, Pt, S, scale, eps)
     return _hc_reference(H, Pt, S, scale, eps)
 
@@ -196,7 +196,7 @@ def _hc_connect_backward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, sca
     from depthtools.arch import cpu_kernels
 
     args = [x.contiguous() for x in (H, Pt, S, scale, raw, inv, t, g_out, g_depth)]
-    if cpu_kernels.usable(*args, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
+    if cpu_kernels.connector_usable(*args):
         return cpu_kernels.hc_connect_backward(*args)
     _, vjp = torch.func.vjp(lambda *xs: _hc_reference(*xs, eps)[:2], *args[:4])
     return tuple(g.contiguous() for g in vjp((args[7], args[8])))
@@ -233,7 +233,7 @@ def _mhc_connect(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre
     from depthtools.arch import cpu_kernels
 
     args = [x.contiguous() for x in (H, PhiT, gates, b_pre, b_post, b_res)]
-    if cpu_kernels.usable(*args, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
+    if cpu_kernels.connector_usable(*args):
         return cpu_kernels.mhc_connect_forward(*args, eps, t_max, first)
     out, depth = _mhc_reference(*args, eps, t_max, first)
     x = H.reshape(H.shape[0], -1)
@@ -266,7 +266,7 @@ def _mhc_connect_backward(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tens
     from depthtools.arch import cpu_kernels
 
     args = [x.contiguous() for x in (H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth)]
-    if cpu_kernels.usable(*args, name="connector") and H.shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS:
+    if cpu_kernels.connector_usable(*args):
         return cpu_kernels.mhc_connect_backward(*args, t_max, first)
     _, vjp = torch.func.vjp(lambda *xs: _mhc_reference(*xs, eps, t_max, first), *args[:6])
     return tuple(g.contiguous() for g in vjp((args[8], args[9])))
@@ -305,11 +305,20 @@ def connector_op(H: torch.Tensor) -> bool:
 def hc_connect_op(H, Wa, wb, Sa, sb, sa, sbeta, eps):
     """`reference.hc_connect` (u, R H, β) as the opaque op; the parameters are packed by traced ops
     (P = [W_a | w_b], S = [S_a | s_b], scale = [s_a .. s_a, s_b]), whose gradients autograd unpacks."""
-    n = H.shape[1]
-    Pt = torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous()
-    S = torch.cat([Sa, sb.unsqueeze(1)], 1)
-    scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
+    from depthtools.arch import cpu_kernels
+
+    Pt, S = cpu_kernels.hc_pack(Wa, wb, Sa, sb)
+    scale = torch.cat([sa.expand(H.shape[1] + 1), sbeta.reshape(1)])
     out, depth, *_ = _hc_connect(H, Pt, S, scale, eps)
+    return out[:, 0], out[:, 1:], depth
+
+
+def mhc_connect_op(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
+    """`reference.mhc_connect` (u, H_res H, H_post) as the opaque op (parameters packed by traced ops)."""
+    from depthtools.arch import cpu_kernels
+
+    packed = cpu_kernels.mhc_pack(phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)
+    out, depth, *_ = _mhc_connect(H, *packed, eps, t_max, first)
     return out[:, 0], out[:, 1:], depth
 
 
@@ -447,11 +456,3 @@ def decide(setting: str, region: str, total_steps: int, tokens_per_step: int, n_
     if setting == "on":
         return "on", "compile on"
     return "on", "auto: the estimated saving exceeds the compile time"
-
-
-def mhc_connect_op(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
-    """`reference.mhc_connect` (u, H_res H, H_post) as the opaque op (parameters packed by traced ops)."""
-    PhiT = torch.cat([phi_pre, phi_post, phi_res], 1).t().contiguous()
-    gates = torch.stack([g_pre, g_post, g_res])
-    out, depth, *_ = _mhc_connect(H, PhiT, gates, b_pre, b_post, b_res.reshape(-1), eps, t_max, first)
-    return out[:, 0], out[:, 1:], depth

@@ -1,6 +1,6 @@
-"""Small C kernels for the compiled training path on CPU, built on first use with the system C compiler:
-two libraries, "sinkhorn" (mHC's Sinkhorn, below) and "connector" (HC's whole connector, forward and
-backward: see _CONNECTOR_HEAD's comment and `hc_connect_forward`).
+"""Small C kernels for HC/mHC training on CPU, built on first use with the system C compiler: two
+libraries, "sinkhorn" (mHC's Sinkhorn, below) and "connector" (HC's and mHC's whole connectors, forward
+and backward: see the comment above _CONNECTOR_HEAD, `hc_connect_forward` and `mhc_connect_forward`).
 
 mHC's Sinkhorn:
 
@@ -19,9 +19,10 @@ by reciprocals where the torch kernel divides (4 divisions per half-step instead
 separately), so results differ by an ulp or so per half-step; no -ffast-math, no FMA contraction.
 tests/test_compile.py compares it with the reference in float64 and float32, values and gradients.
 
-Both are used only by the compiled training path (`compiled.sinkhorn_op`, `compiled.hc_connect_op`,
-opaque to torch.compile) for contiguous float32/float64 CPU tensors; anything else (CUDA, other dtypes,
-no C compiler, a failed build) takes torch ops. Each shared object is cached next to inductor's cache
+The Sinkhorn kernel serves the compiled path's opaque op (`compiled.sinkhorn_op`); the connector kernels
+serve both the compiled step's opaque ops (`compiled.hc_connect_op`, `mhc_connect_op`) and the eager
+`hyper._HCConnect` / `_MHCConnect`. Only float32/float64 CPU tensors take them (`usable`,
+`connector_usable`); anything else (CUDA, other dtypes, no C compiler, a failed build) takes torch ops. Each shared object is cached next to inductor's cache
 (`compiled.cache_dir()`), keyed by its source, the compiler, its flags and this CPU's flags (-march=native).
 """
 
@@ -685,12 +686,36 @@ def library(name: str = "sinkhorn") -> ctypes.CDLL | None:
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
-def usable(*tensors: torch.Tensor, name: str = "sinkhorn") -> bool:
-    """Whether the C kernels of library `name` take these tensors: CPU, float32/float64, contiguous,
-    same dtype, and the library built."""
+def _cpu_float(tensors) -> bool:
+    """CPU tensors of one dtype, float32 or float64 (the kernels' scalar types)."""
     t = tensors[0]
-    return (all(x.device.type == "cpu" and x.dtype == t.dtype and x.is_contiguous() for x in tensors)
-            and t.dtype in _SUFFIX and library(name) is not None)
+    return all(x.device.type == "cpu" and x.dtype == t.dtype for x in tensors) and t.dtype in _SUFFIX
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the Sinkhorn kernel takes these tensors: contiguous float32/float64 CPU tensors of one
+    dtype, and the library built."""
+    return all(x.is_contiguous() for x in tensors) and _cpu_float(tensors) and library("sinkhorn") is not None
+
+
+def connector_usable(H: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the connector kernels take streams H [N,n,d] with the other tensors of the call: float32/
+    float64 CPU tensors of one dtype, n <= CONNECTOR_MAX_STREAMS, and the library built. (Contiguity is
+    not required: the callers pass contiguous copies, as the kernels need.)"""
+    return (H.shape[1] <= CONNECTOR_MAX_STREAMS and _cpu_float((H, *others))
+            and library("connector") is not None)
+
+
+def hc_pack(Wa: torch.Tensor, wb: torch.Tensor, Sa: torch.Tensor, sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HC's parameters in the kernels' layout: (Pt = [W_a | w_b]ᵀ [n+2,d] contiguous, S = [S_a | s_b] [n,n+2])."""
+    return torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous(), torch.cat([Sa, sb.unsqueeze(1)], 1)
+
+
+def mhc_pack(phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res) -> tuple[torch.Tensor, ...]:
+    """mHC's parameters in the kernels' layout: (PhiT = [φ_pre | φ_post | φ_res]ᵀ [2n+n², n·d], gates
+    (g_pre, g_post, g_res) [3], b_pre, b_post, b_res flattened row-major [n²]), all contiguous."""
+    return (torch.cat([phi_pre, phi_post, phi_res], 1).t().contiguous(), torch.stack([g_pre, g_post, g_res]),
+            b_pre.contiguous(), b_post.contiguous(), b_res.reshape(-1).contiguous())
 
 
 def sinkhorn_forward(z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
@@ -718,7 +743,7 @@ def _fn(name: str, t: torch.Tensor):
 
 
 def hc_connect_forward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor, eps: float):
-    """The HC connector on streams H [N,n,d] (contiguous, `usable(..., name="connector")`):
+    """The HC connector on streams H [N,n,d] (all contiguous, `connector_usable`):
     (out [N,n+1,d] = [w; R] @ H, depth [N,n], raw [N,n,n+2], inv [N,n], t [N,n,n+2]) for the projection
     Pt = [W_m | W_r | W_b]ᵀ [n+2,d], static S = [S_m | S_r | S_b] [n,n+2] and scale [n+2] (s_a x (n+1), s_b);
     raw = H_s · P_j, inv = 1/rms(H_s), t = tanh(raw · inv), coefficients S + scale ⊙ t."""
@@ -760,7 +785,7 @@ def exp_f32(x: torch.Tensor) -> torch.Tensor:
 
 def mhc_connect_forward(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre: torch.Tensor,
                         b_post: torch.Tensor, b_res: torch.Tensor, eps: float, t_max: int, first: int):
-    """The mHC connector on streams H [N,n,d] (all contiguous, `usable(..., name="connector")`): (out [N,n+1,d]
+    """The mHC connector on streams H [N,n,d] (all contiguous, `connector_usable`): (out [N,n+1,d]
     = [H_pre; H_res] @ H, H_post [N,n], raw [N,J], inv [N]) for PhiT = [φ_pre | φ_post | φ_res]ᵀ [J, n·d]
     (J = 2n + n²), gates = (g_pre, g_post, g_res) [3], biases b_pre [n], b_post [n], b_res [n·n] (row o =
     output stream); raw = vec(H) · φ_j, inv = 1/rms(vec H); the Sinkhorn as `sinkhorn_forward`."""

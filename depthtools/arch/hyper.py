@@ -484,12 +484,10 @@ def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
 
 
-def _connector_kernel_applies(*tensors: torch.Tensor) -> bool:
+def _connector_kernel_applies(H: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether _HCConnect / _MHCConnect run on their fused C kernels (cpu_kernels.hc_connect_* /
-    mhc_connect_*): CPU float32/float64 tensors of one dtype (streams first), at most
-    CONNECTOR_MAX_STREAMS streams, the library built."""
-    return (tensors[0].shape[1] <= cpu_kernels.CONNECTOR_MAX_STREAMS
-            and cpu_kernels.usable(*(t.contiguous() for t in tensors), name="connector"))
+    mhc_connect_*): `cpu_kernels.connector_usable` (a name of its own here, so tests can force the torch path)."""
+    return cpu_kernels.connector_usable(H, *others)
 
 
 def _zero_or(t, like_shape, ref):
@@ -512,10 +510,9 @@ class _HCConnect(torch.autograd.Function):
     def forward(H, Wa, wb, Sa, sb, sa, sbeta, eps):
         H = H.contiguous()
         N, n, d = H.shape
+        scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
         if _connector_kernel_applies(H, Wa, wb, Sa, sb, sa, sbeta):  # CPU: the fused C kernel, one pass over H
-            scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
-            Pt = torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous()
-            S = torch.cat([Sa, sb.unsqueeze(1)], 1)
+            Pt, S = cpu_kernels.hc_pack(Wa, wb, Sa, sb)
             out, depth, raw, inv, t = cpu_kernels.hc_connect_forward(H, Pt, S, scale, eps)
             routing = (S[:, : n + 1] + scale[: n + 1] * t[..., : n + 1]).transpose(1, 2).contiguous()
             return (out[:, 0], out[:, 1:], depth, routing, raw.view(N * n, n + 2), inv.view(N * n, 1),
@@ -525,7 +522,6 @@ class _HCConnect(torch.autograd.Function):
         raw = (P.t() @ Hf.t()).t().contiguous()  # [Nn, n+2]; (Pᵀ Hᵀ)ᵀ: the faster CPU GEMM orientation at n+2 = 6
         inv = fused_inverse_rms(Hf, eps, keepdim=True)
         t = torch.tanh(raw * inv)  # (2σ(2x) - 1 measured 3x slower than torch.tanh: bench_speedups.py tanh)
-        scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
         coeffs = (t.view(N, n, n + 2) * scale).add_(torch.cat([Sa, sb.unsqueeze(1)], 1))
         routing = coeffs[..., : n + 1].transpose(1, 2).contiguous()  # [N, n+1, n]
         out = torch.bmm(routing, H)
@@ -548,8 +544,7 @@ class _HCConnect(torch.autograd.Function):
         need = ctx.needs_input_grad
         g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
         if _connector_kernel_applies(H, Wa, wb, Sa, g_out):  # the fused C kernel, one pass over H and g_out
-            Pt = torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous()
-            S = torch.cat([Sa, sb.unsqueeze(1)], 1)
+            Pt, S = cpu_kernels.hc_pack(Wa, wb, Sa, sb)
             g_depth = _zero_or(g_depth, (N, n), H).contiguous()
             gH, gPt, gS, g_scale = cpu_kernels.hc_connect_backward(
                 H, Pt, S, scale, raw.view(N, n, n + 2), inv.view(N, n), t.view(N, n, n + 2), g_out, g_depth)
@@ -632,8 +627,7 @@ class _MHCConnect(torch.autograd.Function):
         N, n, d = H.shape
         ctx.kernel = _connector_kernel_applies(H, phi_pre, phi_post, phi_res, g_pre, b_pre, b_res)
         if ctx.kernel:  # CPU: the fused C kernel, one pass over H per direction
-            params = (torch.cat([phi_pre, phi_post, phi_res], 1).t().contiguous(), torch.stack([g_pre, g_post, g_res]),
-                      b_pre.contiguous(), b_post.contiguous(), b_res.reshape(-1).contiguous())
+            params = cpu_kernels.mhc_pack(phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)
             out, depth, raw, inv = cpu_kernels.mhc_connect_forward(H, *params, eps, t_max, first)
             ctx.save_for_backward(H, *params, raw, inv)
             ctx.t_max, ctx.first = t_max, first
