@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from depthtools.arch import DepthModel, Plan, bankops, hyper, moda, reference
+from depthtools.arch import DepthModel, Plan, bankops, cpu_kernels, hyper, moda, reference
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
@@ -181,10 +181,16 @@ def bank_mixes(plan, eps=1e-5, groups=None):
     return fused, ref
 
 
+@pytest.mark.parametrize("kernel", ["C", "torch"])
 @pytest.mark.parametrize("path", ["one-by-one", "bulk flush", "two-phase"])
-def test_depth_bank_push_and_mix_match_reference_and_pass_gradcheck(monkeypatch, path):
+def test_depth_bank_push_and_mix_match_reference_and_pass_gradcheck(monkeypatch, path, kernel):
     """_Push + _Mix (AttnRes' DepthBank: deferred, bulk-flushed source gradients; the two-phase
-    grouped prefix mix) against the per-source softmax mix, and gradcheck of the whole bank."""
+    grouped prefix mix) against the per-source softmax mix, and gradcheck of the whole bank; with the
+    C kernels (mix, prefix, flush) and with torch ops."""
+    if kernel == "torch":
+        monkeypatch.setattr(cpu_kernels, "bank_usable", lambda values: False)
+    elif cpu_kernels.library("bank") is None:
+        pytest.skip("no C compiler here: the bank takes torch ops")
     M, n_src = 3, 4
     plan = [(0, 1, True), (1, 2, False), (2, 3, True), (0, 4, False), (1, 4, True), (2, 2, True)]
     groups = None
@@ -198,6 +204,37 @@ def test_depth_bank_push_and_mix_match_reference_and_pass_gradcheck(monkeypatch,
     inputs = (randn(M, 5, seed=0), randn(2, 3, 5, seed=1), *(randn(2, 3, 5, seed=2 + i) for i in range(n_src)))
     assert_same_function(fused, ref, inputs)
     assert torch.autograd.gradcheck(fused, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_depth_bank_kernels_at_uneven_sizes_match_reference(monkeypatch, dtype):
+    """The C kernels' blocked paths: width 37 (two vector chunks and a tail), 300 tokens (two tiles of 128
+    and a partial one), 11 sources, flushes of four or more mixes (blocks of four and a rest), a two-phase
+    group whose prefix of 6 sources is a block of four and two more, a partial source, and a mixer column
+    used twice. float64: within 1e-12 of the per-source reference; float32: the same inputs rounded,
+    against the reference in float64, within 2e-6 of each tensor's scale."""
+    if cpu_kernels.library("bank") is None:
+        pytest.skip("no C compiler here: the bank takes torch ops")
+    monkeypatch.setattr(bankops, "FLUSH_AT", 4)
+    monkeypatch.setattr(bankops, "TWO_PHASE_FROM", 6)
+    groups = bankops.MixGroups([(0, 6), (1, 7), (2, 8), (3, 9)])
+    plan = [(4, 2, False), (5, 4, True), (0, 6, False), (1, 7, True), (2, 8, False), (3, 9, False),
+            (5, 11, False), (4, 10, True), (5, 5, False), (2, 11, False)]
+    fused, ref = bank_mixes(plan, groups=groups)
+    B, T, d = 3, 100, 37
+    inputs = (randn(6, d, seed=0, scale=0.3), randn(B, T, d, seed=1), *(randn(B, T, d, seed=2 + i) for i in range(11)))
+    if dtype == torch.float64:
+        assert_same_function(fused, ref, inputs)
+        return
+    low = tuple(x.detach().float().requires_grad_() for x in inputs)
+    cotangent = randn(len(plan), B, T, d, seed=50, grad=False)
+    got, want = fused(*low), ref(*inputs)
+    grads_got = torch.autograd.grad(got, low, cotangent.float())
+    grads_want = torch.autograd.grad(want, inputs, cotangent)
+    for name, a, b in [("mixes", got, want), *((f"gradient of input {i}", a, b) for i, (a, b)
+                                              in enumerate(zip(grads_got, grads_want)))]:
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a.double(), b.detach(), rtol=0, atol=2e-6 * scale, msg=lambda m: f"{name}: {m}")
 
 
 # -- moda.py ---------------------------------------------------------------------------------------

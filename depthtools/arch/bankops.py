@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from depthtools.arch import cpu_kernels
 from depthtools.arch.layers import BufferPool, fused_inverse_rms, inverse_rms_derivative
 
 
@@ -187,6 +188,7 @@ class DepthBank:
         self.inv_rms = first.new_empty(capacity, N)
         self.dots = first.new_empty(capacity, M, N)
         self.fill = 0
+        self.kernel = cpu_kernels.bank_usable(self.values)  # the C kernels for mixes and flushes (CPU)
         self.records: list[_MixRecord] = []
         self.grad_values = self.grad_dots = self.grad_inv_rms = None
 
@@ -204,13 +206,15 @@ class DepthBank:
         n0 = self.groups.n0[gid]
         if not n0 <= n < n0 + TWO_PHASE_GROUP:
             return None
-        if gid not in self.prefix:
+        if gid not in self.prefix and self.kernel:
+            self.prefix[gid] = cpu_kernels.bank_prefix(self.values, self.inv_rms, self.dots, n0, self.groups.columns[gid])
+        elif gid not in self.prefix:
             logits = self.dots[:n0, self.groups.columns[gid]] * self.inv_rms[:n0].unsqueeze(1)  # [n0,G,N]
             mu = logits.amax(0)  # [G,N]
             weights = logits.sub_(mu).exp_().permute(2, 1, 0).contiguous()  # [N,G,n0]
             self.prefix[gid] = mu, torch.bmm(weights, self.values[:n0].transpose(0, 1))  # [N,G,d]
-            while len(self.prefix) > GROUPS_KEPT:
-                del self.prefix[next(iter(self.prefix))]
+        while len(self.prefix) > GROUPS_KEPT:
+            del self.prefix[next(iter(self.prefix))]
         mu, P = self.prefix[gid]
         return n0, mu[row], P[:, row]
 
@@ -230,7 +234,12 @@ class DepthBank:
         if not pending:
             return
         gv, gdots, ginv = self._grads()
-        if len(pending) < FLUSH_AT:  # only source j, mix by mix
+        lo = j if len(pending) < FLUSH_AT else 0  # only source j, or in bulk: sources 0..j at once
+        if self.kernel:
+            cpu_kernels.bank_flush(self.values, self.inv_rms, self.dots, lo, j + 1, [r.grad for r in pending],
+                                   [r.weights for r in pending], [r.rho for r in pending], [r.col for r in pending],
+                                   gv, gdots, ginv)
+        elif lo == j:  # mix by mix
             v, r_j = self.values[j], self.inv_rms[j]
             for rec in pending:
                 a = rec.weights[j]  # [N]
@@ -238,22 +247,21 @@ class DepthBank:
                 gv[j].addcmul_(rec.grad, a.unsqueeze(1))
                 gdots[j, rec.col].addcmul_(dlogit, r_j)
                 ginv[j].addcmul_(dlogit, self.dots[j, rec.col])
-                rec.flushed_to = j
-            return
-        J = j + 1  # bulk: sources 0..j at once
-        G = torch.stack([r.grad for r in pending], 1)  # [N,K,d]
-        W = torch.stack([r.weights[:J] for r in pending], 0)  # [K,J,N]
-        rho = torch.stack([r.rho for r in pending], 0)  # [K,N]
-        cols = torch.tensor([r.col for r in pending], device=G.device)
-        dalpha = torch.bmm(G, self.values[:J].permute(1, 2, 0)).permute(1, 2, 0)  # [K,J,N] = g·v
-        dlogit = dalpha.sub_(rho.unsqueeze(1)).mul_(W)  # softmax backward
-        # Σ_mixes α g: [N,J,K] @ [N,K,d]. (bmm wants unit-stride items and an unstrided output, else
-        # it falls back to a per-token loop: hence the contiguous copy and the separate add.)
-        gv[:J] += torch.bmm(W.permute(2, 1, 0).contiguous(), G).transpose(0, 1)
-        gdots[:J].index_add_(1, cols, (dlogit * self.inv_rms[:J]).transpose(0, 1))  # logit = dot · r
-        ginv[:J] += (dlogit.transpose(0, 1) * self.dots[:J, cols]).sum(1)
+        else:
+            J = j + 1
+            G = torch.stack([r.grad for r in pending], 1)  # [N,K,d]
+            W = torch.stack([r.weights[:J] for r in pending], 0)  # [K,J,N]
+            rho = torch.stack([r.rho for r in pending], 0)  # [K,N]
+            cols = torch.tensor([r.col for r in pending], device=G.device)
+            dalpha = torch.bmm(G, self.values[:J].permute(1, 2, 0)).permute(1, 2, 0)  # [K,J,N] = g·v
+            dlogit = dalpha.sub_(rho.unsqueeze(1)).mul_(W)  # softmax backward
+            # Σ_mixes α g: [N,J,K] @ [N,K,d]. (bmm wants unit-stride items and an unstrided output, else
+            # it falls back to a per-token loop: hence the contiguous copy and the separate add.)
+            gv[:J] += torch.bmm(W.permute(2, 1, 0).contiguous(), G).transpose(0, 1)
+            gdots[:J].index_add_(1, cols, (dlogit * self.inv_rms[:J]).transpose(0, 1))  # logit = dot · r
+            ginv[:J] += (dlogit.transpose(0, 1) * self.dots[:J, cols]).sum(1)
         for rec in pending:
-            rec.flushed_to = 0
+            rec.flushed_to = lo
 
     def source_grad(self, j: int, v: torch.Tensor):
         """(dL/dv_j [N,d], dL/dqueries [M,d]) once every mix that read v_j has been flushed."""
@@ -315,31 +323,19 @@ class _Mix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, handle, queries, partial, bank: DepthBank, n: int, col: int):
         N = bank.values.shape[1]
-        logits = bank.dots[:n, col] * bank.inv_rms[:n]  # [n,N]
         q = queries[col].to(bank.values.dtype)
+        pf = p_logit = None
         if partial is not None:
-            pf = partial.reshape(N, -1).to(bank.values.dtype)
+            pf = partial.reshape(N, -1).to(bank.values.dtype).contiguous()
             p_dot = pf @ q  # [N]
             p_inv = fused_inverse_rms(pf, bank.eps)
-            logits = torch.cat([logits, (p_dot * p_inv).unsqueeze(0)], 0)
+            p_logit = p_dot * p_inv
         prefix = bank.prefix_mix(col, n)
-        if prefix is not None:  # two-phase: h = exp(μ - lse) P + Σ_{n0≤i<n} α_i v_i
-            n0, mu, P = prefix
-            lse = torch.logsumexp(logits, dim=0)  # [N]
-            alpha = (logits - lse).exp_()  # [n(+1), N]
-            h = P * (mu - lse).exp_().unsqueeze(1)
-            for i in range(n0, n):
-                h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
+        if bank.kernel:  # logits, softmax and the weighted sum in one C kernel
+            h, alpha = cpu_kernels.bank_mix_forward(bank.values, bank.inv_rms, bank.dots, n, col, pf, p_logit, prefix)
         else:
-            alpha = torch.softmax(logits, dim=0)  # [n(+1), N]
-            if n * bank.values.shape[-1] < 400:  # (bmm's slow per-item kernel below this size: a loop)
-                h = bank.values[0] * alpha[0].unsqueeze(1)
-                for i in range(1, n):
-                    h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
-            else:
-                h = torch.bmm(alpha[:n].t().contiguous().unsqueeze(1), bank.values[:n].transpose(0, 1)).squeeze(1)  # [N,d]
+            h, alpha = _torch_mix(bank, n, col, pf, p_logit, prefix)
         if partial is not None:
-            h.addcmul_(pf, alpha[n].unsqueeze(1))
             ctx.save_for_backward(pf, p_dot, p_inv, q)
             ctx.partial_shape, ctx.partial_dtype = partial.shape, partial.dtype
         ctx.bank, ctx.n, ctx.col, ctx.has_partial = bank, n, col, partial is not None
@@ -372,6 +368,31 @@ class _Mix(torch.autograd.Function):
                 grad_q[ctx.col] = (dl * p_inv) @ pf
                 grad_q = grad_q.to(ctx.q_dtype)
         return None, grad_q, grad_partial, None, None, None
+
+
+def _torch_mix(bank: DepthBank, n: int, col: int, pf, p_logit, prefix):
+    """(h [N,d], alpha [n(+1), N]) of `_Mix` with torch ops (where the C kernel does not apply)."""
+    logits = bank.dots[:n, col] * bank.inv_rms[:n]  # [n,N]
+    if pf is not None:
+        logits = torch.cat([logits, p_logit.unsqueeze(0)], 0)
+    if prefix is not None:  # two-phase: h = exp(μ - lse) P + Σ_{n0≤i<n} α_i v_i
+        n0, mu, P = prefix
+        lse = torch.logsumexp(logits, dim=0)  # [N]
+        alpha = (logits - lse).exp_()  # [n(+1), N]
+        h = P * (mu - lse).exp_().unsqueeze(1)
+        for i in range(n0, n):
+            h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
+    else:
+        alpha = torch.softmax(logits, dim=0)  # [n(+1), N]
+        if n * bank.values.shape[-1] < 400:  # (bmm's slow per-item kernel below this size: a loop)
+            h = bank.values[0] * alpha[0].unsqueeze(1)
+            for i in range(1, n):
+                h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
+        else:
+            h = torch.bmm(alpha[:n].t().contiguous().unsqueeze(1), bank.values[:n].transpose(0, 1)).squeeze(1)  # [N,d]
+    if pf is not None:
+        h.addcmul_(pf, alpha[n].unsqueeze(1))
+    return h, alpha
 
 
 def bank_mix(bank: DepthBank, handle, n: int, col: int, partial: torch.Tensor | None) -> torch.Tensor:

@@ -586,12 +586,222 @@ _CONNECTOR_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-m
                     "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC"]
 CONNECTOR_MAX_STREAMS = 16  # NMAX in the C source: the kernels' per-token arrays
 
+
+# AttnRes' depth bank (bankops.DepthBank; issue 20, third library; figures in RESULTS.md, "Fourth pass"). A mix at
+# sublayer l reads all l earlier sources: O(L²) passes over [N,d] sources per step, which with torch ops were
+# several kernels per mix (logits, softmax or logsumexp, exp, a weighted-sum loop of addcmul_, each a pass)
+# and, in backward, batched matmuls of tiny per-token matrices plus their temporaries. These kernels work on
+# tiles of BT tokens: a mix reads its logits (the stored key dots times 1/rms), takes the softmax and forms
+# the weighted sum with each source tile read once; a flush adds pending mixes' contributions to a range of
+# sources' gradients (dL/dv, dL/d dots, dL/d inv_rms) with each source tile and gradient tile read once.
+# Tokens are independent: tiles are split over torch's intra-op threads, results do not depend on the count.
+_BANK_TEMPLATE = r"""
+/* y += a x and x . y over rows of d, in fixed chunks of 16 (whole vectors; no alias checks or loop set-up
+   per call in the inner loops below), then the rest */
+static inline void axpy_@S@(@T@ *restrict y, @T@ a, const @T@ *restrict x, int d) {
+    int c = 0;
+    for (; c + 16 <= d; c += 16) for (int e = 0; e < 16; e++) y[c + e] += a * x[c + e];
+    for (; c < d; c++) y[c] += a * x[c];
+}
+/* y += a0 x0 + a1 x1 + a2 x2 + a3 x3: one read-modify-write of y for four rows */
+static inline void axpy4_@S@(@T@ *restrict y, const @T@ *a, const @T@ *restrict x0, const @T@ *restrict x1,
+                             const @T@ *restrict x2, const @T@ *restrict x3, int d) {
+    int c = 0;
+    for (; c + 16 <= d; c += 16)
+        for (int e = 0; e < 16; e++) y[c + e] += (a[0] * x0[c + e] + a[1] * x1[c + e]) + (a[2] * x2[c + e] + a[3] * x3[c + e]);
+    for (; c < d; c++) y[c] += (a[0] * x0[c] + a[1] * x1[c]) + (a[2] * x2[c] + a[3] * x3[c]);
+}
+static inline @T@ dot_@S@(const @T@ *restrict x, const @T@ *restrict y, int d) {
+    @T@ acc[16] = {0};
+    int c = 0;
+    for (; c + 16 <= d; c += 16) for (int e = 0; e < 16; e++) acc[e] += x[c + e] * y[c + e];
+    @T@ s = 0;
+    for (int e = 0; e < 16; e++) s += acc[e];
+    for (; c < d; c++) s += x[c] * y[c];
+    return s;
+}
+/* h [N,d] and alpha [n(+1), N] of one mix over sources 0..n-1 of values [cap,N,d] (slot-major), logits
+   dots[i, col, t] * inv_rms[i, t] (dots [cap,M,N]), plus an optional partial source pf [N,d] with logit
+   plogit [N] (alpha's last row). Two-phase (P != NULL): the sources below n0 enter as P [N, p_stride] rows,
+   their softmax numerator sum taken at the max mu [N] of their logits: h = exp(mu - max)/sum * P + ... */
+int bank_mix_forward_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms, const @T@ *restrict dots,
+                         long N, int d, int M, int n, int col, const @T@ *restrict plogit,
+                         const @T@ *restrict pf, int n0, const @T@ *restrict mu, const @T@ *restrict P,
+                         long p_stride, @T@ *restrict h, @T@ *restrict alpha, int threads) {
+    long tiles = (N + BT - 1) / BT;
+    int na = n + (pf != 0);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long tile = 0; tile < tiles; tile++) {
+        long t0 = tile * BT;
+        int cnt = N - t0 < BT ? (int)(N - t0) : BT;
+        @T@ mx[BT], s[BT];
+        for (int b = 0; b < BT; b++) mx[b] = -INFINITY;
+        for (int i = 0; i < n; i++) {
+            const @T@ *restrict dr = dots + ((long)i * M + col) * N + t0;
+            const @T@ *restrict rr = inv_rms + (long)i * N + t0;
+            @T@ *restrict ar = alpha + (long)i * N + t0;
+            for (int b = 0; b < cnt; b++) { @T@ l = dr[b] * rr[b]; ar[b] = l; mx[b] = l > mx[b] ? l : mx[b]; }
+        }
+        if (pf) {
+            @T@ *restrict ar = alpha + (long)n * N + t0;
+            for (int b = 0; b < cnt; b++) { @T@ l = plogit[t0 + b]; ar[b] = l; mx[b] = l > mx[b] ? l : mx[b]; }
+        }
+        for (int b = 0; b < BT; b++) s[b] = 0;
+        for (int i = 0; i < na; i++) {
+            @T@ *restrict ar = alpha + (long)i * N + t0;
+            for (int b = 0; b < cnt; b++) { @T@ e = @EXP@(ar[b] - mx[b]); ar[b] = e; s[b] += e; }
+        }
+        for (int b = 0; b < cnt; b++) s[b] = 1 / s[b];
+        for (int i = 0; i < na; i++) {
+            @T@ *restrict ar = alpha + (long)i * N + t0;
+            for (int b = 0; b < cnt; b++) ar[b] *= s[b];
+        }
+        @T@ *restrict ht = h + t0 * d;
+        if (P) {
+            for (int b = 0; b < cnt; b++) {
+                @T@ c = @EXP@(mu[t0 + b] - mx[b]) * s[b];
+                const @T@ *restrict pr = P + (t0 + b) * p_stride;
+                for (int k = 0; k < d; k++) ht[b * d + k] = c * pr[k];
+            }
+        } else {
+            memset(ht, 0, sizeof(@T@) * cnt * d);
+        }
+        for (int i = n0; i < na; i++) {
+            const @T@ *restrict vr = i < n ? values + ((long)i * N + t0) * d : pf + t0 * d;
+            const @T@ *restrict ar = alpha + (long)i * N + t0;
+            for (int b = 0; b < cnt; b++) {
+                axpy_@S@(ht + b * d, ar[b], vr + b * d, d);
+            }
+        }
+    }
+    return 0;
+}
+
+/* The two-phase prefix of a group of G mixers (columns cols) over sources 0..n0-1: mu [G,N] = the max over i
+   of logit_gi = dots[i, col_g] * inv_rms[i], P [N,G,d] = sum_i exp(logit_gi - mu_g) v_i. 1 on failure. */
+int bank_prefix_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms, const @T@ *restrict dots,
+                    long N, int d, int M, int n0, int G, const long *cols, @T@ *restrict mu, @T@ *restrict P,
+                    int threads) {
+    long tiles = (N + BT - 1) / BT;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        @T@ *w = malloc(sizeof(@T@) * 4 * G * BT);
+        if (!w) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (long tile = 0; tile < tiles; tile++) {
+            if (!w) continue;
+            long t0 = tile * BT;
+            int cnt = N - t0 < BT ? (int)(N - t0) : BT;
+            for (int g = 0; g < G; g++) {
+                @T@ *restrict mg = mu + (long)g * N + t0;
+                for (int b = 0; b < cnt; b++) mg[b] = -INFINITY;
+                for (int i = 0; i < n0; i++) {
+                    const @T@ *restrict dr = dots + ((long)i * M + cols[g]) * N + t0;
+                    const @T@ *restrict rr = inv_rms + (long)i * N + t0;
+                    for (int b = 0; b < cnt; b++) { @T@ l = dr[b] * rr[b]; mg[b] = l > mg[b] ? l : mg[b]; }
+                }
+            }
+            memset(P + t0 * G * d, 0, sizeof(@T@) * cnt * G * d);
+            for (int i0 = 0; i0 < n0; i0 += 4) {  /* four sources per read-modify-write of P (fewer at the end) */
+                int ni = n0 - i0 < 4 ? n0 - i0 : 4;
+                for (int q = 0; q < ni; q++) {
+                    const @T@ *restrict rr = inv_rms + (long)(i0 + q) * N + t0;
+                    for (int g = 0; g < G; g++) {
+                        const @T@ *restrict dr = dots + ((long)(i0 + q) * M + cols[g]) * N + t0;
+                        const @T@ *restrict mg = mu + (long)g * N + t0;
+                        @T@ *restrict wq = w + ((long)q * G + g) * BT;
+                        for (int b = 0; b < cnt; b++) wq[b] = @EXP@(dr[b] * rr[b] - mg[b]);
+                    }
+                }
+                const @T@ *restrict v0 = values + ((long)i0 * N + t0) * d;
+                for (int b = 0; b < cnt; b++) {
+                    @T@ *restrict pt = P + (t0 + b) * G * d;
+                    long o = (long)b * d;
+                    for (int g = 0; g < G; g++) {
+                        if (ni == 4) {
+                            @T@ a[4] = {w[g * BT + b], w[(G + g) * BT + b], w[(2 * G + g) * BT + b], w[(3 * G + g) * BT + b]};
+                            axpy4_@S@(pt + g * d, a, v0 + o, v0 + N * d + o, v0 + 2 * N * d + o, v0 + 3 * N * d + o, d);
+                        } else {
+                            for (int q = 0; q < ni; q++) axpy_@S@(pt + g * d, w[((long)q * G + g) * BT + b], v0 + q * N * d + o, d);
+                        }
+                    }
+                }
+            }
+        }
+        free(w);
+    }
+    return failed;
+}
+
+/* Add K recorded mixes' contributions to sources lo..hi-1: mix k (output gradient grads[k] [N,d], rho[k] [N]
+   = g . h, weights alpha[k] [n_k, N], column cols[k]) gives dalpha = g . v_i, dlogit = alpha (dalpha - rho),
+   gv[i] += alpha g, gdots[i, col] += dlogit * inv_rms[i], ginv[i] += dlogit * dots[i, col]; mixes in order. */
+int bank_flush_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms, const @T@ *restrict dots,
+                   long N, int d, int M, int lo, int hi, int K, const long *grads, const long *weights,
+                   const long *rhos, const long *cols, @T@ *restrict gv, @T@ *restrict gdots,
+                   @T@ *restrict ginv, int threads) {
+    long tiles = (N + BT - 1) / BT;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long tile = 0; tile < tiles; tile++) {
+        long t0 = tile * BT;
+        int cnt = N - t0 < BT ? (int)(N - t0) : BT;
+        for (int i = lo; i < hi; i++) {
+            const @T@ *restrict vr = values + ((long)i * N + t0) * d;
+            @T@ *restrict gvr = gv + ((long)i * N + t0) * d;
+            for (int b = 0; b < cnt; b++) {
+                long t = t0 + b, it = (long)i * N + t;
+                const @T@ *restrict v = vr + b * d;
+                @T@ *restrict gvt = gvr + b * d;
+                @T@ r = inv_rms[it], gi = 0;
+                int k = 0;
+                for (; k + 4 <= K; k += 4) {  /* four mixes per pass over v and gv: independent sums */
+                    const @T@ *restrict g0 = (const @T@ *)grads[k] + t * d, *restrict g1 = (const @T@ *)grads[k + 1] + t * d;
+                    const @T@ *restrict g2 = (const @T@ *)grads[k + 2] + t * d, *restrict g3 = (const @T@ *)grads[k + 3] + t * d;
+                    @T@ a[4], da[4] = {0, 0, 0, 0};
+                    for (int q = 0; q < 4; q++) a[q] = ((const @T@ *)weights[k + q])[it];
+                    for (int c = 0; c < d; c++) {
+                        @T@ x = v[c];
+                        da[0] += g0[c] * x; da[1] += g1[c] * x; da[2] += g2[c] * x; da[3] += g3[c] * x;
+                    }
+                    for (int c = 0; c < d; c++) gvt[c] += (a[0] * g0[c] + a[1] * g1[c]) + (a[2] * g2[c] + a[3] * g3[c]);
+                    for (int q = 0; q < 4; q++) {
+                        @T@ dl = a[q] * (da[q] - ((const @T@ *)rhos[k + q])[t]);
+                        long o = ((long)i * M + cols[k + q]) * N + t;
+                        gdots[o] += dl * r;
+                        gi += dl * dots[o];
+                    }
+                }
+                for (; k < K; k++) {
+                    const @T@ *restrict g = (const @T@ *)grads[k] + t * d;
+                    @T@ a = ((const @T@ *)weights[k])[it];
+                    @T@ dl = a * (dot_@S@(g, v, d) - ((const @T@ *)rhos[k])[t]);
+                    axpy_@S@(gvt, a, g, d);
+                    long o = ((long)i * M + cols[k]) * N + t;
+                    gdots[o] += dl * r;
+                    gi += dl * dots[o];
+                }
+                ginv[it] += gi;
+            }
+        }
+    }
+    return 0;
+}
+"""
+_BANK_SOURCE = _CONNECTOR_HEAD + "#define BT 128\n" + "".join(
+    _BANK_TEMPLATE.replace("@T@", t).replace("@S@", s).replace("@EXP@", e)
+    for t, s, e in (("float", "f32", "exp_f32"), ("double", "f64", "exp")))
+
 _LIBRARIES = {  # name: (source, flag sets in order of preference: the first that builds is used)
     "sinkhorn": (_SOURCE, [_FLAGS]),
     # the connector kernels split their token loops over torch's intra-op threads with OpenMP (the
     # libgomp torch itself loads); without it they build and run on one thread; a compiler that lacks
     # the x86 / vectorising flags gets plain -O3 (same results up to rounding, slower)
     "connector": (_CONNECTOR_SOURCE, [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]]),
+    "bank": (_BANK_SOURCE, [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]]),
 }
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
@@ -600,6 +810,10 @@ def _signatures(name: str, scalar) -> dict[str, list]:
     if name == "sinkhorn":
         return {"sinkhorn_forward": [_P, _P, _L, _I, _I, _I, scalar],
                 "sinkhorn_backward": [_P, _P, _P, _L, _I, _I, _I, scalar]}
+    if name == "bank":
+        return {"bank_mix_forward": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _L, _P, _P, _I],
+                "bank_prefix": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
+                "bank_flush": [_P, _P, _P, _L, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I]}
     return {"hc_connect_forward": [_P, _P, _P, _P, _L, _I, _I, scalar, _P, _P, _P, _P, _P, _I],
             "hc_connect_backward": [_P] * 9 + [_L, _I, _I] + [_P] * 4 + [_I],
             "mhc_connect_forward": [_P] * 6 + [_L, _I, _I, scalar, _I, _I, scalar] + [_P] * 4 + [_I],
@@ -811,3 +1025,57 @@ def mhc_connect_backward(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, 
                                       torch.finfo(H.dtype).tiny, *(g.data_ptr() for g in grads), torch.get_num_threads()):
         raise MemoryError("mHC connector CPU kernel: out of memory")
     return tuple(grads)
+
+
+def bank_usable(values: torch.Tensor) -> bool:
+    """Whether the depth-bank kernels take a bank whose buffers have `values`' dtype and device: float32/
+    float64 on CPU, and the library built."""
+    return _cpu_float((values,)) and library("bank") is not None
+
+
+def bank_mix_forward(values, inv_rms, dots, n: int, col: int, partial=None, partial_logit=None, prefix=None):
+    """(h [N,d], alpha [n(+1), N]) of one depth mix over the first n sources of a bank (values [cap,N,d],
+    inv_rms [cap,N], dots [cap,M,N]; contiguous) with logits dots[i, col] * inv_rms[i], plus an optional
+    partial source [N,d] with its logit [N] (alpha's last row). prefix = (n0, mu [N], P [N,d] rows, may be
+    strided): the two-phase mix, sources below n0 entering through P (bankops.DepthBank.prefix_mix)."""
+    N, d, M = values.shape[1], values.shape[2], dots.shape[1]
+    h = values.new_empty(N, d)
+    alpha = values.new_empty(n + (partial is not None), N)
+    n0, mu, P = prefix if prefix is not None else (0, None, None)
+    if P is not None:
+        assert P.stride(1) == 1 and mu.is_contiguous()
+    ptr = (lambda x: None if x is None else x.data_ptr())
+    _bank_fn("bank_mix_forward", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n, col,
+                                         ptr(partial_logit), ptr(partial), n0, ptr(mu), ptr(P),
+                                         0 if P is None else P.stride(0), h.data_ptr(), alpha.data_ptr(),
+                                         torch.get_num_threads())
+    return h, alpha
+
+
+def bank_prefix(values, inv_rms, dots, n0: int, cols: list[int]):
+    """(mu [G,N], P [N,G,d]): the two-phase prefix of the G mixers `cols` over the first n0 sources of a bank
+    (bankops.DepthBank.prefix_mix): mu = max_i logit, P = Σ_i exp(logit_i - mu) v_i."""
+    N, d, M = values.shape[1], values.shape[2], dots.shape[1]
+    G = len(cols)
+    mu, P = values.new_empty(G, N), values.new_empty(N, G, d)
+    table = torch.tensor(cols, dtype=torch.long)
+    if _bank_fn("bank_prefix", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n0, G,
+                                       table.data_ptr(), mu.data_ptr(), P.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("AttnRes bank CPU kernel: out of memory")
+    return mu, P
+
+
+def bank_flush(values, inv_rms, dots, lo: int, hi: int, grads, weights, rhos, cols, gv, gdots, ginv) -> None:
+    """Add the contributions of K recorded mixes (output gradients grads k x [N,d], rho = g·h k x [N],
+    softmax weights k x [n_k, N] with n_k >= hi, mixer columns) to the gradients of sources lo..hi-1:
+    gv [cap,N,d], gdots [cap,M,N], ginv [cap,N] (in place; all contiguous, the bank's dtype)."""
+    N, d, M = values.shape[1], values.shape[2], dots.shape[1]
+    table = torch.tensor([[x.data_ptr() for x in xs] for xs in (grads, weights, rhos)] + [list(cols)], dtype=torch.long)
+    K = len(cols)
+    _bank_fn("bank_flush", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, lo, hi, K,
+                                   table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), table[3].data_ptr(),
+                                   gv.data_ptr(), gdots.data_ptr(), ginv.data_ptr(), torch.get_num_threads())
+
+
+def _bank_fn(name: str, t: torch.Tensor):
+    return getattr(library("bank"), f"{name}_{_SUFFIX[t.dtype]}")
