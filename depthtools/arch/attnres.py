@@ -154,9 +154,12 @@ class AttnResScheme(ResidualScheme):
         self.attn_res = nn.ModuleList(DepthMixer(d, eps) for _ in range(L - 1))  # consumes block b's output
         self.final_res = DepthMixer(d, eps)  # consumes block L-1's output
         self.hook_attnres_weights_final = HookPoint()  # [B,T,n]
-        self._mixers: list[DepthMixer] = [*self.attn_res, self.final_res]  # + each block's mlp_res
-        for column, mixer in enumerate(self._mixers):
-            mixer.column = column
+        # bank columns in the intact model's sublayer order: sublayer s (1..2L, 2L = the final mix) mixes
+        # with column s - 1, so the mixers reading a source are a suffix of the columns (bankops.source_grad)
+        self._mixers: list[DepthMixer | None] = [None] * (2 * L)
+        for b, mixer in enumerate([*self.attn_res, self.final_res]):
+            mixer.column = 2 * b + 1  # attn_res[b] mixes at sublayer 2(b+1); final_res at 2L
+            self._mixers[mixer.column] = mixer
         # bank slots: the embedding + every block boundary (Full: every sublayer but the last)
         self.capacity = 2 + (2 * L) // block_size
         self._grad_pool = BufferPool()  # the banks' gradient buffers, reused from one backward to the next
@@ -166,8 +169,8 @@ class AttnResScheme(ResidualScheme):
         d, eps = self.cfg.d_model, self.cfg.norm_eps
         block.attn_norm, block.mlp_norm = RMSNorm(d, eps), RMSNorm(d, eps)
         block.mlp_res = DepthMixer(d, eps)
-        block.mlp_res.column = len(self._mixers)
-        self._mixers.append(block.mlp_res)
+        block.mlp_res.column = 2 * block.index  # block b's MLP is sublayer 2b + 1
+        self._mixers[block.mlp_res.column] = block.mlp_res
         for name in ("attn", "mlp"):
             setattr(block, f"hook_attnres_weights_{name}", HookPoint())  # [B,T,n]
             setattr(block, f"hook_{name}_in", HookPoint())  # [B,T,d]
@@ -334,14 +337,14 @@ class AttnResScheme(ResidualScheme):
         return bank, handle
 
     def _mix_groups(self) -> MixGroups:
-        """The two-phase groups (bankops), from the intact model's mixes: sublayer s of block b mixes
-        over 1 + floor(s/S) banked sources with column b-1 (attention, b ≥ 1) or L+b (MLP); the
-        final mix over 1 + floor((2L-1)/S) with column L-1."""
+        """The two-phase groups (bankops), from the intact model's mixes: sublayer s (1..2L-1) mixes
+        over 1 + floor(s/S) banked sources with column s - 1; the final mix over 1 + floor((2L-1)/S)
+        with column 2L - 1."""
         groups = self.__dict__.get("_groups")
         if groups is None:
             L, S = self.cfg.n_layer, self.block_size
-            mixes = [(b - 1 if s % 2 == 0 else L + b, 1 + s // S) for s in range(1, 2 * L) for b in (s // 2,)]
-            groups = self.__dict__["_groups"] = MixGroups(mixes + [(L - 1, 1 + (2 * L - 1) // S)])
+            mixes = [(s - 1, 1 + s // S) for s in range(1, 2 * L)]
+            groups = self.__dict__["_groups"] = MixGroups(mixes + [(2 * L - 1, 1 + (2 * L - 1) // S)])
         return groups
 
     def _scale(self, source: torch.Tensor) -> torch.Tensor:

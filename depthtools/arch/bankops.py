@@ -143,7 +143,7 @@ def bank_logits(query: torch.Tensor, sources: tuple[torch.Tensor, ...], scales: 
 # First-order only; the mixes' weights are not hookable here (the scheme uses the per-source
 # functions above when a weights hook is attached).
 
-FLUSH_AT = 8  # pending mixes that trigger a bulk flush (~4 passes over the sources it covers; see RESULTS.md)
+FLUSH_AT = 12  # pending mixes that trigger a bulk flush (~4 passes over the sources it covers; see RESULTS.md)
 TWO_PHASE_FROM = 6  # mixes over fewer banked sources are not grouped (tuned: RESULTS.md)
 TWO_PHASE_GROUP = 16  # mixers per group (one [N,G,n0] x [N,n0,d] batched matmul; tuned: RESULTS.md)
 GROUPS_KEPT = 2  # computed groups a bank keeps (a lens readout and the next step share one)
@@ -271,9 +271,14 @@ class DepthBank:
         gv, gdots, ginv = self.grad_values[j], self.grad_dots[j], self.grad_inv_rms[j]
         vf = v.reshape(-1, v.shape[-1]).to(gv.dtype)
         r = self.inv_rms[j]
-        grad = torch.addmm(gv, gdots.t(), self.queries.to(gv.dtype))  # through the dots v · q_m
+        # only the columns of mixes that read v_j have dot gradients: from the lowest on (the scheme numbers
+        # columns in sublayer order, so in the intact model that is a suffix, about half the columns)
+        lo = min((rec.col for rec in self.records if rec.n > j and rec.grad is not None), default=len(gdots))
+        queries = self.queries.to(gv.dtype)
+        grad = torch.addmm(gv, gdots[lo:].t(), queries[lo:])  # through the dots v · q_m
         grad.addcmul_(vf, inverse_rms_derivative(ginv, r, vf.shape[-1]).unsqueeze(1))  # through r = 1/rms(v)
-        grad_q = gdots @ vf  # [M,d]
+        grad_q = queries.new_zeros(queries.shape)  # [M,d]
+        torch.mm(gdots[lo:], vf, out=grad_q[lo:])
         if j == 0:  # the backward pass is complete: forget the mixes' gradients
             for rec in self.records:
                 rec.grad = rec.rho = None
@@ -291,8 +296,7 @@ class _Push(torch.autograd.Function):
         j = bank.fill
         vf = v.reshape(-1, v.shape[-1])
         bank.values[j] = vf
-        r = bank.inv_rms[j]
-        fused_inverse_rms(vf, bank.eps, out=r)
+        fused_inverse_rms(vf, bank.eps, out=bank.inv_rms[j])
         torch.mm(queries.to(vf.dtype), vf.t(), out=bank.dots[j])  # [M,N]
         bank.fill = j + 1
         ctx.bank, ctx.j = bank, j

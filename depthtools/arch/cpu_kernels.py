@@ -192,8 +192,10 @@ _CONNECTOR_HEAD = r"""#include <math.h>
 #ifdef _OPENMP
 #include <omp.h>
 #define THREAD_ID omp_get_thread_num()
+#define NUM_THREADS omp_get_num_threads()
 #else
 #define THREAD_ID 0
+#define NUM_THREADS 1
 #endif
 
 /* Tokens per chunk of a backward's parameter-gradient sums: a multiple of 64 giving at most MAX_CHUNKS
@@ -628,53 +630,73 @@ int bank_mix_forward_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms
                          long N, int d, int M, int n, int col, const @T@ *restrict plogit,
                          const @T@ *restrict pf, int n0, const @T@ *restrict mu, const @T@ *restrict P,
                          long p_stride, @T@ *restrict h, @T@ *restrict alpha, int threads) {
-    long tiles = (N + BT - 1) / BT;
-    int na = n + (pf != 0);
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long tile = 0; tile < tiles; tile++) {
-        long t0 = tile * BT;
-        int cnt = N - t0 < BT ? (int)(N - t0) : BT;
-        @T@ mx[BT], s[BT];
-        for (int b = 0; b < BT; b++) mx[b] = -INFINITY;
-        for (int i = 0; i < n; i++) {
-            const @T@ *restrict dr = dots + ((long)i * M + col) * N + t0;
-            const @T@ *restrict rr = inv_rms + (long)i * N + t0;
-            @T@ *restrict ar = alpha + (long)i * N + t0;
-            for (int b = 0; b < cnt; b++) { @T@ l = dr[b] * rr[b]; ar[b] = l; mx[b] = l > mx[b] ? l : mx[b]; }
+    int na = n + (pf != 0), failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        /* each thread a contiguous token range: the softmax runs row by row over it (long sequential
+           reads of the dots, 1/rms and alpha rows), the weighted sum in tiles of BT tokens */
+        long per = ((N + NUM_THREADS - 1) / NUM_THREADS + 15) / 16 * 16;
+        long ta = THREAD_ID * per, tb = ta + per < N ? ta + per : N, len = tb - ta;
+        @T@ *mx = len > 0 ? malloc(sizeof(@T@) * 2 * len) : 0;
+        if (len > 0 && !mx) {
+            #pragma omp atomic write
+            failed = 1;
         }
-        if (pf) {
-            @T@ *restrict ar = alpha + (long)n * N + t0;
-            for (int b = 0; b < cnt; b++) { @T@ l = plogit[t0 + b]; ar[b] = l; mx[b] = l > mx[b] ? l : mx[b]; }
-        }
-        for (int b = 0; b < BT; b++) s[b] = 0;
-        for (int i = 0; i < na; i++) {
-            @T@ *restrict ar = alpha + (long)i * N + t0;
-            for (int b = 0; b < cnt; b++) { @T@ e = @EXP@(ar[b] - mx[b]); ar[b] = e; s[b] += e; }
-        }
-        for (int b = 0; b < cnt; b++) s[b] = 1 / s[b];
-        for (int i = 0; i < na; i++) {
-            @T@ *restrict ar = alpha + (long)i * N + t0;
-            for (int b = 0; b < cnt; b++) ar[b] *= s[b];
-        }
-        @T@ *restrict ht = h + t0 * d;
-        if (P) {
-            for (int b = 0; b < cnt; b++) {
-                @T@ c = @EXP@(mu[t0 + b] - mx[b]) * s[b];
-                const @T@ *restrict pr = P + (t0 + b) * p_stride;
-                for (int k = 0; k < d; k++) ht[b * d + k] = c * pr[k];
+        if (mx) {
+            @T@ *s = mx + len;
+            for (long t = 0; t < len; t++) { mx[t] = -INFINITY; s[t] = 0; }
+            for (int i = 0; i < na; i++) {
+                @T@ *restrict ar = alpha + (long)i * N + ta;
+                if (i < n) {
+                    const @T@ *restrict dr = dots + ((long)i * M + col) * N + ta;
+                    const @T@ *restrict rr = inv_rms + (long)i * N + ta;
+                    for (long t = 0; t < len; t++) { @T@ l = dr[t] * rr[t]; ar[t] = l; mx[t] = l > mx[t] ? l : mx[t]; }
+                } else {
+                    for (long t = 0; t < len; t++) { @T@ l = plogit[ta + t]; ar[t] = l; mx[t] = l > mx[t] ? l : mx[t]; }
+                }
             }
-        } else {
-            memset(ht, 0, sizeof(@T@) * cnt * d);
-        }
-        for (int i = n0; i < na; i++) {
-            const @T@ *restrict vr = i < n ? values + ((long)i * N + t0) * d : pf + t0 * d;
-            const @T@ *restrict ar = alpha + (long)i * N + t0;
-            for (int b = 0; b < cnt; b++) {
-                axpy_@S@(ht + b * d, ar[b], vr + b * d, d);
+            for (int i = 0; i < na; i++) {
+                @T@ *restrict ar = alpha + (long)i * N + ta;
+                for (long t = 0; t < len; t++) { @T@ e = @EXP@(ar[t] - mx[t]); ar[t] = e; s[t] += e; }
             }
+            for (long t = 0; t < len; t++) s[t] = 1 / s[t];
+            for (int i = 0; i < na; i++) {
+                @T@ *restrict ar = alpha + (long)i * N + ta;
+                for (long t = 0; t < len; t++) ar[t] *= s[t];
+            }
+            for (long t0 = ta; t0 < tb; t0 += BT) {
+                int cnt = tb - t0 < BT ? (int)(tb - t0) : BT;
+                @T@ *restrict ht = h + t0 * d;
+                if (P) {
+                    for (int b = 0; b < cnt; b++) {
+                        long t = t0 + b;
+                        @T@ c = @EXP@(mu[t] - mx[t - ta]) * s[t - ta];
+                        const @T@ *restrict pr = P + t * p_stride;
+                        for (int k = 0; k < d; k++) ht[b * d + k] = c * pr[k];
+                    }
+                } else {
+                    memset(ht, 0, sizeof(@T@) * cnt * d);
+                }
+                int i = n0;
+                for (; i + 4 <= n; i += 4) {  /* four sources per read-modify-write of h */
+                    const @T@ *restrict vr = values + ((long)i * N + t0) * d;
+                    const @T@ *restrict ar = alpha + (long)i * N + t0;
+                    for (int b = 0; b < cnt; b++) {
+                        @T@ a[4] = {ar[b], ar[N + b], ar[2 * N + b], ar[3 * N + b]};
+                        long o = (long)b * d;
+                        axpy4_@S@(ht + o, a, vr + o, vr + N * d + o, vr + 2 * N * d + o, vr + 3 * N * d + o, d);
+                    }
+                }
+                for (; i < na; i++) {
+                    const @T@ *restrict vr = i < n ? values + ((long)i * N + t0) * d : pf + t0 * d;
+                    const @T@ *restrict ar = alpha + (long)i * N + t0;
+                    for (int b = 0; b < cnt; b++) axpy_@S@(ht + b * d, ar[b], vr + b * d, d);
+                }
+            }
+            free(mx);
         }
     }
-    return 0;
+    return failed;
 }
 
 /* The two-phase prefix of a group of G mixers (columns cols) over sources 0..n0-1: mu [G,N] = the max over i
@@ -1045,10 +1067,11 @@ def bank_mix_forward(values, inv_rms, dots, n: int, col: int, partial=None, part
     if P is not None:
         assert P.stride(1) == 1 and mu.is_contiguous()
     ptr = (lambda x: None if x is None else x.data_ptr())
-    _bank_fn("bank_mix_forward", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n, col,
+    if _bank_fn("bank_mix_forward", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n, col,
                                          ptr(partial_logit), ptr(partial), n0, ptr(mu), ptr(P),
                                          0 if P is None else P.stride(0), h.data_ptr(), alpha.data_ptr(),
-                                         torch.get_num_threads())
+                                         torch.get_num_threads()):
+        raise MemoryError("AttnRes bank CPU kernel: out of memory")
     return h, alpha
 
 
