@@ -134,6 +134,7 @@ class AttnResScheme(ResidualScheme):
 
     single_stream = False
     compile_region = "sublayer"  # the depth mixes keep their fused bank (its source count grows with depth)
+    kernel_libraries = ("bank",)
     skip_rules = ("mask", "next-output")
 
     @classmethod
@@ -330,7 +331,7 @@ class AttnResScheme(ResidualScheme):
             return None, None
         queries = torch.stack([m.query * m.key_norm.weight for m in self._mixers])  # [M,d]
         bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.cfg.norm_eps,
-                         fingerprint, self._mix_groups(), self._grad_pool)
+                         fingerprint, self._mix_groups(), self._grad_pool, column_floor=self.block_size)
         handle = None
         for v in sources:
             handle = bank_push(bank, handle, v)

@@ -176,11 +176,15 @@ class DepthBank:
     """One run's sources v_0..v_{fill-1} in append-only buffers (see the section comment)."""
 
     def __init__(self, first: torch.Tensor, queries: torch.Tensor, capacity: int, eps: float, fingerprint,
-                 groups: MixGroups | None = None, pool: BufferPool | None = None):
+                 groups: MixGroups | None = None, pool: BufferPool | None = None, column_floor: int = 0):
         N, d = first.numel() // first.shape[-1], first.shape[-1]
         M = queries.shape[0]
         self.shape, self.eps, self.fingerprint = first.shape, eps, fingerprint
         self.groups = groups  # two-phase groups (None: every mix on its own)
+        # slot j's key dots are formed at push time for columns >= max(0, j * column_floor - 1) only: in the
+        # scheme's sublayer-ordered columns (S = column_floor sublayers per source) the intact model's mixers
+        # that read slot j; a mix with a lower column (a swapped plan) forms the dots it lacks (`_ensure_dots`)
+        self.column_floor = column_floor
         self.pool = BufferPool() if pool is None else pool  # the scheme's reusable gradient buffers
         self.prefix: dict[int, tuple] = {}  # group id -> (μ [G,N], P [N,G,d]), the newest GROUPS_KEPT
         self.queries = queries  # [M,d]: w_m ⊙ gamma_m of every mixer (part of the graph)
@@ -206,6 +210,9 @@ class DepthBank:
         n0 = self.groups.n0[gid]
         if not n0 <= n < n0 + TWO_PHASE_GROUP:
             return None
+        if gid not in self.prefix:
+            for c in self.groups.columns[gid]:
+                self.ensure_dots(c, n0)
         if gid not in self.prefix and self.kernel:
             self.prefix[gid] = cpu_kernels.bank_prefix(self.values, self.inv_rms, self.dots, n0, self.groups.columns[gid])
         elif gid not in self.prefix:
@@ -217,6 +224,19 @@ class DepthBank:
             del self.prefix[next(iter(self.prefix))]
         mu, P = self.prefix[gid]
         return n0, mu[row], P[:, row]
+
+    def dots_from(self, j: int) -> int:
+        """The lowest column whose key dots slot j got at push time (see `column_floor`)."""
+        return max(0, j * self.column_floor - 1)
+
+    def ensure_dots(self, col: int, n: int) -> None:
+        """Form the key dots of column `col` for the slots below n that did not get them at push time."""
+        if not self.column_floor:
+            return
+        first = next((i for i in range(n) if self.dots_from(i) > col), n)
+        if first < n:
+            q = self.queries[col].detach().to(self.values.dtype)
+            self.dots[first:n, col] = self.values[first:n] @ q
 
     def _grads(self):
         """The gradient accumulators, zeroed (the scheme's buffers from the last backward pass when
@@ -297,7 +317,8 @@ class _Push(torch.autograd.Function):
         vf = v.reshape(-1, v.shape[-1])
         bank.values[j] = vf
         fused_inverse_rms(vf, bank.eps, out=bank.inv_rms[j])
-        torch.mm(queries.to(vf.dtype), vf.t(), out=bank.dots[j])  # [M,N]
+        lo = bank.dots_from(j)
+        torch.mm(queries[lo:].to(vf.dtype), vf.t(), out=bank.dots[j, lo:])  # [M-lo,N]
         bank.fill = j + 1
         ctx.bank, ctx.j = bank, j
         ctx.save_for_backward(v)
@@ -334,6 +355,7 @@ class _Mix(torch.autograd.Function):
             p_dot = pf @ q  # [N]
             p_inv = fused_inverse_rms(pf, bank.eps)
             p_logit = p_dot * p_inv
+        bank.ensure_dots(col, n)
         prefix = bank.prefix_mix(col, n)
         if bank.kernel:  # logits, softmax and the weighted sum in one C kernel
             h, alpha = cpu_kernels.bank_mix_forward(bank.values, bank.inv_rms, bank.dots, n, col, pf, p_logit, prefix)

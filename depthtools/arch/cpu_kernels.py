@@ -700,15 +700,18 @@ int bank_mix_forward_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms
 }
 
 /* The two-phase prefix of a group of G mixers (columns cols) over sources 0..n0-1: mu [G,N] = the max over i
-   of logit_gi = dots[i, col_g] * inv_rms[i], P [N,G,d] = sum_i exp(logit_gi - mu_g) v_i. 1 on failure. */
+   of logit_gi = dots[i, col_g] * inv_rms[i], P [N,G,d] = sum_i exp(logit_gi - mu_g) v_i. Tiles of PT tokens:
+   the weights of the whole tile first, then token by token (its G rows of P stay in L1) the sources, four per
+   read-modify-write of P (the tile's sources, weights and P fit in L2). 1 on failure. */
+#define PT 64
 int bank_prefix_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms, const @T@ *restrict dots,
                     long N, int d, int M, int n0, int G, const long *cols, @T@ *restrict mu, @T@ *restrict P,
                     int threads) {
-    long tiles = (N + BT - 1) / BT;
+    long tiles = (N + PT - 1) / PT;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        @T@ *w = malloc(sizeof(@T@) * 4 * G * BT);
+        @T@ *w = malloc(sizeof(@T@) * (long)n0 * G * PT);  /* [i][g][b] */
         if (!w) {
             #pragma omp atomic write
             failed = 1;
@@ -716,8 +719,8 @@ int bank_prefix_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms, con
         #pragma omp for schedule(static)
         for (long tile = 0; tile < tiles; tile++) {
             if (!w) continue;
-            long t0 = tile * BT;
-            int cnt = N - t0 < BT ? (int)(N - t0) : BT;
+            long t0 = tile * PT;
+            int cnt = N - t0 < PT ? (int)(N - t0) : PT;
             for (int g = 0; g < G; g++) {
                 @T@ *restrict mg = mu + (long)g * N + t0;
                 for (int b = 0; b < cnt; b++) mg[b] = -INFINITY;
@@ -727,31 +730,30 @@ int bank_prefix_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms, con
                     for (int b = 0; b < cnt; b++) { @T@ l = dr[b] * rr[b]; mg[b] = l > mg[b] ? l : mg[b]; }
                 }
             }
-            memset(P + t0 * G * d, 0, sizeof(@T@) * cnt * G * d);
-            for (int i0 = 0; i0 < n0; i0 += 4) {  /* four sources per read-modify-write of P (fewer at the end) */
-                int ni = n0 - i0 < 4 ? n0 - i0 : 4;
-                for (int q = 0; q < ni; q++) {
-                    const @T@ *restrict rr = inv_rms + (long)(i0 + q) * N + t0;
+            for (int i = 0; i < n0; i++) {
+                const @T@ *restrict rr = inv_rms + (long)i * N + t0;
+                for (int g = 0; g < G; g++) {
+                    const @T@ *restrict dr = dots + ((long)i * M + cols[g]) * N + t0;
+                    const @T@ *restrict mg = mu + (long)g * N + t0;
+                    @T@ *restrict wr = w + ((long)i * G + g) * PT;
+                    for (int b = 0; b < cnt; b++) wr[b] = @EXP@(dr[b] * rr[b] - mg[b]);
+                }
+            }
+            for (int b = 0; b < cnt; b++) {
+                @T@ *restrict pt = P + (t0 + b) * G * d;
+                const @T@ *restrict vb = values + (t0 + b) * d;  /* source i's row: vb + i N d */
+                memset(pt, 0, sizeof(@T@) * G * d);
+                int i = 0;
+                for (; i + 4 <= n0; i += 4) {
+                    const @T@ *restrict wi = w + (long)i * G * PT + b;
                     for (int g = 0; g < G; g++) {
-                        const @T@ *restrict dr = dots + ((long)(i0 + q) * M + cols[g]) * N + t0;
-                        const @T@ *restrict mg = mu + (long)g * N + t0;
-                        @T@ *restrict wq = w + ((long)q * G + g) * BT;
-                        for (int b = 0; b < cnt; b++) wq[b] = @EXP@(dr[b] * rr[b] - mg[b]);
+                        @T@ a[4] = {wi[g * PT], wi[(G + g) * PT], wi[(2 * G + g) * PT], wi[(3 * G + g) * PT]};
+                        axpy4_@S@(pt + g * d, a, vb + i * N * d, vb + (i + 1) * N * d, vb + (i + 2) * N * d,
+                                  vb + (i + 3) * N * d, d);
                     }
                 }
-                const @T@ *restrict v0 = values + ((long)i0 * N + t0) * d;
-                for (int b = 0; b < cnt; b++) {
-                    @T@ *restrict pt = P + (t0 + b) * G * d;
-                    long o = (long)b * d;
-                    for (int g = 0; g < G; g++) {
-                        if (ni == 4) {
-                            @T@ a[4] = {w[g * BT + b], w[(G + g) * BT + b], w[(2 * G + g) * BT + b], w[(3 * G + g) * BT + b]};
-                            axpy4_@S@(pt + g * d, a, v0 + o, v0 + N * d + o, v0 + 2 * N * d + o, v0 + 3 * N * d + o, d);
-                        } else {
-                            for (int q = 0; q < ni; q++) axpy_@S@(pt + g * d, w[((long)q * G + g) * BT + b], v0 + q * N * d + o, d);
-                        }
-                    }
-                }
+                for (; i < n0; i++)
+                    for (int g = 0; g < G; g++) axpy_@S@(pt + g * d, w[((long)i * G + g) * PT + b], vb + i * N * d, d);
             }
         }
         free(w);
@@ -919,6 +921,17 @@ def library(name: str = "sinkhorn") -> ctypes.CDLL | None:
     return _libs[name]
 
 
+def prebuild(*names: str) -> None:
+    """Start building these libraries in the background (a model that uses them is being built): the C
+    compiler then runs beside the model's first steps or inductor's compilation instead of before the
+    first kernel call, which waits for it (`library` builds under a lock). Cached builds load at once."""
+    for name in names:
+        if name not in _libs and name not in _prebuilding:
+            _prebuilding.add(name)
+            threading.Thread(target=library, args=(name,), daemon=True, name=f"depthtools-build-{name}").start()
+
+
+_prebuilding: set[str] = set()
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 

@@ -833,6 +833,7 @@ class HyperScheme(ResidualScheme):
     single_stream = False
     skip_rules = ("identity", "branch")
     compile_region = "step"  # under torch.compile the connectors take their plain-autograd references
+    kernel_libraries = ("connector",)
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:
