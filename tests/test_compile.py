@@ -424,3 +424,56 @@ def test_connector_kernels_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_bank_kernels_do_not_depend_on_the_thread_count():
+    """AttnRes' bank kernels (mix, two-phase prefix, flush) split tokens over torch's intra-op threads;
+    every token's arithmetic is the same whatever the split: 1 and 3 threads give bit-identical results."""
+    from depthtools.arch import cpu_kernels
+
+    if cpu_kernels.library("bank") is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(0)
+    cap, N, d, M = 9, 700, 24, 5
+    values, inv = torch.randn(cap, N, d, generator=gen), torch.rand(cap, N, generator=gen) + 0.5
+    dots = torch.randn(cap, M, N, generator=gen)
+    grads = [torch.randn(N, d, generator=gen) for _ in range(5)]
+    weights = [torch.rand(cap, N, generator=gen) for _ in range(5)]
+    rhos = [torch.randn(N, generator=gen) for _ in range(5)]
+    partial, p_logit = torch.randn(N, d, generator=gen), torch.randn(N, generator=gen)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            mu, P = cpu_kernels.bank_prefix(values, inv, dots, 6, [1, 3, 4])
+            mixed = cpu_kernels.bank_mix_forward(values, inv, dots, 8, 3, partial, p_logit, (6, mu[1], P[:, 1]))
+            sums = [torch.zeros_like(values), torch.zeros_like(dots), torch.zeros_like(inv)]
+            cpu_kernels.bank_flush(values, inv, dots, 0, cap, grads, weights, rhos, [0, 2, 2, 4, 1], *sums)
+            results.append([mu, P, *mixed, *sums])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_schemes_build_their_kernel_libraries_in_the_background(monkeypatch):
+    """A model whose fused path uses C kernels starts building them when it is constructed (the compiler
+    then runs beside the first steps); the reference path (fused=False) and other schemes build nothing."""
+    import threading
+
+    from depthtools.arch import cpu_kernels
+
+    asked = []
+    monkeypatch.setattr(cpu_kernels, "prebuild", lambda *names: asked.append(names))
+    for arch, options in (("attnres", {}), ("blockattnres", {}), ("hc", {}), ("mhc", {}), ("preln", {}),
+                          ("attnres", {"fused": False})):
+        _model(arch, **options)
+    assert asked == [("bank",), ("bank",), ("connector",), ("connector",)]
+    monkeypatch.undo()
+    if cpu_kernels._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(cpu_kernels, "_libs", {})  # as in a fresh process
+    monkeypatch.setattr(cpu_kernels, "_prebuilding", set())
+    cpu_kernels.prebuild("bank")
+    for builder in [t for t in threading.enumerate() if t.name == "depthtools-build-bank"]:  # (may be done)
+        builder.join(timeout=120)
+    assert cpu_kernels._libs.get("bank") is not None

@@ -163,12 +163,12 @@ def test_per_source_bank_ops_match_reference():
                          lambda q, *t: reference.bank_logits(q, t[:4], t[4:]), (randn(5, seed=30), *vs, *rs))
 
 
-def bank_mixes(plan, eps=1e-5, groups=None):
+def bank_mixes(plan, eps=1e-5, groups=None, column_floor=0):
     """f(queries [M,d], partial [B,T,d], *sources) -> the stacked mixes of `plan` [(column, sources
     read, with partial)] over one DepthBank (fused: _Push per source, _Mix per mix) and its reference."""
 
     def fused(queries, partial, *sources):
-        bank = bankops.DepthBank(sources[0], queries, len(sources), eps, None, groups)
+        bank = bankops.DepthBank(sources[0], queries, len(sources), eps, None, groups, column_floor=column_floor)
         handles = [None]
         for v in sources:
             handles.append(bankops.bank_push(bank, handles[-1], v))
@@ -208,11 +208,13 @@ def test_depth_bank_push_and_mix_match_reference_and_pass_gradcheck(monkeypatch,
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_depth_bank_kernels_at_uneven_sizes_match_reference(monkeypatch, dtype):
-    """The C kernels' blocked paths: width 37 (two vector chunks and a tail), 300 tokens (two tiles of 128
+    """The C kernels' blocked paths: width 37 (two vector chunks and a tail), 300 tokens (two mix tiles of 128
     and a partial one), 11 sources, flushes of four or more mixes (blocks of four and a rest), a two-phase
     group whose prefix of 6 sources is a block of four and two more, a partial source, and a mixer column
-    used twice. float64: within 1e-12 of the per-source reference; float32: the same inputs rounded,
-    against the reference in float64, within 2e-6 of each tensor's scale."""
+    used twice; slots get key dots at push time only for columns >= slot - 1 (the scheme's `column_floor`),
+    so mixes with lower columns form the rest on demand (tokens 300 also cover the 64-token prefix tiles).
+    float64: within 1e-12 of the per-source reference; float32: the same inputs rounded, against the
+    reference in float64, within 2e-6 of each tensor's scale."""
     if cpu_kernels.library("bank") is None:
         pytest.skip("no C compiler here: the bank takes torch ops")
     monkeypatch.setattr(bankops, "FLUSH_AT", 4)
@@ -220,7 +222,7 @@ def test_depth_bank_kernels_at_uneven_sizes_match_reference(monkeypatch, dtype):
     groups = bankops.MixGroups([(0, 6), (1, 7), (2, 8), (3, 9)])
     plan = [(4, 2, False), (5, 4, True), (0, 6, False), (1, 7, True), (2, 8, False), (3, 9, False),
             (5, 11, False), (4, 10, True), (5, 5, False), (2, 11, False)]
-    fused, ref = bank_mixes(plan, groups=groups)
+    fused, ref = bank_mixes(plan, groups=groups, column_floor=1)
     B, T, d = 3, 100, 37
     inputs = (randn(6, d, seed=0, scale=0.3), randn(B, T, d, seed=1), *(randn(B, T, d, seed=2 + i) for i in range(11)))
     if dtype == torch.float64:
