@@ -2,6 +2,8 @@
 
     optimizer   one AdamW step with random gradients per architecture: PyTorch's CPU default
                 (per-tensor loop) vs foreach vs fused (what `build_optimizer` uses)
+    bank-kernels  Full AttnRes training step with its depth bank on the C kernels of arch/cpu_kernels.py
+                (mix, two-phase prefix, backward flush) and on torch ops
     two-phase   Full AttnRes training step with and without the two-phase mix groups
     grad-pool   Full AttnRes training step with and without the reused bank gradient buffers
     moda-pool   MoDA training step with and without the reused depth K/V and gradient buffers
@@ -17,7 +19,7 @@ to Pre-LN on process CPU time (the trainer's fused AdamW, L=32, d=64, batch 8 x 
 
     python benchmarks/bench_speedups.py optimizer
     python benchmarks/bench_speedups.py sinkhorn connector
-    python benchmarks/bench_speedups.py two-phase grad-pool moda-pool --rounds 15
+    python benchmarks/bench_speedups.py bank-kernels two-phase grad-pool moda-pool --rounds 15
 """
 
 from __future__ import annotations
@@ -38,7 +40,21 @@ from depthtools.arch import DepthModel  # noqa: E402
 from depthtools.arch.bankops import MixGroups  # noqa: E402
 from depthtools.config import ModelConfig  # noqa: E402
 
+def _bank_kernels_off(model) -> None:
+    """Every depth bank of this AttnRes model takes the torch ops instead of the C kernels."""
+    new_bank = model.scheme._new_bank
+
+    def without_kernels(sources):
+        bank, handle = new_bank(sources)
+        if bank is not None:
+            bank.kernel = False
+        return bank, handle
+
+    model.scheme._new_bank = without_kernels
+
+
 SWITCH_OFF = {  # mode -> (architecture, how to switch the feature off on a built model)
+    "bank-kernels": ("attnres", _bank_kernels_off),
     "two-phase": ("attnres", lambda m: m.scheme.__dict__.__setitem__("_groups", MixGroups([]))),
     "grad-pool": ("attnres", lambda m: setattr(m.scheme, "_grad_pool", None)),
     "moda-pool": ("moda", lambda m: setattr(m.scheme, "_slot_pool", None)),

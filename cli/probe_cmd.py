@@ -391,14 +391,14 @@ def routing_command(
     ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
     long_range_k: int = typer.Option(4, "--long-range-k", help="Long-range mass: sources more than k sublayers back."),
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
-    seed: int = SEED, exclude_first: int = EXCLUDE, device: str = DEVICE, recompute: bool = RECOMPUTE,
-    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+    seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
+    recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
 ):
     """Native depth-routing statistics (HC/mHC unfolded weights, AttnRes maps, DenseFormer DWA).
 
     Example: depthtools routing --ckpt hc_L8 --json
     """
-    done = probe(["routing"], ckpt, grid, data, n_tokens, seq_len, split, seed, 8, device, recompute, save,
+    done = probe(["routing"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
                  exclude_first=exclude_first, long_range_k=long_range_k)
 
     def show(model, df):

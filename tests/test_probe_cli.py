@@ -139,7 +139,8 @@ PROBES = ("lens", "ablate", "causal", "similarity", "contrib", "routing", "analy
 
 def test_probe_commands_share_one_option_vocabulary():
     commands = typer.main.get_command(app).commands
-    shared = {"--ckpt", "--grid", "--data", "--n-tokens", "--seq-len", "--split", "--seed", "--device", "--recompute"}
+    shared = {"--ckpt", "--grid", "--data", "--n-tokens", "--seq-len", "--split", "--seed", "--batch-size", "--device",
+              "--recompute"}
     for name in PROBES:
         params = {opt: p for p in commands[name].params for opt in p.opts}
         assert shared <= set(params), (name, shared - set(params))

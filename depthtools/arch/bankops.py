@@ -140,10 +140,16 @@ def bank_logits(query: torch.Tensor, sources: tuple[torch.Tensor, ...], scales: 
 #     full run exactly; sweeps rely on that). A mix outside its group's range (a swapped plan) takes
 #     the one-mix path.
 #
+# On CPU (float32/float64) the three O(L²) loops -- a mix's logits, softmax and weighted sum, a group's
+# two-phase prefix, and a flush -- are C kernels (cpu_kernels.py, library "bank": one pass over each tile of
+# tokens, four sources or mixes per read-modify-write); elsewhere the torch ops below. Slot j's key dots are
+# formed at push time only for the columns its intact readers use (`column_floor`; the scheme numbers columns
+# in sublayer order); a mix with a lower column forms the ones it lacks (`ensure_dots`).
+#
 # First-order only; the mixes' weights are not hookable here (the scheme uses the per-source
 # functions above when a weights hook is attached).
 
-FLUSH_AT = 12  # pending mixes that trigger a bulk flush (~4 passes over the sources it covers; see RESULTS.md)
+FLUSH_AT = 12  # pending mixes that trigger a bulk flush (tuned with the C kernels: RESULTS.md, "Fourth pass")
 TWO_PHASE_FROM = 6  # mixes over fewer banked sources are not grouped (tuned: RESULTS.md)
 TWO_PHASE_GROUP = 16  # mixers per group (one [N,G,n0] x [N,n0,d] batched matmul; tuned: RESULTS.md)
 GROUPS_KEPT = 2  # computed groups a bank keeps (a lens readout and the next step share one)

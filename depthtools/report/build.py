@@ -188,17 +188,24 @@ def _loss_sections(cells_df: pd.DataFrame, cells: list[CellData]) -> list[Sectio
             "panels: a domain whose lines fall with depth benefits from depth.", figures.plot_domain_losses, dom))
 
     training = Section("training-curves", "Training curves", "Loss during training, per architecture.")
-    curves = frames.curves_frame(cells)
-    if curves.empty:
-        training.add(NoteBlock("No training curves (metrics.jsonl) were found.", level="missing"))
-    else:
-        training.add(figure_block(
-            "fig-training-curves", "Training loss vs tokens", "Solid: training loss at each log step; dashed with "
-            "dots: validation loss at each evaluation. Colour = depth (dark shallow → yellow deep). Curves that are "
-            "still falling at the end mean the budget, not the architecture, limits the final loss.",
-            figures.plot_training_curves, curves))
+    curves = _training_curves(
+        cells, "Training loss vs tokens", "Solid: training loss at each log step; dashed with dots: validation loss at "
+        "each evaluation. Colour = depth (dark shallow → yellow deep). Curves that are still falling at the end mean "
+        "the budget, not the architecture, limits the final loss.")
+    training.add(curves)
+    if not isinstance(curves, NoteBlock):
         training.add(_left_out([c.name for c in cells if c.metrics.empty], "metrics.jsonl"))
     return [headline, domains, training]
+
+
+def _training_curves(cells: list[CellData], title: str, caption: str, train_only: bool = False):
+    """The grid's training-curve figure (colour = depth), or a note that no metrics.jsonl was found."""
+    curves = frames.curves_frame(cells)
+    if train_only and "split" in curves:
+        curves = curves[curves["split"] == "train"]
+    if curves.empty:
+        return NoteBlock("No training curves (metrics.jsonl) were found.", level="missing")
+    return figure_block("fig-training-curves", title, caption, figures.plot_training_curves, curves)
 
 
 def _seed_caption(cells_df: pd.DataFrame) -> str:
@@ -362,13 +369,11 @@ def _task_training_section(cells: list[CellData]) -> Section:
     """Training of task-only cells: the answer loss, and the curriculum level each run reached over time."""
     section = Section("training-curves", "Training", "The answer loss during training and the curriculum: a level "
                       "rises by one when the model answers the threshold share of held-out samples at that level.")
-    curves = frames.curves_frame(cells)
-    curves = curves[curves["split"] == "train"] if "split" in curves else curves
-    if curves.empty:
-        return section.add(NoteBlock("No training curves (metrics.jsonl) were found.", level="missing"))
-    section.add(figure_block(
-        "fig-training-curves", "Answer loss vs tokens", "Training loss on the answer tokens and end markers at each "
-        "log step; colour = depth (dark shallow → yellow deep).", figures.plot_training_curves, curves))
+    curves = _training_curves(cells, "Answer loss vs tokens", "Training loss on the answer tokens and end markers "
+                              "at each log step; colour = depth (dark shallow → yellow deep).", train_only=True)
+    section.add(curves)
+    if isinstance(curves, NoteBlock):
+        return section
     levels = frames.curriculum_frame(cells)
     if len(levels):
         section.add(figure_block(
