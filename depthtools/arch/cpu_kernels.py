@@ -864,12 +864,18 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
-def _compile(name: str, source: str, cc: str, flags: list[str]) -> Path:
-    """The shared object of `source` built with `flags` (cached by source, compiler, flags and CPU)."""
+def _kernel_folder() -> Path:
+    """Where built libraries are cached: next to inductor's cache (`compiled.cache_dir`)."""
     from depthtools.arch.compiled import cache_dir
 
+    return cache_dir() / "depthtools_kernels"
+
+
+def _compile(name: str, source: str, cc: str, flags: list[str], folder: Path | None = None) -> Path:
+    """The shared object of `source` built with `flags` (cached by source, compiler, flags and CPU) in
+    `folder` (default `_kernel_folder()`)."""
     key = hashlib.sha256("\0".join([source, cc, *flags, _cpu_key()]).encode()).hexdigest()[:20]
-    folder = cache_dir() / "depthtools_kernels"
+    folder = _kernel_folder() if folder is None else folder
     target = folder / f"{name}-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -881,14 +887,14 @@ def _compile(name: str, source: str, cc: str, flags: list[str]) -> Path:
     return target
 
 
-def _build(name: str) -> ctypes.CDLL | None:
+def _build(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
         return None
     source, flag_sets = _LIBRARIES[name]
     for i, flags in enumerate(flag_sets):
         try:
-            lib = ctypes.CDLL(str(_compile(name, source, cc, flags)))
+            lib = ctypes.CDLL(str(_compile(name, source, cc, flags, folder)))
             break
         except (OSError, subprocess.CalledProcessError):
             if i == len(flag_sets) - 1:
@@ -904,16 +910,16 @@ def _build(name: str) -> ctypes.CDLL | None:
     return lib
 
 
-def library(name: str = "sinkhorn") -> ctypes.CDLL | None:
-    """The built kernel library `name` ("sinkhorn" or "connector"), or None (no compiler, or the
-    build failed: logged once)."""
+def library(name: str = "sinkhorn", folder: Path | None = None) -> ctypes.CDLL | None:
+    """The built kernel library `name` ("sinkhorn", "connector" or "bank"), or None (no compiler, or the
+    build failed: logged once); built in `folder` (default `_kernel_folder()`)."""
     if name in _libs:
         return _libs[name]
     with _lock:
         if name not in _libs:
             lib = None
             try:
-                lib = _build(name)
+                lib = _build(name, folder)
             except (OSError, subprocess.CalledProcessError) as exc:
                 detail = getattr(exc, "stderr", "") or exc
                 logger.warning("%s CPU kernels unavailable (%s); using torch ops", name, str(detail)[:500])
@@ -925,10 +931,13 @@ def prebuild(*names: str) -> None:
     """Start building these libraries in the background (a model that uses them is being built): the C
     compiler then runs beside the model's first steps or inductor's compilation instead of before the
     first kernel call, which waits for it (`library` builds under a lock). Cached builds load at once."""
-    for name in names:
-        if name not in _libs and name not in _prebuilding:
-            _prebuilding.add(name)
-            threading.Thread(target=library, args=(name,), daemon=True, name=f"depthtools-build-{name}").start()
+    todo = [name for name in names if name not in _libs and name not in _prebuilding]
+    if not todo:
+        return
+    folder = _kernel_folder()  # its imports (inductor's config) here: importing in two threads at once can fail
+    for name in todo:
+        _prebuilding.add(name)
+        threading.Thread(target=library, args=(name, folder), daemon=True, name=f"depthtools-build-{name}").start()
 
 
 _prebuilding: set[str] = set()
