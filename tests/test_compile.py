@@ -162,7 +162,8 @@ def test_auto_compiles_long_runs_only(monkeypatch):
 
 def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     """CUDA gets Triton only at compute capability >= 7.0 with Triton installed; no CPU-only kernel
-    (the private CPU flash attention behind MoDA's fused path) is selected for a CUDA tensor."""
+    (the private CPU flash attention behind MoDA's fused path, the HC/mHC connector and AttnRes bank C
+    kernels) is selected for a CUDA or meta tensor."""
     import importlib.util
 
     cuda = torch.device("cuda")
@@ -184,6 +185,12 @@ def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     assert not cpu_kernels.connector_usable(meta) and not hyper._connector_kernel_applies(meta)
     monkeypatch.setattr(compiled, "compiling", lambda: True)
     assert not compiled.connector_op(meta) and compiled.connector_op(torch.empty(8, 4, 16))
+    # AttnRes' bank kernels: a bank on a non-CPU device takes torch ops
+    from depthtools.arch.bankops import DepthBank
+
+    assert not DepthBank(meta, torch.empty(3, 16, device="meta"), 4, 1e-5, None).kernel
+    assert DepthBank(torch.empty(8, 4, 16), torch.empty(3, 16), 4, 1e-5, None).kernel == (
+        cpu_kernels.library("bank") is not None)
 
 
 def test_sinkhorn_op_matches_the_fused_function():

@@ -151,7 +151,7 @@ def bank_logits(query: torch.Tensor, sources: tuple[torch.Tensor, ...], scales: 
 
 FLUSH_AT = 12  # pending mixes that trigger a bulk flush (tuned with the C kernels: RESULTS.md, "Fourth pass")
 TWO_PHASE_FROM = 6  # mixes over fewer banked sources are not grouped (tuned: RESULTS.md)
-TWO_PHASE_GROUP = 16  # mixers per group (one [N,G,n0] x [N,n0,d] batched matmul; tuned: RESULTS.md)
+TWO_PHASE_GROUP = 16  # mixers per group, their prefixes formed in one pass over the sources (tuned: RESULTS.md)
 GROUPS_KEPT = 2  # computed groups a bank keeps (a lens readout and the next step share one)
 
 
@@ -189,7 +189,7 @@ class DepthBank:
         self.groups = groups  # two-phase groups (None: every mix on its own)
         # slot j's key dots are formed at push time for columns >= max(0, j * column_floor - 1) only: in the
         # scheme's sublayer-ordered columns (S = column_floor sublayers per source) the intact model's mixers
-        # that read slot j; a mix with a lower column (a swapped plan) forms the dots it lacks (`_ensure_dots`)
+        # that read slot j; a mix with a lower column (a swapped plan) forms the dots it lacks (`ensure_dots`)
         self.column_floor = column_floor
         self.pool = BufferPool() if pool is None else pool  # the scheme's reusable gradient buffers
         self.prefix: dict[int, tuple] = {}  # group id -> (μ [G,N], P [N,G,d]), the newest GROUPS_KEPT
@@ -217,19 +217,22 @@ class DepthBank:
         if not n0 <= n < n0 + TWO_PHASE_GROUP:
             return None
         if gid not in self.prefix:
-            for c in self.groups.columns[gid]:
-                self.ensure_dots(c, n0)
-        if gid not in self.prefix and self.kernel:
-            self.prefix[gid] = cpu_kernels.bank_prefix(self.values, self.inv_rms, self.dots, n0, self.groups.columns[gid])
-        elif gid not in self.prefix:
-            logits = self.dots[:n0, self.groups.columns[gid]] * self.inv_rms[:n0].unsqueeze(1)  # [n0,G,N]
-            mu = logits.amax(0)  # [G,N]
-            weights = logits.sub_(mu).exp_().permute(2, 1, 0).contiguous()  # [N,G,n0]
-            self.prefix[gid] = mu, torch.bmm(weights, self.values[:n0].transpose(0, 1))  # [N,G,d]
-        while len(self.prefix) > GROUPS_KEPT:
-            del self.prefix[next(iter(self.prefix))]
+            self.prefix[gid] = self._group_prefix(n0, self.groups.columns[gid])
+            while len(self.prefix) > GROUPS_KEPT:
+                del self.prefix[next(iter(self.prefix))]
         mu, P = self.prefix[gid]
         return n0, mu[row], P[:, row]
+
+    def _group_prefix(self, n0: int, cols: list[int]):
+        """(μ [G,N], P [N,G,d]) of the mixers `cols` over the first n0 sources (see the section comment)."""
+        for c in cols:
+            self.ensure_dots(c, n0)
+        if self.kernel:
+            return cpu_kernels.bank_prefix(self.values, self.inv_rms, self.dots, n0, cols)
+        logits = self.dots[:n0, cols] * self.inv_rms[:n0].unsqueeze(1)  # [n0,G,N]
+        mu = logits.amax(0)  # [G,N]
+        weights = logits.sub_(mu).exp_().permute(2, 1, 0).contiguous()  # [N,G,n0]
+        return mu, torch.bmm(weights, self.values[:n0].transpose(0, 1))  # [N,G,d]
 
     def dots_from(self, j: int) -> int:
         """The lowest column whose key dots slot j got at push time (see `column_floor`)."""

@@ -1,6 +1,8 @@
-"""Small C kernels for HC/mHC training on CPU, built on first use with the system C compiler: two
-libraries, "sinkhorn" (mHC's Sinkhorn, below) and "connector" (HC's and mHC's whole connectors, forward
-and backward: see the comment above _CONNECTOR_HEAD, `hc_connect_forward` and `mhc_connect_forward`).
+"""Small C kernels for HC/mHC and AttnRes training on CPU, built with the system C compiler on first use
+(or ahead, in the background, when a model that uses them is constructed: `prebuild`): three libraries,
+"sinkhorn" (mHC's Sinkhorn, below), "connector" (HC's and mHC's whole connectors, forward and backward: see
+the comment above _CONNECTOR_HEAD, `hc_connect_forward` and `mhc_connect_forward`) and "bank" (AttnRes' depth
+bank: a mix, a two-phase prefix, a backward flush; see the comment above _BANK_TEMPLATE).
 
 mHC's Sinkhorn:
 
@@ -21,8 +23,8 @@ tests/test_compile.py compares it with the reference in float64 and float32, val
 
 The Sinkhorn kernel serves the compiled path's opaque op (`compiled.sinkhorn_op`); the connector kernels
 serve both the compiled step's opaque ops (`compiled.hc_connect_op`, `mhc_connect_op`) and the eager
-`hyper._HCConnect` / `_MHCConnect`. Only float32/float64 CPU tensors take them (`usable`,
-`connector_usable`); anything else (CUDA, other dtypes, no C compiler, a failed build) takes torch ops. Each shared object is cached next to inductor's cache
+`hyper._HCConnect` / `_MHCConnect`; the bank kernels serve `bankops.DepthBank` (eager and compiled steps alike).
+Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`); anything else (CUDA, other dtypes, no C compiler, a failed build) takes torch ops. Each shared object is cached next to inductor's cache
 (`compiled.cache_dir()`), keyed by its source, the compiler, its flags and this CPU's flags (-march=native).
 """
 
