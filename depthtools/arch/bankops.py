@@ -242,7 +242,7 @@ class DepthBank:
         """Form the key dots of column `col` for the slots below n that did not get them at push time."""
         if not self.column_floor:
             return
-        first = next((i for i in range(n) if self.dots_from(i) > col), n)
+        first = (col + 1) // self.column_floor + 1  # the lowest slot with dots_from(slot) > col
         if first < n:
             q = self.queries[col].detach().to(self.values.dtype)
             self.dots[first:n, col] = self.values[first:n] @ q

@@ -793,7 +793,7 @@ int bank_flush_@S@(const @T@ *restrict values, const @T@ *restrict inv_rms, cons
                         @T@ x = v[c];
                         da[0] += g0[c] * x; da[1] += g1[c] * x; da[2] += g2[c] * x; da[3] += g3[c] * x;
                     }
-                    for (int c = 0; c < d; c++) gvt[c] += (a[0] * g0[c] + a[1] * g1[c]) + (a[2] * g2[c] + a[3] * g3[c]);
+                    axpy4_@S@(gvt, a, g0, g1, g2, g3, d);
                     for (int q = 0; q < 4; q++) {
                         @T@ dl = a[q] * (da[q] - ((const @T@ *)rhos[k + q])[t]);
                         long o = ((long)i * M + cols[k + q]) * N + t;
@@ -998,8 +998,9 @@ def sinkhorn_backward(z: torch.Tensor, grad: torch.Tensor, t_max: int, first: in
     return out
 
 
-def _fn(name: str, t: torch.Tensor):
-    return getattr(library("connector"), f"{name}_{_SUFFIX[t.dtype]}")
+def _fn(name: str, t: torch.Tensor, lib: str = "connector"):
+    """Kernel `name` of library `lib` for `t`'s scalar type."""
+    return getattr(library(lib), f"{name}_{_SUFFIX[t.dtype]}")
 
 
 def hc_connect_forward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor, eps: float):
@@ -1091,7 +1092,7 @@ def bank_mix_forward(values, inv_rms, dots, n: int, col: int, partial=None, part
     if P is not None:
         assert P.stride(1) == 1 and mu.is_contiguous()
     ptr = (lambda x: None if x is None else x.data_ptr())
-    if _bank_fn("bank_mix_forward", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n, col,
+    if _fn("bank_mix_forward", values, "bank")(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n, col,
                                          ptr(partial_logit), ptr(partial), n0, ptr(mu), ptr(P),
                                          0 if P is None else P.stride(0), h.data_ptr(), alpha.data_ptr(),
                                          torch.get_num_threads()):
@@ -1106,7 +1107,7 @@ def bank_prefix(values, inv_rms, dots, n0: int, cols: list[int]):
     G = len(cols)
     mu, P = values.new_empty(G, N), values.new_empty(N, G, d)
     table = torch.tensor(cols, dtype=torch.long)
-    if _bank_fn("bank_prefix", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n0, G,
+    if _fn("bank_prefix", values, "bank")(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n0, G,
                                        table.data_ptr(), mu.data_ptr(), P.data_ptr(), torch.get_num_threads()):
         raise MemoryError("AttnRes bank CPU kernel: out of memory")
     return mu, P
@@ -1119,10 +1120,6 @@ def bank_flush(values, inv_rms, dots, lo: int, hi: int, grads, weights, rhos, co
     N, d, M = values.shape[1], values.shape[2], dots.shape[1]
     table = torch.tensor([[x.data_ptr() for x in xs] for xs in (grads, weights, rhos)] + [list(cols)], dtype=torch.long)
     K = len(cols)
-    _bank_fn("bank_flush", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, lo, hi, K,
+    _fn("bank_flush", values, "bank")(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, lo, hi, K,
                                    table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), table[3].data_ptr(),
                                    gv.data_ptr(), gdots.data_ptr(), ginv.data_ptr(), torch.get_num_threads())
-
-
-def _bank_fn(name: str, t: torch.Tensor):
-    return getattr(library("bank"), f"{name}_{_SUFFIX[t.dtype]}")
