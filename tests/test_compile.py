@@ -162,8 +162,8 @@ def test_auto_compiles_long_runs_only(monkeypatch):
 
 def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     """CUDA gets Triton only at compute capability >= 7.0 with Triton installed; no CPU-only kernel
-    (the private CPU flash attention behind MoDA's fused path, the HC/mHC connector and AttnRes bank C
-    kernels) is selected for a CUDA or meta tensor."""
+    (the private CPU flash attention behind MoDA's fused path, the MoDA depth-attention, HC/mHC connector and
+    AttnRes bank C kernels) is selected for a CUDA or meta tensor."""
     import importlib.util
 
     cuda = torch.device("cuda")
@@ -191,6 +191,10 @@ def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     assert not DepthBank(meta, torch.empty(3, 16, device="meta"), 4, 1e-5, None).kernel
     assert DepthBank(torch.empty(8, 4, 16), torch.empty(3, 16), 4, 1e-5, None).kernel == (
         cpu_kernels.library("bank") is not None)
+    # MoDA's depth-attention kernels: CPU float32/float64 only (other devices never reach _DepthAttention:
+    # fused_kernel_for above; a CPU half-precision model takes its torch ops)
+    assert not cpu_kernels.moda_usable(meta) and not cpu_kernels.moda_usable(torch.empty(2, dtype=torch.bfloat16))
+    assert cpu_kernels.moda_usable(torch.empty(2)) == (cpu_kernels.library("moda") is not None)
 
 
 def test_sinkhorn_op_matches_the_fused_function():
@@ -462,6 +466,31 @@ def test_bank_kernels_do_not_depend_on_the_thread_count():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def test_moda_kernels_do_not_depend_on_the_thread_count():
+    """MoDA's depth kernels split (kv head, token tile) pairs over the threads and sum slot gradients over the
+    readers in a fixed order: 1 and 3 threads give bit-identical results (GQA, a masked slot, a partial tile)."""
+    from depthtools.arch import cpu_kernels
+
+    if cpu_kernels.library("moda") is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(0)
+    S, Hkv, g, hd, N = 5, 2, 2, 8, 2500
+    K, V = torch.randn(S, Hkv, hd, N, generator=gen), torch.randn(S, Hkv, hd, N, generator=gen)
+    qs, o, dz = (torch.randn(Hkv, g, hd, N, generator=gen) for _ in range(3))
+    lse_seq, invalid = torch.randn(Hkv, g, N, generator=gen), torch.tensor([False, True, False, False, False])
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            z, lse, probs = cpu_kernels.moda_forward(K, V, qs, o, lse_seq, invalid)
+            dqd, ds = cpu_kernels.moda_backward(K, V, z, dz, probs, invalid, 0.3)
+            grads = cpu_kernels.moda_slot_grads([(ds, probs, qs, dz, S), (ds[:3], probs[:3], o, z, 3)], 1, 4)
+            results.append([z, lse, probs, dqd, ds, *grads])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 def test_schemes_build_their_kernel_libraries_in_the_background(monkeypatch):
     """A model whose fused path uses C kernels starts building them when it is constructed (the compiler
     then runs beside the first steps); the reference path (fused=False) and other schemes build nothing."""
@@ -471,10 +500,10 @@ def test_schemes_build_their_kernel_libraries_in_the_background(monkeypatch):
 
     asked = []
     monkeypatch.setattr(cpu_kernels, "prebuild", lambda *names: asked.append(names))
-    for arch, options in (("attnres", {}), ("blockattnres", {}), ("hc", {}), ("mhc", {}), ("preln", {}),
-                          ("attnres", {"fused": False})):
+    for arch, options in (("attnres", {}), ("blockattnres", {}), ("hc", {}), ("mhc", {}), ("moda", {}), ("preln", {}),
+                          ("attnres", {"fused": False}), ("moda", {"fused": False})):
         _model(arch, **options)
-    assert asked == [("bank",), ("bank",), ("connector",), ("connector",)]
+    assert asked == [("bank",), ("bank",), ("connector",), ("connector",), ("moda",)]
     monkeypatch.undo()
     if cpu_kernels._compiler() is None:
         pytest.skip("no C compiler here")

@@ -244,7 +244,7 @@ def test_depth_bank_kernels_at_uneven_sizes_match_reference(monkeypatch, dtype):
 def moda_pair(H=4, Hkv=2, capacity=6, invalid=None):
     """f(q, k, v, q_depth, k0, v0, k1, v1, k2, v2) -> two MoDA attentions: over slots (k0, v0, k1, v1)
     appended to an empty cache (a fresh buffer), then over those + (k2, v2) appended in place (the
-    buffer's newest state), so the second attention's slot gradients use the side channel. The fused
+    buffer's newest state), so the slot gradients come from both readers' records. The fused
     version runs _AppendSlots and _DepthAttention; the reference, concatenation and the joint softmax."""
 
     def run(append, attend):
@@ -262,11 +262,22 @@ def moda_pair(H=4, Hkv=2, capacity=6, invalid=None):
     return fused, run(reference.append_slots, reference.depth_attention)
 
 
+@pytest.fixture(params=["C kernels", "torch ops"])
+def moda_path(request, monkeypatch):
+    """MoDA's depth part through the C kernels (cpu_kernels.moda_*) and through torch ops (other devices and
+    dtypes, or no C compiler)."""
+    if request.param == "torch ops":
+        monkeypatch.setattr(cpu_kernels, "moda_usable", lambda t: False)
+    else:
+        assert cpu_kernels.moda_usable(torch.zeros(1))
+    return request.param
+
+
 @pytest.mark.parametrize("case", ["mha", "gqa", "masked slot"])
-def test_depth_attention_and_append_slots_match_reference_and_pass_gradcheck(case):
-    """_AppendSlots (fresh buffer and in-place append; slot gradients from the attention's side
-    channel and from dense gradients) with _DepthAttention (PyTorch's CPU flash attention merged with
-    the depth softmax): against concatenation + the explicit joint softmax, and gradcheck."""
+def test_depth_attention_and_append_slots_match_reference_and_pass_gradcheck(case, moda_path):
+    """_AppendSlots (fresh buffer and in-place append; slot gradients formed from the readers' records
+    and from dense gradients) with _DepthAttention (PyTorch's CPU flash attention merged with the depth
+    softmax): against concatenation + the explicit joint softmax, and gradcheck."""
     B, T, hd = 1, 3, 4
     H, Hkv = (2, 2) if case == "mha" else (4, 2)
     invalid = torch.tensor([False, True, False]) if case == "masked slot" else None
@@ -277,7 +288,20 @@ def test_depth_attention_and_append_slots_match_reference_and_pass_gradcheck(cas
     assert torch.autograd.gradcheck(fused, inputs)
 
 
-def test_append_slots_copy_on_branch_matches_reference():
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_depth_attention_kernels_match_reference_at_uneven_token_counts(dtype, moda_path):
+    """Token counts that are not a multiple of the kernels' tile (DT = 1024), above and below it, with GQA
+    and a masked slot: values and gradients against the float64 reference (float32 within 1e-4)."""
+    B, T, H, Hkv, hd = 3, 400, 4, 2, 8
+    invalid = torch.tensor([False, False, True])
+    fused, ref = moda_pair(H, Hkv, invalid=invalid)
+    inputs = (randn(B, T, H, hd, seed=0), randn(B, T, Hkv, hd, seed=1), randn(B, T, Hkv, hd, seed=2),
+              randn(B, T, H, hd, seed=3), *(randn(B, T, Hkv, hd, seed=4 + i) for i in range(6)))
+    assert_same_function(lambda *xs: tuple(z.double() for z in fused(*(x.to(dtype) for x in xs))), ref, inputs,
+                         atol=1e-11 if dtype == F64 else 1e-4)
+
+
+def test_append_slots_copy_on_branch_matches_reference(moda_path):
     """Appending to a state that is not its buffer's newest (a sweep branching from a cached state)
     copies the prefix into a fresh buffer; both branches' gradients reach the shared prefix."""
     B, T, H, hd = 1, 2, 2, 4
@@ -393,7 +417,7 @@ def test_fused_model_equals_reference_model_at_training_shapes(arch, options):
 @pytest.mark.parametrize("arch", ["attnres", "moda", "hc"])
 def test_fused_equals_reference_on_sweeps_and_skips(arch):
     """A loss over the full run and two runs from its cached states (a skip and a swap: AttnRes
-    copy-on-branch banks, MoDA copy-on-branch slot buffers whose gradient side channels meet in one
+    copy-on-branch banks, MoDA copy-on-branch slot buffers whose reader records meet in one
     backward) has the reference model's gradients."""
     model = build(arch, n_layer=5, dtype=F64)
     toks = tokens(2, 16)

@@ -821,6 +821,253 @@ _BANK_SOURCE = _CONNECTOR_HEAD + "#define BT 128\n" + "".join(
     _BANK_TEMPLATE.replace("@T@", t).replace("@S@", s).replace("@EXP@", e)
     for t, s, e in (("float", "f32", "exp_f32"), ("double", "f64", "exp")))
 
+
+# MoDA's depth attention (moda._DepthAttention; issue 20, fourth library; figures in RESULTS.md, "Fifth pass"). The
+# depth part of block l reads the same-position K/V of its S = 2l earlier slots: with torch ops a loop of hd
+# multiply-adds per score and S per output, each a pass over [S, Hkv, N] scores or [Hkv, hd, N] outputs, ~1,700
+# small ops per forward; and a backward that added every reader's slot gradients into the buffers of all the
+# slots it read (a read-modify-write of S slots per reader). These kernels read each slot's K and V rows once per
+# tile of DT tokens (forward: scores, softmax joined with the sequence part's log-sum-exp, the weighted sum;
+# backward: score gradients and the depth query's gradient) and form a slot's gradients once, when its writer's
+# backward needs them, from the records its readers left (moda_slot_grads): O(readers) reads, one write.
+_MODA_TEMPLATE = r"""
+/* MoDA's depth part, T = @T@. Layouts (tokens last, N = B*T tokens): slots K, V [S][Hkv][hd][N] (slot
+   stride Hkv*hd*N); per query head (kv head h, group member j) rows [Hkv][g][hd][N] for the scaled depth
+   query qs, the flash output o, z, dz, dqd; [Hkv][g][N] for log-sum-exps; probs [S][Hkv][g][N].
+   Work: (kv head, tile of DT tokens) pairs split over the threads; each tile's rows are copied to
+   contiguous per-thread buffers (the [hd][N] rows are 4 KB apart at N = 1024: read in place they alias
+   in L1), and each slot's K and V rows are read once per tile. invalid [S] (or NULL): masked slots get
+   probability exactly 0. */
+int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *restrict qs,
+                            const @T@ *restrict o, const @T@ *restrict lse_seq, const unsigned char *invalid,
+                            int S, int Hkv, int g, int hd, long N, @T@ *restrict z, @T@ *restrict lse,
+                            @T@ *restrict probs, int threads) {
+    long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
+    long kstride = (long)Hkv * hd * N;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        @T@ *buf = malloc(sizeof(@T@) * ((long)g * hd * DT * 2 + (long)g * S * DT + 2L * g * DT));
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        @T@ *ql = buf, *zl = ql + (long)g * hd * DT, *sc = zl + (long)g * hd * DT, *m = sc + (long)g * S * DT;
+        @T@ *tot = m + (long)g * DT;
+        #pragma omp for schedule(static)
+        for (long w = 0; w < work; w++) {
+            if (!buf) continue;
+            int h = (int)(w / tiles);
+            long t0 = (w % tiles) * DT;
+            int cnt = N - t0 < DT ? (int)(N - t0) : DT;
+            for (int j = 0; j < g; j++) {
+                long row = (long)(h * g + j) * hd;
+                for (int i = 0; i < hd; i++) {
+                    memcpy(ql + ((long)j * hd + i) * DT, qs + (row + i) * N + t0, sizeof(@T@) * cnt);
+                }
+                const @T@ *restrict ls = lse_seq + (long)(h * g + j) * N + t0;
+                for (int b = 0; b < cnt; b++) m[j * DT + b] = ls[b];
+            }
+            for (int s = 0; s < S; s++) {
+                if (invalid && invalid[s]) continue;
+                const @T@ *restrict Ks = K + s * kstride + (long)h * hd * N + t0;
+                for (int j = 0; j < g; j++) {
+                    @T@ *restrict sr = sc + ((long)j * S + s) * DT;
+                    const @T@ *restrict qj = ql + (long)j * hd * DT;
+                    @T@ acc[DT];
+                    for (int b = 0; b < DT; b++) acc[b] = 0;
+                    for (int i = 0; i < hd; i++)
+                        for (int b = 0; b < cnt; b++) acc[b] += Ks[i * N + b] * qj[i * DT + b];
+                    @T@ *restrict mj = m + j * DT;
+                    for (int b = 0; b < cnt; b++) { sr[b] = acc[b]; mj[b] = acc[b] > mj[b] ? acc[b] : mj[b]; }
+                }
+            }
+            for (int j = 0; j < g; j++) {
+                const @T@ *restrict ls = lse_seq + (long)(h * g + j) * N + t0;
+                @T@ *restrict mj = m + j * DT, *restrict tj = tot + j * DT;
+                for (int b = 0; b < cnt; b++) tj[b] = @EXP@(ls[b] - mj[b]);
+                for (int s = 0; s < S; s++) {
+                    if (invalid && invalid[s]) continue;
+                    @T@ *restrict sr = sc + ((long)j * S + s) * DT;
+                    for (int b = 0; b < cnt; b++) { @T@ e = @EXP@(sr[b] - mj[b]); sr[b] = e; tj[b] += e; }
+                }
+                @T@ *restrict lo = lse + (long)(h * g + j) * N + t0;
+                for (int b = 0; b < cnt; b++) { lo[b] = @LOG@(tj[b]) + mj[b]; tj[b] = 1 / tj[b]; }
+                for (int s = 0; s < S; s++) {
+                    @T@ *restrict pr = probs + ((long)(s * Hkv + h) * g + j) * N + t0;
+                    @T@ *restrict sr = sc + ((long)j * S + s) * DT;
+                    if (invalid && invalid[s]) {
+                        for (int b = 0; b < cnt; b++) sr[b] = 0;
+                    } else {
+                        for (int b = 0; b < cnt; b++) sr[b] *= tj[b];
+                    }
+                    memcpy(pr, sr, sizeof(@T@) * cnt);
+                }
+                /* the sequence part's weight exp(lse_seq - lse) times its output */
+                for (int b = 0; b < cnt; b++) mj[b] = @EXP@(ls[b] - mj[b]) * tj[b];
+                long row = (long)(h * g + j) * hd;
+                for (int i = 0; i < hd; i++) {
+                    const @T@ *restrict oi = o + (row + i) * N + t0;
+                    @T@ *restrict zi = zl + ((long)j * hd + i) * DT;
+                    for (int b = 0; b < cnt; b++) zi[b] = mj[b] * oi[b];
+                }
+            }
+            for (int s = 0; s < S; s++) {
+                if (invalid && invalid[s]) continue;
+                const @T@ *restrict Vs = V + s * kstride + (long)h * hd * N + t0;
+                for (int j = 0; j < g; j++) {
+                    const @T@ *restrict p = sc + ((long)j * S + s) * DT;
+                    for (int i = 0; i < hd; i++) {
+                        @T@ *restrict zi = zl + ((long)j * hd + i) * DT;
+                        for (int b = 0; b < cnt; b++) zi[b] += p[b] * Vs[i * N + b];
+                    }
+                }
+            }
+            for (int j = 0; j < g; j++) {
+                long row = (long)(h * g + j) * hd;
+                for (int i = 0; i < hd; i++) memcpy(z + (row + i) * N + t0, zl + ((long)j * hd + i) * DT, sizeof(@T@) * cnt);
+            }
+        }
+        free(buf);
+    }
+    return failed;
+}
+
+/* Backward of moda_forward (the depth part): with dz the output gradient and r = sum_i dz z per query row, slot
+   s's score gradient is ds = p (dz . V_s - r) [S][Hkv][g][N] (masked slots: 0), and dqd = scale * sum_s ds K_s
+   (the gradient of the UNSCALED depth query). Slot gradients are left to moda_slot_grads, which forms them from
+   (ds, probs, qs, dz) of all of a slot's readers at once. */
+int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *restrict z, const @T@ *restrict dz,
+                      const @T@ *restrict probs, const unsigned char *invalid, int S, int Hkv, int g, int hd, long N,
+                      @T@ scale, @T@ *restrict dqd, @T@ *restrict ds, int threads) {
+    long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
+    long kstride = (long)Hkv * hd * N;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        long rows = (long)g * hd * DT;
+        @T@ *buf = malloc(sizeof(@T@) * (2 * rows + (long)g * DT));
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        @T@ *dzl = buf, *dql = dzl + rows, *r = dql + rows;
+        #pragma omp for schedule(static)
+        for (long w = 0; w < work; w++) {
+            if (!buf) continue;
+            int h = (int)(w / tiles);
+            long t0 = (w % tiles) * DT;
+            int cnt = N - t0 < DT ? (int)(N - t0) : DT;
+            for (int j = 0; j < g; j++) {
+                long row = (long)(h * g + j) * hd;
+                @T@ *restrict rj = r + j * DT;
+                for (int b = 0; b < DT; b++) rj[b] = 0;
+                for (int i = 0; i < hd; i++) {
+                    @T@ *restrict di = dzl + ((long)j * hd + i) * DT;
+                    const @T@ *restrict zi = z + (row + i) * N + t0;
+                    memcpy(di, dz + (row + i) * N + t0, sizeof(@T@) * cnt);
+                    for (int b = 0; b < cnt; b++) rj[b] += di[b] * zi[b];
+                }
+            }
+            memset(dql, 0, sizeof(@T@) * rows);
+            for (int s = 0; s < S; s++) {
+                long off = s * kstride + (long)h * hd * N + t0;
+                const @T@ *restrict Ks = K + off, *restrict Vs = V + off;
+                for (int j = 0; j < g; j++) {
+                    long prow = ((long)(s * Hkv + h) * g + j) * N + t0;
+                    @T@ *restrict dsj = ds + prow;
+                    if (invalid && invalid[s]) {
+                        memset(dsj, 0, sizeof(@T@) * cnt);
+                        continue;
+                    }
+                    const @T@ *restrict p = probs + prow;
+                    const @T@ *restrict dj = dzl + (long)j * hd * DT, *restrict rj = r + j * DT;
+                    @T@ acc[DT];
+                    for (int b = 0; b < DT; b++) acc[b] = 0;
+                    for (int i = 0; i < hd; i++)
+                        for (int b = 0; b < cnt; b++) acc[b] += dj[i * DT + b] * Vs[i * N + b];
+                    for (int b = 0; b < cnt; b++) acc[b] = p[b] * (acc[b] - rj[b]);
+                    memcpy(dsj, acc, sizeof(@T@) * cnt);
+                    for (int i = 0; i < hd; i++) {
+                        @T@ *restrict dq = dql + ((long)j * hd + i) * DT;
+                        for (int b = 0; b < cnt; b++) dq[b] += acc[b] * Ks[i * N + b];
+                    }
+                }
+            }
+            for (int j = 0; j < g; j++) {
+                long row = (long)(h * g + j) * hd;
+                for (int i = 0; i < hd; i++) {
+                    @T@ *restrict out = dqd + (row + i) * N + t0;
+                    const @T@ *restrict dq = dql + ((long)j * hd + i) * DT;
+                    for (int b = 0; b < cnt; b++) out[b] = dq[b] * scale;
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed;
+}
+
+/* Gradients of slots start..stop-1 from R reader records r (moda_backward's ds [S_r][Hkv][g][N], the forward's
+   probs, the scaled depth query qs and the output gradient dz [Hkv][g][hd][N]; S_r = slots the reader read):
+   gk [stop-start][Hkv][hd][N] = sum_r sum_j ds_r[s,h,j] qs_r[h,j], gv likewise from probs and dz. A reader with
+   S_r <= s did not read slot s. Readers are summed in the order given (results do not depend on threads). */
+int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs, const long *dz, const long *reads,
+                        int start, int stop, int Hkv, int g, int hd, long N, @T@ *restrict gk, @T@ *restrict gv,
+                        int threads) {
+    long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
+    int n = stop - start;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        long rows = (long)n * hd * DT;
+        @T@ *buf = n > 0 ? malloc(sizeof(@T@) * 2 * rows) : 0;
+        if (n > 0 && !buf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        @T@ *ak = buf, *av = buf + rows;
+        #pragma omp for schedule(static)
+        for (long w = 0; w < work; w++) {
+            if (!buf) continue;
+            int h = (int)(w / tiles);
+            long t0 = (w % tiles) * DT;
+            int cnt = N - t0 < DT ? (int)(N - t0) : DT;
+            memset(buf, 0, sizeof(@T@) * 2 * rows);
+            for (int k = 0; k < R; k++) {
+                int hi = reads[k] < stop ? (int)reads[k] : stop;
+                for (int j = 0; j < g; j++) {
+                    long row = (long)(h * g + j) * hd;
+                    const @T@ *restrict qr = (const @T@ *)qs[k] + row * N + t0;
+                    const @T@ *restrict dr = (const @T@ *)dz[k] + row * N + t0;
+                    for (int s = start; s < hi; s++) {
+                        long prow = ((long)(s * Hkv + h) * g + j) * N + t0;
+                        const @T@ *restrict dsr = (const @T@ *)ds[k] + prow, *restrict pr = (const @T@ *)probs[k] + prow;
+                        @T@ *restrict aks = ak + (long)(s - start) * hd * DT, *restrict avs = av + (long)(s - start) * hd * DT;
+                        for (int i = 0; i < hd; i++)
+                            for (int b = 0; b < cnt; b++) {
+                                aks[i * DT + b] += dsr[b] * qr[i * N + b];
+                                avs[i * DT + b] += pr[b] * dr[i * N + b];
+                            }
+                    }
+                }
+            }
+            for (int s = 0; s < n; s++)
+                for (int i = 0; i < hd; i++) {
+                    long o = (((long)s * Hkv + h) * hd + i) * N + t0;
+                    memcpy(gk + o, ak + ((long)s * hd + i) * DT, sizeof(@T@) * cnt);
+                    memcpy(gv + o, av + ((long)s * hd + i) * DT, sizeof(@T@) * cnt);
+                }
+        }
+        free(buf);
+    }
+    return failed;
+}
+"""
+_MODA_SOURCE = _CONNECTOR_HEAD + "#define DT 1024\n" + "".join(
+    _MODA_TEMPLATE.replace("@T@", t).replace("@S@", s).replace("@EXP@", e).replace("@LOG@", lg)
+    for t, s, e, lg in (("float", "f32", "exp_f32", "logf"), ("double", "f64", "exp", "log")))
+
 _LIBRARIES = {  # name: (source, flag sets in order of preference: the first that builds is used)
     "sinkhorn": (_SOURCE, [_FLAGS]),
     # the connector kernels split their token loops over torch's intra-op threads with OpenMP (the
@@ -828,6 +1075,7 @@ _LIBRARIES = {  # name: (source, flag sets in order of preference: the first tha
     # the x86 / vectorising flags gets plain -O3 (same results up to rounding, slower)
     "connector": (_CONNECTOR_SOURCE, [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]]),
     "bank": (_BANK_SOURCE, [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]]),
+    "moda": (_MODA_SOURCE, [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]]),
 }
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
@@ -836,6 +1084,10 @@ def _signatures(name: str, scalar) -> dict[str, list]:
     if name == "sinkhorn":
         return {"sinkhorn_forward": [_P, _P, _L, _I, _I, _I, scalar],
                 "sinkhorn_backward": [_P, _P, _P, _L, _I, _I, _I, scalar]}
+    if name == "moda":
+        return {"moda_forward": [_P] * 6 + [_I, _I, _I, _I, _L, _P, _P, _P, _I],
+                "moda_backward": [_P] * 6 + [_I, _I, _I, _I, _L, scalar, _P, _P, _I],
+                "moda_slot_grads": [_I] + [_P] * 5 + [_I, _I, _I, _I, _I, _L, _P, _P, _I]}
     if name == "bank":
         return {"bank_mix_forward": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _L, _P, _P, _I],
                 "bank_prefix": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
@@ -1123,3 +1375,58 @@ def bank_flush(values, inv_rms, dots, lo: int, hi: int, grads, weights, rhos, co
     _fn("bank_flush", values, "bank")(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, lo, hi, K,
                                    table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), table[3].data_ptr(),
                                    gv.data_ptr(), gdots.data_ptr(), ginv.data_ptr(), torch.get_num_threads())
+
+
+def moda_usable(t: torch.Tensor) -> bool:
+    """Whether the MoDA depth-attention kernels take tensors like `t`: float32/float64 on CPU, and the library built."""
+    return _cpu_float((t,)) and library("moda") is not None
+
+
+def _mask(invalid: torch.Tensor | None) -> torch.Tensor | None:
+    return None if invalid is None else invalid.to(torch.uint8).contiguous()
+
+
+def moda_forward(K, V, qs, o, lse_seq, invalid=None):
+    """The depth part of one MoDA attention, joined with its sequence part: (z [Hkv,g,hd,N], lse [Hkv,g,N],
+    probs [S,Hkv,g,N]) from slots K, V [S,Hkv,hd,N], the scaled depth query qs [Hkv,g,hd,N], the sequence part's
+    output o [Hkv,g,hd,N] and log-sum-exp lse_seq [Hkv,g,N], invalid [S] bool (masked slots)."""
+    K, V, qs, o, lse_seq = (x.contiguous() for x in (K, V, qs, o, lse_seq))
+    S, Hkv, hd, N = K.shape
+    g = qs.shape[1]
+    z, lse, probs = torch.empty_like(qs), torch.empty_like(lse_seq), K.new_empty(S, Hkv, g, N)
+    mask = _mask(invalid)
+    if _fn("moda_forward", K, "moda")(K.data_ptr(), V.data_ptr(), qs.data_ptr(), o.data_ptr(), lse_seq.data_ptr(),
+                                      None if mask is None else mask.data_ptr(), S, Hkv, g, hd, N, z.data_ptr(),
+                                      lse.data_ptr(), probs.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("MoDA depth-attention CPU kernel: out of memory")
+    return z, lse, probs
+
+
+def moda_backward(K, V, z, dz, probs, invalid, scale: float):
+    """(dqd [Hkv,g,hd,N], ds [S,Hkv,g,N]) of `moda_forward`: the gradient of the unscaled depth query and the
+    slots' score gradients, from the output gradient dz [Hkv,g,hd,N]."""
+    K, V, z, dz, probs = (x.contiguous() for x in (K, V, z, dz, probs))
+    S, Hkv, hd, N = K.shape
+    g = z.shape[1]
+    dqd, ds = torch.empty_like(z), torch.empty_like(probs)
+    mask = _mask(invalid)
+    if _fn("moda_backward", K, "moda")(K.data_ptr(), V.data_ptr(), z.data_ptr(), dz.data_ptr(), probs.data_ptr(),
+                                       None if mask is None else mask.data_ptr(), S, Hkv, g, hd, N, scale,
+                                       dqd.data_ptr(), ds.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("MoDA depth-attention CPU kernel: out of memory")
+    return dqd, ds
+
+
+def moda_slot_grads(records, start: int, stop: int):
+    """(gK, gV) [stop-start, Hkv, hd, N] of slots start..stop-1 from reader records (ds, probs, qs, dz, S_r):
+    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dz_r[:,j] (readers with S_r > s; all
+    contiguous, as moda_forward / moda_backward return them)."""
+    ds0, _, qs0, _, _ = records[0]
+    Hkv, g, hd, N = qs0.shape
+    gk, gv = qs0.new_empty(stop - start, Hkv, hd, N), qs0.new_empty(stop - start, Hkv, hd, N)
+    table = torch.tensor([[r[k].data_ptr() for r in records] for k in range(4)] + [[r[4] for r in records]],
+                         dtype=torch.long)
+    if _fn("moda_slot_grads", qs0, "moda")(len(records), *(row.data_ptr() for row in table), start, stop, Hkv, g,
+                                            hd, N, gk.data_ptr(), gv.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("MoDA slot-gradient CPU kernel: out of memory")
+    return gk, gv

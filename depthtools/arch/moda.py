@@ -33,8 +33,9 @@ so the per-step O(S) copy of an immutable concatenation (O(L^2) traffic and memo
 Appending to a state that is not the buffer's newest (a sweep branching from a cached state) or
 to foreign tensors copies the prefix into a fresh buffer (copy-on-branch). See `_AppendSlots`.
 Attention without pattern hooks is `_DepthAttention`: PyTorch's fused flash attention for the
-sequence part, merged with the depth part through the log-sum-exp (no [B,H,T,T] tensor), and
-depth-slot gradients accumulated in place in the buffer's gradient side channel. Option fused (True):
+sequence part, merged with the depth part through the log-sum-exp (no [B,H,T,T] tensor), the depth
+part as C kernels on CPU (`cpu_kernels.moda_forward` / `moda_backward`), and depth-slot gradients formed
+once per slot from what its readers' backwards recorded in the buffer's store. Option fused (True):
 False uses neither (the plain-autograd `reference.append_slots` and `reference.depth_attention`).
 Readout = geometry = h; the blocks are single-stream (hook_resid_* carry h; TransformerLens'
 logit lens accepts them). The depth cache is side state, invisible to the lens.
@@ -66,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch import reference
+from depthtools.arch import cpu_kernels, reference
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import NormSite, Option, ResidualScheme
@@ -124,39 +125,56 @@ class _SlotStore:
     """Bookkeeping of one key/value buffer pair, attached to both buffers (`torch_private.set_tensor_tag`).
 
     fill: slots written so far (a state whose views end at `fill` is the buffer's newest and may
-    append in place). grad_keys/grad_values: gradient side channel (buffer-shaped, allocated by the
-    first attention backward that reads this buffer); attention backwards accumulate into its
-    first `ready` slots (and initialise slots beyond `ready` by writing, so it is never
-    zero-filled). Each `_AppendSlots` backward (run by autograd after every reader of its slots)
-    takes its slots out and lowers `ready`, so a retained graph can be backpropagated again.
+    append in place). records: what each attention backward that read this buffer left for its slots'
+    gradients, (ds [S_r,Hkv,g,N], probs [S_r,Hkv,g,N], qs [Hkv,g,hd,N], dz [Hkv,g,hd,N], S_r): its score
+    gradients, probabilities, scaled depth query and output gradient. A slot's gradients are formed once,
+    when the `_AppendSlots` backward that wrote the slot asks for them (`take`; autograd runs it after every
+    reader), from all records at once: each reader's [S_r] slots are never read-modify-written per reader.
+    A pass that has taken slot 0 is complete and drops the records, so a retained graph can be
+    backpropagated again.
     """
 
-    __slots__ = ("fill", "grad_keys", "grad_values", "ready", "pool")
+    __slots__ = ("fill", "records", "pool")
 
     def __init__(self, fill: int = 0, pool: BufferPool | None = None):
         self.fill = fill
-        self.grad_keys = self.grad_values = None
-        self.ready = 0
+        self.records: list[tuple] = []
         self.pool = BufferPool() if pool is None else pool  # the scheme's reusable buffers
 
-    def grads(self, keys_buffer: torch.Tensor, values_buffer: torch.Tensor):
-        if self.grad_keys is None:
-            like = (keys_buffer.shape, keys_buffer.dtype, keys_buffer.device)
-            self.grad_keys, self.grad_values = self.pool.take("grad_keys", *like), self.pool.take("grad_values", *like)
-        return self.grad_keys, self.grad_values
-
     def take(self, start: int, stop: int):
-        """Gradients of slots start..stop-1 [n,Hkv,hd,B,T] (views; None if no reader wrote them)."""
-        if self.grad_keys is None or stop <= start or self.ready <= start:
+        """Gradients (gK, gV) [n,Hkv,hd,N] of slots start..stop-1 (None, None if no reader read them)."""
+        records = [r for r in self.records if r[4] > start]
+        if start == 0:  # the pass is complete
+            self.records = []
+        if stop <= start or not records:
             return None, None
-        if self.ready < stop:  # slots no reader touched in this pass
-            self.grad_keys[self.ready : stop].zero_()
-            self.grad_values[self.ready : stop].zero_()
-        self.ready = start
-        out = self.grad_keys[start:stop], self.grad_values[start:stop]
-        if start == 0:  # the pass is complete: release the buffers (the views keep what is returned)
-            self.grad_keys = self.grad_values = None
-        return out
+        return _slot_grads(records, start, stop)
+
+
+def _slot_grads(records, start: int, stop: int):
+    """(gK, gV) [stop-start,Hkv,hd,N] of slots start..stop-1 from reader records (see `_SlotStore`):
+    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dz_r[:,j] over readers with S_r > s.
+    The C kernel on CPU (`cpu_kernels.moda_usable`), else torch ops."""
+    if cpu_kernels.moda_usable(records[0][2]):
+        return cpu_kernels.moda_slot_grads(records, start, stop)
+    gk = gv = None
+    for ds, probs, qs, dz, reads in records:
+        hi = min(stop, reads)
+        if hi <= start:
+            continue
+        k = torch.einsum("shjn,hjin->shin", ds[start:hi], qs)
+        v = torch.einsum("shjn,hjin->shin", probs[start:hi], dz)
+        if gk is None:
+            Hkv, g, hd, N = qs.shape
+            gk, gv = qs.new_zeros(stop - start, Hkv, hd, N), qs.new_zeros(stop - start, Hkv, hd, N)
+        gk[: hi - start] += k
+        gv[: hi - start] += v
+    return gk, gv
+
+
+def _unflatten(t: torch.Tensor | None, tokens: tuple[int, int]) -> torch.Tensor | None:
+    """[n,Hkv,hd,N] -> [n,Hkv,hd,B,T]."""
+    return None if t is None else t.view(*t.shape[:3], *tokens)
 
 
 def _buffer_of(view: torch.Tensor | None):
@@ -197,10 +215,10 @@ class _AppendSlots(torch.autograd.Function):
     version counter (`torch_private.untracked`), so views saved for backward elsewhere stay valid:
     the slots they cover never change. The outputs are prefix views of the buffer.
 
-    Backward: the gradient of a new slot = what fast-path attention backwards accumulated in the
-    store's side channel + the slot's part of any ordinary gradient of the outputs (explicit
-    attention path, or user code). The previous slots get the ordinary gradient's prefix, plus, if
-    this append branched, the side-channel gradients the branch's readers left in the new buffer.
+    Backward: the gradient of a new slot = what the fast-path attention backwards that read it
+    recorded in the store (`_SlotStore.take`) + the slot's part of any ordinary gradient of the outputs
+    (explicit attention path, or user code). The previous slots get the ordinary gradient's prefix,
+    plus, if this append branched, the gradients the branch's readers recorded in the new buffer.
     """
 
     @staticmethod
@@ -228,13 +246,13 @@ class _AppendSlots(torch.autograd.Function):
             kraw[S + j].copy_(new[2 * j].permute(2, 3, 0, 1))
             vraw[S + j].copy_(new[2 * j + 1].permute(2, 3, 0, 1))
         store.fill = S + n
-        ctx.S, ctx.n, ctx.store, ctx.branched = S, n, store, not inplace
+        ctx.S, ctx.n, ctx.store, ctx.branched, ctx.tokens = S, n, store, not inplace, tuple(kbuf.shape[3:])
         return kbuf[: S + n].permute(*_TO_VIEW), vbuf[: S + n].permute(*_TO_VIEW)
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
         S, n, store = ctx.S, ctx.n, ctx.store
-        side_k, side_v = store.take(S, S + n)  # [n,Hkv,hd,B,T]
+        side_k, side_v = (_unflatten(x, ctx.tokens) for x in store.take(S, S + n))  # [n,Hkv,hd,B,T]
         slot_grads = []
         for j in range(n):
             for side, dense in ((side_k, grad_keys), (side_v, grad_values)):
@@ -244,7 +262,7 @@ class _AppendSlots(torch.autograd.Function):
                 slot_grads.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
         prev = [None, None]
         if S:  # (S = 0: there were no previous keys/values)
-            branch_k, branch_v = store.take(0, S) if ctx.branched else (None, None)
+            branch_k, branch_v = (_unflatten(x, ctx.tokens) for x in store.take(0, S)) if ctx.branched else (None, None)
             for i, (branch, dense) in enumerate(((branch_k, grad_keys), (branch_v, grad_values))):
                 branch = None if branch is None else branch.permute(*_TO_VIEW)
                 g = None if dense is None else dense[:, :, :, :S]
@@ -271,6 +289,7 @@ class MoDAScheme(ResidualScheme):
     """Standard residual stream whose attention also reads same-position depth K/V memories."""
 
     compile_region = "none"  # measured: compiling its MLP core gains nothing (depthtools.arch.compiled)
+    kernel_libraries = ("moda",)
 
     single_stream = True
     skip_rules = ("mask", "zero")
@@ -427,10 +446,12 @@ class _DepthAttention(torch.autograd.Function):
     scores s = q_d·K_s/sqrt(hd); lse' = logaddexp(lse, logsumexp_s s); z = exp(lse - lse')·o +
     Σ_s exp(s - lse') V_s. Backward: the fused kernel's backward with the JOINT output and
     log-sum-exp gives the exact sequence-part gradients (its probabilities are exp(score - lse')
-    and its row term is Σ dz·z); the depth part is dS = P ⊙ (dz·V - Σ dz·z). The depth part runs
-    slots-first / tokens-last (see the buffer layout above). Depth-slot gradients go to the
-    buffer's side channel when keys/values are buffer views (in place: no per-reader gradient
-    tensors), else they are returned.
+    and its row term is Σ dz·z); the depth part is dS = P ⊙ (dz·V - Σ dz·z), dq_d = Σ_s dS K_s / sqrt(hd).
+    The depth part runs slots-first / tokens-last (see the buffer layout above): the C kernels on CPU
+    (`cpu_kernels.moda_forward` / `moda_backward`), else torch ops (`_depth_forward` / `_depth_backward`).
+    Depth-slot gradients (dK_s = Σ dS q_d/sqrt(hd), dV_s = Σ P dz) are left as a record in the buffer's
+    store when keys/values are buffer views, formed once per slot by its writer's backward (`_SlotStore`);
+    else they are formed here and returned.
 
     Inputs: q, k, v [B,T,H,hd] (k, v already expanded to H heads), q_depth [B,T,H,hd], keys/values
     [B,T,Hkv,S,hd], invalid [S] bool or None (masked slots).
@@ -439,42 +460,30 @@ class _DepthAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, q_depth, keys, values, invalid):
         B, T, H, hd = q.shape
-        Hkv, S = keys.shape[2], keys.shape[3]
+        Hkv = keys.shape[2]
         g, N = H // Hkv, B * T
         scale = 1.0 / math.sqrt(hd)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,hd] views
         out, lse_seq = cpu_flash_attention(qh, kh, vh, scale)  # [B,H,T,hd], [B,H,T]
         K, V = _slots_first(keys), _slots_first(values)  # [S,Hkv,hd,N]
         qs = q_depth.permute(2, 3, 0, 1).contiguous().mul_(scale).view(Hkv, g, hd, N)  # scaled depth query
-        scores = torch.mul(K[:, :, None, 0], qs[:, :, 0])  # [S,Hkv,g,N]
-        for i in range(1, hd):
-            scores.addcmul_(K[:, :, None, i], qs[:, :, i])
-        if invalid is not None:
-            scores.masked_fill_(invalid.view(S, 1, 1, 1), float("-inf"))
+        ot = out.permute(1, 3, 0, 2).contiguous().view(Hkv, g, hd, N)
         lse_seq = lse_seq.permute(1, 0, 2).reshape(Hkv, g, N)
-        top = torch.maximum(scores.amax(0), lse_seq)  # [Hkv,g,N]
-        probs = scores.sub_(top).exp_()  # [S,Hkv,g,N], unnormalised
-        seq_weight = (lse_seq - top).exp_()
-        total = probs.sum(0).add_(seq_weight)  # joint normaliser / exp(top)
-        probs.div_(total)  # depth probabilities
-        seq_weight.div_(total)  # = exp(lse_seq - lse), the sequence part's total probability
-        lse = total.log_().add_(top)  # [Hkv,g,N] joint log-sum-exp
-        zt = out.permute(1, 3, 0, 2).contiguous().view(Hkv, g, hd, N).mul_(seq_weight.unsqueeze(2))
-        for s in range(S):
-            zt.addcmul_(V[s, :, None], probs[s].unsqueeze(2))
-        z = zt.reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous()  # [B,T,H,hd]
+        kernel = cpu_kernels.moda_usable(q)
+        zt, lse, probs = (cpu_kernels.moda_forward if kernel else _depth_forward)(K, V, qs, ot, lse_seq, invalid)
+        z = zt.view(H, hd, B, T).permute(2, 3, 0, 1).contiguous()  # [B,T,H,hd]
         lse = lse.view(H, B, T).permute(1, 2, 0).contiguous()  # [B,T,H]: the fused kernel's layout
         # keys/values: views of the slot buffer, whose later appends go past them without a version bump;
         # saved (not kept on ctx) so that autograd frees them after backward and the buffer can be reused
         # (BufferPool), while a retained graph keeps them for another backward
-        ctx.save_for_backward(qh, kh, vh, qs, z, zt, lse, probs, keys, values)
-        ctx.scale = scale
+        ctx.save_for_backward(qh, kh, vh, qs, z, zt, lse, probs, keys, values, invalid)
+        ctx.scale, ctx.kernel = scale, kernel
         return z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dz):
-        qh, kh, vh, qs, z, zt, lse, probs, keys, values = ctx.saved_tensors
+        qh, kh, vh, qs, z, zt, lse, probs, keys, values, invalid = ctx.saved_tensors
         scale = ctx.scale
         B, T, H, hd = z.shape
         Hkv, S = keys.shape[2], keys.shape[3]
@@ -488,41 +497,54 @@ class _DepthAttention(torch.autograd.Function):
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         K, V = _slots_first(keys), _slots_first(values)
         dzt = dz.permute(2, 3, 0, 1).contiguous().view(Hkv, g, hd, N)
-        dscores = torch.mul(V[:, :, None, 0], dzt[:, :, 0])  # [S,Hkv,g,N] = dz·V_s
-        for i in range(1, hd):
-            dscores.addcmul_(V[:, :, None, i], dzt[:, :, i])
-        dscores.sub_((dzt * zt).sum(2)).mul_(probs)  # dL/dscore = P ⊙ (dz·V_s - Σ dz·z)
-        dqd = None
-        if need_qd:
-            dqt = torch.mul(K[0, :, None], dscores[0].unsqueeze(2))  # [Hkv,g,hd,N]
-            for s in range(1, S):
-                dqt.addcmul_(K[s, :, None], dscores[s].unsqueeze(2))
-            dqd = dqt.mul_(scale).reshape(H, hd, B, T).permute(2, 3, 0, 1)
+        dqd, ds = (cpu_kernels.moda_backward if ctx.kernel else _depth_backward)(K, V, zt, dzt, probs, invalid, scale)
+        dqd = dqd.reshape(H, hd, B, T).permute(2, 3, 0, 1) if need_qd else None
         dkeys = dvalues = None
         shared = _shared_store(keys, values) if (need_keys or need_values) else None
-        if shared is not None:  # side channel: accumulate into the buffer's gradient, in place
-            kbuf, vbuf, store = shared
-            gk, gv = store.grads(kbuf, vbuf)
-            gk, gv = gk.view(gk.shape[0], Hkv, hd, N), gv.view(gv.shape[0], Hkv, hd, N)
-            fresh = min(max(S - store.ready, 0), S)  # slots ready..S-1 are written, not accumulated
-            for start, stop, write in ((0, S - fresh, False), (S - fresh, S, True)):
-                if stop <= start:
-                    continue
-                for j in range(g):  # rank-1 updates per query head of a kv head (g = 1 without GQA)
-                    sk, sv = dscores[start:stop, :, j, None], probs[start:stop, :, j, None]
-                    if write and j == 0:
-                        torch.mul(sk, qs[:, j], out=gk[start:stop])
-                        torch.mul(sv, dzt[:, j], out=gv[start:stop])
-                    else:
-                        gk[start:stop].addcmul_(sk, qs[:, j])
-                        gv[start:stop].addcmul_(sv, dzt[:, j])
-            store.ready = max(store.ready, S)
+        record = (ds, probs, qs, dzt, S)
+        if shared is not None:  # the writers' backwards form the slot gradients from all readers' records
+            shared[2].records.append(record)
         elif need_keys or need_values:
-            dk_t = (dscores.unsqueeze(3) * qs.unsqueeze(0)).sum(2)  # [S,Hkv,hd,N]
-            dv_t = (probs.unsqueeze(3) * dzt.unsqueeze(0)).sum(2)
+            dk_t, dv_t = _slot_grads([record], 0, S)
             dkeys = dk_t.view(S, Hkv, hd, B, T).permute(*_TO_VIEW)
             dvalues = dv_t.view(S, Hkv, hd, B, T).permute(*_TO_VIEW)
         return dq, dk, dv, dqd, dkeys, dvalues, None
+
+
+def _depth_forward(K, V, qs, ot, lse_seq, invalid):
+    """`cpu_kernels.moda_forward` with torch ops (any device and dtype): (z [Hkv,g,hd,N], lse [Hkv,g,N],
+    probs [S,Hkv,g,N]) from K, V [S,Hkv,hd,N], the scaled depth query qs and the sequence part's output ot
+    [Hkv,g,hd,N] and log-sum-exp lse_seq [Hkv,g,N]."""
+    S, hd = K.shape[0], K.shape[2]
+    scores = torch.mul(K[:, :, None, 0], qs[:, :, 0])  # [S,Hkv,g,N]
+    for i in range(1, hd):
+        scores.addcmul_(K[:, :, None, i], qs[:, :, i])
+    if invalid is not None:
+        scores.masked_fill_(invalid.view(S, 1, 1, 1), float("-inf"))
+    top = torch.maximum(scores.amax(0), lse_seq)  # [Hkv,g,N]
+    probs = scores.sub_(top).exp_()  # [S,Hkv,g,N], unnormalised
+    seq_weight = (lse_seq - top).exp_()
+    total = probs.sum(0).add_(seq_weight)  # joint normaliser / exp(top)
+    probs.div_(total)  # depth probabilities
+    seq_weight.div_(total)  # = exp(lse_seq - lse), the sequence part's total probability
+    lse = total.log_().add_(top)  # joint log-sum-exp
+    zt = ot.mul(seq_weight.unsqueeze(2))
+    for s in range(S):
+        zt.addcmul_(V[s, :, None], probs[s].unsqueeze(2))
+    return zt, lse, probs
+
+
+def _depth_backward(K, V, zt, dzt, probs, invalid, scale: float):
+    """`cpu_kernels.moda_backward` with torch ops: (dqd [Hkv,g,hd,N], ds [S,Hkv,g,N])."""
+    S, hd = K.shape[0], K.shape[2]
+    ds = torch.mul(V[:, :, None, 0], dzt[:, :, 0])  # [S,Hkv,g,N] = dz·V_s
+    for i in range(1, hd):
+        ds.addcmul_(V[:, :, None, i], dzt[:, :, i])
+    ds.sub_((dzt * zt).sum(2)).mul_(probs)  # dL/dscore = P ⊙ (dz·V_s - Σ dz·z); masked slots: P = 0
+    dqt = torch.mul(K[0, :, None], ds[0].unsqueeze(2))  # [Hkv,g,hd,N]
+    for s in range(1, S):
+        dqt.addcmul_(K[s, :, None], ds[s].unsqueeze(2))
+    return dqt.mul_(scale), ds
 
 
 ARCH_SPECS = [
