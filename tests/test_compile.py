@@ -476,16 +476,16 @@ def test_moda_kernels_do_not_depend_on_the_thread_count():
     gen = torch.Generator().manual_seed(0)
     S, Hkv, g, hd, N = 5, 2, 2, 8, 2500
     K, V = torch.randn(S, Hkv, hd, N, generator=gen), torch.randn(S, Hkv, hd, N, generator=gen)
-    qs, o, dz = (torch.randn(Hkv, g, hd, N, generator=gen) for _ in range(3))
-    lse_seq, invalid = torch.randn(Hkv, g, N, generator=gen), torch.tensor([False, True, False, False, False])
+    q, o, dz = (torch.randn(5, 500, Hkv * g, hd, generator=gen) for _ in range(3))
+    lse_seq, invalid = torch.randn(5, 500, Hkv * g, generator=gen), torch.tensor([False, True, False, False, False])
     before, results = torch.get_num_threads(), []
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
-            z, lse, probs = cpu_kernels.moda_forward(K, V, qs, o, lse_seq, invalid)
-            dqd, ds = cpu_kernels.moda_backward(K, V, z, dz, probs, invalid, 0.3)
-            grads = cpu_kernels.moda_slot_grads([(ds, probs, qs, dz, S), (ds[:3], probs[:3], o, z, 3)], 1, 4)
-            results.append([z, lse, probs, dqd, ds, *grads])
+            z, lse, probs, qs = cpu_kernels.moda_forward(K, V, q, o, lse_seq, invalid, 0.3)
+            dqd, ds, dzt = cpu_kernels.moda_backward(K, V, z, dz, probs, invalid, 0.3)
+            grads = cpu_kernels.moda_slot_grads([(ds, probs, qs, dzt, S), (ds[:3], probs[:3], dzt, qs, 3)], 1, 4, (5, 500))
+            results.append([z, lse, probs, qs, dqd, ds, dzt, *grads])
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -831,29 +831,50 @@ _BANK_SOURCE = _CONNECTOR_HEAD + "#define BT 128\n" + "".join(
 # backward: score gradients and the depth query's gradient) and form a slot's gradients once, when its writer's
 # backward needs them, from the records its readers left (moda_slot_grads): O(readers) reads, one write.
 _MODA_TEMPLATE = r"""
-/* MoDA's depth part, T = @T@. Layouts (tokens last, N = B*T tokens): slots K, V [S][Hkv][hd][N] (slot
-   stride Hkv*hd*N); per query head (kv head h, group member j) rows [Hkv][g][hd][N] for the scaled depth
-   query qs, the flash output o, z, dz, dqd; [Hkv][g][N] for log-sum-exps; probs [S][Hkv][g][N].
-   Work: (kv head, tile of DT tokens) pairs split over the threads; each tile's rows are copied to
-   contiguous per-thread buffers (the [hd][N] rows are 4 KB apart at N = 1024: read in place they alias
-   in L1), and each slot's K and V rows are read once per tile. invalid [S] (or NULL): masked slots get
-   probability exactly 0. */
-int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *restrict qs,
-                            const @T@ *restrict o, const @T@ *restrict lse_seq, const unsigned char *invalid,
-                            int S, int Hkv, int g, int hd, long N, @T@ *restrict z, @T@ *restrict lse,
-                            @T@ *restrict probs, int threads) {
+/* MoDA's depth part, T = @T@. Slots K, V are tokens last, [S][Hkv][hd][N] (slot stride Hkv*hd*N, N = B*T
+   tokens); probs and score gradients ds are [S][Hkv][g][N]; qs and dzt (the records slot gradients are formed
+   from) [Hkv][g][hd][N]. Per-head tensors are token rows as the model holds them ([B,T,H,hd], H = Hkv*g heads;
+   query head hh = h*g + j reads kv head h): q, o, z, dz rows of H*hd at a token stride, log-sum-exps rows of
+   H. Work: (kv head, tile of DT tokens) pairs split over the threads; a tile's per-head rows are transposed
+   into per-thread tokens-last buffers (rows DTP apart: padded, so that rows 4 KB apart do not alias in L1),
+   the vectorised loops run along tokens, and each slot's K and V rows are read once per tile in runs of DT
+   tokens (long sequential runs keep the hardware prefetcher ahead; 64-token runs over S*hd rows 4 KB apart
+   did not). invalid [S] (or NULL): masked slots get probability exactly 0. */
+
+/* token rows -> tokens last: dst[i*DTP + b] = a * src[b*st + i] (b < cnt, i < hd), in blocks of 64 tokens
+   whose source rows stay in L1 while each i writes a contiguous run */
+static inline void to_tokens_last_@S@(@T@ *restrict dst, const @T@ *restrict src, long st, int hd, int cnt, @T@ a) {
+    for (int b0 = 0; b0 < cnt; b0 += 64) {
+        int e = cnt - b0 < 64 ? cnt : b0 + 64;
+        for (int i = 0; i < hd; i++)
+            for (int b = b0; b < e; b++) dst[i * DTP + b] = a * src[b * st + i];
+    }
+}
+
+/* tokens last -> token rows: dst[b*st + i] = a * src[i*DTP + b] */
+static inline void to_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict src, int hd, int cnt, @T@ a) {
+    for (int b = 0; b < cnt; b++)
+        for (int i = 0; i < hd; i++) dst[b * st + i] = a * src[i * DTP + b];
+}
+
+int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *restrict q, long qst, @T@ scale,
+                     const @T@ *restrict o, long ost, const @T@ *restrict lse_seq, long lst,
+                     const unsigned char *invalid, int S, int Hkv, int g, int hd, long N, @T@ *restrict z,
+                     @T@ *restrict lse, @T@ *restrict probs, @T@ *restrict qs, int threads) {
     long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
     long kstride = (long)Hkv * hd * N;
+    int H = Hkv * g;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        @T@ *buf = malloc(sizeof(@T@) * ((long)g * hd * DT * 2 + (long)g * S * DT + 2L * g * DT));
+        long rows = (long)g * hd * DTP;
+        @T@ *buf = malloc(sizeof(@T@) * (2 * rows + (long)g * S * DTP + 3L * g * DTP));
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
         }
-        @T@ *ql = buf, *zl = ql + (long)g * hd * DT, *sc = zl + (long)g * hd * DT, *m = sc + (long)g * S * DT;
-        @T@ *tot = m + (long)g * DT;
+        @T@ *ql = buf, *zl = ql + rows, *sc = zl + rows, *m = sc + (long)g * S * DTP;
+        @T@ *tot = m + (long)g * DTP, *ls = tot + (long)g * DTP;
         #pragma omp for schedule(static)
         for (long w = 0; w < work; w++) {
             if (!buf) continue;
@@ -861,41 +882,38 @@ int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *re
             long t0 = (w % tiles) * DT;
             int cnt = N - t0 < DT ? (int)(N - t0) : DT;
             for (int j = 0; j < g; j++) {
-                long row = (long)(h * g + j) * hd;
-                for (int i = 0; i < hd; i++) {
-                    memcpy(ql + ((long)j * hd + i) * DT, qs + (row + i) * N + t0, sizeof(@T@) * cnt);
-                }
-                const @T@ *restrict ls = lse_seq + (long)(h * g + j) * N + t0;
-                for (int b = 0; b < cnt; b++) m[j * DT + b] = ls[b];
+                int hh = h * g + j;
+                @T@ *restrict qj = ql + (long)j * hd * DTP;
+                to_tokens_last_@S@(qj, q + t0 * qst + (long)hh * hd, qst, hd, cnt, scale);
+                for (int i = 0; i < hd; i++) memcpy(qs + ((long)hh * hd + i) * N + t0, qj + i * DTP, sizeof(@T@) * cnt);
+                for (int b = 0; b < cnt; b++) m[j * DTP + b] = ls[j * DTP + b] = lse_seq[(t0 + b) * lst + hh];
             }
             for (int s = 0; s < S; s++) {
                 if (invalid && invalid[s]) continue;
                 const @T@ *restrict Ks = K + s * kstride + (long)h * hd * N + t0;
                 for (int j = 0; j < g; j++) {
-                    @T@ *restrict sr = sc + ((long)j * S + s) * DT;
-                    const @T@ *restrict qj = ql + (long)j * hd * DT;
-                    @T@ acc[DT];
-                    for (int b = 0; b < DT; b++) acc[b] = 0;
+                    @T@ *restrict sr = sc + ((long)j * S + s) * DTP;
+                    const @T@ *restrict qj = ql + (long)j * hd * DTP;
+                    for (int b = 0; b < cnt; b++) sr[b] = 0;
                     for (int i = 0; i < hd; i++)
-                        for (int b = 0; b < cnt; b++) acc[b] += Ks[i * N + b] * qj[i * DT + b];
-                    @T@ *restrict mj = m + j * DT;
-                    for (int b = 0; b < cnt; b++) { sr[b] = acc[b]; mj[b] = acc[b] > mj[b] ? acc[b] : mj[b]; }
+                        for (int b = 0; b < cnt; b++) sr[b] += Ks[i * N + b] * qj[i * DTP + b];
+                    @T@ *restrict mj = m + j * DTP;
+                    for (int b = 0; b < cnt; b++) mj[b] = sr[b] > mj[b] ? sr[b] : mj[b];
                 }
             }
             for (int j = 0; j < g; j++) {
-                const @T@ *restrict ls = lse_seq + (long)(h * g + j) * N + t0;
-                @T@ *restrict mj = m + j * DT, *restrict tj = tot + j * DT;
-                for (int b = 0; b < cnt; b++) tj[b] = @EXP@(ls[b] - mj[b]);
+                int hh = h * g + j;
+                @T@ *restrict mj = m + j * DTP, *restrict tj = tot + j * DTP, *restrict lj = ls + j * DTP;
+                for (int b = 0; b < cnt; b++) tj[b] = @EXP@(lj[b] - mj[b]);
                 for (int s = 0; s < S; s++) {
                     if (invalid && invalid[s]) continue;
-                    @T@ *restrict sr = sc + ((long)j * S + s) * DT;
+                    @T@ *restrict sr = sc + ((long)j * S + s) * DTP;
                     for (int b = 0; b < cnt; b++) { @T@ e = @EXP@(sr[b] - mj[b]); sr[b] = e; tj[b] += e; }
                 }
-                @T@ *restrict lo = lse + (long)(h * g + j) * N + t0;
-                for (int b = 0; b < cnt; b++) { lo[b] = @LOG@(tj[b]) + mj[b]; tj[b] = 1 / tj[b]; }
+                for (int b = 0; b < cnt; b++) { lse[(t0 + b) * H + hh] = @LOG@(tj[b]) + mj[b]; tj[b] = 1 / tj[b]; }
                 for (int s = 0; s < S; s++) {
                     @T@ *restrict pr = probs + ((long)(s * Hkv + h) * g + j) * N + t0;
-                    @T@ *restrict sr = sc + ((long)j * S + s) * DT;
+                    @T@ *restrict sr = sc + ((long)j * S + s) * DTP;
                     if (invalid && invalid[s]) {
                         for (int b = 0; b < cnt; b++) sr[b] = 0;
                     } else {
@@ -903,30 +921,26 @@ int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *re
                     }
                     memcpy(pr, sr, sizeof(@T@) * cnt);
                 }
-                /* the sequence part's weight exp(lse_seq - lse) times its output */
-                for (int b = 0; b < cnt; b++) mj[b] = @EXP@(ls[b] - mj[b]) * tj[b];
-                long row = (long)(h * g + j) * hd;
-                for (int i = 0; i < hd; i++) {
-                    const @T@ *restrict oi = o + (row + i) * N + t0;
-                    @T@ *restrict zi = zl + ((long)j * hd + i) * DT;
-                    for (int b = 0; b < cnt; b++) zi[b] = mj[b] * oi[b];
-                }
+                /* the sequence part's output times its weight exp(lse_seq - lse) */
+                @T@ *restrict zj = zl + (long)j * hd * DTP;
+                to_tokens_last_@S@(zj, o + t0 * ost + (long)hh * hd, ost, hd, cnt, 1);
+                for (int b = 0; b < cnt; b++) mj[b] = @EXP@(lj[b] - mj[b]) * tj[b];
+                for (int i = 0; i < hd; i++)
+                    for (int b = 0; b < cnt; b++) zj[i * DTP + b] *= mj[b];
             }
             for (int s = 0; s < S; s++) {
                 if (invalid && invalid[s]) continue;
                 const @T@ *restrict Vs = V + s * kstride + (long)h * hd * N + t0;
                 for (int j = 0; j < g; j++) {
-                    const @T@ *restrict p = sc + ((long)j * S + s) * DT;
+                    const @T@ *restrict p = sc + ((long)j * S + s) * DTP;
                     for (int i = 0; i < hd; i++) {
-                        @T@ *restrict zi = zl + ((long)j * hd + i) * DT;
+                        @T@ *restrict zi = zl + ((long)j * hd + i) * DTP;
                         for (int b = 0; b < cnt; b++) zi[b] += p[b] * Vs[i * N + b];
                     }
                 }
             }
-            for (int j = 0; j < g; j++) {
-                long row = (long)(h * g + j) * hd;
-                for (int i = 0; i < hd; i++) memcpy(z + (row + i) * N + t0, zl + ((long)j * hd + i) * DT, sizeof(@T@) * cnt);
-            }
+            for (int j = 0; j < g; j++)
+                to_rows_@S@(z + t0 * H * hd + (long)(h * g + j) * hd, (long)H * hd, zl + (long)j * hd * DTP, hd, cnt, 1);
         }
         free(buf);
     }
@@ -934,24 +948,26 @@ int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *re
 }
 
 /* Backward of moda_forward (the depth part): with dz the output gradient and r = sum_i dz z per query row, slot
-   s's score gradient is ds = p (dz . V_s - r) [S][Hkv][g][N] (masked slots: 0), and dqd = scale * sum_s ds K_s
-   (the gradient of the UNSCALED depth query). Slot gradients are left to moda_slot_grads, which forms them from
-   (ds, probs, qs, dz) of all of a slot's readers at once. */
+   s's score gradient is ds = p (dz . V_s - r) [S][Hkv][g][N] (masked slots: 0), and dqd (rows of H*hd,
+   contiguous) = scale * sum_s ds K_s, the gradient of the UNSCALED depth query; dzt = dz tokens last. Slot
+   gradients are left to moda_slot_grads, which forms them from (ds, probs, qs, dzt) of all of a slot's readers
+   at once. z, dz: rows of H*hd, contiguous. */
 int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *restrict z, const @T@ *restrict dz,
                       const @T@ *restrict probs, const unsigned char *invalid, int S, int Hkv, int g, int hd, long N,
-                      @T@ scale, @T@ *restrict dqd, @T@ *restrict ds, int threads) {
+                      @T@ scale, @T@ *restrict dqd, @T@ *restrict ds, @T@ *restrict dzt, int threads) {
     long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
     long kstride = (long)Hkv * hd * N;
+    int H = Hkv * g;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        long rows = (long)g * hd * DT;
-        @T@ *buf = malloc(sizeof(@T@) * (2 * rows + (long)g * DT));
+        long rows = (long)g * hd * DTP;
+        @T@ *buf = malloc(sizeof(@T@) * (2 * rows + 2L * g * DTP));
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
         }
-        @T@ *dzl = buf, *dql = dzl + rows, *r = dql + rows;
+        @T@ *dzl = buf, *dql = dzl + rows, *r = dql + rows, *acc = r + (long)g * DTP;
         #pragma omp for schedule(static)
         for (long w = 0; w < work; w++) {
             if (!buf) continue;
@@ -959,14 +975,15 @@ int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *r
             long t0 = (w % tiles) * DT;
             int cnt = N - t0 < DT ? (int)(N - t0) : DT;
             for (int j = 0; j < g; j++) {
-                long row = (long)(h * g + j) * hd;
-                @T@ *restrict rj = r + j * DT;
-                for (int b = 0; b < DT; b++) rj[b] = 0;
-                for (int i = 0; i < hd; i++) {
-                    @T@ *restrict di = dzl + ((long)j * hd + i) * DT;
-                    const @T@ *restrict zi = z + (row + i) * N + t0;
-                    memcpy(di, dz + (row + i) * N + t0, sizeof(@T@) * cnt);
-                    for (int b = 0; b < cnt; b++) rj[b] += di[b] * zi[b];
+                long col = (long)(h * g + j) * hd;
+                @T@ *restrict dj = dzl + (long)j * hd * DTP, *restrict rj = r + j * DTP;
+                to_tokens_last_@S@(dj, dz + t0 * H * hd + col, (long)H * hd, hd, cnt, 1);
+                for (int i = 0; i < hd; i++) memcpy(dzt + (col + i) * N + t0, dj + i * DTP, sizeof(@T@) * cnt);
+                for (int b = 0; b < cnt; b++) {
+                    const @T@ *restrict dr = dz + (t0 + b) * H * hd + col, *restrict zr = z + (t0 + b) * H * hd + col;
+                    @T@ dot = 0;
+                    for (int i = 0; i < hd; i++) dot += dr[i] * zr[i];
+                    rj[b] = dot;
                 }
             }
             memset(dql, 0, sizeof(@T@) * rows);
@@ -981,46 +998,40 @@ int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *r
                         continue;
                     }
                     const @T@ *restrict p = probs + prow;
-                    const @T@ *restrict dj = dzl + (long)j * hd * DT, *restrict rj = r + j * DT;
-                    @T@ acc[DT];
-                    for (int b = 0; b < DT; b++) acc[b] = 0;
+                    const @T@ *restrict dj = dzl + (long)j * hd * DTP, *restrict rj = r + j * DTP;
+                    for (int b = 0; b < cnt; b++) acc[b] = 0;
                     for (int i = 0; i < hd; i++)
-                        for (int b = 0; b < cnt; b++) acc[b] += dj[i * DT + b] * Vs[i * N + b];
+                        for (int b = 0; b < cnt; b++) acc[b] += dj[i * DTP + b] * Vs[i * N + b];
                     for (int b = 0; b < cnt; b++) acc[b] = p[b] * (acc[b] - rj[b]);
                     memcpy(dsj, acc, sizeof(@T@) * cnt);
                     for (int i = 0; i < hd; i++) {
-                        @T@ *restrict dq = dql + ((long)j * hd + i) * DT;
+                        @T@ *restrict dq = dql + ((long)j * hd + i) * DTP;
                         for (int b = 0; b < cnt; b++) dq[b] += acc[b] * Ks[i * N + b];
                     }
                 }
             }
-            for (int j = 0; j < g; j++) {
-                long row = (long)(h * g + j) * hd;
-                for (int i = 0; i < hd; i++) {
-                    @T@ *restrict out = dqd + (row + i) * N + t0;
-                    const @T@ *restrict dq = dql + ((long)j * hd + i) * DT;
-                    for (int b = 0; b < cnt; b++) out[b] = dq[b] * scale;
-                }
-            }
+            for (int j = 0; j < g; j++)
+                to_rows_@S@(dqd + t0 * H * hd + (long)(h * g + j) * hd, (long)H * hd, dql + (long)j * hd * DTP, hd, cnt, scale);
         }
         free(buf);
     }
     return failed;
 }
 
-/* Gradients of slots start..stop-1 from R reader records r (moda_backward's ds [S_r][Hkv][g][N], the forward's
-   probs, the scaled depth query qs and the output gradient dz [Hkv][g][hd][N]; S_r = slots the reader read):
-   gk [stop-start][Hkv][hd][N] = sum_r sum_j ds_r[s,h,j] qs_r[h,j], gv likewise from probs and dz. A reader with
-   S_r <= s did not read slot s. Readers are summed in the order given (results do not depend on threads). */
-int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs, const long *dz, const long *reads,
+/* Gradients of slots start..stop-1 as token rows [stop-start][N][Hkv*hd] from R reader records k (moda_backward's
+   ds and the forward's probs [S_k][Hkv][g][N], the scaled depth query qs and the output gradient dzt [Hkv][g][hd][N];
+   S_k = slots the reader read): gK_s = sum_k sum_j ds_k[s,h,j] qs_k[h,j], gV_s = sum_k sum_j probs_k[s,h,j]
+   dzt_k[h,j]. A reader with S_k <= s did not read slot s. Readers are summed in the order given (results do not
+   depend on the threads). */
+int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs, const long *dzt, const long *reads,
                         int start, int stop, int Hkv, int g, int hd, long N, @T@ *restrict gk, @T@ *restrict gv,
                         int threads) {
     long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
-    int n = stop - start;
+    int n = stop - start, C = Hkv * hd;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        long rows = (long)n * hd * DT;
+        long rows = (long)n * hd * DTP;
         @T@ *buf = n > 0 ? malloc(sizeof(@T@) * 2 * rows) : 0;
         if (n > 0 && !buf) {
             #pragma omp atomic write
@@ -1039,32 +1050,48 @@ int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs
                 for (int j = 0; j < g; j++) {
                     long row = (long)(h * g + j) * hd;
                     const @T@ *restrict qr = (const @T@ *)qs[k] + row * N + t0;
-                    const @T@ *restrict dr = (const @T@ *)dz[k] + row * N + t0;
+                    const @T@ *restrict dr = (const @T@ *)dzt[k] + row * N + t0;
                     for (int s = start; s < hi; s++) {
                         long prow = ((long)(s * Hkv + h) * g + j) * N + t0;
                         const @T@ *restrict dsr = (const @T@ *)ds[k] + prow, *restrict pr = (const @T@ *)probs[k] + prow;
-                        @T@ *restrict aks = ak + (long)(s - start) * hd * DT, *restrict avs = av + (long)(s - start) * hd * DT;
+                        @T@ *restrict aks = ak + (long)(s - start) * hd * DTP, *restrict avs = av + (long)(s - start) * hd * DTP;
                         for (int i = 0; i < hd; i++)
                             for (int b = 0; b < cnt; b++) {
-                                aks[i * DT + b] += dsr[b] * qr[i * N + b];
-                                avs[i * DT + b] += pr[b] * dr[i * N + b];
+                                aks[i * DTP + b] += dsr[b] * qr[i * N + b];
+                                avs[i * DTP + b] += pr[b] * dr[i * N + b];
                             }
                     }
                 }
             }
-            for (int s = 0; s < n; s++)
-                for (int i = 0; i < hd; i++) {
-                    long o = (((long)s * Hkv + h) * hd + i) * N + t0;
-                    memcpy(gk + o, ak + ((long)s * hd + i) * DT, sizeof(@T@) * cnt);
-                    memcpy(gv + o, av + ((long)s * hd + i) * DT, sizeof(@T@) * cnt);
-                }
+            for (int s = 0; s < n; s++) {
+                long o = ((long)s * N + t0) * C + (long)h * hd;
+                to_rows_@S@(gk + o, C, ak + (long)s * hd * DTP, hd, cnt, 1);
+                to_rows_@S@(gv + o, C, av + (long)s * hd * DTP, hd, cnt, 1);
+            }
         }
         free(buf);
     }
     return failed;
 }
+
+/* A slot's K or V into the buffer: src token rows of C values at token stride rs -> dst [C][N] (tokens last), in
+   blocks of 64 tokens (a block's rows are read from L1). */
+int moda_store_slot_@S@(const @T@ *restrict src, long rs, int C, long N, @T@ *restrict dst, int threads) {
+    long blocks = (N + 63) / 64;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long blk = 0; blk < blocks; blk++) {
+        long t0 = blk * 64;
+        int cnt = N - t0 < 64 ? (int)(N - t0) : 64;
+        for (int c = 0; c < C; c++) {
+            @T@ *restrict out = dst + (long)c * N + t0;
+            const @T@ *restrict in = src + t0 * rs + c;
+            for (int b = 0; b < cnt; b++) out[b] = in[b * rs];
+        }
+    }
+    return 0;
+}
 """
-_MODA_SOURCE = _CONNECTOR_HEAD + "#define DT 1024\n" + "".join(
+_MODA_SOURCE = _CONNECTOR_HEAD + "#define DT 1024\n#define DTP (DT + 16)\n" + "".join(
     _MODA_TEMPLATE.replace("@T@", t).replace("@S@", s).replace("@EXP@", e).replace("@LOG@", lg)
     for t, s, e, lg in (("float", "f32", "exp_f32", "logf"), ("double", "f64", "exp", "log")))
 
@@ -1085,9 +1112,10 @@ def _signatures(name: str, scalar) -> dict[str, list]:
         return {"sinkhorn_forward": [_P, _P, _L, _I, _I, _I, scalar],
                 "sinkhorn_backward": [_P, _P, _P, _L, _I, _I, _I, scalar]}
     if name == "moda":
-        return {"moda_forward": [_P] * 6 + [_I, _I, _I, _I, _L, _P, _P, _P, _I],
-                "moda_backward": [_P] * 6 + [_I, _I, _I, _I, _L, scalar, _P, _P, _I],
-                "moda_slot_grads": [_I] + [_P] * 5 + [_I, _I, _I, _I, _I, _L, _P, _P, _I]}
+        return {"moda_forward": [_P, _P, _P, _L, scalar, _P, _L, _P, _L, _P, _I, _I, _I, _I, _L, _P, _P, _P, _P, _I],
+                "moda_backward": [_P] * 6 + [_I, _I, _I, _I, _L, scalar, _P, _P, _P, _I],
+                "moda_slot_grads": [_I] + [_P] * 5 + [_I, _I, _I, _I, _I, _L, _P, _P, _I],
+                "moda_store_slot": [_P, _L, _I, _L, _P, _I]}
     if name == "bank":
         return {"bank_mix_forward": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _L, _P, _P, _I],
                 "bank_prefix": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
@@ -1386,47 +1414,66 @@ def _mask(invalid: torch.Tensor | None) -> torch.Tensor | None:
     return None if invalid is None else invalid.to(torch.uint8).contiguous()
 
 
-def moda_forward(K, V, qs, o, lse_seq, invalid=None):
-    """The depth part of one MoDA attention, joined with its sequence part: (z [Hkv,g,hd,N], lse [Hkv,g,N],
-    probs [S,Hkv,g,N]) from slots K, V [S,Hkv,hd,N], the scaled depth query qs [Hkv,g,hd,N], the sequence part's
-    output o [Hkv,g,hd,N] and log-sum-exp lse_seq [Hkv,g,N], invalid [S] bool (masked slots)."""
-    K, V, qs, o, lse_seq = (x.contiguous() for x in (K, V, qs, o, lse_seq))
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x, token stride) for x [B,T,...] whose B*T tokens are equally spaced rows of contiguous values (the
+    model's [B,T,H,hd] projections and the flash kernel's outputs are), else (a contiguous copy, its stride)."""
+    inner = x[0, 0]
+    if not inner.is_contiguous() or x.shape[0] > 1 and x.stride(0) != x.shape[1] * x.stride(1):
+        x = x.contiguous()
+    return x, x.stride(1)
+
+
+def moda_forward(K, V, q, o, lse_seq, invalid, scale: float):
+    """The depth part of one MoDA attention joined with its sequence part: (z [B,T,H,hd], lse [B,T,H], probs
+    [S,Hkv,g,N], qs [Hkv,g,hd,N] = the scaled depth query tokens last, for the slot gradients) from slots K, V
+    [S,Hkv,hd,N] (contiguous), the depth query q [B,T,H,hd] (unscaled), the sequence part's output o [B,T,H,hd]
+    and log-sum-exp lse_seq [B,T,H], invalid [S] bool (masked slots)."""
     S, Hkv, hd, N = K.shape
-    g = qs.shape[1]
-    z, lse, probs = torch.empty_like(qs), torch.empty_like(lse_seq), K.new_empty(S, Hkv, g, N)
+    B, T, H, _ = q.shape
+    (q, qst), (o, ost), (lse_seq, lst) = _rows(q), _rows(o), _rows(lse_seq)
+    z, lse, probs = q.new_empty(B, T, H, hd), q.new_empty(B, T, H), K.new_empty(S, Hkv, H // Hkv, N)
+    qs = K.new_empty(Hkv, H // Hkv, hd, N)
     mask = _mask(invalid)
-    if _fn("moda_forward", K, "moda")(K.data_ptr(), V.data_ptr(), qs.data_ptr(), o.data_ptr(), lse_seq.data_ptr(),
-                                      None if mask is None else mask.data_ptr(), S, Hkv, g, hd, N, z.data_ptr(),
-                                      lse.data_ptr(), probs.data_ptr(), torch.get_num_threads()):
+    if _fn("moda_forward", K, "moda")(K.data_ptr(), V.data_ptr(), q.data_ptr(), qst, scale, o.data_ptr(), ost,
+                                      lse_seq.data_ptr(), lst, None if mask is None else mask.data_ptr(), S, Hkv,
+                                      H // Hkv, hd, N, z.data_ptr(), lse.data_ptr(), probs.data_ptr(), qs.data_ptr(),
+                                      torch.get_num_threads()):
         raise MemoryError("MoDA depth-attention CPU kernel: out of memory")
-    return z, lse, probs
+    return z, lse, probs, qs
 
 
 def moda_backward(K, V, z, dz, probs, invalid, scale: float):
-    """(dqd [Hkv,g,hd,N], ds [S,Hkv,g,N]) of `moda_forward`: the gradient of the unscaled depth query and the
-    slots' score gradients, from the output gradient dz [Hkv,g,hd,N]."""
-    K, V, z, dz, probs = (x.contiguous() for x in (K, V, z, dz, probs))
+    """(dqd [B,T,H,hd], ds [S,Hkv,g,N], dzt [Hkv,g,hd,N]) of `moda_forward`: the gradient of the unscaled depth
+    query, the slots' score gradients and dz tokens last, from the output z and its gradient dz [B,T,H,hd]
+    (contiguous)."""
     S, Hkv, hd, N = K.shape
-    g = z.shape[1]
-    dqd, ds = torch.empty_like(z), torch.empty_like(probs)
+    H = z.shape[2]
+    dqd, ds, dzt = torch.empty_like(z), torch.empty_like(probs), K.new_empty(Hkv, H // Hkv, hd, N)
     mask = _mask(invalid)
     if _fn("moda_backward", K, "moda")(K.data_ptr(), V.data_ptr(), z.data_ptr(), dz.data_ptr(), probs.data_ptr(),
-                                       None if mask is None else mask.data_ptr(), S, Hkv, g, hd, N, scale,
-                                       dqd.data_ptr(), ds.data_ptr(), torch.get_num_threads()):
+                                       None if mask is None else mask.data_ptr(), S, Hkv, H // Hkv, hd, N, scale,
+                                       dqd.data_ptr(), ds.data_ptr(), dzt.data_ptr(), torch.get_num_threads()):
         raise MemoryError("MoDA depth-attention CPU kernel: out of memory")
-    return dqd, ds
+    return dqd, ds, dzt
 
 
-def moda_slot_grads(records, start: int, stop: int):
-    """(gK, gV) [stop-start, Hkv, hd, N] of slots start..stop-1 from reader records (ds, probs, qs, dz, S_r):
-    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dz_r[:,j] (readers with S_r > s; all
-    contiguous, as moda_forward / moda_backward return them)."""
-    ds0, _, qs0, _, _ = records[0]
-    Hkv, g, hd, N = qs0.shape
-    gk, gv = qs0.new_empty(stop - start, Hkv, hd, N), qs0.new_empty(stop - start, Hkv, hd, N)
+def moda_slot_grads(records, start: int, stop: int, tokens: tuple[int, int]):
+    """(gK, gV) [stop-start,B,T,Hkv,hd] (tokens = (B, T)) of slots start..stop-1 from reader records (ds, probs, qs,
+    dzt, S_r) (see `moda._SlotStore`): gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j]
+    dzt_r[:,j] over readers with S_r > s (as `moda_forward` and `moda_backward` return them, contiguous)."""
+    ds0 = records[0][0]
+    Hkv, g, hd, N = records[0][2].shape
+    gk, gv = ds0.new_empty(stop - start, *tokens, Hkv, hd), ds0.new_empty(stop - start, *tokens, Hkv, hd)
     table = torch.tensor([[r[k].data_ptr() for r in records] for k in range(4)] + [[r[4] for r in records]],
                          dtype=torch.long)
-    if _fn("moda_slot_grads", qs0, "moda")(len(records), *(row.data_ptr() for row in table), start, stop, Hkv, g,
+    if _fn("moda_slot_grads", ds0, "moda")(len(records), *(row.data_ptr() for row in table), start, stop, Hkv, g,
                                             hd, N, gk.data_ptr(), gv.data_ptr(), torch.get_num_threads()):
         raise MemoryError("MoDA slot-gradient CPU kernel: out of memory")
     return gk, gv
+
+
+def moda_store_slot(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst [Hkv,hd,B,T] (a contiguous slot of the buffer) = src [B,T,Hkv,hd] (token rows), tokens last."""
+    src, rs = _rows(src)
+    B, T, Hkv, hd = src.shape
+    _fn("moda_store_slot", src, "moda")(src.data_ptr(), rs, Hkv * hd, B * T, dst.data_ptr(), torch.get_num_threads())

@@ -126,55 +126,51 @@ class _SlotStore:
 
     fill: slots written so far (a state whose views end at `fill` is the buffer's newest and may
     append in place). records: what each attention backward that read this buffer left for its slots'
-    gradients, (ds [S_r,Hkv,g,N], probs [S_r,Hkv,g,N], qs [Hkv,g,hd,N], dz [Hkv,g,hd,N], S_r): its score
-    gradients, probabilities, scaled depth query and output gradient. A slot's gradients are formed once,
+    gradients, (ds [S_r,Hkv,g,N], probs [S_r,Hkv,g,N], qs [Hkv,g,hd,N], dzt [Hkv,g,hd,N], S_r): its score
+    gradients, probabilities, scaled depth query and output gradient (tokens last, N = B·T tokens). A slot's gradients are formed once,
     when the `_AppendSlots` backward that wrote the slot asks for them (`take`; autograd runs it after every
     reader), from all records at once: each reader's [S_r] slots are never read-modify-written per reader.
     A pass that has taken slot 0 is complete and drops the records, so a retained graph can be
     backpropagated again.
     """
 
-    __slots__ = ("fill", "records", "pool")
+    __slots__ = ("fill", "records", "pool", "tokens")
 
-    def __init__(self, fill: int = 0, pool: BufferPool | None = None):
+    def __init__(self, tokens: tuple[int, int], fill: int = 0, pool: BufferPool | None = None):
+        self.tokens = tokens  # (B, T)
         self.fill = fill
         self.records: list[tuple] = []
         self.pool = BufferPool() if pool is None else pool  # the scheme's reusable buffers
 
     def take(self, start: int, stop: int):
-        """Gradients (gK, gV) [n,Hkv,hd,N] of slots start..stop-1 (None, None if no reader read them)."""
+        """Gradients (gK, gV) [n,B,T,Hkv,hd] of slots start..stop-1 (None, None if no reader read them)."""
         records = [r for r in self.records if r[4] > start]
         if start == 0:  # the pass is complete
             self.records = []
         if stop <= start or not records:
             return None, None
-        return _slot_grads(records, start, stop)
+        return _slot_grads(records, start, stop, self.tokens)
 
 
-def _slot_grads(records, start: int, stop: int):
-    """(gK, gV) [stop-start,Hkv,hd,N] of slots start..stop-1 from reader records (see `_SlotStore`):
-    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dz_r[:,j] over readers with S_r > s.
+def _slot_grads(records, start: int, stop: int, tokens: tuple[int, int]):
+    """(gK, gV) [stop-start,B,T,Hkv,hd] of slots start..stop-1 from reader records (see `_SlotStore`):
+    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dzt_r[:,j] over readers with S_r > s.
     The C kernel on CPU (`cpu_kernels.moda_usable`), else torch ops."""
-    if cpu_kernels.moda_usable(records[0][2]):
-        return cpu_kernels.moda_slot_grads(records, start, stop)
+    if cpu_kernels.moda_usable(records[0][0]):
+        return cpu_kernels.moda_slot_grads(records, start, stop, tokens)
+    Hkv, g, hd, N = records[0][2].shape
     gk = gv = None
-    for ds, probs, qs, dz, reads in records:
+    for ds, probs, qs, dzt, reads in records:
         hi = min(stop, reads)
         if hi <= start:
             continue
-        k = torch.einsum("shjn,hjin->shin", ds[start:hi], qs)
-        v = torch.einsum("shjn,hjin->shin", probs[start:hi], dz)
+        k = torch.einsum("shjn,hjin->snhi", ds[start:hi], qs)
+        v = torch.einsum("shjn,hjin->snhi", probs[start:hi], dzt)
         if gk is None:
-            Hkv, g, hd, N = qs.shape
-            gk, gv = qs.new_zeros(stop - start, Hkv, hd, N), qs.new_zeros(stop - start, Hkv, hd, N)
+            gk, gv = qs.new_zeros(stop - start, N, Hkv, hd), qs.new_zeros(stop - start, N, Hkv, hd)
         gk[: hi - start] += k
         gv[: hi - start] += v
-    return gk, gv
-
-
-def _unflatten(t: torch.Tensor | None, tokens: tuple[int, int]) -> torch.Tensor | None:
-    """[n,Hkv,hd,N] -> [n,Hkv,hd,B,T]."""
-    return None if t is None else t.view(*t.shape[:3], *tokens)
+    return gk.view(stop - start, *tokens, Hkv, hd), gv.view(stop - start, *tokens, Hkv, hd)
 
 
 def _buffer_of(view: torch.Tensor | None):
@@ -233,7 +229,7 @@ class _AppendSlots(torch.autograd.Function):
         else:
             B, T, Hkv, hd = new[0].shape
             dtype = keys.dtype if keys is not None else new[0].dtype
-            store = _SlotStore(pool=pool)
+            store = _SlotStore((B, T), pool=pool)
             like = ((max(capacity, S + n), Hkv, hd, B, T), dtype, new[0].device)
             kbuf, vbuf = store.pool.take("keys", *like), store.pool.take("values", *like)
             set_tensor_tag(kbuf, store)
@@ -243,28 +239,31 @@ class _AppendSlots(torch.autograd.Function):
                 vbuf[:S].copy_(values.permute(*_TO_BUFFER))
         kraw, vraw = untracked(kbuf), untracked(vbuf)  # no version-counter bump for views saved elsewhere
         for j in range(n):
-            kraw[S + j].copy_(new[2 * j].permute(2, 3, 0, 1))
-            vraw[S + j].copy_(new[2 * j + 1].permute(2, 3, 0, 1))
+            for raw, slot in ((kraw, new[2 * j]), (vraw, new[2 * j + 1])):
+                if cpu_kernels.moda_usable(slot) and slot.dtype == raw.dtype:
+                    cpu_kernels.moda_store_slot(slot, raw[S + j])
+                else:
+                    raw[S + j].copy_(slot.permute(2, 3, 0, 1))
         store.fill = S + n
-        ctx.S, ctx.n, ctx.store, ctx.branched, ctx.tokens = S, n, store, not inplace, tuple(kbuf.shape[3:])
+        ctx.S, ctx.n, ctx.store, ctx.branched = S, n, store, not inplace
         return kbuf[: S + n].permute(*_TO_VIEW), vbuf[: S + n].permute(*_TO_VIEW)
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
         S, n, store = ctx.S, ctx.n, ctx.store
-        side_k, side_v = (_unflatten(x, ctx.tokens) for x in store.take(S, S + n))  # [n,Hkv,hd,B,T]
+        side_k, side_v = store.take(S, S + n)  # [n,B,T,Hkv,hd]
         slot_grads = []
         for j in range(n):
             for side, dense in ((side_k, grad_keys), (side_v, grad_values)):
-                parts = [] if side is None else [side[j].permute(2, 3, 0, 1)]  # -> [B,T,Hkv,hd]
+                parts = [] if side is None else [side[j]]
                 if dense is not None:
                     parts.append(dense[:, :, :, S + j])
                 slot_grads.append(None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1])
         prev = [None, None]
         if S:  # (S = 0: there were no previous keys/values)
-            branch_k, branch_v = (_unflatten(x, ctx.tokens) for x in store.take(0, S)) if ctx.branched else (None, None)
+            branch_k, branch_v = store.take(0, S) if ctx.branched else (None, None)  # [S,B,T,Hkv,hd]
             for i, (branch, dense) in enumerate(((branch_k, grad_keys), (branch_v, grad_values))):
-                branch = None if branch is None else branch.permute(*_TO_VIEW)
+                branch = None if branch is None else branch.permute(1, 2, 3, 0, 4)  # [B,T,Hkv,S,hd]
                 g = None if dense is None else dense[:, :, :, :S]
                 prev[i] = branch if g is None else g if branch is None else branch + g
         slot_grads = [g if need else None for g, need in zip(slot_grads, ctx.needs_input_grad[4:])]
@@ -459,35 +458,28 @@ class _DepthAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_depth, keys, values, invalid):
-        B, T, H, hd = q.shape
-        Hkv = keys.shape[2]
-        g, N = H // Hkv, B * T
+        hd = q.shape[3]
         scale = 1.0 / math.sqrt(hd)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,hd] views
-        out, lse_seq = cpu_flash_attention(qh, kh, vh, scale)  # [B,H,T,hd], [B,H,T]
+        out, lse_seq = cpu_flash_attention(qh, kh, vh, scale)  # [B,H,T,hd], [B,H,T] (token-major in memory)
         K, V = _slots_first(keys), _slots_first(values)  # [S,Hkv,hd,N]
-        qs = q_depth.permute(2, 3, 0, 1).contiguous().mul_(scale).view(Hkv, g, hd, N)  # scaled depth query
-        ot = out.permute(1, 3, 0, 2).contiguous().view(Hkv, g, hd, N)
-        lse_seq = lse_seq.permute(1, 0, 2).reshape(Hkv, g, N)
         kernel = cpu_kernels.moda_usable(q)
-        zt, lse, probs = (cpu_kernels.moda_forward if kernel else _depth_forward)(K, V, qs, ot, lse_seq, invalid)
-        z = zt.view(H, hd, B, T).permute(2, 3, 0, 1).contiguous()  # [B,T,H,hd]
-        lse = lse.view(H, B, T).permute(1, 2, 0).contiguous()  # [B,T,H]: the fused kernel's layout
+        z, lse, probs, qs = (cpu_kernels.moda_forward if kernel else _depth_forward)(
+            K, V, q_depth, out.transpose(1, 2), lse_seq.transpose(1, 2), invalid, scale)  # [B,T,H,hd], [B,T,H]
         # keys/values: views of the slot buffer, whose later appends go past them without a version bump;
         # saved (not kept on ctx) so that autograd frees them after backward and the buffer can be reused
         # (BufferPool), while a retained graph keeps them for another backward
-        ctx.save_for_backward(qh, kh, vh, qs, z, zt, lse, probs, keys, values, invalid)
+        ctx.save_for_backward(qh, kh, vh, qs, z, lse, probs, keys, values, invalid)
         ctx.scale, ctx.kernel = scale, kernel
         return z
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dz):
-        qh, kh, vh, qs, z, zt, lse, probs, keys, values, invalid = ctx.saved_tensors
+        qh, kh, vh, qs, z, lse, probs, keys, values, invalid = ctx.saved_tensors
         scale = ctx.scale
-        B, T, H, hd = z.shape
-        Hkv, S = keys.shape[2], keys.shape[3]
-        g, N = H // Hkv, B * T
+        B, T = z.shape[:2]
+        S = keys.shape[3]
         dz = dz.contiguous()
         need_q, need_k, need_v, need_qd, need_keys, need_values = ctx.needs_input_grad[:6]
         dq = dk = dv = None
@@ -496,31 +488,31 @@ class _DepthAttention(torch.autograd.Function):
                                                       lse.transpose(1, 2), scale)
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         K, V = _slots_first(keys), _slots_first(values)
-        dzt = dz.permute(2, 3, 0, 1).contiguous().view(Hkv, g, hd, N)
-        dqd, ds = (cpu_kernels.moda_backward if ctx.kernel else _depth_backward)(K, V, zt, dzt, probs, invalid, scale)
-        dqd = dqd.reshape(H, hd, B, T).permute(2, 3, 0, 1) if need_qd else None
+        dqd, ds, dzt = (cpu_kernels.moda_backward if ctx.kernel else _depth_backward)(K, V, z, dz, probs, invalid, scale)
         dkeys = dvalues = None
         shared = _shared_store(keys, values) if (need_keys or need_values) else None
         record = (ds, probs, qs, dzt, S)
         if shared is not None:  # the writers' backwards form the slot gradients from all readers' records
             shared[2].records.append(record)
         elif need_keys or need_values:
-            dk_t, dv_t = _slot_grads([record], 0, S)
-            dkeys = dk_t.view(S, Hkv, hd, B, T).permute(*_TO_VIEW)
-            dvalues = dv_t.view(S, Hkv, hd, B, T).permute(*_TO_VIEW)
-        return dq, dk, dv, dqd, dkeys, dvalues, None
+            dkeys, dvalues = (t.permute(1, 2, 3, 0, 4) for t in _slot_grads([record], 0, S, (B, T)))  # [B,T,Hkv,S,hd]
+        return dq, dk, dv, dqd if need_qd else None, dkeys, dvalues, None
 
 
-def _depth_forward(K, V, qs, ot, lse_seq, invalid):
-    """`cpu_kernels.moda_forward` with torch ops (any device and dtype): (z [Hkv,g,hd,N], lse [Hkv,g,N],
-    probs [S,Hkv,g,N]) from K, V [S,Hkv,hd,N], the scaled depth query qs and the sequence part's output ot
-    [Hkv,g,hd,N] and log-sum-exp lse_seq [Hkv,g,N]."""
-    S, hd = K.shape[0], K.shape[2]
+def _depth_forward(K, V, q, o, lse_seq, invalid, scale: float):
+    """`cpu_kernels.moda_forward` with torch ops (any device and dtype): (z [B,T,H,hd], lse [B,T,H], probs
+    [S,Hkv,g,N], qs [Hkv,g,hd,N]) from K, V [S,Hkv,hd,N], the depth query q [B,T,H,hd] and the sequence part's
+    output o [B,T,H,hd] and log-sum-exp lse_seq [B,T,H]. Works tokens last."""
+    S, Hkv, hd, N = K.shape
+    B, T, H, _ = q.shape
+    g = H // Hkv
+    qs = q.permute(2, 3, 0, 1).reshape(Hkv, g, hd, N) * scale  # scaled depth query
     scores = torch.mul(K[:, :, None, 0], qs[:, :, 0])  # [S,Hkv,g,N]
     for i in range(1, hd):
         scores.addcmul_(K[:, :, None, i], qs[:, :, i])
     if invalid is not None:
         scores.masked_fill_(invalid.view(S, 1, 1, 1), float("-inf"))
+    lse_seq = lse_seq.permute(2, 0, 1).reshape(Hkv, g, N)
     top = torch.maximum(scores.amax(0), lse_seq)  # [Hkv,g,N]
     probs = scores.sub_(top).exp_()  # [S,Hkv,g,N], unnormalised
     seq_weight = (lse_seq - top).exp_()
@@ -528,15 +520,20 @@ def _depth_forward(K, V, qs, ot, lse_seq, invalid):
     probs.div_(total)  # depth probabilities
     seq_weight.div_(total)  # = exp(lse_seq - lse), the sequence part's total probability
     lse = total.log_().add_(top)  # joint log-sum-exp
-    zt = ot.mul(seq_weight.unsqueeze(2))
+    zt = o.permute(2, 3, 0, 1).reshape(Hkv, g, hd, N) * seq_weight.unsqueeze(2)
     for s in range(S):
         zt.addcmul_(V[s, :, None], probs[s].unsqueeze(2))
-    return zt, lse, probs
+    z = zt.reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous()
+    return z, lse.reshape(H, B, T).permute(1, 2, 0).contiguous(), probs, qs
 
 
-def _depth_backward(K, V, zt, dzt, probs, invalid, scale: float):
-    """`cpu_kernels.moda_backward` with torch ops: (dqd [Hkv,g,hd,N], ds [S,Hkv,g,N])."""
-    S, hd = K.shape[0], K.shape[2]
+def _depth_backward(K, V, z, dz, probs, invalid, scale: float):
+    """`cpu_kernels.moda_backward` with torch ops: (dqd [B,T,H,hd], ds [S,Hkv,g,N], dzt [Hkv,g,hd,N])."""
+    S, Hkv, hd, N = K.shape
+    B, T, H, _ = z.shape
+    g = H // Hkv
+    dzt = dz.permute(2, 3, 0, 1).reshape(Hkv, g, hd, N)
+    zt = z.permute(2, 3, 0, 1).reshape(Hkv, g, hd, N)
     ds = torch.mul(V[:, :, None, 0], dzt[:, :, 0])  # [S,Hkv,g,N] = dz·V_s
     for i in range(1, hd):
         ds.addcmul_(V[:, :, None, i], dzt[:, :, i])
@@ -544,7 +541,7 @@ def _depth_backward(K, V, zt, dzt, probs, invalid, scale: float):
     dqt = torch.mul(K[0, :, None], ds[0].unsqueeze(2))  # [Hkv,g,hd,N]
     for s in range(1, S):
         dqt.addcmul_(K[s, :, None], ds[s].unsqueeze(2))
-    return dqt.mul_(scale), ds
+    return dqt.mul_(scale).reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous(), ds, dzt
 
 
 ARCH_SPECS = [
