@@ -851,10 +851,14 @@ static inline void to_tokens_last_@S@(@T@ *restrict dst, const @T@ *restrict src
     }
 }
 
-/* tokens last -> token rows: dst[b*st + i] = a * src[i*DTP + b] */
+/* tokens last -> token rows: dst[b*st + i] = a * src[i*DTP + b] (add: dst[b*st + i] += src[i*DTP + b]) */
 static inline void to_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict src, int hd, int cnt, @T@ a) {
     for (int b = 0; b < cnt; b++)
         for (int i = 0; i < hd; i++) dst[b * st + i] = a * src[i * DTP + b];
+}
+static inline void add_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict src, int hd, int cnt) {
+    for (int b = 0; b < cnt; b++)
+        for (int i = 0; i < hd; i++) dst[b * st + i] += src[i * DTP + b];
 }
 
 int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *restrict q, long qst, @T@ scale,
@@ -1021,11 +1025,11 @@ int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *r
 /* Gradients of slots start..stop-1 as token rows [stop-start][N][Hkv*hd] from R reader records k (moda_backward's
    ds and the forward's probs [S_k][Hkv][g][N], the scaled depth query qs and the output gradient dzt [Hkv][g][hd][N];
    S_k = slots the reader read): gK_s = sum_k sum_j ds_k[s,h,j] qs_k[h,j], gV_s = sum_k sum_j probs_k[s,h,j]
-   dzt_k[h,j]. A reader with S_k <= s did not read slot s. Readers are summed in the order given (results do not
-   depend on the threads). */
+   dzt_k[h,j] (add: added to what gk, gv hold). A reader with S_k <= s did not read slot s. Readers are summed in
+   the order given (results do not depend on the threads). */
 int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs, const long *dzt, const long *reads,
                         int start, int stop, int Hkv, int g, int hd, long N, @T@ *restrict gk, @T@ *restrict gv,
-                        int threads) {
+                        int add, int threads) {
     long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
     int n = stop - start, C = Hkv * hd;
     int failed = 0;
@@ -1065,8 +1069,13 @@ int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs
             }
             for (int s = 0; s < n; s++) {
                 long o = ((long)s * N + t0) * C + (long)h * hd;
-                to_rows_@S@(gk + o, C, ak + (long)s * hd * DTP, hd, cnt, 1);
-                to_rows_@S@(gv + o, C, av + (long)s * hd * DTP, hd, cnt, 1);
+                if (add) {
+                    add_rows_@S@(gk + o, C, ak + (long)s * hd * DTP, hd, cnt);
+                    add_rows_@S@(gv + o, C, av + (long)s * hd * DTP, hd, cnt);
+                } else {
+                    to_rows_@S@(gk + o, C, ak + (long)s * hd * DTP, hd, cnt, 1);
+                    to_rows_@S@(gv + o, C, av + (long)s * hd * DTP, hd, cnt, 1);
+                }
             }
         }
         free(buf);
@@ -1114,7 +1123,7 @@ def _signatures(name: str, scalar) -> dict[str, list]:
     if name == "moda":
         return {"moda_forward": [_P, _P, _P, _L, scalar, _P, _L, _P, _L, _P, _I, _I, _I, _I, _L, _P, _P, _P, _P, _I],
                 "moda_backward": [_P] * 6 + [_I, _I, _I, _I, _L, scalar, _P, _P, _P, _I],
-                "moda_slot_grads": [_I] + [_P] * 5 + [_I, _I, _I, _I, _I, _L, _P, _P, _I],
+                "moda_slot_grads": [_I] + [_P] * 5 + [_I, _I, _I, _I, _I, _L, _P, _P, _I, _I],
                 "moda_store_slot": [_P, _L, _I, _L, _P, _I]}
     if name == "bank":
         return {"bank_mix_forward": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _L, _P, _P, _I],
@@ -1457,17 +1466,22 @@ def moda_backward(K, V, z, dz, probs, invalid, scale: float):
     return dqd, ds, dzt
 
 
-def moda_slot_grads(records, start: int, stop: int, tokens: tuple[int, int]):
+def moda_slot_grads(records, start: int, stop: int, tokens: tuple[int, int], out=None):
     """(gK, gV) [stop-start,B,T,Hkv,hd] (tokens = (B, T)) of slots start..stop-1 from reader records (ds, probs, qs,
     dzt, S_r) (see `moda._SlotStore`): gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j]
-    dzt_r[:,j] over readers with S_r > s (as `moda_forward` and `moda_backward` return them, contiguous)."""
+    dzt_r[:,j] over readers with S_r > s (as `moda_forward` and `moda_backward` return them, contiguous).
+    out = (gK, gV) (contiguous): add to these instead (returned)."""
     ds0 = records[0][0]
     Hkv, g, hd, N = records[0][2].shape
-    gk, gv = ds0.new_empty(stop - start, *tokens, Hkv, hd), ds0.new_empty(stop - start, *tokens, Hkv, hd)
+    if out is None:
+        gk, gv = ds0.new_empty(stop - start, *tokens, Hkv, hd), ds0.new_empty(stop - start, *tokens, Hkv, hd)
+    else:
+        gk, gv = out
     table = torch.tensor([[r[k].data_ptr() for r in records] for k in range(4)] + [[r[4] for r in records]],
                          dtype=torch.long)
     if _fn("moda_slot_grads", ds0, "moda")(len(records), *(row.data_ptr() for row in table), start, stop, Hkv, g,
-                                            hd, N, gk.data_ptr(), gv.data_ptr(), torch.get_num_threads()):
+                                            hd, N, gk.data_ptr(), gv.data_ptr(), int(out is not None),
+                                            torch.get_num_threads()):
         raise MemoryError("MoDA slot-gradient CPU kernel: out of memory")
     return gk, gv
 

@@ -121,56 +121,73 @@ _TO_VIEW = (3, 4, 1, 0, 2)  # [S,Hkv,hd,B,T] -> [B,T,Hkv,S,hd]
 _TO_BUFFER = (3, 2, 4, 0, 1)  # [B,T,Hkv,S,hd] -> [S,Hkv,hd,B,T]
 
 
+GROUP_SLOTS = 8  # slot gradients formed ahead, from the readers so far, for this many slots at a time (measured)
+
+
 class _SlotStore:
     """Bookkeeping of one key/value buffer pair, attached to both buffers (`torch_private.set_tensor_tag`).
 
     fill: slots written so far (a state whose views end at `fill` is the buffer's newest and may
     append in place). records: what each attention backward that read this buffer left for its slots'
     gradients, (ds [S_r,Hkv,g,N], probs [S_r,Hkv,g,N], qs [Hkv,g,hd,N], dzt [Hkv,g,hd,N], S_r): its score
-    gradients, probabilities, scaled depth query and output gradient (tokens last, N = B·T tokens). A slot's gradients are formed once,
-    when the `_AppendSlots` backward that wrote the slot asks for them (`take`; autograd runs it after every
-    reader), from all records at once: each reader's [S_r] slots are never read-modify-written per reader.
-    A pass that has taken slot 0 is complete and drops the records, so a retained graph can be
-    backpropagated again.
+    gradients, probabilities, scaled depth query and output gradient (tokens last, N = B·T tokens).
+
+    A slot's gradients are formed when the `_AppendSlots` backward that wrote the slot asks for them
+    (`take`; autograd runs it after every reader) from all records at once, never read-modify-written per
+    reader. Readers are read once per GROUP_SLOTS slots, not once per append: the first take in a group
+    forms the whole group's gradients from the records so far (`partial`); a later take in the group adds
+    only the records that came after. A pass that has taken slot 0 is complete and drops the records, so
+    a retained graph can be backpropagated again.
     """
 
-    __slots__ = ("fill", "records", "pool", "tokens")
+    __slots__ = ("fill", "records", "pool", "tokens", "partial")
 
     def __init__(self, tokens: tuple[int, int], fill: int = 0, pool: BufferPool | None = None):
         self.tokens = tokens  # (B, T)
         self.fill = fill
         self.records: list[tuple] = []
+        self.partial = None  # (lo, hi, n_records, gK, gV): slots lo..hi-1 from the first n_records records
         self.pool = BufferPool() if pool is None else pool  # the scheme's reusable buffers
 
     def take(self, start: int, stop: int):
         """Gradients (gK, gV) [n,B,T,Hkv,hd] of slots start..stop-1 (None, None if no reader read them)."""
-        records = [r for r in self.records if r[4] > start]
+        grads = self._grads(start, stop) if stop > start else (None, None)
         if start == 0:  # the pass is complete
-            self.records = []
-        if stop <= start or not records:
-            return None, None
-        return _slot_grads(records, start, stop, self.tokens)
+            self.records, self.partial = [], None
+        return grads
+
+    def _grads(self, start: int, stop: int):
+        if stop - start >= GROUP_SLOTS:
+            readers = [r for r in self.records if r[4] > start]
+            return _slot_grads(readers, start, stop, self.tokens) if readers else (None, None)
+        p = self.partial
+        if p is None or not p[0] <= start < stop <= p[1]:
+            lo = max(0, stop - GROUP_SLOTS)
+            readers = [r for r in self.records if r[4] > lo]
+            if not readers:
+                return None, None
+            p = self.partial = (lo, stop, len(self.records), *_slot_grads(readers, lo, stop, self.tokens))
+        lo, _, n_records, gk, gv = p
+        grads = gk[start - lo : stop - lo], gv[start - lo : stop - lo]  # views: each slot is taken once
+        later = [r for r in self.records[n_records:] if r[4] > start]
+        return _slot_grads(later, start, stop, self.tokens, out=grads) if later else grads
 
 
-def _slot_grads(records, start: int, stop: int, tokens: tuple[int, int]):
+def _slot_grads(records, start: int, stop: int, tokens: tuple[int, int], out=None):
     """(gK, gV) [stop-start,B,T,Hkv,hd] of slots start..stop-1 from reader records (see `_SlotStore`):
-    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dzt_r[:,j] over readers with S_r > s.
-    The C kernel on CPU (`cpu_kernels.moda_usable`), else torch ops."""
+    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dzt_r[:,j] over readers with S_r > s,
+    added to out = (gK, gV) if given. The C kernel on CPU (`cpu_kernels.moda_usable`), else torch ops."""
     if cpu_kernels.moda_usable(records[0][0]):
-        return cpu_kernels.moda_slot_grads(records, start, stop, tokens)
+        return cpu_kernels.moda_slot_grads(records, start, stop, tokens, out)
     Hkv, g, hd, N = records[0][2].shape
-    gk = gv = None
+    n = stop - start
+    gk, gv = (records[0][0].new_zeros(n, *tokens, Hkv, hd) for _ in range(2)) if out is None else out
     for ds, probs, qs, dzt, reads in records:
         hi = min(stop, reads)
-        if hi <= start:
-            continue
-        k = torch.einsum("shjn,hjin->snhi", ds[start:hi], qs)
-        v = torch.einsum("shjn,hjin->snhi", probs[start:hi], dzt)
-        if gk is None:
-            gk, gv = qs.new_zeros(stop - start, N, Hkv, hd), qs.new_zeros(stop - start, N, Hkv, hd)
-        gk[: hi - start] += k
-        gv[: hi - start] += v
-    return gk.view(stop - start, *tokens, Hkv, hd), gv.view(stop - start, *tokens, Hkv, hd)
+        if hi > start:
+            gk.view(n, N, Hkv, hd)[: hi - start] += torch.einsum("shjn,hjin->snhi", ds[start:hi], qs)
+            gv.view(n, N, Hkv, hd)[: hi - start] += torch.einsum("shjn,hjin->snhi", probs[start:hi], dzt)
+    return gk, gv
 
 
 def _buffer_of(view: torch.Tensor | None):
@@ -387,7 +404,7 @@ class MoDAScheme(ResidualScheme):
             kv_proj = block.kv_proj if hasattr(block, "kv_proj") else home.kv_proj
             k_mlp, v_mlp = kv_proj(x).view(B, T, 2, attn.n_kv_heads, attn.head_dim).unbind(2)
             keys, values = [k_raw, block.hook_moda_k(k_mlp)], [v, block.hook_moda_v(v_mlp)]
-        y = block.hook_mlp_out(self.run_mlp(block.mlp_norm, block.mlp, h) if pre else block.mlp(x))
+        y = block.hook_mlp_out(block.mlp(x))  # x: the normed input kv_proj read (not normed twice)
         h = h + y if pre else block.mlp_post_norm(h + y)
         h = block.hook_resid_post(h)
         return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._slot_pool, self.fused)
