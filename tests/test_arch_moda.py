@@ -343,3 +343,56 @@ def test_the_cpu_only_fused_kernel_is_chosen_by_device_type(monkeypatch):
     monkeypatch.setattr(moda, "fused_kernel_for", lambda device: False)  # what a CUDA tensor sees
     monkeypatch.setattr(moda._DepthAttention, "apply", staticmethod(lambda *a: pytest.fail("fused kernel called")))
     assert torch.allclose(model(toks), fused, atol=1e-10)
+
+
+# -- option moda_kv_dtype="bfloat16": the depth K/V cache stored in bfloat16 ------------------------
+
+def _bf16_grads(model, toks):
+    model.zero_grad()
+    logits = model(toks)
+    logits.square().mean().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("path", ["C kernels", "torch ops"])
+def test_bfloat16_slots_equal_the_reference_with_rounded_slots(monkeypatch, path):
+    """A float32 model with moda_kv_dtype="bfloat16" stores its slots in bfloat16 (the buffers are bfloat16) and
+    computes what the reference path computes with every slot rounded to bfloat16 and its gradient passed
+    through (fused=False): logits and every parameter gradient, through the C kernels and through torch ops.
+    The rounding is real: the model differs from one with float32 slots by far more than the tolerance."""
+    from depthtools.arch import cpu_kernels
+
+    if path == "torch ops":
+        monkeypatch.setattr(cpu_kernels, "moda_usable", lambda t, kv_dtype=None: False)
+    toks = tokens(batch=3, length=12)
+    model = build(n_layer=4, n_kv_heads=2, moda_kv_dtype="bfloat16").float()
+    reference = copy.deepcopy(model)  # same weights, through the reference path
+    reference.scheme.fused = False
+    states = model.run_states(toks)
+    assert states[-1].keys.dtype == torch.bfloat16
+    got, got_grads = _bf16_grads(model, toks)
+    want, want_grads = _bf16_grads(reference, toks)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5 * max(1.0, b.abs().max().item()))
+    full = build(n_layer=4, n_kv_heads=2).float()
+    assert (full(toks) - got).abs().max() > 100 * 2e-5
+
+
+def test_bfloat16_slot_store_rounds_as_torch_does():
+    """The C slot store rounds float32 to bfloat16 to nearest even, bit for bit as torch's .to(torch.bfloat16),
+    including ties, subnormals, infinities and NaN."""
+    from depthtools.arch import cpu_kernels
+
+    if cpu_kernels.library("moda") is None:
+        pytest.skip("no C compiler here")
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00000001, 0x807FFFFF, 0x7F7FFFFF, 0x7F800000],
+                        dtype=torch.int64).to(torch.int32).view(torch.float32)
+    special = torch.cat([bits, torch.tensor([float("nan"), -0.0, 1e-40])])
+    x = torch.cat([special, torch.randn(8 * 5 * 2 * 4 - special.numel()) * 10])
+    src = x.view(8, 5, 2, 4)  # [B,T,Hkv,hd]
+    dst = torch.empty(2, 4, 8, 5, dtype=torch.bfloat16)
+    cpu_kernels.moda_store_slot(src, dst)
+    want = src.to(torch.bfloat16).permute(2, 3, 0, 1)
+    assert torch.equal(dst.view(torch.int16)[~want.isnan()], want.contiguous().view(torch.int16)[~want.isnan()])
+    assert dst.isnan().equal(want.isnan())

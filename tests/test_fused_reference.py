@@ -257,7 +257,7 @@ def moda_pair(H=4, Hkv=2, capacity=6, invalid=None):
             return z1, z2
         return f
 
-    fused = run(lambda keys, values, new: moda._AppendSlots.apply(capacity, None, keys, values, *new),
+    fused = run(lambda keys, values, new: moda._AppendSlots.apply(capacity, None, None, keys, values, *new),
                 moda._DepthAttention.apply)
     return fused, run(reference.append_slots, reference.depth_attention)
 
@@ -267,7 +267,7 @@ def moda_path(request, monkeypatch):
     """MoDA's depth part through the C kernels (cpu_kernels.moda_*) and through torch ops (other devices and
     dtypes, or no C compiler)."""
     if request.param == "torch ops":
-        monkeypatch.setattr(cpu_kernels, "moda_usable", lambda t: False)
+        monkeypatch.setattr(cpu_kernels, "moda_usable", lambda t, kv_dtype=None: False)
     else:
         assert cpu_kernels.moda_usable(torch.zeros(1))
     return request.param
@@ -315,7 +315,7 @@ def test_append_slots_copy_on_branch_matches_reference(moda_path):
             return attend(q, k, v, qd, *a, None), attend(q, k, v, qd, *b, None)
         return f
 
-    fused = make(lambda keys, values, new: moda._AppendSlots.apply(4, None, keys, values, *new), moda._DepthAttention.apply)
+    fused = make(lambda keys, values, new: moda._AppendSlots.apply(4, None, None, keys, values, *new), moda._DepthAttention.apply)
     ref = make(reference.append_slots, reference.depth_attention)
     inputs = (randn(B, T, H, hd, seed=0), randn(B, T, H, hd, seed=1), *(randn(B, T, H, hd, seed=2 + i) for i in range(6)))
     assert_same_function(fused, ref, inputs)

@@ -851,17 +851,23 @@ static inline void to_tokens_last_@S@(@T@ *restrict dst, const @T@ *restrict src
     }
 }
 
-/* tokens last -> token rows: dst[b*st + i] = a * src[i*DTP + b] (add: dst[b*st + i] += src[i*DTP + b]) */
-static inline void to_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict src, int hd, int cnt, @T@ a) {
+/* tokens last -> token rows: dst[b*st + i] = a * src[i*sp + b] (add_rows: dst[b*st + i] += src[i*sp + b]) */
+static inline void to_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict src, int hd, int cnt, @T@ a, int sp) {
     for (int b = 0; b < cnt; b++)
-        for (int i = 0; i < hd; i++) dst[b * st + i] = a * src[i * DTP + b];
+        for (int i = 0; i < hd; i++) dst[b * st + i] = a * src[i * sp + b];
 }
-static inline void add_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict src, int hd, int cnt) {
+static inline void add_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict src, int hd, int cnt, int sp) {
     for (int b = 0; b < cnt; b++)
-        for (int i = 0; i < hd; i++) dst[b * st + i] += src[i * DTP + b];
+        for (int i = 0; i < hd; i++) dst[b * st + i] += src[i * sp + b];
 }
 
-int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *restrict q, long qst, @T@ scale,
+/* ask for the next slot's rows (hd rows of cnt values, N apart) into L2 while this slot's are computed */
+static inline void prefetch_slot_@S@(const @KT@ *p, int hd, long N, int cnt) {
+    for (int i = 0; i < hd; i++)
+        for (int b = 0; b < cnt; b += 64 / (int)sizeof(@KT@)) __builtin_prefetch(p + i * N + b, 0, 2);
+}
+
+int moda_forward_@S@(const @KT@ *restrict K, const @KT@ *restrict V, const @T@ *restrict q, long qst, @T@ scale,
                      const @T@ *restrict o, long ost, const @T@ *restrict lse_seq, long lst,
                      const unsigned char *invalid, int S, int Hkv, int g, int hd, long N, @T@ *restrict z,
                      @T@ *restrict lse, @T@ *restrict probs, @T@ *restrict qs, int threads) {
@@ -894,13 +900,14 @@ int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *re
             }
             for (int s = 0; s < S; s++) {
                 if (invalid && invalid[s]) continue;
-                const @T@ *restrict Ks = K + s * kstride + (long)h * hd * N + t0;
+                const @KT@ *restrict Ks = K + s * kstride + (long)h * hd * N + t0;
+                if (s + 1 < S) prefetch_slot_@S@(Ks + kstride, hd, N, cnt);
                 for (int j = 0; j < g; j++) {
                     @T@ *restrict sr = sc + ((long)j * S + s) * DTP;
                     const @T@ *restrict qj = ql + (long)j * hd * DTP;
                     for (int b = 0; b < cnt; b++) sr[b] = 0;
                     for (int i = 0; i < hd; i++)
-                        for (int b = 0; b < cnt; b++) sr[b] += Ks[i * N + b] * qj[i * DTP + b];
+                        for (int b = 0; b < cnt; b++) sr[b] += ld_@S@(Ks[i * N + b]) * qj[i * DTP + b];
                     @T@ *restrict mj = m + j * DTP;
                     for (int b = 0; b < cnt; b++) mj[b] = sr[b] > mj[b] ? sr[b] : mj[b];
                 }
@@ -934,17 +941,18 @@ int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *re
             }
             for (int s = 0; s < S; s++) {
                 if (invalid && invalid[s]) continue;
-                const @T@ *restrict Vs = V + s * kstride + (long)h * hd * N + t0;
+                const @KT@ *restrict Vs = V + s * kstride + (long)h * hd * N + t0;
+                if (s + 1 < S) prefetch_slot_@S@(Vs + kstride, hd, N, cnt);
                 for (int j = 0; j < g; j++) {
                     const @T@ *restrict p = sc + ((long)j * S + s) * DTP;
                     for (int i = 0; i < hd; i++) {
                         @T@ *restrict zi = zl + ((long)j * hd + i) * DTP;
-                        for (int b = 0; b < cnt; b++) zi[b] += p[b] * Vs[i * N + b];
+                        for (int b = 0; b < cnt; b++) zi[b] += p[b] * ld_@S@(Vs[i * N + b]);
                     }
                 }
             }
             for (int j = 0; j < g; j++)
-                to_rows_@S@(z + t0 * H * hd + (long)(h * g + j) * hd, (long)H * hd, zl + (long)j * hd * DTP, hd, cnt, 1);
+                to_rows_@S@(z + t0 * H * hd + (long)(h * g + j) * hd, (long)H * hd, zl + (long)j * hd * DTP, hd, cnt, 1, DTP);
         }
         free(buf);
     }
@@ -956,7 +964,7 @@ int moda_forward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *re
    contiguous) = scale * sum_s ds K_s, the gradient of the UNSCALED depth query; dzt = dz tokens last. Slot
    gradients are left to moda_slot_grads, which forms them from (ds, probs, qs, dzt) of all of a slot's readers
    at once. z, dz: rows of H*hd, contiguous. */
-int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *restrict z, const @T@ *restrict dz,
+int moda_backward_@S@(const @KT@ *restrict K, const @KT@ *restrict V, const @T@ *restrict z, const @T@ *restrict dz,
                       const @T@ *restrict probs, const unsigned char *invalid, int S, int Hkv, int g, int hd, long N,
                       @T@ scale, @T@ *restrict dqd, @T@ *restrict ds, @T@ *restrict dzt, int threads) {
     long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
@@ -993,7 +1001,11 @@ int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *r
             memset(dql, 0, sizeof(@T@) * rows);
             for (int s = 0; s < S; s++) {
                 long off = s * kstride + (long)h * hd * N + t0;
-                const @T@ *restrict Ks = K + off, *restrict Vs = V + off;
+                const @KT@ *restrict Ks = K + off, *restrict Vs = V + off;
+                if (s + 1 < S) {
+                    prefetch_slot_@S@(Vs + kstride, hd, N, cnt);
+                    prefetch_slot_@S@(Ks + kstride, hd, N, cnt);
+                }
                 for (int j = 0; j < g; j++) {
                     long prow = ((long)(s * Hkv + h) * g + j) * N + t0;
                     @T@ *restrict dsj = ds + prow;
@@ -1005,17 +1017,17 @@ int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *r
                     const @T@ *restrict dj = dzl + (long)j * hd * DTP, *restrict rj = r + j * DTP;
                     for (int b = 0; b < cnt; b++) acc[b] = 0;
                     for (int i = 0; i < hd; i++)
-                        for (int b = 0; b < cnt; b++) acc[b] += dj[i * DTP + b] * Vs[i * N + b];
+                        for (int b = 0; b < cnt; b++) acc[b] += dj[i * DTP + b] * ld_@S@(Vs[i * N + b]);
                     for (int b = 0; b < cnt; b++) acc[b] = p[b] * (acc[b] - rj[b]);
                     memcpy(dsj, acc, sizeof(@T@) * cnt);
                     for (int i = 0; i < hd; i++) {
                         @T@ *restrict dq = dql + ((long)j * hd + i) * DTP;
-                        for (int b = 0; b < cnt; b++) dq[b] += acc[b] * Ks[i * N + b];
+                        for (int b = 0; b < cnt; b++) dq[b] += acc[b] * ld_@S@(Ks[i * N + b]);
                     }
                 }
             }
             for (int j = 0; j < g; j++)
-                to_rows_@S@(dqd + t0 * H * hd + (long)(h * g + j) * hd, (long)H * hd, dql + (long)j * hd * DTP, hd, cnt, scale);
+                to_rows_@S@(dqd + t0 * H * hd + (long)(h * g + j) * hd, (long)H * hd, dql + (long)j * hd * DTP, hd, cnt, scale, DTP);
         }
         free(buf);
     }
@@ -1030,51 +1042,48 @@ int moda_backward_@S@(const @T@ *restrict K, const @T@ *restrict V, const @T@ *r
 int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs, const long *dzt, const long *reads,
                         int start, int stop, int Hkv, int g, int hd, long N, @T@ *restrict gk, @T@ *restrict gv,
                         int add, int threads) {
-    long tiles = (N + DT - 1) / DT, work = tiles * Hkv;
+    long tiles = (N + ST - 1) / ST, work = tiles * Hkv;
     int n = stop - start, C = Hkv * hd;
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        long rows = (long)n * hd * DTP;
-        @T@ *buf = n > 0 ? malloc(sizeof(@T@) * 2 * rows) : 0;
+        @T@ *buf = n > 0 ? malloc(sizeof(@T@) * 2L * hd * STP) : 0;
         if (n > 0 && !buf) {
             #pragma omp atomic write
             failed = 1;
         }
-        @T@ *ak = buf, *av = buf + rows;
+        @T@ *ak = buf, *av = buf + (long)hd * STP;  /* one slot's [hd][ST] sums: L1 */
         #pragma omp for schedule(static)
         for (long w = 0; w < work; w++) {
             if (!buf) continue;
             int h = (int)(w / tiles);
-            long t0 = (w % tiles) * DT;
-            int cnt = N - t0 < DT ? (int)(N - t0) : DT;
-            memset(buf, 0, sizeof(@T@) * 2 * rows);
-            for (int k = 0; k < R; k++) {
-                int hi = reads[k] < stop ? (int)reads[k] : stop;
-                for (int j = 0; j < g; j++) {
-                    long row = (long)(h * g + j) * hd;
-                    const @T@ *restrict qr = (const @T@ *)qs[k] + row * N + t0;
-                    const @T@ *restrict dr = (const @T@ *)dzt[k] + row * N + t0;
-                    for (int s = start; s < hi; s++) {
-                        long prow = ((long)(s * Hkv + h) * g + j) * N + t0;
+            long t0 = (w % tiles) * ST;
+            int cnt = N - t0 < ST ? (int)(N - t0) : ST;
+            for (int s = start; s < stop; s++) {
+                memset(buf, 0, sizeof(@T@) * 2L * hd * STP);
+                for (int k = 0; k < R; k++) {  /* the tile's rows of the R records stay in L2 across slots */
+                    if (reads[k] <= s) continue;
+                    for (int j = 0; j < g; j++) {
+                        long row = (long)(h * g + j) * hd, prow = ((long)(s * Hkv + h) * g + j) * N + t0;
+                        const @T@ *restrict qr = (const @T@ *)qs[k] + row * N + t0;
+                        const @T@ *restrict dr = (const @T@ *)dzt[k] + row * N + t0;
                         const @T@ *restrict dsr = (const @T@ *)ds[k] + prow, *restrict pr = (const @T@ *)probs[k] + prow;
-                        @T@ *restrict aks = ak + (long)(s - start) * hd * DTP, *restrict avs = av + (long)(s - start) * hd * DTP;
-                        for (int i = 0; i < hd; i++)
+                        for (int i = 0; i < hd; i++) {
+                            @T@ *restrict aki = ak + i * STP, *restrict avi = av + i * STP;
                             for (int b = 0; b < cnt; b++) {
-                                aks[i * DTP + b] += dsr[b] * qr[i * N + b];
-                                avs[i * DTP + b] += pr[b] * dr[i * N + b];
+                                aki[b] += dsr[b] * qr[i * N + b];
+                                avi[b] += pr[b] * dr[i * N + b];
                             }
+                        }
                     }
                 }
-            }
-            for (int s = 0; s < n; s++) {
-                long o = ((long)s * N + t0) * C + (long)h * hd;
+                long o = ((long)(s - start) * N + t0) * C + (long)h * hd;
                 if (add) {
-                    add_rows_@S@(gk + o, C, ak + (long)s * hd * DTP, hd, cnt);
-                    add_rows_@S@(gv + o, C, av + (long)s * hd * DTP, hd, cnt);
+                    add_rows_@S@(gk + o, C, ak, hd, cnt, STP);
+                    add_rows_@S@(gv + o, C, av, hd, cnt, STP);
                 } else {
-                    to_rows_@S@(gk + o, C, ak + (long)s * hd * DTP, hd, cnt, 1);
-                    to_rows_@S@(gv + o, C, av + (long)s * hd * DTP, hd, cnt, 1);
+                    to_rows_@S@(gk + o, C, ak, hd, cnt, 1, STP);
+                    to_rows_@S@(gv + o, C, av, hd, cnt, 1, STP);
                 }
             }
         }
@@ -1083,26 +1092,47 @@ int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs
     return failed;
 }
 
-/* A slot's K or V into the buffer: src token rows of C values at token stride rs -> dst [C][N] (tokens last), in
-   blocks of 64 tokens (a block's rows are read from L1). */
-int moda_store_slot_@S@(const @T@ *restrict src, long rs, int C, long N, @T@ *restrict dst, int threads) {
+/* A slot's K or V into the buffer: src token rows of C values at token stride rs -> dst [C][N] (tokens last; stored
+   as @KT@), in blocks of 64 tokens (a block's rows are read from L1). */
+int moda_store_slot_@S@(const @T@ *restrict src, long rs, int C, long N, @KT@ *restrict dst, int threads) {
     long blocks = (N + 63) / 64;
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long blk = 0; blk < blocks; blk++) {
         long t0 = blk * 64;
         int cnt = N - t0 < 64 ? (int)(N - t0) : 64;
         for (int c = 0; c < C; c++) {
-            @T@ *restrict out = dst + (long)c * N + t0;
+            @KT@ *restrict out = dst + (long)c * N + t0;
             const @T@ *restrict in = src + t0 * rs + c;
-            for (int b = 0; b < cnt; b++) out[b] = in[b * rs];
+            for (int b = 0; b < cnt; b++) out[b] = st_@S@(in[b * rs]);
         }
     }
     return 0;
 }
 """
-_MODA_SOURCE = _CONNECTOR_HEAD + "#define DT 1024\n#define DTP (DT + 16)\n" + "".join(
-    _MODA_TEMPLATE.replace("@T@", t).replace("@S@", s).replace("@EXP@", e).replace("@LOG@", lg)
-    for t, s, e, lg in (("float", "f32", "exp_f32", "logf"), ("double", "f64", "exp", "log")))
+# Slots stored as the model's dtype (f32, f64) or, with option moda_kv_dtype="bfloat16", as bfloat16 bits (bf16:
+# float32 arithmetic; a slot is rounded to nearest even once, when stored, as torch's .to(torch.bfloat16) rounds).
+_MODA_KV = r"""
+static inline float ld_f32(float x) { return x; }
+static inline float st_f32(float x) { return x; }
+static inline double ld_f64(double x) { return x; }
+static inline double st_f64(double x) { return x; }
+static inline float ld_bf16(unsigned short x) {
+    unsigned int u = (unsigned int)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline unsigned short st_bf16(float f) {
+    unsigned int u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+"""
+_MODA_SOURCE = _CONNECTOR_HEAD + "#define DT 1024\n#define DTP (DT + 16)\n#define ST 256\n#define STP (ST + 16)\n" + _MODA_KV + "".join(
+    _MODA_TEMPLATE.replace("@T@", t).replace("@KT@", kt).replace("@S@", s).replace("@EXP@", e).replace("@LOG@", lg)
+    for t, kt, s, e, lg in (("float", "float", "f32", "exp_f32", "logf"), ("double", "double", "f64", "exp", "log"),
+                            ("float", "unsigned short", "bf16", "exp_f32", "logf")))
 
 _LIBRARIES = {  # name: (source, flag sets in order of preference: the first that builds is used)
     "sinkhorn": (_SOURCE, [_FLAGS]),
@@ -1190,7 +1220,8 @@ def _build(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
         except (OSError, subprocess.CalledProcessError):
             if i == len(flag_sets) - 1:
                 raise
-    for suffix, scalar in (("f32", ctypes.c_float), ("f64", ctypes.c_double)):
+    suffixes = [("f32", ctypes.c_float), ("f64", ctypes.c_double)] + [("bf16", ctypes.c_float)] * (name == "moda")
+    for suffix, scalar in suffixes:
         for fn, argtypes in _signatures(name, scalar).items():
             f = getattr(lib, f"{fn}_{suffix}")
             f.argtypes = argtypes
@@ -1414,9 +1445,18 @@ def bank_flush(values, inv_rms, dots, lo: int, hi: int, grads, weights, rhos, co
                                    gv.data_ptr(), gdots.data_ptr(), ginv.data_ptr(), torch.get_num_threads())
 
 
-def moda_usable(t: torch.Tensor) -> bool:
-    """Whether the MoDA depth-attention kernels take tensors like `t`: float32/float64 on CPU, and the library built."""
-    return _cpu_float((t,)) and library("moda") is not None
+def moda_usable(t: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the MoDA depth-attention kernels take tensors like `t` with slots stored as `kv_dtype` (default:
+    t's dtype): float32/float64 on CPU (slots of the same dtype, or bfloat16 slots with float32), and the
+    library built."""
+    kv_dtype = t.dtype if kv_dtype is None else kv_dtype
+    return (_cpu_float((t,)) and (kv_dtype == t.dtype or (kv_dtype, t.dtype) == (torch.bfloat16, torch.float32))
+            and library("moda") is not None)
+
+
+def _moda_fn(name: str, kv: torch.Tensor):
+    """Kernel `name` of the moda library for slots stored like `kv` (float32, float64 or bfloat16)."""
+    return getattr(library("moda"), f"{name}_{'bf16' if kv.dtype == torch.bfloat16 else _SUFFIX[kv.dtype]}")
 
 
 def _mask(invalid: torch.Tensor | None) -> torch.Tensor | None:
@@ -1440,10 +1480,9 @@ def moda_forward(K, V, q, o, lse_seq, invalid, scale: float):
     S, Hkv, hd, N = K.shape
     B, T, H, _ = q.shape
     (q, qst), (o, ost), (lse_seq, lst) = _rows(q), _rows(o), _rows(lse_seq)
-    z, lse, probs = q.new_empty(B, T, H, hd), q.new_empty(B, T, H), K.new_empty(S, Hkv, H // Hkv, N)
-    qs = K.new_empty(Hkv, H // Hkv, hd, N)
+    z, lse, probs, qs = q.new_empty(B, T, H, hd), q.new_empty(B, T, H), q.new_empty(S, Hkv, H // Hkv, N), q.new_empty(Hkv, H // Hkv, hd, N)
     mask = _mask(invalid)
-    if _fn("moda_forward", K, "moda")(K.data_ptr(), V.data_ptr(), q.data_ptr(), qst, scale, o.data_ptr(), ost,
+    if _moda_fn("moda_forward", K)(K.data_ptr(), V.data_ptr(), q.data_ptr(), qst, scale, o.data_ptr(), ost,
                                       lse_seq.data_ptr(), lst, None if mask is None else mask.data_ptr(), S, Hkv,
                                       H // Hkv, hd, N, z.data_ptr(), lse.data_ptr(), probs.data_ptr(), qs.data_ptr(),
                                       torch.get_num_threads()):
@@ -1457,9 +1496,9 @@ def moda_backward(K, V, z, dz, probs, invalid, scale: float):
     (contiguous)."""
     S, Hkv, hd, N = K.shape
     H = z.shape[2]
-    dqd, ds, dzt = torch.empty_like(z), torch.empty_like(probs), K.new_empty(Hkv, H // Hkv, hd, N)
+    dqd, ds, dzt = torch.empty_like(z), torch.empty_like(probs), z.new_empty(Hkv, H // Hkv, hd, N)
     mask = _mask(invalid)
-    if _fn("moda_backward", K, "moda")(K.data_ptr(), V.data_ptr(), z.data_ptr(), dz.data_ptr(), probs.data_ptr(),
+    if _moda_fn("moda_backward", K)(K.data_ptr(), V.data_ptr(), z.data_ptr(), dz.data_ptr(), probs.data_ptr(),
                                        None if mask is None else mask.data_ptr(), S, Hkv, H // Hkv, hd, N, scale,
                                        dqd.data_ptr(), ds.data_ptr(), dzt.data_ptr(), torch.get_num_threads()):
         raise MemoryError("MoDA depth-attention CPU kernel: out of memory")
@@ -1487,7 +1526,8 @@ def moda_slot_grads(records, start: int, stop: int, tokens: tuple[int, int], out
 
 
 def moda_store_slot(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst [Hkv,hd,B,T] (a contiguous slot of the buffer) = src [B,T,Hkv,hd] (token rows), tokens last."""
+    """dst [Hkv,hd,B,T] (a contiguous slot of the buffer; src's dtype, or bfloat16 for float32 src: rounded to
+    nearest even) = src [B,T,Hkv,hd] (token rows), tokens last."""
     src, rs = _rows(src)
     B, T, Hkv, hd = src.shape
-    _fn("moda_store_slot", src, "moda")(src.data_ptr(), rs, Hkv * hd, B * T, dst.data_ptr(), torch.get_num_threads())
+    _moda_fn("moda_store_slot", dst)(src.data_ptr(), rs, Hkv * hd, B * T, dst.data_ptr(), torch.get_num_threads())

@@ -78,6 +78,7 @@ from depthtools.errors import DepthToolsError
 
 NORMS = ("pre", "post")
 DEPTH_ROPE = ("none", "query")
+KV_DTYPES = ("model", "bfloat16")
 
 
 class MoDAState(NamedTuple):
@@ -219,6 +220,19 @@ def _slots_first(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(S, Hkv, hd, B * T)
 
 
+class _RoundThrough(torch.autograd.Function):
+    """x rounded to `dtype` and back (x's dtype); the gradient passes unchanged, as a cast's does. What a slot
+    stored as `dtype` holds, for the reference path (fused=False) of option moda_kv_dtype."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class _AppendSlots(torch.autograd.Function):
     """(keys, values) + new slots -> (keys', values'), logically a concatenation on the slot axis.
 
@@ -235,7 +249,7 @@ class _AppendSlots(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, capacity: int, pool: BufferPool | None, keys, values, *new):
+    def forward(ctx, capacity: int, pool: BufferPool | None, kv_dtype: torch.dtype | None, keys, values, *new):
         ctx.set_materialize_grads(False)
         n = len(new) // 2
         S = 0 if keys is None else keys.shape[3]
@@ -245,7 +259,7 @@ class _AppendSlots(torch.autograd.Function):
             kbuf, vbuf, store = shared
         else:
             B, T, Hkv, hd = new[0].shape
-            dtype = keys.dtype if keys is not None else new[0].dtype
+            dtype = kv_dtype if kv_dtype is not None else keys.dtype if keys is not None else new[0].dtype
             store = _SlotStore((B, T), pool=pool)
             like = ((max(capacity, S + n), Hkv, hd, B, T), dtype, new[0].device)
             kbuf, vbuf = store.pool.take("keys", *like), store.pool.take("values", *like)
@@ -257,7 +271,7 @@ class _AppendSlots(torch.autograd.Function):
         kraw, vraw = untracked(kbuf), untracked(vbuf)  # no version-counter bump for views saved elsewhere
         for j in range(n):
             for raw, slot in ((kraw, new[2 * j]), (vraw, new[2 * j + 1])):
-                if cpu_kernels.moda_usable(slot) and slot.dtype == raw.dtype:
+                if cpu_kernels.moda_usable(slot, raw.dtype):
                     cpu_kernels.moda_store_slot(slot, raw[S + j])
                 else:
                     raw[S + j].copy_(slot.permute(2, 3, 0, 1))
@@ -283,20 +297,24 @@ class _AppendSlots(torch.autograd.Function):
                 branch = None if branch is None else branch.permute(1, 2, 3, 0, 4)  # [B,T,Hkv,S,hd]
                 g = None if dense is None else dense[:, :, :, :S]
                 prev[i] = branch if g is None else g if branch is None else branch + g
-        slot_grads = [g if need else None for g, need in zip(slot_grads, ctx.needs_input_grad[4:])]
-        return (None, None, *prev, *slot_grads)
+        slot_grads = [g if need else None for g, need in zip(slot_grads, ctx.needs_input_grad[5:])]
+        return (None, None, None, *prev, *slot_grads)
 
 
 def append_slots(state: MoDAState, h, keys: list, values: list, valid: tuple[bool, ...],
-                 capacity: int = 0, pool: BufferPool | None = None, fused: bool = True) -> MoDAState:
+                 capacity: int = 0, pool: BufferPool | None = None, fused: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> MoDAState:
     """A new state with slots appended (keys/values: lists of [B,T,n_kv,hd]); `state` is unchanged.
-    fused=False: the plain concatenation (`reference.append_slots`) instead of `_AppendSlots`."""
+    fused=False: the plain concatenation (`reference.append_slots`) instead of `_AppendSlots`. kv_dtype:
+    the slots are stored in this dtype (rounded once; fused=False rounds them and keeps the model's dtype)."""
     if not keys:
         return MoDAState(h, state.keys, state.values, state.valid)
     new = [t for pair in zip(keys, values) for t in pair]
     if fused:
-        new_k, new_v = _AppendSlots.apply(capacity, pool, state.keys, state.values, *new)
+        new_k, new_v = _AppendSlots.apply(capacity, pool, kv_dtype, state.keys, state.values, *new)
     else:
+        if kv_dtype is not None:
+            new = [_RoundThrough.apply(t, kv_dtype) for t in new]
         new_k, new_v = reference.append_slots(state.keys, state.values, new)
     return MoDAState(h, new_k, new_v, state.valid + valid)
 
@@ -314,6 +332,10 @@ class MoDAScheme(ResidualScheme):
     def option_schema(cls, arch: str) -> dict[str, Option]:
         """moda_norm ("pre" | "post") and moda_depth_rope ("none" | "query"), see the module docstring."""
         schema = {"moda_norm": Option("str", "pre", choices=NORMS), "moda_depth_rope": Option("str", "none", choices=DEPTH_ROPE)}
+        schema["moda_kv_dtype"] = Option(
+            "str", "model", choices=KV_DTYPES,
+            doc="dtype of the stored depth K/V cache: 'model' (the model's own) or 'bfloat16' (half its memory traffic; "
+                "a slot is rounded once when written and its gradient passes the rounding unchanged, as a cast's does)")
         schema["fused"] = Option("bool", True, doc="False: the plain-autograd references (reference.py)")
         return schema
 
@@ -321,6 +343,7 @@ class MoDAScheme(ResidualScheme):
         super().__init__(cfg)
         self.norm, self.depth_rope = moda_options(cfg)
         self.fused = self.opts["fused"]  # False: the plain-autograd references throughout
+        self.kv_dtype = torch.bfloat16 if self.opts["moda_kv_dtype"] == "bfloat16" else None  # None: the model's
         self.capacity = 2 * (cfg.n_layer - 1)  # slots of a full run: the preallocated buffer size
         self._slot_pool = BufferPool()  # slot and slot-gradient buffers, reused from step to step
 
@@ -407,7 +430,8 @@ class MoDAScheme(ResidualScheme):
         y = block.hook_mlp_out(block.mlp(x))  # x: the normed input kv_proj read (not normed twice)
         h = h + y if pre else block.mlp_post_norm(h + y)
         h = block.hook_resid_post(h)
-        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._slot_pool, self.fused)
+        return append_slots(state, h, keys, values, (True,) * len(keys), self.capacity, self._slot_pool, self.fused,
+                            self.kv_dtype)
 
     def skip(self, position: int, state: MoDAState, rule: str | None = None) -> MoDAState:
         """Identity on h; the position's slots are written as zeros ("zero") or masked ("mask")."""
@@ -417,7 +441,7 @@ class MoDAScheme(ResidualScheme):
         B, T, _ = state.h.shape
         zero = state.h.new_zeros(B, T, self.cfg.n_kv_heads, self.cfg.head_dim)
         return append_slots(state, state.h, [zero, zero], [zero, zero], (rule == "zero",) * 2, self.capacity,
-                            self._slot_pool, self.fused)
+                            self._slot_pool, self.fused, self.kv_dtype)
 
 
 def fused_kernel_for(device: torch.device) -> bool:
@@ -447,10 +471,10 @@ def moda_attend(block, q, k, v, q_depth, state: MoDAState, fused: bool = True) -
         k, v = k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2)
     keys, values = state.keys, state.values
     if not fused or is_hooked(attn.hook_pattern, block.hook_moda_depth_pattern) or not fused_kernel_for(q.device):
+        if keys.dtype != q.dtype:  # (bfloat16 slots: their gradients are rounded to bfloat16 on this path)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         return attn.hook_z(reference.depth_attention(q, k, v, q_depth, keys, values, invalid,
                                                      attn.hook_pattern, block.hook_moda_depth_pattern))
-    if keys.dtype != q.dtype:
-        keys, values = keys.to(q.dtype), values.to(q.dtype)
     z = _DepthAttention.apply(q, k, v, q_depth, keys, values, invalid)
     return attn.hook_z(z)
 
@@ -480,7 +504,9 @@ class _DepthAttention(torch.autograd.Function):
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,hd] views
         out, lse_seq = cpu_flash_attention(qh, kh, vh, scale)  # [B,H,T,hd], [B,H,T] (token-major in memory)
         K, V = _slots_first(keys), _slots_first(values)  # [S,Hkv,hd,N]
-        kernel = cpu_kernels.moda_usable(q)
+        kernel = cpu_kernels.moda_usable(q, K.dtype)
+        if not kernel and K.dtype != q.dtype:  # bfloat16 slots, torch ops: compute in q's dtype
+            K, V = K.to(q.dtype), V.to(q.dtype)
         z, lse, probs, qs = (cpu_kernels.moda_forward if kernel else _depth_forward)(
             K, V, q_depth, out.transpose(1, 2), lse_seq.transpose(1, 2), invalid, scale)  # [B,T,H,hd], [B,T,H]
         # keys/values: views of the slot buffer, whose later appends go past them without a version bump;
@@ -505,6 +531,8 @@ class _DepthAttention(torch.autograd.Function):
                                                       lse.transpose(1, 2), scale)
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         K, V = _slots_first(keys), _slots_first(values)
+        if not ctx.kernel and K.dtype != z.dtype:
+            K, V = K.to(z.dtype), V.to(z.dtype)
         dqd, ds, dzt = (cpu_kernels.moda_backward if ctx.kernel else _depth_backward)(K, V, z, dz, probs, invalid, scale)
         dkeys = dvalues = None
         shared = _shared_store(keys, values) if (need_keys or need_values) else None
