@@ -53,7 +53,8 @@ def rss_mib() -> float:
 
 def build_step(arch: str, args):
     """A model, its AdamW optimizer and a closure running one training step. "ARCH+compile": the
-    model trains through its compiled regions (depthtools.arch.compiled, the trainer's --compile on)."""
+    model trains through its compiled regions (depthtools.arch.compiled, the trainer's --compile on);
+    "moda+bf16kv": MoDA with option moda_kv_dtype="bfloat16"."""
     import torch
 
     from depthtools.arch import DepthModel, compiled
@@ -61,8 +62,9 @@ def build_step(arch: str, args):
     from depthtools.train.optim import build_optimizer
 
     arch, _, variant = arch.partition("+")
+    options = {"moda_kv_dtype": "bfloat16"} if variant == "bf16kv" else {}  # MoDA's bfloat16 depth K/V cache
     cfg = ModelConfig(arch=arch, vocab_size=args.vocab, d_model=args.d_model, n_layer=args.n_layer,
-                      n_heads=args.n_heads, max_seq_len=args.seq)
+                      n_heads=args.n_heads, max_seq_len=args.seq, options=options)
     model = DepthModel(cfg, seed=0).train()
     if variant == "compile":
         compiled.enable(model)

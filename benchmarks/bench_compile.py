@@ -26,6 +26,7 @@ compilation, for "+compile").
 Usage: python benchmarks/bench_compile.py [--batches 8 16] [--reps 7] [--arch preln hc mhc attnres moda]
        [--run-steps 500] [--profile ARCH+compile]   (--profile: a torch.profiler table of 2 warm steps)
        python benchmarks/bench_compile.py --timed-run [--run-steps 500] [--batches 8] [--arch hc mhc] [--skip-eager]
+       python benchmarks/bench_compile.py --timed-run --eager-only --arch moda moda+bf16kv   (MoDA: eager runs only)
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def timed_runs(names: list[str], batch: int, args) -> list[dict]:
     rows = []
     base = [one("preln", tempfile.mkdtemp(prefix="depthtools-inductor-"))]
     for name in names:
+        if args.eager_only:  # e.g. MoDA, which has no compiled region: its eager run(s) only
+            rows.append({"name": name, "cache": "-", **one(name, tempfile.mkdtemp(prefix="depthtools-inductor-"))})
+            continue
         if name != "preln" and not args.skip_eager:
             rows.append({"name": name, "cache": "-", **one(name, tempfile.mkdtemp(prefix="depthtools-inductor-"))})
         cache = tempfile.mkdtemp(prefix="depthtools-inductor-")
@@ -144,6 +148,8 @@ def main() -> None:
     parser.add_argument("--profile", help="print a profiler table for this model (e.g. mhc+compile) and exit")
     parser.add_argument("--timed-run", dest="timed_run", action="store_true",
                         help="time whole --run-steps runs in fresh processes, cold and warm inductor cache")
+    parser.add_argument("--eager-only", dest="eager_only", action="store_true",
+                        help="--timed-run: time each --arch name as given (no +compile runs), e.g. moda moda+bf16kv")
     parser.add_argument("--skip-eager", dest="skip_eager", action="store_true",
                         help="--timed-run: time only eager Pre-LN and the compiled runs (not each eager architecture)")
     parser.add_argument("--run-worker", dest="run_worker", help=argparse.SUPPRESS)
