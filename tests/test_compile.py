@@ -195,6 +195,9 @@ def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     # fused_kernel_for above; a CPU half-precision model takes its torch ops)
     assert not cpu_kernels.moda_usable(meta) and not cpu_kernels.moda_usable(torch.empty(2, dtype=torch.bfloat16))
     assert cpu_kernels.moda_usable(torch.empty(2)) == (cpu_kernels.library("moda") is not None)
+    # bfloat16 slots (option moda_kv_dtype) with float32 arithmetic only
+    assert cpu_kernels.moda_usable(torch.empty(2), torch.bfloat16) == (cpu_kernels.library("moda") is not None)
+    assert not cpu_kernels.moda_usable(torch.empty(2, dtype=torch.float64), torch.bfloat16)
 
 
 def test_sinkhorn_op_matches_the_fused_function():
