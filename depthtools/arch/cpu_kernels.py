@@ -1,8 +1,9 @@
-"""Small C kernels for HC/mHC and AttnRes training on CPU, built with the system C compiler on first use
-(or ahead, in the background, when a model that uses them is constructed: `prebuild`): three libraries,
+"""Small C kernels for HC/mHC, AttnRes and MoDA training on CPU, built with the system C compiler on first use
+(or ahead, in the background, when a model that uses them is constructed: `prebuild`): four libraries,
 "sinkhorn" (mHC's Sinkhorn, below), "connector" (HC's and mHC's whole connectors, forward and backward: see
-the comment above _CONNECTOR_HEAD, `hc_connect_forward` and `mhc_connect_forward`) and "bank" (AttnRes' depth
-bank: a mix, a two-phase prefix, a backward flush; see the comment above _BANK_TEMPLATE).
+the comment above _CONNECTOR_HEAD, `hc_connect_forward` and `mhc_connect_forward`), "bank" (AttnRes' depth
+bank: a mix, a two-phase prefix, a backward flush; see the comment above _BANK_TEMPLATE) and "moda" (MoDA's
+depth attention: forward, backward, slot gradients, slot stores; see the comment above _MODA_TEMPLATE).
 
 mHC's Sinkhorn:
 
@@ -23,8 +24,10 @@ tests/test_compile.py compares it with the reference in float64 and float32, val
 
 The Sinkhorn kernel serves the compiled path's opaque op (`compiled.sinkhorn_op`); the connector kernels
 serve both the compiled step's opaque ops (`compiled.hc_connect_op`, `mhc_connect_op`) and the eager
-`hyper._HCConnect` / `_MHCConnect`; the bank kernels serve `bankops.DepthBank` (eager and compiled steps alike).
-Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`); anything else (CUDA, other dtypes, no C compiler, a failed build) takes torch ops. Each shared object is cached next to inductor's cache
+`hyper._HCConnect` / `_MHCConnect`; the bank kernels serve `bankops.DepthBank` (eager and compiled steps alike);
+the moda kernels serve `moda._DepthAttention` and `_AppendSlots` (MoDA runs eagerly).
+Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`, `moda_usable`; MoDA's
+may read bfloat16 slots); anything else (CUDA, other dtypes, no C compiler, a failed build) takes torch ops. Each shared object is cached next to inductor's cache
 (`compiled.cache_dir()`), keyed by its source, the compiler, its flags and this CPU's flags (-march=native).
 """
 
@@ -1233,7 +1236,7 @@ def _build(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
 
 
 def library(name: str = "sinkhorn", folder: Path | None = None) -> ctypes.CDLL | None:
-    """The built kernel library `name` ("sinkhorn", "connector" or "bank"), or None (no compiler, or the
+    """The built kernel library `name` ("sinkhorn", "connector", "bank" or "moda"), or None (no compiler, or the
     build failed: logged once); built in `folder` (default `_kernel_folder()`)."""
     if name in _libs:
         return _libs[name]
