@@ -864,6 +864,13 @@ static inline void add_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict 
         for (int i = 0; i < hd; i++) dst[b * st + i] += src[i * sp + b];
 }
 
+/* work item w of (kv head, tile of DT tokens) pairs: its head h, first token t0 and token count */
+static inline int work_tile_@S@(long w, long tiles, long N, int *h, long *t0) {
+    *h = (int)(w / tiles);
+    *t0 = (w % tiles) * DT;
+    return N - *t0 < DT ? (int)(N - *t0) : DT;
+}
+
 /* ask for the next slot's rows (hd rows of cnt values, N apart) into L2 while this slot's are computed */
 static inline void prefetch_slot_@S@(const @KT@ *p, int hd, long N, int cnt) {
     for (int i = 0; i < hd; i++)
@@ -891,9 +898,9 @@ int moda_forward_@S@(const @KT@ *restrict K, const @KT@ *restrict V, const @T@ *
         #pragma omp for schedule(static)
         for (long w = 0; w < work; w++) {
             if (!buf) continue;
-            int h = (int)(w / tiles);
-            long t0 = (w % tiles) * DT;
-            int cnt = N - t0 < DT ? (int)(N - t0) : DT;
+            int h;
+            long t0;
+            int cnt = work_tile_@S@(w, tiles, N, &h, &t0);
             for (int j = 0; j < g; j++) {
                 int hh = h * g + j;
                 @T@ *restrict qj = ql + (long)j * hd * DTP;
@@ -986,9 +993,9 @@ int moda_backward_@S@(const @KT@ *restrict K, const @KT@ *restrict V, const @T@ 
         #pragma omp for schedule(static)
         for (long w = 0; w < work; w++) {
             if (!buf) continue;
-            int h = (int)(w / tiles);
-            long t0 = (w % tiles) * DT;
-            int cnt = N - t0 < DT ? (int)(N - t0) : DT;
+            int h;
+            long t0;
+            int cnt = work_tile_@S@(w, tiles, N, &h, &t0);
             for (int j = 0; j < g; j++) {
                 long col = (long)(h * g + j) * hd;
                 @T@ *restrict dj = dzl + (long)j * hd * DTP, *restrict rj = r + j * DTP;
