@@ -338,6 +338,22 @@ def test_moda_retained_graph_backpropagates_twice():
         torch.testing.assert_close(c, e, rtol=0, atol=1e-12)
 
 
+def test_moda_pass_that_stops_short_then_a_full_pass_count_each_reader_once():
+    """Bug (fixed): a backward pass over a retained graph that stopped before the lowest blocks
+    (torch.autograd.grad to the upper blocks' parameters only) left its readers' slot-gradient records (before:
+    side-channel sums) in the slot store, and the next full pass counted them a second time: gradients off by
+    up to ~3e-3 here. Readers now replace their own record. Equal to a fresh full pass."""
+    model = build("moda", d_model=32, n_layer=4, T=8, dtype=F64)
+    toks = tokens(2, 8)
+    params = list(model.parameters())
+    want = torch.autograd.grad(model(toks).square().mean(), params)
+    loss = model(toks).square().mean()
+    upper = [p for name, p in model.named_parameters() if name.startswith(("blocks.2.", "blocks.3."))]
+    torch.autograd.grad(loss, upper, retain_graph=True)
+    for got, expected in zip(torch.autograd.grad(loss, params), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
 # -- whole models: fused (default) vs fused=False ---------------------------------------------------
 
 VOCAB = 97

@@ -131,46 +131,58 @@ class _SlotStore:
     fill: slots written so far (a state whose views end at `fill` is the buffer's newest and may
     append in place). records: what each attention backward that read this buffer left for its slots'
     gradients, (ds [S_r,Hkv,g,N], probs [S_r,Hkv,g,N], qs [Hkv,g,hd,N], dzt [Hkv,g,hd,N], S_r): its score
-    gradients, probabilities, scaled depth query and output gradient (tokens last, N = B·T tokens).
+    gradients, probabilities, scaled depth query and output gradient (tokens last, N = B·T tokens), keyed
+    by the reader (its autograd node) with a serial number.
 
     A slot's gradients are formed when the `_AppendSlots` backward that wrote the slot asks for them
     (`take`; autograd runs it after every reader) from all records at once, never read-modify-written per
     reader. Readers are read once per GROUP_SLOTS slots, not once per append: the first take in a group
     forms the whole group's gradients from the records so far (`partial`); a later take in the group adds
-    only the records that came after. A pass that has taken slot 0 is complete and drops the records, so
-    a retained graph can be backpropagated again.
+    only the records that came after.
+
+    Several backward passes over one retained graph: a reader that runs again replaces its record (and
+    voids a group formed from the old one), so a pass that stopped short of slot 0 (`torch.autograd.grad`
+    to an intermediate tensor) leaves nothing that a later pass counts twice; a pass that has taken slot 0
+    is complete and drops the records.
     """
 
-    __slots__ = ("fill", "records", "pool", "tokens", "partial")
+    __slots__ = ("fill", "records", "pool", "tokens", "partial", "serial")
 
     def __init__(self, tokens: tuple[int, int], fill: int = 0, pool: BufferPool | None = None):
         self.tokens = tokens  # (B, T)
         self.fill = fill
-        self.records: list[tuple] = []
-        self.partial = None  # (lo, hi, n_records, gK, gV): slots lo..hi-1 from the first n_records records
+        self.records: dict[int, tuple[int, tuple]] = {}  # reader key -> (serial, record)
+        self.partial = None  # (lo, hi, {(key, serial)}, gK, gV): slots lo..hi-1 from those records
+        self.serial = 0
         self.pool = BufferPool() if pool is None else pool  # the scheme's reusable buffers
+
+    def record(self, reader: int, record: tuple) -> None:
+        """Keep (or replace) reader's record for its slots' gradients."""
+        self.serial += 1
+        self.records[reader] = (self.serial, record)
 
     def take(self, start: int, stop: int):
         """Gradients (gK, gV) [n,B,T,Hkv,hd] of slots start..stop-1 (None, None if no reader read them)."""
         grads = self._grads(start, stop) if stop > start else (None, None)
         if start == 0:  # the pass is complete
-            self.records, self.partial = [], None
+            self.records, self.partial = {}, None
         return grads
 
     def _grads(self, start: int, stop: int):
         if stop - start >= GROUP_SLOTS:
-            readers = [r for r in self.records if r[4] > start]
+            readers = [r for _, r in self.records.values() if r[4] > start]
             return _slot_grads(readers, start, stop, self.tokens) if readers else (None, None)
         p = self.partial
-        if p is None or not p[0] <= start < stop <= p[1]:
+        if (p is None or not p[0] <= start < stop <= p[1]
+                or any(self.records.get(key, (None,))[0] != serial for key, serial in p[2])):
             lo = max(0, stop - GROUP_SLOTS)
-            readers = [r for r in self.records if r[4] > lo]
-            if not readers:
+            used = {(key, serial): r for key, (serial, r) in self.records.items() if r[4] > lo}
+            if not used:
                 return None, None
-            p = self.partial = (lo, stop, len(self.records), *_slot_grads(readers, lo, stop, self.tokens))
-        lo, _, n_records, gk, gv = p
+            p = self.partial = (lo, stop, set(used), *_slot_grads(list(used.values()), lo, stop, self.tokens))
+        lo, _, used, gk, gv = p
         grads = gk[start - lo : stop - lo], gv[start - lo : stop - lo]  # views: each slot is taken once
-        later = [r for r in self.records[n_records:] if r[4] > start]
+        later = [r for key, (serial, r) in self.records.items() if (key, serial) not in used and r[4] > start]
         return _slot_grads(later, start, stop, self.tokens, out=grads) if later else grads
 
 
@@ -538,7 +550,7 @@ class _DepthAttention(torch.autograd.Function):
         shared = _shared_store(keys, values) if (need_keys or need_values) else None
         record = (ds, probs, qs, dzt, S)
         if shared is not None:  # the writers' backwards form the slot gradients from all readers' records
-            shared[2].records.append(record)
+            shared[2].record(id(ctx), record)  # ctx: this reader's node, the same in every pass over the graph
         elif need_keys or need_values:
             dkeys, dvalues = (t.permute(1, 2, 3, 0, 4) for t in _slot_grads([record], 0, S, (B, T)))  # [B,T,Hkv,S,hd]
         return dq, dk, dv, dqd if need_qd else None, dkeys, dvalues, None
