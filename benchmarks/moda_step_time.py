@@ -43,17 +43,13 @@ def make_step(arch: str, args, **options):
     return step
 
 
-PIECES = {"cpu_kernels": ["moda_forward", "moda_backward", "moda_slot_grads", "moda_store_slot"],
-          "moda": ["cpu_flash_attention", "cpu_flash_attention_backward"]}
-
-
 def time_pieces() -> dict[str, float]:
     """Wrap MoDA's depth-attention calls with wall-clock timers; returns the running totals (seconds)."""
     from depthtools.arch import cpu_kernels, moda
 
     totals: dict[str, float] = {}
-    for module, names in (("cpu_kernels", PIECES["cpu_kernels"]), ("moda", PIECES["moda"])):
-        mod = cpu_kernels if module == "cpu_kernels" else moda
+    for mod, names in ((cpu_kernels, ["moda_forward", "moda_backward", "moda_slot_grads", "moda_store_slot"]),
+                       (moda, ["cpu_flash_attention", "cpu_flash_attention_backward"])):
         for name in names:
             def timed(*a, _f=getattr(mod, name), _n=name, **k):
                 t = time.perf_counter()

@@ -864,11 +864,12 @@ static inline void add_rows_@S@(@T@ *restrict dst, long st, const @T@ *restrict 
         for (int i = 0; i < hd; i++) dst[b * st + i] += src[i * sp + b];
 }
 
-/* work item w of (kv head, tile of DT tokens) pairs: its head h, first token t0 and token count */
-static inline int work_tile_@S@(long w, long tiles, long N, int *h, long *t0) {
+/* work item w of (kv head, tile of `tile` tokens) pairs, `tiles` tiles per head: its head h, first token t0 and
+   token count */
+static inline int work_tile_@S@(long w, long tiles, int tile, long N, int *h, long *t0) {
     *h = (int)(w / tiles);
-    *t0 = (w % tiles) * DT;
-    return N - *t0 < DT ? (int)(N - *t0) : DT;
+    *t0 = (w % tiles) * tile;
+    return N - *t0 < tile ? (int)(N - *t0) : tile;
 }
 
 /* ask for the next slot's rows (hd rows of cnt values, N apart) into L2 while this slot's are computed */
@@ -900,7 +901,7 @@ int moda_forward_@S@(const @KT@ *restrict K, const @KT@ *restrict V, const @T@ *
             if (!buf) continue;
             int h;
             long t0;
-            int cnt = work_tile_@S@(w, tiles, N, &h, &t0);
+            int cnt = work_tile_@S@(w, tiles, DT, N, &h, &t0);
             for (int j = 0; j < g; j++) {
                 int hh = h * g + j;
                 @T@ *restrict qj = ql + (long)j * hd * DTP;
@@ -995,7 +996,7 @@ int moda_backward_@S@(const @KT@ *restrict K, const @KT@ *restrict V, const @T@ 
             if (!buf) continue;
             int h;
             long t0;
-            int cnt = work_tile_@S@(w, tiles, N, &h, &t0);
+            int cnt = work_tile_@S@(w, tiles, DT, N, &h, &t0);
             for (int j = 0; j < g; j++) {
                 long col = (long)(h * g + j) * hd;
                 @T@ *restrict dj = dzl + (long)j * hd * DTP, *restrict rj = r + j * DTP;
@@ -1066,12 +1067,12 @@ int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs
         #pragma omp for schedule(static)
         for (long w = 0; w < work; w++) {
             if (!buf) continue;
-            int h = (int)(w / tiles);
-            long t0 = (w % tiles) * ST;
-            int cnt = N - t0 < ST ? (int)(N - t0) : ST;
+            int h;
+            long t0;
+            int cnt = work_tile_@S@(w, tiles, ST, N, &h, &t0);
             for (int s = start; s < stop; s++) {
                 memset(buf, 0, sizeof(@T@) * 2L * hd * STP);
-                for (int k = 0; k < R; k++) {  /* the tile's rows of the R records stay in L2 across slots */
+                for (int k = 0; k < R; k++) {  /* (the records' tile rows are read again for each slot) */
                     if (reads[k] <= s) continue;
                     for (int j = 0; j < g; j++) {
                         long row = (long)(h * g + j) * hd, prow = ((long)(s * Hkv + h) * g + j) * N + t0;
