@@ -379,6 +379,27 @@ def test_bfloat16_slots_equal_the_reference_with_rounded_slots(monkeypatch, path
     assert (full(toks) - got).abs().max() > 100 * 2e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_slot_store_writes_every_token_with_and_without_streaming_stores(dtype):
+    """The C slot store equals a permuted copy, bit for bit, on both of its paths: whole 64-byte rows (streaming
+    stores where the CPU has them; N = 192 tokens) and the plain path (N = 200: rows that are not whole lines and
+    a last block of 8 tokens; a destination that is not 64-byte aligned), from contiguous and strided sources."""
+    from depthtools.arch import cpu_kernels
+
+    if cpu_kernels.library("moda") is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(0)
+    src_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
+    for B, T, offset in ((3, 64, 0), (4, 50, 0), (3, 64, 1)):
+        both = torch.randn(B, T, 2, 3, 16, generator=gen, dtype=src_dtype)
+        for src in (both[:, :, 0].contiguous(), both[:, :, 1]):  # [B,T,Hkv,hd]: contiguous, and a strided view
+            flat = torch.zeros(offset + 2 * 3 * 16 * B * T, dtype=dtype)
+            dst = flat[offset:].view(2, 3, 16, B, T)[1]  # one slot's worth inside the buffer
+            cpu_kernels.moda_store_slot(src, dst)
+            assert torch.equal(dst, src.to(dtype).permute(2, 3, 0, 1))
+            assert not flat[offset: offset + 3 * 16 * B * T].any()  # nothing written outside the slot
+
+
 def test_bfloat16_slot_store_rounds_as_torch_does():
     """The C slot store rounds float32 to bfloat16 to nearest even, bit for bit as torch's .to(torch.bfloat16),
     including ties, subnormals, infinities and NaN."""
