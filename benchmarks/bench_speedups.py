@@ -7,6 +7,8 @@
     two-phase   Full AttnRes training step with and without the two-phase mix groups
     grad-pool   Full AttnRes training step with and without the reused bank gradient buffers
     moda-pool   MoDA training step with and without the reused depth K/V and gradient buffers
+    moda-stream-stores  MoDA training step with its new depth slots written by streaming stores (where the
+                rows are whole 64-byte lines) and by plain stores (cpu_kernels.MODA_STREAM_STORES)
     tanh        the HC connector's tanh on its [4096, 6] coefficient block vs 2·sigmoid(2x) - 1
     sinkhorn    mHC's Sinkhorn (n = 4, t_max = 20) forward + backward at 1024 tokens: the torch-op
                 tokens-last kernel vs the C kernel of arch/cpu_kernels.py (the compiled path's op)
@@ -19,7 +21,7 @@ to Pre-LN on process CPU time (the trainer's fused AdamW, L=32, d=64, batch 8 x 
 
     python benchmarks/bench_speedups.py optimizer
     python benchmarks/bench_speedups.py sinkhorn connector
-    python benchmarks/bench_speedups.py bank-kernels two-phase grad-pool moda-pool --rounds 15
+    python benchmarks/bench_speedups.py bank-kernels two-phase grad-pool moda-pool moda-stream-stores --rounds 15
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from bench_arch_step import build_step  # noqa: E402
-from depthtools.arch import DepthModel  # noqa: E402
+from depthtools.arch import DepthModel, cpu_kernels  # noqa: E402
 from depthtools.arch.bankops import MixGroups  # noqa: E402
 from depthtools.config import ModelConfig  # noqa: E402
 
@@ -53,11 +55,26 @@ def _bank_kernels_off(model) -> None:
     model.scheme._new_bank = without_kernels
 
 
+def _stream_stores_off(model) -> None:
+    """This model's forward (where MoDA writes its slots) runs with plain slot stores."""
+    forward = model.forward
+
+    def plain_stores(*args, **kwargs):
+        cpu_kernels.MODA_STREAM_STORES = False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            cpu_kernels.MODA_STREAM_STORES = True
+
+    model.forward = plain_stores
+
+
 SWITCH_OFF = {  # mode -> (architecture, how to switch the feature off on a built model)
     "bank-kernels": ("attnres", _bank_kernels_off),
     "two-phase": ("attnres", lambda m: m.scheme.__dict__.__setitem__("_groups", MixGroups([]))),
     "grad-pool": ("attnres", lambda m: setattr(m.scheme, "_grad_pool", None)),
     "moda-pool": ("moda", lambda m: setattr(m.scheme, "_slot_pool", None)),
+    "moda-stream-stores": ("moda", _stream_stores_off),
 }
 
 

@@ -380,14 +380,17 @@ def test_bfloat16_slots_equal_the_reference_with_rounded_slots(monkeypatch, path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_slot_store_writes_every_token_with_and_without_streaming_stores(dtype):
+@pytest.mark.parametrize("stream", [True, False])
+def test_slot_store_writes_every_token_with_and_without_streaming_stores(dtype, stream, monkeypatch):
     """The C slot store equals a permuted copy, bit for bit, on both of its paths: whole 64-byte rows (streaming
     stores where the CPU has them; N = 192 tokens) and the plain path (N = 200: rows that are not whole lines and
-    a last block of 8 tokens; a destination that is not 64-byte aligned), from contiguous and strided sources."""
+    a last block of 8 tokens; a destination that is not 64-byte aligned; or streaming switched off), from
+    contiguous and strided sources."""
     from depthtools.arch import cpu_kernels
 
     if cpu_kernels.library("moda") is None:
         pytest.skip("no C compiler here")
+    monkeypatch.setattr(cpu_kernels, "MODA_STREAM_STORES", stream)
     gen = torch.Generator().manual_seed(0)
     src_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
     for B, T, offset in ((3, 64, 0), (4, 50, 0), (3, 64, 1)):

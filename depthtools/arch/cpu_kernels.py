@@ -1105,12 +1105,12 @@ int moda_slot_grads_@S@(int R, const long *ds, const long *probs, const long *qs
 
 /* A slot's K or V into the buffer: src token rows of C values at token stride rs -> dst [C][N] (tokens last; stored
    as @KT@), in blocks of 64 tokens (a block's rows are read from L1). The buffer's slot was last touched a step ago,
-   so plain stores would first read every line of it from memory; where rows are whole 64-byte lines (dst aligned,
-   N * sizeof(@KT@) a multiple of 64) full blocks are written with streaming stores, which do not (measured: 11.6 ->
-   7.1 ms per step at L32 d64, RESULTS.md "Sixth pass"). */
-int moda_store_slot_@S@(const @T@ *restrict src, long rs, int C, long N, @KT@ *restrict dst, int threads) {
+   so plain stores would first read every line of it from memory; with `stream` set, where rows are whole 64-byte
+   lines (dst aligned, N * sizeof(@KT@) a multiple of 64) full blocks are written with streaming stores, which do not
+   (figures: RESULTS.md "Sixth pass"). */
+int moda_store_slot_@S@(const @T@ *restrict src, long rs, int C, long N, @KT@ *restrict dst, int stream, int threads) {
     long blocks = (N + 63) / 64;
-    int whole_lines = (unsigned long)dst % 64 == 0 && (N * (long)sizeof(@KT@)) % 64 == 0;
+    int whole_lines = stream && (unsigned long)dst % 64 == 0 && (N * (long)sizeof(@KT@)) % 64 == 0;
     #pragma omp parallel num_threads(threads)
     {
         @KT@ row[64] __attribute__((aligned(64)));  /* one channel's 64 tokens */
@@ -1196,7 +1196,7 @@ def _signatures(name: str, scalar) -> dict[str, list]:
         return {"moda_forward": [_P, _P, _P, _L, scalar, _P, _L, _P, _L, _P, _I, _I, _I, _I, _L, _P, _P, _P, _P, _I],
                 "moda_backward": [_P] * 6 + [_I, _I, _I, _I, _L, scalar, _P, _P, _P, _I],
                 "moda_slot_grads": [_I] + [_P] * 5 + [_I, _I, _I, _I, _I, _L, _P, _P, _I, _I],
-                "moda_store_slot": [_P, _L, _I, _L, _P, _I]}
+                "moda_store_slot": [_P, _L, _I, _L, _P, _I, _I]}
     if name == "bank":
         return {"bank_mix_forward": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _L, _P, _P, _I],
                 "bank_prefix": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
@@ -1567,9 +1567,14 @@ def moda_slot_grads(records, start: int, stop: int, tokens: tuple[int, int], out
     return gk, gv
 
 
+MODA_STREAM_STORES = True  # False: plain stores only (for the same-run A/B in benchmarks/bench_speedups.py)
+
+
 def moda_store_slot(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst [Hkv,hd,B,T] (a contiguous slot of the buffer; src's dtype, or bfloat16 for float32 src: rounded to
-    nearest even) = src [B,T,Hkv,hd] (token rows), tokens last."""
+    nearest even) = src [B,T,Hkv,hd] (token rows), tokens last; whole 64-byte rows written with streaming stores
+    (`MODA_STREAM_STORES`)."""
     src, rs = _rows(src)
     B, T, Hkv, hd = src.shape
-    _moda_fn("moda_store_slot", dst)(src.data_ptr(), rs, Hkv * hd, B * T, dst.data_ptr(), torch.get_num_threads())
+    _moda_fn("moda_store_slot", dst)(src.data_ptr(), rs, Hkv * hd, B * T, dst.data_ptr(), int(MODA_STREAM_STORES),
+                                     torch.get_num_threads())
