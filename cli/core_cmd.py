@@ -15,12 +15,19 @@ from depthtools.errors import DepthToolsError
 @app.command("archs")
 def archs_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the docs' markdown table (generated from the registry)."),
 ):
     """List the registered architectures.
 
     Example: depthtools archs --json
     """
     from depthtools.arch import list_archs
+
+    if markdown:
+        from depthtools.arch.doc_table import registry_markdown_table
+
+        print(registry_markdown_table())
+        return
 
     rows = [
         {
