@@ -86,8 +86,7 @@ def summarize_command(
     """
     import json
 
-    from depthtools.analysis.suite import summarize_grid
-    from depthtools.analysis.summary import SUMMARY_FIELDS
+    from depthtools.analysis.summary import SUMMARY_FIELDS, summarize_grid
 
     models, slopes = summarize_grid(grid, n_boot=n_boot, seed=seed, save=save)
     if as_json:

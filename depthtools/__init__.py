@@ -23,7 +23,7 @@ _LAZY = {
     "get_arch": "depthtools.arch", "list_archs": "depthtools.arch",
     "load": "depthtools.checkpoint", "save": "depthtools.checkpoint", "plan_grid": "depthtools.grid",
     "train_cell": "depthtools.train", "train_grid": "depthtools.train",
-    "analyze_grid": "depthtools.analysis.suite", "summarize_grid": "depthtools.analysis.suite",
+    "analyze_grid": "depthtools.analysis.suite", "summarize_grid": "depthtools.analysis.summary",
     "grid_report": "depthtools.report", "model_report": "depthtools.report",
 }
 

@@ -84,7 +84,8 @@ def run_demo(preset: str = "demo", root: str | Path = "checkpoints", data_root: 
     `workers` > 1 trains cells in that many 1-thread processes (the local launcher): on a small CPU
     model, two 1-thread workers on 2 cores beat one 2-thread process. Progress then moves per cell.
     """
-    from depthtools.analysis.suite import analyze_grid, summarize_grid
+    from depthtools.analysis.suite import analyze_grid
+    from depthtools.analysis.summary import summarize_grid
     from depthtools.presets import get_preset
     from depthtools.report import grid_report
     from depthtools.train.sweep import grid_data_dir, load_spec, train_grid

@@ -169,7 +169,7 @@ def _ablate(mode: str):
 
 
 def _sequence_profile(model, tokens, probe: Probe, **args):
-    from depthtools.analysis.summary import sequence_profile
+    from depthtools.analysis.profile import sequence_profile
 
     return sequence_profile(model, tokens, progress=probe.progress, **args)
 
@@ -314,7 +314,7 @@ def choose(only: str | list[str] | None, pairs: str = "all", tuned: bool = False
 
 def checkpoint_dirs(ckpts: list[str | Path] | None = None, grid: str | Path | None = None) -> list[Path]:
     """Checkpoint directories of --ckpt names/paths and of every checkpoint under --grid (in order, once each)."""
-    from depthtools.analysis.summary import checkpoint_dirs as grid_dirs
+    from depthtools.analysis.tables import checkpoint_dirs as grid_dirs
     from depthtools.checkpoint import resolve
 
     if not ckpts and grid is None:
@@ -384,18 +384,6 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
         progress("analyze: done", total, total)
     return report
 
-
-def summarize_grid(grid: str | Path, n_boot: int = 1000, seed: int = 0, save: bool = True):
-    """Effective-depth summary per model and marginal effective depth per architecture (saved under the grid)."""
-    from depthtools.analysis.summary import SUMMARY_FIELDS, grid_summary, model_summaries
-    from depthtools.analysis.tables import save_table
-
-    models = model_summaries(grid)
-    slopes = grid_summary(grid, n_boot=n_boot, seed=seed)
-    if save:
-        save_table(models, grid, "effective_depth_models", {"fields": list(SUMMARY_FIELDS)})
-        save_table(slopes, grid, "effective_depth_grid", {"n_boot": n_boot, "seed": seed})
-    return models, slopes
 
 
 # -- reading saved tables, old names included ---------------------------------------------------------

@@ -31,67 +31,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
 from depthtools.analysis.ablate import effective_count
 from depthtools.analysis.causal import late_start
 from depthtools.analysis.lens import lens_progress
-from depthtools.analysis.sweep import intact_states, plan_logits, scored_logprobs
-from depthtools.analysis.tables import model_columns
-from depthtools.analysis.tokens import batches, check_tokens, split_inputs, token_fingerprint
-from depthtools.arch.model import Plan
-from depthtools.errors import DepthToolsError
+from depthtools.analysis.profile import sequence_profile  # noqa: F401  (re-exported: summary's input)
+from depthtools.analysis.suite import read_result
+from depthtools.analysis.tables import checkpoint_dirs, save_table
 
 PERM_THRESHOLD = 0.15
 KL_THRESHOLD = 0.1
 SUMMARY_FIELDS = ("n_skip_over_L", "f_tau", "n_lens_over_L", "kl_depth_over_L", "pd_mean_over_L", "n_rep_over_L1",
                   "cka_block_fraction", "causal_pair_fraction", "perm_pair_fraction")
-
-
-# -- per-sequence skip profile (for the bootstrap) -------------------------------------------------
-
-@torch.no_grad()
-def sequence_profile(model, tokens: torch.Tensor, rule: str | None = None, batch_size: int = 8,
-                     progress: Callable[[float], None] | None = None) -> pd.DataFrame:
-    """Per sequence: intact CE and, for every block l, KL(p_intact‖p_skip l) and ΔCE (scored positions).
-
-    Long table: model columns, seq, layer (<NA> for ce_intact), metric ∈ {ce_intact, skip_kl,
-    skip_dce}, value. Uses the sweep engine's prefix reuse (`plan_logits`).
-    """
-    tokens = check_tokens(model, tokens)
-    model.eval()
-    L = model.n_layer
-    plans = [Plan.skipping(l, rule=rule) for l in range(L)]
-    info = model_columns(model)
-    rows: list[dict[str, Any]] = []
-    seq0 = 0
-    n_batches = -(-tokens.shape[0] // batch_size)
-    for batch in batches(tokens, batch_size):
-        inputs, targets = split_inputs(batch)
-        B = inputs.shape[0]
-        states = intact_states(model, inputs)
-        ref = scored_logprobs(model.head(states[-1])).view(B, -1, model.config.vocab_size)
-        ce = -ref.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().mean(1)  # [B]
-        for b in range(B):
-            rows.append({**info, "seq": seq0 + b, "layer": None, "metric": "ce_intact", "value": float(ce[b])})
-        for l, logits in enumerate(plan_logits(model, plans, states)):
-            lp = scored_logprobs(logits).view(B, -1, model.config.vocab_size)
-            kl = (ref.exp() * (ref - lp)).sum(-1).double().mean(1)
-            ce_l = -lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().mean(1)
-            for b in range(B):
-                rows.append({**info, "seq": seq0 + b, "layer": l, "metric": "skip_kl", "value": float(kl[b])})
-                rows.append({**info, "seq": seq0 + b, "layer": l, "metric": "skip_dce", "value": float(ce_l[b] - ce[b])})
-        seq0 += B
-        if progress is not None:
-            progress(1.0 / n_batches)
-    df = pd.DataFrame(rows)
-    df["layer"] = df["layer"].astype("Int64")
-    df.attrs["settings"] = {"rule": rule, "batch_size": batch_size, "tokens": token_fingerprint(tokens)}
-    return df
 
 
 def _profile_arrays(profile: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -110,8 +65,6 @@ RESULT_TABLES = ("ablate_skip", "ablate_prune", "ablate_swap", "ablate_swap_adja
 def load_results(ckpt_dir: str | Path) -> dict[str, pd.DataFrame]:
     """The probe tables saved under `<ckpt>/analysis/`, by name (`suite.read_result`: the names
     `analyze` and the probe commands share; tables saved under older names are translated)."""
-    from depthtools.analysis.suite import read_result
-
     found = {name: read_result(ckpt_dir, name) for name in RESULT_TABLES}
     return {name: df for name, df in found.items() if df is not None}
 
@@ -204,18 +157,6 @@ def effective_depth_row(info: dict[str, Any], results: dict[str, pd.DataFrame], 
     row["notes"] = "; ".join(notes)
     return row
 
-
-def checkpoint_dirs(grid: str | Path) -> list[Path]:
-    """Every checkpoint directory (model.safetensors + config.json) under a grid directory."""
-    from depthtools.checkpoint import CONFIG, WEIGHTS
-
-    grid = Path(grid)
-    if not grid.is_dir():
-        raise DepthToolsError(f"grid directory {grid} does not exist")
-    dirs = sorted(p.parent for p in grid.rglob(CONFIG) if (p.parent / WEIGHTS).is_file() and "train_state" not in p.parts)
-    if not dirs:
-        raise DepthToolsError(f"no checkpoints (model.safetensors + config.json) under {grid}")
-    return dirs
 
 
 def _info_from_config(ckpt_dir: Path) -> dict[str, Any]:
@@ -335,3 +276,12 @@ def grid_summary(grid: str | Path, n_boot: int = 1000, seed: int = 0, ci: float 
         row["notes"] = f"no sequence profile for {', '.join(missing[arch])}" if arch in missing else ""
         rows.append(row)
     return pd.DataFrame(rows)
+
+def summarize_grid(grid: str | Path, n_boot: int = 1000, seed: int = 0, save: bool = True):
+    """Effective-depth summary per model and marginal effective depth per architecture (saved under the grid)."""
+    models = model_summaries(grid)
+    slopes = grid_summary(grid, n_boot=n_boot, seed=seed)
+    if save:
+        save_table(models, grid, "effective_depth_models", {"fields": list(SUMMARY_FIELDS)})
+        save_table(slopes, grid, "effective_depth_grid", {"n_boot": n_boot, "seed": seed})
+    return models, slopes

@@ -111,3 +111,16 @@ def cached(ckpt_dir: str | Path, names: Sequence[str], settings: dict[str, Any],
         for name, df in tables.items():
             save_table(df, ckpt_dir, name, settings)
     return tables, False
+
+
+def checkpoint_dirs(grid: str | Path) -> list[Path]:
+    """Every checkpoint directory (model.safetensors + config.json) under a grid directory."""
+    from depthtools.checkpoint import CONFIG, WEIGHTS
+
+    grid = Path(grid)
+    if not grid.is_dir():
+        raise DepthToolsError(f"grid directory {grid} does not exist")
+    dirs = sorted(p.parent for p in grid.rglob(CONFIG) if (p.parent / WEIGHTS).is_file() and "train_state" not in p.parts)
+    if not dirs:
+        raise DepthToolsError(f"no checkpoints (model.safetensors + config.json) under {grid}")
+    return dirs
