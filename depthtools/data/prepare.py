@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
+from depthtools.data.sharded_tokens import load_sharded
 from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import (check_dir_target, dir_mode, exclusive_lock, json_section, read_json_object, replace_dir,
@@ -413,8 +414,6 @@ def load_split(data_dir: str | os.PathLike, split: str = "train") -> np.ndarray:
     if info is None:
         raise DepthToolsError(f"{data_dir}: no split {split!r}; valid: {', '.join(meta['splits'])}")
     if "shards" in info:
-        from depthtools.data.shards import load_sharded
-
         return load_sharded(Path(data_dir), info, meta.get("dtype", "uint16"))
     path = Path(data_dir) / info["file"]
     size = path.stat().st_size if path.is_file() else -1
