@@ -33,6 +33,7 @@ import torch
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_dir_target, dir_mode, replace_dir
+from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, resolve_tokenizer
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -41,10 +42,6 @@ SOURCE_FILE = "depthtools_source.json"  # provenance written beside an exported 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # same module names and maths up to Mistral's sliding window
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json has no key
 DEFAULT_ROPE_TYPES = (None, "default")
-# Files carried from an imported HF directory into the checkpoint (and back out on export).
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                      "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
-HF_CARRIED_FILES = (*HF_TOKENIZER_FILES, "generation_config.json")
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed from theta
 
 
@@ -396,7 +393,6 @@ def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = 
     assembled beside `out` and renamed into place; an existing non-empty `out` is kept unless `force`.
     """
     from depthtools.checkpoint import CONFIG, atomic_write_json, load, read_json, resolve
-    from depthtools.interop.tokenizer import resolve_tokenizer
 
     directory = resolve(ckpt)
     config = read_json(directory / CONFIG)

@@ -31,6 +31,11 @@ from typing import Any
 
 from depthtools.errors import DepthToolsError
 
+# Files carried from an imported HF directory into the checkpoint (and back out on export).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+HF_CARRIED_FILES = (*HF_TOKENIZER_FILES, "generation_config.json")
+
 TOKENIZER_JSON = "tokenizer.json"
 SEPARATOR = "<|endoftext|>"
 
@@ -215,7 +220,6 @@ def _hf_special_ids(directory: Path, recorded: dict[str, Any] | None) -> dict[st
 
 def hf_plan(directory: Path, vocab_size: int, recorded_ids: dict[str, Any] | None) -> TokenizerPlan:
     """Carry a Hugging Face tokenizer's files (as copied at import) out unchanged."""
-    from depthtools.interop.llama import HF_CARRIED_FILES
 
     copies = {name: directory / name for name in HF_CARRIED_FILES if (directory / name).is_file()}
     if TOKENIZER_JSON in copies:
