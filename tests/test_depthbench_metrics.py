@@ -390,3 +390,36 @@ def test_table_names_and_defaults(models, ids):
             "layer_pruning_delta", "erank", "jacobian_norm", "kl_to_final"} <= names
     assert "global_usefulness_score" not in names  # undefined for AttnRes: left out by default
     assert (df.metric == "permutation_score").sum() == N_LAYER * (N_LAYER - 1) // 2
+
+
+# -- the CLI: --protocol depthbench -----------------------------------------------------------------
+def _cell(tmp_path, data_dir, arch):
+    from depthtools import checkpoint as ck
+    from depthtools.arch import DepthModel
+    from depthtools.config import ModelConfig
+
+    model = DepthModel(ModelConfig(arch=arch, vocab_size=256, d_model=16, n_layer=2, n_heads=2, max_seq_len=24), seed=0)
+    directory = tmp_path / "grid" / f"{arch}_L2"
+    ck.save(model, directory, extra={"data": {"path": str(data_dir)}})
+    return directory
+
+
+def test_cli_protocol_depthbench(tmp_path, data_dir):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from depthtools.analysis.tables import load_table
+
+    runner = CliRunner()
+    cell = _cell(tmp_path, data_dir, "attnres")
+    args = ["--ckpt", str(cell), "--n-tokens", "48", "--batch-size", "2"]
+    res = runner.invoke(app, ["analyze", "--protocol", "depthbench", "--only", "causal_score,layer_pruning", *args])
+    assert res.exit_code == 0, res.output
+    df = load_table(cell, "depthbench")
+    assert set(df.metric) >= {"causal_score", "mean_causal_score", "layer_pruning_delta"} and df.seq_len.iloc[0] == 24
+    # a metric DepthBench does not define for the architecture: one line naming both, exit 2
+    res = runner.invoke(app, ["depthbench", "--metrics", "usefulness_score", *args])
+    assert res.exit_code == 2 and "usefulness_score" in res.output and "attnres" in res.output
+    dense = _cell(tmp_path, data_dir, "denseformer")
+    res = runner.invoke(app, ["analyze", "--protocol", "depthbench", "--ckpt", str(dense), "--n-tokens", "48"])
+    assert res.exit_code == 2 and "denseformer" in res.output and "depthbench" in res.output

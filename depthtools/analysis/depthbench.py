@@ -506,3 +506,48 @@ def depthbench_metrics(model, input_ids, metrics: tuple[str, ...] | list[str] | 
     df["arch"], df["n_layer"], df["d_model"] = model.config.arch, L, model.config.d_model
     df["seq_len"], df["n_sequences"] = int(input_ids.shape[1]), int(input_ids.shape[0])
     return df
+
+
+# -- checkpoints: DepthBench's windows, saved beside the checkpoint ---------------------------
+def parse_metrics(metrics: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """'a,b' or a list -> validated metric names (None = every metric DepthBench defines for the model)."""
+    if metrics is None or metrics == "":
+        return None
+    names = [m.strip() for m in metrics.split(",")] if isinstance(metrics, str) else list(metrics)
+    bad = [m for m in names if m not in METRICS]
+    if bad:
+        raise DepthToolsError(f"unknown DepthBench metric {bad[0]!r}; valid: {', '.join(METRICS)}")
+    return names
+
+
+def depthbench_checkpoint(ckpt_dir, data=None, n_tokens: int = 16 * SEQ_LEN, seq_len: int | None = None,
+                          split: str = "val", seed: int = 0, metrics=None, micro_batch_size: int = 4,
+                          device: str = "cpu", save: bool = True, model=None) -> pd.DataFrame:
+    """DepthBench's metrics for one checkpoint on ceil(n_tokens/seq_len) seeded windows of `seq_len` tokens
+    (default: DepthBench's 512, or the model's context if shorter), every position scored. Saved as
+    `analysis/depthbench.parquet` with its settings. A family or metric DepthBench does not define is a
+    one-line DepthToolsError."""
+    from depthtools.analysis.suite import eval_tokens, table_settings
+    from depthtools.analysis.tables import model_columns, save_table
+    from depthtools.checkpoint import load
+
+    model = model if model is not None else load(ckpt_dir, device=device)
+    names = parse_metrics(metrics)
+    for m in names or []:
+        check_defined(model, m)
+    family(model)
+    context = model.config.max_seq_len
+    seq_len = min(SEQ_LEN, context) if seq_len is None else seq_len
+    if not 2 <= seq_len <= context:
+        raise DepthToolsError(f"--seq-len for --protocol depthbench must lie in 2..{context} (the model's context), "
+                              f"got {seq_len}")
+    ids = eval_tokens(ckpt_dir, data, n_tokens, seq_len - 1, split, seed)  # [N, seq_len]: targets inside
+    df = depthbench_metrics(model, ids, names, micro_batch_size)
+    for key, value in model_columns(model).items():
+        df[key] = value
+    df.attrs["notes"] = [] if seq_len == SEQ_LEN else [
+        f"windows of {seq_len} tokens (DepthBench: {SEQ_LEN}; the model's context is {context})"]
+    if save:
+        args = {"protocol": "depthbench", "metrics": names, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
+        save_table(df, ckpt_dir, "depthbench", table_settings("depthbench", args, model, ids))
+    return df
