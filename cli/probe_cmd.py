@@ -409,3 +409,46 @@ def routing_command(
         console.print(table("summary", ["metric", "value"], model_rows(df)))
 
     emit_long("routing", done, as_json, out, show)
+
+
+@app.command("depthbench", cls=ProbeCommand)
+def depthbench_command(
+    ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
+    metrics: Optional[str] = typer.Option(None, "--metrics", help="Comma-separated DepthBench metrics (default: "
+                                          "every one it defines for the architecture): angular_distance, causal_score, "
+                                          "permutation_score, layer_pruning, usefulness_score, token_collapse, "
+                                          "jacobian, logit_lens."),
+    data: Optional[Path] = DATA, n_tokens: int = typer.Option(8192, "--n-tokens", help="Evaluation tokens."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Window length (default min(512, context))."),
+    split: str = SPLIT, seed: int = SEED,
+    batch_size: int = typer.Option(4, "--batch-size", help="DepthBench's micro-batch size."),
+    device: str = DEVICE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+):
+    """DepthBench's metrics as its analysis scripts compute them (= analyze --protocol depthbench).
+
+    Its skip rules (AttnRes next-output, MoDA zero), its depth states (HC streams concatenated or folded),
+    all-pairs permutation with its mean, causal mean/max/top-10, every position of its windows.
+
+    Example: depthtools depthbench --ckpt attnres_L8 --metrics causal_score,layer_pruning --n-tokens 4096
+    """
+    import json
+
+    from depthtools.analysis.depthbench import depthbench_checkpoint
+    from depthtools.analysis.suite import checkpoint_dirs
+
+    check_sizes(n_tokens, seq_len, batch_size)
+    check_device(device)
+    frames = [depthbench_checkpoint(d, data, n_tokens, seq_len, split, seed, metrics, batch_size, device, save)
+              for d in checkpoint_dirs(ckpt, grid)]
+    df = pd.concat(frames, ignore_index=True)
+    write_out(df, out)
+    if as_json:
+        print_json({"table": json.loads(df.to_json(orient="records")),
+                    "notes": [str(n) for f in frames for n in f.attrs.get("notes", [])]})
+        return
+    for frame in frames:
+        scalars = frame[frame["layer"].isna()]
+        console.print(table(f"DepthBench metrics — {frame['model'].iloc[0]}", ["metric", "value"],
+                            [[m, fmt(v)] for m, v in zip(scalars["metric"], scalars["value"])]))
+        for note in frame.attrs.get("notes", []):
+            console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)

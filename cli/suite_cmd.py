@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli.main import app, console, fmt, print_json, table
+from depthtools.errors import DepthToolsError
 from cli.probe_cmd import (BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE, SEED, SEQ_LEN_OPT,
                            SPLIT, ProbeCommand, check_device)
 
@@ -35,6 +36,9 @@ def analyze_command(
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE,
+    protocol: str = typer.Option("depthtools", "--protocol", help="depthtools (this suite) or depthbench: "
+                                 "DepthBench's metrics as its scripts compute them (its skip rules, states, "
+                                 "512-token windows, every position; --only takes its metric names)."),
 ):
     """Run the whole depth-probe suite over every checkpoint of a grid (or --ckpt), resumable.
 
@@ -49,6 +53,11 @@ def analyze_command(
     from depthtools.analysis.suite import analyze_grid
 
     check_device(device)
+    if protocol not in ("depthtools", "depthbench"):
+        raise DepthToolsError(f"unknown --protocol {protocol!r}; valid: depthtools, depthbench")
+    if protocol == "depthbench":
+        run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch_size, device)
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         task = progress.add_task("analyze", total=None)
@@ -66,6 +75,21 @@ def analyze_command(
         console.print(f"[yellow]skipped:[/] {escape(str(line))}", highlight=False)
     if grid is not None:
         console.print(f"next: depthtools summarize --grid {grid}", markup=False, highlight=False)
+
+
+def run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch_size, device) -> None:
+    """`analyze --protocol depthbench`: DepthBench's metrics per checkpoint, saved as analysis/depthbench.parquet.
+    A family or an --only metric DepthBench does not define is a one-line error (exit 2)."""
+    from depthtools.analysis.depthbench import depthbench_checkpoint
+    from depthtools.analysis.suite import checkpoint_dirs, check_sizes
+
+    check_sizes(n_tokens, seq_len, batch_size)
+    for ckpt_dir in checkpoint_dirs(ckpt, grid):
+        df = depthbench_checkpoint(ckpt_dir, data, n_tokens, seq_len, split, seed, only, batch_size, device)
+        console.print(f"{ckpt_dir.name}: {len(df)} DepthBench rows -> {ckpt_dir / 'analysis' / 'depthbench.parquet'}",
+                      markup=False, highlight=False)
+        for note in df.attrs.get("notes", []):
+            console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
 
 
 @app.command("summarize")

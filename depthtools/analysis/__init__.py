@@ -33,6 +33,7 @@ _EXPORTS = {
     "depthtools.analysis.contrib": ("contributions", "jacobian_deviation"),
     "depthtools.analysis.geometry": ("depth_similarity", "pair_matrix", "tidy_frame"),
     "depthtools.analysis.routing": ("routing_matrix", "routing_stats"),
+    "depthtools.analysis.depthbench": ("depthbench_checkpoint", "depthbench_metrics"),
     "depthtools.analysis.summary": (
         "effective_depth_row", "grid_slopes", "grid_summary", "load_results", "model_summaries", "sequence_profile"),
 }
