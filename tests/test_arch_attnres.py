@@ -381,3 +381,59 @@ def test_two_phase_results_do_not_depend_on_the_run_history(monkeypatch):
     exchanged.scheme.attn_res[i].load_state_dict(model.scheme.attn_res[j].state_dict())
     exchanged.scheme.attn_res[j].load_state_dict(model.scheme.attn_res[i].state_dict())
     assert torch.allclose(model.run(toks, plan=Plan.swapping(i, j, L)), exchanged(toks), atol=1e-12)
+
+
+# -- backward passes over a retained graph that stop short of slot 0 ---------------------------------
+
+def _source_jacobian_columns(model, toks, layer, columns, outputs, fresh):
+    """Gradients of block `layer`'s output columns w.r.t. its newest source, several passes over one
+    retained graph (fresh=False) or one graph per pass (fresh=True). `outputs` picks, per pass, which
+    output tensor is differentiated: the block's output or its output squared (a different set of mixes
+    is reached only through the same graph, so both stress the bank's deferred gradients)."""
+    from depthtools.analysis.depthbench import _with_input, block_output
+
+    with torch.no_grad():
+        state = model.run_states(toks, stop=layer)[layer]
+    x0 = block_output(model, state).detach()
+    grads, y, x = [], None, None
+    for k, how in zip(columns, outputs):
+        if y is None or fresh:
+            x = x0.clone().requires_grad_(True)
+            y = block_output(model, model.block_step(layer, _with_input(model, state, x)))
+        target = y if how == "plain" else y.square()
+        cot = torch.zeros_like(y)
+        cot[..., k] = 1.0
+        (g,) = torch.autograd.grad(target, x, cot, retain_graph=True)
+        grads.append(g)
+    return torch.stack(grads)
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_partial_backward_passes_over_a_retained_graph_do_not_mix(forced):
+    """Bug (fixed): the bank's deferred source gradients were reset only when slot 0's backward ran, so a
+    second pass over a retained graph that stopped at a later source added the first pass's gradients
+    (3e-2 off at L3 d16). Reference: the same gradients with a fresh graph per pass, and the plain-autograd
+    path (fused=False). With fallbacks forced (no bank: the explicit path) the results are the same.
+    The forward's own Jacobian code (analysis.depthbench.mean_block_jacobian) reuses one graph per block."""
+    from depthtools.arch import torch_private
+
+    toks = tokens(batch=1, length=6)
+    columns, outputs = [0, 1, 2, 0], ["plain", "plain", "plain", "plain"]
+    if not forced:  # with the pass id the bank also separates passes from different outputs
+        outputs = ["plain", "square", "plain", "square"]
+    with torch_private.fallbacks(forced):
+        model = build("attnres", n_layer=3)
+        perturb(model)
+        reused = _source_jacobian_columns(model, toks, 1, columns, outputs, fresh=False)
+        fresh = _source_jacobian_columns(model, toks, 1, columns, outputs, fresh=True)
+    reference = _source_jacobian_columns(_plain_copy(model), toks, 1, columns, outputs, fresh=False)
+    torch.testing.assert_close(reused, fresh, rtol=0, atol=1e-12)
+    torch.testing.assert_close(reused, reference, rtol=0, atol=1e-10)
+
+
+def _plain_copy(model):
+    """The same weights on the plain-autograd path (option fused=False)."""
+    cfg = model.config.replace(options={**model.config.options, "fused": False})
+    plain = DepthModel(cfg, seed=0).to(next(model.parameters()).dtype)
+    plain.load_state_dict(model.state_dict())
+    return plain

@@ -376,24 +376,20 @@ def _with_input(model, state, x: torch.Tensor):
 def mean_block_jacobian(model, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, int]:
     """(Σ over positions of the position-mean Jacobian, positions) for one micro-batch: column k is the mean
     over input positions of the gradient of Σ_positions y[..., k] (cross-position terms included, as the
-    all-positions cotangent of `compute_mean_layer_jacobian` gives).
-
-    AttnRes runs one forward per output dimension: its fused depth bank's lazily formed gradients are not
-    reliable on a second backward through a retained graph (a different cotangent gives a wrong gradient;
-    measured against its plain-autograd path), so the graph is never reused there."""
+    all-positions cotangent of `compute_mean_layer_jacobian` gives). One forward, d backward passes over
+    its retained graph."""
     with torch.no_grad():
         state = model.run_states(ids, stop=layer)[layer]
     x0 = block_output(model, state).detach()
-    fresh = family(model) == ATTNRES
     d, cols, x, y = x0.shape[-1], [], None, None
     with torch.enable_grad():
         for k in range(d):
-            if y is None or fresh:
+            if y is None:
                 x = x0.clone().requires_grad_(True)
                 y = block_output(model, model.block_step(layer, _with_input(model, state, x)))
             cot = torch.zeros_like(y)
             cot[..., k] = 1.0
-            (g,) = torch.autograd.grad(y, x, cot, retain_graph=not fresh and k < d - 1)
+            (g,) = torch.autograd.grad(y, x, cot, retain_graph=k < d - 1)
             cols.append(_wide(g).mean(dim=(0, 1)).detach().cpu())
     n = x0.shape[0] * x0.shape[1]
     return torch.stack(cols, dim=1) * n, n

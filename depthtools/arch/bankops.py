@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from depthtools.arch import cpu_kernels
+from depthtools.arch import cpu_kernels, torch_private
 from depthtools.arch.layers import BufferPool, fused_inverse_rms, inverse_rms_derivative
 
 
@@ -201,6 +201,26 @@ class DepthBank:
         self.kernel = cpu_kernels.bank_usable(self.values)  # the C kernels for mixes and flushes (CPU)
         self.records: list[_MixRecord] = []
         self.grad_values = self.grad_dots = self.grad_inv_rms = None
+        self.pass_id = None  # the backward pass whose gradients the records and accumulators hold
+
+    def enter_pass(self, record: _MixRecord | None = None) -> None:
+        """Forget a previous backward pass's deferred gradients when a new pass reaches this bank.
+
+        A pass over a retained graph that does not reach slot 0 (a gradient with respect to a later
+        source, as in a Jacobian) never runs the cleanup in `source_grad`; without this, the next pass
+        would add the old pass's mix gradients to its own (wrong input gradients, measured 3e-2)."""
+        task = torch_private.backward_pass_id()
+        stale = (task != self.pass_id) if task is not None else (record is not None and record.grad is not None)
+        if stale:
+            self.end_pass()
+        self.pass_id = task
+
+    def end_pass(self) -> None:
+        """Drop every mix's recorded gradient and the accumulators (a pass is complete or abandoned)."""
+        for rec in self.records:
+            rec.grad = rec.rho = None
+            rec.flushed_to = rec.n
+        self.grad_values = self.grad_dots = self.grad_inv_rms = None
 
     @property
     def capacity(self) -> int:
@@ -294,6 +314,7 @@ class DepthBank:
 
     def source_grad(self, j: int, v: torch.Tensor):
         """(dL/dv_j [N,d], dL/dqueries [M,d]) once every mix that read v_j has been flushed."""
+        self.enter_pass()
         self.flush(j)
         if self.grad_values is None:
             return None, None
@@ -309,10 +330,7 @@ class DepthBank:
         grad_q = queries.new_zeros(queries.shape)  # [M,d]
         torch.mm(gdots[lo:], vf, out=grad_q[lo:])
         if j == 0:  # the backward pass is complete: forget the mixes' gradients
-            for rec in self.records:
-                rec.grad = rec.rho = None
-                rec.flushed_to = rec.n
-            self.grad_values = self.grad_dots = self.grad_inv_rms = None
+            self.end_pass()
         return grad, grad_q
 
 
@@ -387,6 +405,7 @@ class _Mix(torch.autograd.Function):
     def backward(ctx, grad):
         g = grad.reshape(ctx.h.shape).to(ctx.h.dtype).contiguous()
         rho = torch.linalg.vecdot(g, ctx.h)  # [N] = Σ_i α_i g·v_i
+        ctx.bank.enter_pass(ctx.record)
         if ctx.record is not None:
             ctx.record.grad, ctx.record.rho = g, rho
         grad_partial = grad_q = None

@@ -19,6 +19,8 @@ them forced. A forced fallback is one module-level flag read per call: it costs 
     attributes on a tensor (the buffer's slot store)  tensor_tag / set_tensor_tag   None (as view_base)
     Tensor.data (append without a version bump)       untracked                the tensor itself
     Tensor._version (AttnRes bank fingerprint)        versions                 None: bank never reused
+    torch._C._current_graph_task_id (backward pass)   backward_pass_id         None: a mix that already
+                                                                               holds a gradient starts a pass
 """
 
 from __future__ import annotations
@@ -147,3 +149,22 @@ def versions(tensors) -> tuple[int, ...] | None:
     if FORCED:
         return None
     return tuple(t._version for t in tensors)
+
+
+# -- which backward pass is running (the AttnRes bank's deferred source gradients) ---------------------
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def backward_pass_id() -> int | None:
+    """An id of the backward pass (autograd graph task) now running, or None. Private
+    (`torch._C._current_graph_task_id`, what torch.utils.checkpoint uses for the same purpose). The
+    AttnRes bank defers source gradients across autograd nodes and must not mix two passes over a
+    retained graph. Fallback: None; the bank then starts a new pass when a mix that already holds a
+    gradient runs again, which covers repeated passes from the same output (Jacobian columns) but
+    not passes from different outputs that reach different mixes."""
+    if FORCED or _graph_task_id is None:
+        return None
+    task = _graph_task_id()
+    return None if task < 0 else task
+
