@@ -149,7 +149,10 @@ class DepthModel(HookedRootModule):
 
     @property
     def b_U(self) -> torch.Tensor:
-        return self._b_U
+        """[d_vocab] zeros, or a final LayerNorm's bias folded through the unembedding (GPT-2, NeoX):
+        ln_final(x) @ W_U = (ln_final(x) - bias) @ W_U + b_U, as TransformerLens folds it (tl_cache.py)."""
+        bias = getattr(self.ln_final, "bias", None)
+        return self._b_U if bias is None else bias @ self.W_U
 
     @property
     def n_layer(self) -> int:
@@ -208,7 +211,8 @@ class DepthModel(HookedRootModule):
             x = x * torch.tensor(self.backbone.embed_scale, dtype=x.dtype)
         x = self.hook_embed(x)
         if self.backbone.positions == "learned":
-            x = x + self.hook_pos_embed(self.pos_embed(torch.arange(tokens.shape[1], device=tokens.device)))
+            positions = self.pos_embed(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.hook_pos_embed(positions.expand_as(x))  # [B,T,d] as TransformerLens hooks it
         return self.scheme.embed_state(x)
 
     def block_step(self, position: int, state: State, block: int | None = None) -> State:
@@ -236,7 +240,12 @@ class DepthModel(HookedRootModule):
     def head(self, state: State) -> torch.Tensor:
         """Logits [B,T,V] = unembed(ln_final(readout(state))) — the lens at any depth (soft-capped where
         the model's own logits are, Gemma-2's final_softcap)."""
-        return softcap(self.unembed(self.ln_final(self.readout(state))), self.backbone.final_softcap)
+        return self.readout_logits(self.readout(state))
+
+    def readout_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of readout vectors x [..., d]: unembed(ln_final(x)), soft-capped where the model's
+        own logits are (Gemma-2's final_softcap). Every lens reads through this."""
+        return softcap(self.unembed(self.ln_final(x)), self.backbone.final_softcap)
 
     def apply_position(self, position: int, state: State, plan: Plan | None = None) -> State:
         """One depth step under a plan: replace, skip, or run the planned block."""

@@ -217,6 +217,10 @@ class NormFamilyScheme(ResidualScheme):
             why = (f"{arch} normalises each sublayer's output (output norm) before adding it, so hook_{{}}_out "
                    "is not linear in the {}; use depthtools.analysis.contrib for per-block contributions")
             limits["heads"], limits["neurons"] = why.format("attn", "per-head results"), why.format("mlp", "neurons")
+        cap = backbone(self.cfg).final_softcap
+        if cap:
+            limits["linear_head"] = (f"{arch} soft-caps its logits ({cap:g}·tanh(z/{cap:g})), so they are not the "
+                                     "normed stream @ W_U + b_U; use depthtools.analysis.lens (model.head applies the cap)")
         return limits
 
     def tl_norm_site(self, block, sublayer: str):
