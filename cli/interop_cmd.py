@@ -23,17 +23,18 @@ def _show(title: str, summary: dict) -> None:
 
 @app.command("import-hf")
 def import_hf_command(
-    directory: Path = typer.Argument(..., help="Local Hugging Face Llama directory (config.json + safetensors)."),
+    directory: Path = typer.Argument(..., help="Local transformers model directory (config.json + safetensors) of a supported family."),
     name: Optional[str] = typer.Option(None, "--name", help="Checkpoint name under $DEPTHTOOLS_CHECKPOINTS."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint to this directory instead."),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: max_position_embeddings)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing checkpoint."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
-    """Import a local transformers Llama checkpoint as a `preln` depthtools checkpoint.
+    """Import a local transformers checkpoint as a `preln` depthtools checkpoint.
 
-    Tokenizer files are carried along. Unsupported configs (biases, sliding window, scaled RoPE,
-    non-silu activations, head_dim != hidden/heads) are refused, naming the field.
+    Families: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo, olmo2, gpt2, gpt_neox
+    (Pythia), phi3, imported exactly (docs/pretrained.md). Tokenizer files are carried along.
+    Unsupported configs (scaled RoPE, unknown activations, ...) are refused, naming the field.
 
     Example: depthtools import-hf ./TinyLlama --name tinyllama
     """

@@ -69,6 +69,10 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """Per-head width: the Pre-LN option `head_dim` where set (e.g. Gemma, Qwen3), else d_model / n_heads."""
+        explicit = self.options.get("head_dim")
+        if isinstance(explicit, int) and not isinstance(explicit, bool) and explicit > 0:
+            return explicit
         return self.d_model // self.n_heads
 
     def validate(self) -> None:
@@ -77,11 +81,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DepthToolsError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_heads:
+        if self.d_model % self.n_heads and not self.options.get("head_dim"):
             raise DepthToolsError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
             )
-        if self.head_dim % 2:
+        if self.head_dim % 2 and self.options.get("positions", "rope") == "rope":
             raise DepthToolsError(
                 f"head_dim=d_model/n_heads={self.head_dim} must be even for RoPE"
             )

@@ -183,26 +183,24 @@ def mistral_logits(directory: Path, x: torch.Tensor):
         return model.config.sliding_window, model(x).logits
 
 
-def test_mistral_window_is_applied_as_transformers_does_or_refused(tmp_path):
+def test_mistral_window_is_applied_as_transformers_does(tmp_path):
     x = tokens(t=40)
     # a window with use_sliding_window false: transformers' Mistral never reads the flag, the window applies
     windowed = hf_mistral(tmp_path / "w16", {"sliding_window": 16, "use_sliding_window": False})
     window, theirs = mistral_logits(windowed, x)
     assert window == 16
-    with pytest.raises(DepthToolsError, match=r"sliding_window=16 .*use_sliding_window=False is ignored.*--max-seq-len 16") as err:
-        from_hf(windowed)  # context 64 > window 16: full causal attention would differ
-    assert len(str(err.value).splitlines()) == 1
-    short = from_hf(windowed, max_seq_len=16)  # within the window nothing is masked: exact
+    ours = from_hf(windowed)  # context 64 > window 16: a banded causal mask, exact
+    assert ours.config.options["sliding_window"] == 16
     with torch.no_grad():
-        assert (short(x[:, :16]) - theirs[:, :16]).abs().max().item() <= TOL
-    # the refusal is not overcautious: the same weights with full attention ("sliding_window": null)
+        assert (ours(x) - theirs).abs().max().item() <= TOL
+    # the same weights with full attention ("sliding_window": null) differ beyond the window
     full = hf_mistral(tmp_path / "full", {"sliding_window": None, "use_sliding_window": False})
     window, theirs_full = mistral_logits(full, x)
-    assert window is None
+    assert window is None and "sliding_window" not in from_hf(full).config.options
     with torch.no_grad():
         assert (from_hf(full)(x) - theirs_full).abs().max().item() <= TOL
     assert (theirs[:, :16] - theirs_full[:, :16]).abs().max().item() <= 1e-5
-    assert (theirs[:, 16:] - theirs_full[:, 16:]).abs().max().item() > 1e-2  # what the old import returned silently
+    assert (theirs[:, 16:] - theirs_full[:, 16:]).abs().max().item() > 1e-2  # the window matters
 
 
 def test_mistral_without_a_window_key_gets_transformers_default(tmp_path):
@@ -213,10 +211,9 @@ def test_mistral_without_a_window_key_gets_transformers_default(tmp_path):
     x = tokens(t=64)
     window, theirs = mistral_logits(absent, x)
     assert window == MISTRAL_DEFAULT_SLIDING_WINDOW == 4096  # transformers' own default, not ours
-    with torch.no_grad():  # context 64 <= 4096: the default window never binds, the import is exact
+    with torch.no_grad():
         assert (from_hf(absent)(x) - theirs).abs().max().item() <= TOL
-    with pytest.raises(DepthToolsError, match=r"sliding_window \(absent: MistralConfig's default\)=4096"):
-        from_hf(absent, max_seq_len=4097)
+    assert from_hf(absent, max_seq_len=4097).config.options["sliding_window"] == 4096
 
 
 def test_llama_ignores_sliding_window_keys_as_transformers_does(tmp_path):
@@ -482,15 +479,13 @@ BASE = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=2
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
+@pytest.mark.parametrize("change,field", [  # (biases, other activations, head_dim, windows, gpt2: test_families.py)
+    ({"hidden_act": "gelu_fast"}, "hidden_act"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters.rope_type"),
-    ({"model_type": "mistral", "sliding_window": 32}, "sliding_window"),
-    ({"head_dim": 32}, "head_dim"),
-    ({"model_type": "gpt2"}, "model_type"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
+    ({"head_dim": -2}, "head_dim"),
+    ({"model_type": "falcon"}, "model_type"),
 ])
 def test_unsupported_configs_are_refused_naming_the_field(tmp_path, change, field):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **change}))

@@ -59,7 +59,9 @@ def test_option_schemas_of_the_architectures_with_options():
     assert {"moda_norm", "moda_depth_rope"} <= set(names["moda"])
     assert names["keel"] == ["keel_alpha"] and names["mixln"] == ["post_fraction"]
     assert names["depthmup"] == names["completep"] == ["base_layers", "depth_exponent"]
-    assert names["preln"] == []
+    assert {"qkv_bias", "qk_norm", "norm", "norm_gain", "out_norm", "parallel", "positions", "sliding_window",
+            "layer_types", "attn_softcap", "final_softcap", "rotary_fraction", "embed_scale"} <= set(names["preln"])
+    assert all(not names[arch] or arch == "preln" or "qkv_bias" not in names[arch] for arch in ARCHS)
     # defaults that depend on the shape
     assert get_arch("blockattnres").option_schema()["attnres_block_size"].default_for(
         ModelConfig(arch="blockattnres", n_layer=12)) == 4

@@ -68,7 +68,7 @@ def _lens_logprobs(model, rows: torch.Tensor, depth: int, translators: TunedLens
     """[n,d] readout rows at `depth` -> [n,V] log-probs through (translator,) ln_final, unembed."""
     if translators is not None:
         rows = translators(rows, depth)
-    logits = model.unembed(model.ln_final(rows))
+    logits = model.readout_logits(rows)  # ln_final, unembed (and a final soft-cap)
     return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 

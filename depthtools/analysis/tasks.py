@@ -77,7 +77,7 @@ def _score_batch(model, ids: torch.Tensor, spans: list[tuple[int, int]]) -> dict
 
     def answer_logits(state) -> torch.Tensor:
         rows = model.readout(state)[sample, target_pos - 1]  # logits at t predict token t+1
-        logits = model.unembed(model.ln_final(rows))
+        logits = model.readout_logits(rows)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16 models)
 
     state = model.embed(ids[:, :-1])  # the last token is only ever a target: a sample fits a row of seq_len+1
@@ -91,7 +91,7 @@ def _score_batch(model, ids: torch.Tensor, spans: list[tuple[int, int]]) -> dict
     ce = F.cross_entropy(logits, ids[sample, target_pos], reduction="none")
     ce_sum = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, sample, ce.double())
     end_rows = model.readout(state)[end_sample, end_pos - 1]
-    end_ok = model.unembed(model.ln_final(end_rows)).argmax(-1) == ids[end_sample, end_pos]
+    end_ok = model.readout_logits(end_rows).argmax(-1) == ids[end_sample, end_pos]
     answer_ok = hits == n_answer  # at depth L
     return {"correct": (answer_ok & end_ok).cpu().numpy(), "answer_ok": answer_ok.cpu().numpy(),
             "ce_sum": ce_sum.cpu().numpy(), "n_answer": n_answer.cpu().numpy(), "first": first.cpu().numpy()}

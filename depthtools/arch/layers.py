@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch.backbone import (HookedNorm, Norm, activation, backbone, banded_causal_mask, rotary_dim,
+                                      softcap)
 from depthtools.arch.torch_private import is_hooked, storage_unshared
 from depthtools.config import ModelConfig
 
@@ -91,65 +93,129 @@ class HookedRMSNorm(RMSNorm):
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, head_dim/2] for rotary embeddings (Llama convention, half-split)."""
+    """cos/sin tables [T, head_dim/2] for rotary embeddings (Llama convention, half-split). With partial
+    rotary (`backbone.rotary_dim`), `head_dim` is the rotated width."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B,T,H,hd] by position: pairs (i, i+hd/2) as in HF Llama `rotate_half`."""
+    """Rotate x [B,T,H,hd] by position: pairs (i, i+r/2) as in HF Llama `rotate_half`, over the first
+    r = 2·cos.shape[-1] features (r < hd: partial rotary, GPT-NeoX; the rest pass through)."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     T = x.shape[1]
-    cos = cos[:T, None, :].to(x.dtype)  # [T,1,hd/2]
+    cos = cos[:T, None, :].to(x.dtype)  # [T,1,r/2]
     sin = sin[:T, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None, hooked: bool = False) -> nn.Module:
+    """The configured norm over `dim` features (default d_model): `RMSNorm` (or `HookedRMSNorm`) for the
+    default options, so every existing model is unchanged; else a `backbone.Norm` of the configured kind."""
+    bb, dim = backbone(cfg), dim or cfg.d_model
+    if bb.default_norm:
+        return HookedRMSNorm(dim, cfg.norm_eps) if hooked else RMSNorm(dim, cfg.norm_eps)
+    return (HookedNorm if hooked else Norm)(dim, cfg.norm_eps, bb.norm, bb.norm_gain, bb.norm_bias)
 
 
 class Attention(nn.Module):
     """Causal multi-head (or grouped-query) self-attention with RoPE.
 
     Split into `qkv` / `attend` / `out` so architectures that attend to extra keys (MoDA) reuse
-    the projections. Hooks: hook_q/k/v [B,T,H,hd] (before RoPE), hook_pattern [B,H,T,T],
-    hook_z [B,T,H,hd].
+    the projections. Hooks: hook_q/k/v [B,T,H,hd] (after any QK-norm, before RoPE), hook_pattern
+    [B,H,T,T], hook_z [B,T,H,hd]. The Pre-LN options (`backbone.Backbone`) add biases, QK-norm, clipping,
+    a score scale and soft-cap, a sliding window and this layer's own RoPE base; `layer` is the block's
+    index (its window and RoPE base are per layer).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        bb = backbone(cfg)
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.w_q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.w_k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.w_v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.w_o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.w_q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bb.qkv_bias)
+        self.w_k = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=bb.qkv_bias)
+        self.w_v = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=bb.qkv_bias)
+        self.w_o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bb.attn_out_bias)
+        if bb.qk_norm != "none":
+            per_head = bb.qk_norm == "head"
+            self.q_norm = make_norm(cfg, cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim)
+            self.k_norm = make_norm(cfg, cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim)
+        self.qk_norm, self.clip = bb.qk_norm, bb.qkv_clip
+        self.rotary = bb.positions == "rope"
+        self.scale = bb.attn_scale or None  # None: SDPA's own head_dim^-1/2
+        self.softcap, self.window = bb.attn_softcap, bb.window(layer)
+        if self.rotary and self.window and bb.rope_theta_sliding and bb.rope_theta_sliding != cfg.rope_theta:
+            cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, bb.rope_theta_sliding)
+            self.register_buffer("rope_cos", cos, persistent=False)  # this layer's own base (Gemma-3 local)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_pattern, self.hook_z = HookPoint(), HookPoint()
 
+    def _project(self, linear: nn.Linear, norm_name: str, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """linear(x) [B,T,heads,hd], clipped and normed as configured (before its hook and RoPE)."""
+        B, T, _ = x.shape
+        y = linear(x)
+        if self.clip:
+            y = y.clamp(-self.clip, self.clip)
+        if self.qk_norm == "full" and norm_name:
+            y = getattr(self, norm_name)(y)
+        y = y.view(B, T, heads, self.head_dim)
+        if self.qk_norm == "head" and norm_name:
+            y = getattr(self, norm_name)(y)
+        return y
+
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Projected, hooked and rotated q [B,T,H,hd], k and v [B,T,Hkv,hd]."""
-        B, T, _ = x.shape
-        q = self.hook_q(self.w_q(x).view(B, T, self.n_heads, self.head_dim))
-        k = self.hook_k(self.w_k(x).view(B, T, self.n_kv_heads, self.head_dim))
-        v = self.hook_v(self.w_v(x).view(B, T, self.n_kv_heads, self.head_dim))
+        q = self.hook_q(self._project(self.w_q, "q_norm", x, self.n_heads))
+        k = self.hook_k(self._project(self.w_k, "k_norm", x, self.n_kv_heads))
+        v = self.hook_v(self._project(self.w_v, "", x, self.n_kv_heads))
+        if not self.rotary:
+            return q, k, v
+        own = getattr(self, "rope_cos", None)
+        if own is not None:
+            cos, sin = own, self.rope_sin
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _mask(self, T: int, device) -> torch.Tensor | None:
+        """The banded causal mask of a sliding layer whose window binds at length T (None: plain causal)."""
+        if not self.window or self.window >= T:
+            return None
+        return banded_causal_mask(T, self.window, device)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention; returns z [B,T,H,hd]."""
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B,H,T,hd]
-        if is_hooked(self.hook_pattern):  # (a backward hook needs the pattern in the graph too)
-            z = self._explicit_attention(q, k, v)
+        mask = self._mask(q.shape[2], q.device)
+        if is_hooked(self.hook_pattern) or self.softcap:  # (a backward hook needs the pattern in the graph too)
+            z = self._explicit_attention(q, k, v, mask)
+        elif mask is not None:
+            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.n_kv_heads != self.n_heads)
+        elif self.scale is not None:
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.n_kv_heads != self.n_heads)
         else:
             z = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
             )
         return self.hook_z(z.transpose(1, 2))
 
-    def _explicit_attention(self, q, k, v) -> torch.Tensor:
+    def _explicit_attention(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The same attention with the pattern formed explicitly, so hooks can read/edit it."""
         groups = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         T = q.shape[2]
-        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if self.scale is None:
+            scores = q @ k.transpose(-1, -2) / self.head_dim**0.5
+        else:
+            scores = q @ k.transpose(-1, -2) * self.scale
+        scores = softcap(scores, self.softcap)
+        if mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         pattern = self.hook_pattern(scores.masked_fill(~mask, float("-inf")).softmax(-1))
         return pattern @ v
 
@@ -158,7 +224,7 @@ class Attention(nn.Module):
 
     @property
     def W_O(self) -> torch.Tensor:
-        """[H, hd, d] output projection per head, as TransformerLens reads it: out(z) = Σ_h z_h @ W_O[h]."""
+        """[H, hd, d] output projection per head, as TransformerLens reads it: out(z) = Σ_h z_h @ W_O[h] (+ b_O)."""
         return self.w_o.weight.T.reshape(self.n_heads, self.head_dim, -1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,19 +232,28 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) · w3 x); hook_post is the hidden activation [B,T,d_ff]."""
+    """The MLP: w2(silu(w1 x) · w3 x) by default; hook_post is the hidden activation [B,T,d_ff].
+
+    The Pre-LN options make it GeGLU (`mlp_act`), a plain w2(act(w1 x)) (`mlp` "plain": no w3) and give
+    it biases (`mlp_bias`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        bb = backbone(cfg)
+        self.gated, self.act = bb.mlp == "gated", activation(bb.mlp_act)
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=bb.mlp_bias)
+        if self.gated:
+            self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=bb.mlp_bias)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=bb.mlp_bias)
         self.hook_post = HookPoint()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.hook_post(F.silu(self.w1(x)) * self.w3(x)))
+        hidden = self.act(self.w1(x))
+        if self.gated:
+            hidden = hidden * self.w3(x)
+        return self.w2(self.hook_post(hidden))
 
     @property
     def W_out(self) -> torch.Tensor:
-        """[d_ff, d] output projection, as TransformerLens reads it: forward = hook_post @ W_out."""
+        """[d_ff, d] output projection, as TransformerLens reads it: forward = hook_post @ W_out (+ b_out)."""
         return self.w2.weight.T

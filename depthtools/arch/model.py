@@ -18,7 +18,8 @@ from transformer_lens import HookedRootModule
 from transformer_lens.config import TransformerLensConfig
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch.layers import Attention, HookedRMSNorm, SwiGLU, rope_tables
+from depthtools.arch.backbone import backbone, rotary_dim, softcap
+from depthtools.arch.layers import Attention, SwiGLU, make_norm, rope_tables
 from depthtools.arch.scheme import ResidualScheme, State
 from depthtools.arch.tl_cache import DepthCache
 from depthtools.config import ModelConfig
@@ -78,7 +79,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, scheme: ResidualScheme):
         super().__init__()
         self.index = index
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, index)
         self.mlp = SwiGLU(cfg)
         self.hook_resid_pre, self.hook_resid_mid, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
         self.hook_attn_out, self.hook_mlp_out = HookPoint(), HookPoint()
@@ -101,23 +102,28 @@ class DepthModel(HookedRootModule):
         if seed is not None:
             torch.manual_seed(seed)
         self.config = cfg
+        bb = self.backbone = backbone(cfg)  # the Pre-LN options (defaults for every other architecture)
         self.cfg = TransformerLensConfig(  # what TransformerLens tools read
             d_model=cfg.d_model, d_head=cfg.head_dim, n_layers=cfg.n_layer, n_ctx=cfg.max_seq_len,
             n_heads=cfg.n_heads, d_mlp=cfg.d_ff, d_vocab=cfg.vocab_size, n_key_value_heads=cfg.n_kv_heads,
-            normalization_type="RMS", uses_rms_norm=True, eps=cfg.norm_eps, gated_mlp=True,
-            act_fn="silu", positional_embedding_type="rotary", device="cpu",
+            normalization_type="RMS" if bb.norm == "rms" else "LN", uses_rms_norm=bb.norm == "rms",
+            eps=cfg.norm_eps, gated_mlp=bb.mlp == "gated", act_fn={"gelu_tanh": "gelu_new"}.get(bb.mlp_act, bb.mlp_act),
+            positional_embedding_type="rotary" if bb.positions == "rope" else "standard", device="cpu",
         )
         self.scheme = spec.build_scheme(cfg)
         self.compiled = None  # depthtools.arch.compiled.CompiledRegions while training compiled
         self.config = self.scheme.recorded_config()  # cfg with changed-default options written out
         self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.hook_embed = HookPoint()
+        if bb.positions == "learned":  # absolute positions (GPT-2); TransformerLens' hook_pos_embed
+            self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            self.hook_pos_embed = HookPoint()
         self.blocks = nn.ModuleList(Block(cfg, i, self.scheme) for i in range(cfg.n_layer))
-        self.ln_final = HookedRMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ln_final = make_norm(cfg, hooked=True)
         self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.unembed.weight = self.tok_embed.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("_b_U", torch.zeros(cfg.vocab_size), persistent=False)
@@ -143,7 +149,10 @@ class DepthModel(HookedRootModule):
 
     @property
     def b_U(self) -> torch.Tensor:
-        return self._b_U
+        """[d_vocab] zeros, or a final LayerNorm's bias folded through the unembedding (GPT-2, NeoX):
+        ln_final(x) @ W_U = (ln_final(x) - bias) @ W_U + b_U, as TransformerLens folds it (tl_cache.py)."""
+        bias = getattr(self.ln_final, "bias", None)
+        return self._b_U if bias is None else bias @ self.W_U
 
     @property
     def n_layer(self) -> int:
@@ -159,8 +168,18 @@ class DepthModel(HookedRootModule):
         raise DepthToolsError(f"this model has no tokenizer: pass the token id of {string!r}, not the string")
 
     def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> torch.Tensor:
-        """[d_model] zeros: no layer has a bias (TransformerLens' get_full_resid_decomposition reads it)."""
-        return self.W_U.new_zeros(self.config.d_model)
+        """[d_model] sum of the output biases (attention b_O, MLP b_out, times the branch factor) written into
+        the stream before block `layer`'s attention (mlp_input: before its MLP), as TransformerLens defines
+        it (its get_full_resid_decomposition reads it); zeros for bias-free models."""
+        total = self.W_U.new_zeros(self.config.d_model)
+        for index, block in enumerate(self.blocks[: layer + (1 if mlp_input else 0)]):
+            parts = [("attn", block.attn.w_o.bias)]
+            if include_mlp_biases and index < layer:
+                parts.append(("mlp", block.mlp.w2.bias))
+            for sublayer, bias in parts:
+                if bias is not None:
+                    total = total + bias * self.scheme.tl_branch_scale(block, sublayer)
+        return total
 
     def run_with_cache(self, *args, return_cache_object: bool = True, remove_batch_dim: bool = False, **kwargs):
         """As HookedRootModule's, but returns a TransformerLens `ActivationCache` by default: a `DepthCache`,
@@ -187,7 +206,14 @@ class DepthModel(HookedRootModule):
                 f"token ids must lie in 0..{self.config.vocab_size - 1} (wrong tokenizer?); "
                 f"got {int(tokens.min())}..{int(tokens.max())}"
             )
-        return self.scheme.embed_state(self.hook_embed(self.tok_embed(tokens)))
+        x = self.tok_embed(tokens)
+        if self.backbone.embed_scale != 1.0:  # Gemma: √d, at the embedding's own precision
+            x = x * torch.tensor(self.backbone.embed_scale, dtype=x.dtype)
+        x = self.hook_embed(x)
+        if self.backbone.positions == "learned":
+            positions = self.pos_embed(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.hook_pos_embed(positions.expand_as(x))  # [B,T,d] as TransformerLens hooks it
+        return self.scheme.embed_state(x)
 
     def block_step(self, position: int, state: State, block: int | None = None) -> State:
         """Apply block `block` (default: the one built for `position`) at depth `position`.
@@ -212,8 +238,14 @@ class DepthModel(HookedRootModule):
         return self.scheme.geometry(state)
 
     def head(self, state: State) -> torch.Tensor:
-        """Logits [B,T,V] = unembed(ln_final(readout(state))) — the lens at any depth."""
-        return self.unembed(self.ln_final(self.readout(state)))
+        """Logits [B,T,V] = unembed(ln_final(readout(state))) — the lens at any depth (soft-capped where
+        the model's own logits are, Gemma-2's final_softcap)."""
+        return self.readout_logits(self.readout(state))
+
+    def readout_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of readout vectors x [..., d]: unembed(ln_final(x)), soft-capped where the model's
+        own logits are (Gemma-2's final_softcap). Every lens reads through this."""
+        return softcap(self.unembed(self.ln_final(x)), self.backbone.final_softcap)
 
     def apply_position(self, position: int, state: State, plan: Plan | None = None) -> State:
         """One depth step under a plan: replace, skip, or run the planned block."""

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from depthtools.arch.layers import RMSNorm
+from depthtools.arch.backbone import OPTIONS as BACKBONE_OPTIONS, backbone
+from depthtools.arch.layers import make_norm
 from depthtools.arch.registry import ArchSpec
 from depthtools.arch.scheme import NormSite, Option, ResidualScheme
 from depthtools.config import ModelConfig
@@ -75,8 +76,9 @@ def depth_multiplier(n_layer: int, exponent: float, base_layers: int = 24) -> fl
 def sublayer_specs(cfg: ModelConfig, position: int) -> tuple[SublayerSpec, SublayerSpec]:
     """(attention, MLP) specs of the block at `position` for the architecture `cfg.arch`."""
     arch, L, opts = cfg.arch, cfg.n_layer, cfg.options
-    if arch in ("preln",):
-        spec = SublayerSpec()
+    if arch in ("preln",):  # the configurable Pre-LN block (backbone.py): OLMo-2 has no pre-norm, Gemma-2/3 and
+        bb = backbone(cfg)  # OLMo-2 norm each sublayer's output
+        spec = SublayerSpec(pre_norm=bb.pre_norm, out_norm=bb.out_norm)
     elif arch == "postln":
         spec = SublayerSpec(pre_norm=False, post_norm=True)
     elif arch == "periln":
@@ -107,6 +109,7 @@ def sublayer_specs(cfg: ModelConfig, position: int) -> tuple[SublayerSpec, Subla
 
 _DEPTH_SCALED = {"depthmup": 0.5, "completep": 1.0}  # default exponent a of (L/L_base)^-a
 _OPTIONS = {  # read by sublayer_specs (same defaults)
+    "preln": BACKBONE_OPTIONS,  # the pretrained families' block options (depthtools.arch.backbone)
     "keel": {"keel_alpha": Option("number", lambda c: 2 * c.n_layer, doc="residual weight alpha (default 2L)")},
     "mixln": {"post_fraction": Option("number", 0.25, low=0, high=1, doc="share of leading Post-LN blocks")},
     "layerscale": {"layerscale_init": Option("number", lambda c: layerscale_init(c.n_layer), doc="initial λ")},
@@ -123,22 +126,22 @@ class NormFamilyScheme(ResidualScheme):
 
     def compile_key(self, position: int):
         """Blocks with the same sublayer switches compute the same step (LNS' scale reads the index)."""
-        specs = sublayer_specs(self.cfg, position)
-        return specs, position if any(spec.lns_scale for spec in specs) else None
+        specs, bb = sublayer_specs(self.cfg, position), backbone(self.cfg)
+        return specs, position if any(spec.lns_scale for spec in specs) else None, bb.window(position)
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:
         return _OPTIONS.get(arch, {})
 
     def build_block(self, block: nn.Module) -> None:
-        d, eps = self.cfg.d_model, self.cfg.norm_eps
+        d = self.cfg.d_model
         for name, spec in zip(SUBLAYERS, sublayer_specs(self.cfg, block.index)):
             if spec.pre_norm:
-                setattr(block, f"{name}_norm", RMSNorm(d, eps))
+                setattr(block, f"{name}_norm", make_norm(self.cfg))
             if spec.out_norm:
-                setattr(block, f"{name}_out_norm", RMSNorm(d, eps))
+                setattr(block, f"{name}_out_norm", make_norm(self.cfg))
             if spec.post_norm:
-                setattr(block, f"{name}_post_norm", RMSNorm(d, eps))
+                setattr(block, f"{name}_post_norm", make_norm(self.cfg))
             if spec.gain is not None:
                 shape = (1,) if spec.gain == "scalar" else (d,)
                 setattr(block, f"{name}_gain", nn.Parameter(torch.full(shape, spec.gain_init)))
@@ -160,11 +163,28 @@ class NormFamilyScheme(ResidualScheme):
         attn_spec, mlp_spec = sublayer_specs(self.cfg, position)
         h = block.hook_resid_pre(state)
         attn = lambda x: block.attn(x, *rope)  # noqa: E731
+        if self.parallel:  # GPT-NeoX: h + (attn(N1 h) + mlp(N2 h)); resid_mid = h + attn (the MLP reads h)
+            a = self._branch(h, "attn", attn, attn_spec, block, home)
+            block.hook_resid_mid(h + a)
+            return block.hook_resid_post(h + (a + self._branch(h, "mlp", block.mlp, mlp_spec, block, home)))
         h = block.hook_resid_mid(self._sublayer(h, "attn", attn, attn_spec, block, home))
         h = self._sublayer(h, "mlp", block.mlp, mlp_spec, block, home)
         return block.hook_resid_post(h)
 
+    @property
+    def parallel(self) -> bool:
+        """Attention and MLP both read the block's input (the Pre-LN option `parallel`)."""
+        return backbone(self.cfg).parallel
+
     def _sublayer(self, h, name, fn, spec: SublayerSpec, block, home) -> torch.Tensor:
+        y = self._branch(h, name, fn, spec, block, home)
+        h = h + y if spec.alpha == 1.0 else spec.alpha * h + y
+        if spec.post_norm:
+            h = self._part(block, home, f"{name}_post_norm")(h)
+        return h
+
+    def _branch(self, h, name, fn, spec: SublayerSpec, block, home) -> torch.Tensor:
+        """The sublayer's hooked output y (what is added to the stream)."""
         x = self._part(block, home, f"{name}_norm")(h) if spec.pre_norm else h
         if spec.lns_scale:
             x = x * (1.0 / math.sqrt(block.index + 1))
@@ -175,18 +195,14 @@ class NormFamilyScheme(ResidualScheme):
             y = y * self._part(block, home, f"{name}_gain")
         if spec.branch_mult != 1.0:
             y = y * spec.branch_mult
-        y = getattr(block, f"hook_{name}_out")(y)
-        h = h + y if spec.alpha == 1.0 else spec.alpha * h + y
-        if spec.post_norm:
-            h = self._part(block, home, f"{name}_post_norm")(h)
-        return h
+        return getattr(block, f"hook_{name}_out")(y)
 
     # -- TransformerLens' cache functions ------------------------------------------------------
     def tl_limits(self) -> dict[str, str]:
         """The stream is always the depth state; it is a plain sum of the sublayer outputs unless a
         sublayer rescales (alpha) or renormalises (post-norm) it; an output norm makes the branch
         output nonlinear in its heads / neurons."""
-        arch, limits = self.cfg.arch, {}
+        arch, limits = backbone(self.cfg).name(self.cfg.arch), {}
         specs = [(p, name, spec) for p in range(self.cfg.n_layer)
                  for name, spec in zip(SUBLAYERS, sublayer_specs(self.cfg, p))]
         for p, name, spec in specs:
@@ -201,14 +217,19 @@ class NormFamilyScheme(ResidualScheme):
             why = (f"{arch} normalises each sublayer's output (output norm) before adding it, so hook_{{}}_out "
                    "is not linear in the {}; use depthtools.analysis.contrib for per-block contributions")
             limits["heads"], limits["neurons"] = why.format("attn", "per-head results"), why.format("mlp", "neurons")
+        cap = backbone(self.cfg).final_softcap
+        if cap:
+            limits["linear_head"] = (f"{arch} soft-caps its logits ({cap:g}·tanh(z/{cap:g})), so they are not the "
+                                     "normed stream @ W_U + b_U; use depthtools.analysis.lens (model.head applies the cap)")
         return limits
 
     def tl_norm_site(self, block, sublayer: str):
         spec = sublayer_specs(self.cfg, block.index)[SUBLAYERS.index(sublayer)]
         if not spec.pre_norm:
-            return (f"{self.cfg.arch} block {block.index}'s {sublayer} sublayer reads the stream without a "
-                    "pre-norm, so there is no norm scale to apply at its input")
-        hook = f"blocks.{block.index}.hook_resid_{'pre' if sublayer == 'attn' else 'mid'}"
+            return (f"{backbone(self.cfg).name(self.cfg.arch)} block {block.index}'s {sublayer} sublayer reads "
+                    "the stream without a pre-norm, so there is no norm scale to apply at its input")
+        mid = sublayer == "mlp" and not self.parallel  # a parallel block's MLP reads the block input
+        hook = f"blocks.{block.index}.hook_resid_{'mid' if mid else 'pre'}"
         return NormSite(hook, getattr(block, f"{sublayer}_norm"),
                         1.0 / math.sqrt(block.index + 1) if spec.lns_scale else 1.0)
 

@@ -66,9 +66,13 @@ def list_archs() -> list[ArchSpec]:
 
 def check_options(cfg: ModelConfig) -> dict:
     """cfg.options validated against its architecture's schema, defaults filled in (one-line errors)."""
+    from depthtools.arch.backbone import BACKBONE_ARCHS, check_backbone
     from depthtools.arch.scheme import resolve_options
 
-    return resolve_options(get_arch(cfg.arch).option_schema(), cfg)
+    resolved = resolve_options(get_arch(cfg.arch).option_schema(), cfg)
+    if cfg.arch in BACKBONE_ARCHS:
+        check_backbone(cfg)  # checks across options (layer_types' length, rotary width, ...)
+    return resolved
 
 
 # The registration lines: each module defines its architectures' `ARCH_SPECS`; everything else an

@@ -44,6 +44,7 @@ TL_CAPABILITIES = {
            "(decompose_resid, stack_head_results, stack_neuron_results, get_full_resid_decomposition)",
     "heads": "hook_attn_out is the sum over heads of hook_z · W_O (compute_head_results)",
     "neurons": "hook_mlp_out is the sum over neurons of mlp.hook_post · W_out (get_neuron_results)",
+    "linear_head": "the logits are normed stream @ W_U + b_U, with no soft-cap after (logit_lens, logit_attrs)",
 }
 
 

@@ -23,6 +23,14 @@ naming the architecture and why:
   forward); the scale is recomputed from the cached tensor the norm reads (`scheme.tl_norm_site`:
   hook_resid_pre/mid for single-stream blocks, hook_branch_in for HC, hook_attn_in for AttnRes), times
   the norm's gain and LNS' constant factor. Sublayers without a pre-norm are refused.
+* The pretrained families (backbone.py): Gemma's (1+w) gains and LayerNorm's centring are applied as the
+  norm applies them; a final LayerNorm's bias is not a component's: it is folded into `model.b_U`
+  (bias @ W_U, as TransformerLens' fold_ln does), so every normalised stack excludes it on both paths and
+  `stack @ W_U + b_U` is still the logits. Attention/MLP output biases are not a head's or neuron's:
+  head and neuron results exclude them (TransformerLens' convention) and get_full_resid_decomposition
+  adds them as its "bias" component (`model.accumulated_bias`). A final logit soft-cap (Gemma-2) makes
+  the logits a nonlinear function of `stack @ W_U`: logit_lens and logit_attrs refuse (capability
+  "linear_head"); the normalised stacks themselves stay exact.
 * Per-head / per-neuron results use `attn.W_O` [H,hd,d] and `mlp.W_out` [d_ff,d] (layers.py) times the
   scheme's branch factor (`tl_branch_scale`: ReZero/LayerScale gains, depth-μP multipliers), so they
   sum to hook_attn_out / hook_mlp_out.
@@ -36,13 +44,15 @@ import torch
 from transformer_lens import ActivationCache
 from transformer_lens.utilities import Slice
 
+from depthtools.arch.backbone import norm_centers, norm_gain
 from depthtools.arch.scheme import NormSite
 from depthtools.errors import DepthToolsError
 
 # which capabilities (scheme.TL_CAPABILITIES) each ActivationCache function needs to be exact
 NEEDS: dict[str, tuple[str, ...]] = {
     "accumulated_resid": ("stream",),
-    "logit_lens": ("stream",),
+    "logit_lens": ("stream", "linear_head"),
+    "logit_attrs": ("linear_head",),
     "decompose_resid": ("sum",),
     "stack_head_results": ("sum", "heads"),
     "compute_head_results": ("heads",),
@@ -104,6 +114,10 @@ class DepthCache(ActivationCache):
         self._require("logit_lens")
         return super().logit_lens(**kwargs)
 
+    def logit_attrs(self, *args, **kwargs):
+        self._require("logit_attrs")
+        return super().logit_attrs(*args, **kwargs)
+
     def decompose_resid(self, *args, **kwargs):
         self._require("decompose_resid")
         return super().decompose_resid(*args, **kwargs)
@@ -152,8 +166,11 @@ class DepthCache(ActivationCache):
         # into the projection, LN(x) · p = (x · (g ⊙ p)) / scale.
         target = self._layer(layer)
         site = self._site(target, mlp_input)
+        folded = _fold(project_output_onto, self._gain(site))
+        if norm_centers(site.norm):  # LayerNorm: centred(x) · q = x · (q - mean_d(q))
+            folded = folded - folded.mean(0, keepdim=True)
         out = super().stack_neuron_results(layer, pos_slice, neuron_slice, return_labels, incl_remainder, False,
-                                           _fold(project_output_onto, self._gain(site)), mlp_input)
+                                           folded, mlp_input)
         stack, labels = out if return_labels else (out, None)
         scale = self._get_cached_ln_scale(target, mlp_input, pos_slice if isinstance(pos_slice, Slice)
                                           else Slice(pos_slice))
@@ -181,7 +198,7 @@ class DepthCache(ActivationCache):
 
     @staticmethod
     def _gain(site: NormSite):
-        gain = site.norm.weight
+        gain = norm_gain(site.norm)  # w, Gemma's 1 + w, or none
         return site.factor if gain is None else _scaled(gain, site.factor)
 
     def _get_cached_ln_scale(self, layer, mlp_input, pos_slice, batch_slice=None) -> torch.Tensor:
@@ -191,6 +208,8 @@ class DepthCache(ActivationCache):
             return super()._get_cached_ln_scale(layer, mlp_input, pos_slice, batch_slice)
         site = self._site(layer, mlp_input)
         x = self[site.hook]
+        if norm_centers(site.norm):
+            x = x - x.mean(-1, keepdim=True)
         scale = pos_slice.apply((x.pow(2).mean(-1, keepdim=True) + site.norm.eps).sqrt(), dim=-2)
         if batch_slice is not None and self.has_batch_dim:
             scale = batch_slice.apply(scale)
@@ -205,5 +224,6 @@ class DepthCache(ActivationCache):
         out = super().apply_ln_to_stack(residual_stack, layer, mlp_input, pos_slice, batch_slice, has_batch_dim,
                                         recompute_ln)
         if recompute_ln and layer == self.model.cfg.n_layers:
-            return out  # the real ln_final module, gain included
+            bias = getattr(self.model.ln_final, "bias", None)  # folded into model.b_U instead (see there)
+            return out if bias is None else out - bias  # the real ln_final module, gain included
         return _scaled(out, self._gain(site))

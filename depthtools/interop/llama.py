@@ -3,14 +3,15 @@
 A `preln` DepthModel *is* a Llama decoder: RMSNorm before each sublayer (`input_layernorm`,
 `post_attention_layernorm`), RoPE with HF's `rotate_half` pairing (i, i+hd/2), grouped-query
 attention without biases, SwiGLU `down(silu(gate x) · up x)`, a final RMSNorm and an optionally
-tied head. The map is a pure renaming; no tensor is transposed or permuted, so an export followed
-by an import gives back every weight bit for bit.
+tied head. The export map is a pure renaming; no tensor is transposed or permuted, so an export
+followed by an import gives back every weight bit for bit. Export writes Llama only.
 
+Import reads every family of `depthtools.interop.families` (Llama, Mistral, Qwen2/3, Gemma 1/2/3,
+OLMo 1/2, GPT-2, GPT-NeoX, Phi-3) into `preln` with the Pre-LN block options that express it.
 Only safetensors and JSON are read (never pickles), and `transformers` is not needed for either
 direction; it is only needed to *use* an exported directory. Configs our model cannot express
-exactly are refused with a one-line `DepthToolsError` naming the field. Mistral configs are read as
-transformers reads them (`transformers_sliding_window`): a window that can bind within the context
-is refused, one at least as long as the context is irrelevant and the import is exact.
+exactly are refused with a one-line `DepthToolsError` naming the field. Sliding windows (Mistral,
+read as transformers reads them: `transformers_sliding_window`) are applied exactly.
 
 Accuracy: the same function as transformers; logits differ only by RoPE rounding (our tables are
 computed in float64, transformers' angles in float32), a gap that grows with sequence length and
@@ -39,9 +40,7 @@ HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 SOURCE_FILE = "depthtools_source.json"  # provenance written beside an exported model
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # same module names and maths up to Mistral's sliding window
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json has no key
-DEFAULT_ROPE_TYPES = (None, "default")
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed from theta
 
 
@@ -73,36 +72,6 @@ def weight_name_map(cfg: ModelConfig) -> dict[str, str]:
 
 
 # -- configs -------------------------------------------------------------------------------------
-def _refuse(field: str, value: Any, why: str) -> DepthToolsError:
-    return DepthToolsError(f"unsupported Hugging Face config: {field}={value!r} ({why})")
-
-
-def _rope(hf: dict[str, Any]) -> float:
-    """rope_theta from a v5 `rope_parameters` or a v4 `rope_theta` + `rope_scaling`; refuses scaled RoPE."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
-        raise _refuse("rope_parameters", sorted(params), "per-layer-type RoPE is not a Llama feature")
-    for field in ("rope_scaling", "rope_parameters"):
-        scaling = hf.get(field)
-        if scaling is None:
-            continue
-        if not isinstance(scaling, dict):
-            raise _refuse(field, scaling, "expected a dict or null")
-        kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in DEFAULT_ROPE_TYPES:
-            raise _refuse(f"{field}.rope_type", kind, "depthtools implements plain RoPE only (rope_type 'default')")
-        factor = scaling.get("partial_rotary_factor", 1.0)
-        if factor not in (None, 1, 1.0):
-            raise _refuse(f"{field}.partial_rotary_factor", factor, "depthtools rotates the whole head")
-    if hf.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
-        raise _refuse("partial_rotary_factor", hf["partial_rotary_factor"], "depthtools rotates the whole head")
-    params = hf.get("rope_parameters") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise _refuse("rope_theta", theta, "must be a positive number")
-    return float(theta)
-
-
 def transformers_sliding_window(hf: dict[str, Any]) -> int | None:
     """The attention window transformers applies for this config.json (None: full causal).
 
@@ -119,63 +88,17 @@ def transformers_sliding_window(hf: dict[str, Any]) -> int | None:
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise _refuse("sliding_window", window, "expected a positive integer or null")
+        raise DepthToolsError(f"unsupported Hugging Face config: sliding_window={window!r} (expected a positive "
+                              "integer or null)")
     return window
 
 
-def _check_sliding_window(hf: dict[str, Any], context: int) -> None:
-    """Refuse a Mistral config whose window can bind within the model's context (depthtools attention
-    is full causal); a window >= the context never masks anything, so such an import is exact."""
-    window = transformers_sliding_window(hf)
-    if window is None or context <= window:
-        return
-    where = "sliding_window" if "sliding_window" in hf else "sliding_window (absent: MistralConfig's default)"
-    flag = (f"; use_sliding_window={hf['use_sliding_window']!r} is ignored by transformers' Mistral"
-            if "use_sliding_window" in hf else "")
-    raise DepthToolsError(
-        f"unsupported Hugging Face config: {where}={window} (transformers' Mistral attends to the last {window} "
-        f"positions only and depthtools attention is full causal, so logits would differ beyond position {window} "
-        f"of a {context}-token context{flag}); import with max_seq_len <= {window} "
-        f"(import-hf --max-seq-len {window}) for an exact model")
-
-
 def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
-    """The `preln` ModelConfig equivalent to a Llama-family `config.json`, or a one-line refusal."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _refuse("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if hf.get("quantization_config"):
-        raise _refuse("quantization_config", hf["quantization_config"].get("quant_method", "?"),
-                      "quantized weights are not supported; use an unquantized checkpoint")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _refuse("hidden_act", hf.get("hidden_act"), "depthtools' SwiGLU uses silu")
-    for field in ("attention_bias", "mlp_bias"):
-        if hf.get(field, False):
-            raise _refuse(field, hf[field], "depthtools projections have no bias")
-    for field in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size"):
-        if not isinstance(hf.get(field), int):
-            raise DepthToolsError(f"Hugging Face config has no integer {field} (got {hf.get(field)!r})")
-    d, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if d % heads:
-        raise _refuse("hidden_size", d, f"not divisible by num_attention_heads={heads}")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim != d // heads:
-        raise _refuse("head_dim", head_dim, f"depthtools fixes head_dim = hidden_size/num_attention_heads = {d // heads}")
-    kv_heads = hf.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise _refuse("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
-    theta = _rope(hf)
-    context = max_seq_len or hf.get("max_position_embeddings") or 2048
-    _check_sliding_window(hf, int(context))
-    try:
-        return ModelConfig(
-            arch="preln", vocab_size=hf["vocab_size"], d_model=d, n_layer=hf["num_hidden_layers"], n_heads=heads,
-            n_kv_heads=kv_heads, d_ff=hf["intermediate_size"], max_seq_len=int(context), rope_theta=theta,
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            init_std=float(hf.get("initializer_range", 0.02)),
-        )
-    except DepthToolsError as exc:
-        raise DepthToolsError(f"Hugging Face config cannot be expressed as a depthtools model: {exc}") from None
+    """The `preln` ModelConfig equivalent to a supported family's `config.json` (Llama, Mistral, Qwen2/3,
+    Gemma 1/2/3, OLMo 1/2, GPT-2, GPT-NeoX, Phi-3: depthtools.interop.families), or a one-line refusal."""
+    from depthtools.interop.families import hf_to_model_config as family_config
+
+    return family_config(hf, max_seq_len)
 
 
 def model_config_to_hf(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None,
@@ -257,17 +180,15 @@ def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 def hf_state_to_depthtools(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
                            dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Rename HF tensors to depthtools names (cast to `dtype`); refuses missing or unexpected weights."""
-    names = weight_name_map(cfg)
-    missing = sorted(hf for hf in names.values() if hf not in tensors)
-    known = set(names.values()) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    unexpected = sorted(k for k in tensors if k not in known and not k.endswith(IGNORED_HF_SUFFIXES))
-    if missing or unexpected:
-        raise DepthToolsError(
-            f"Hugging Face weights do not match a Llama of this config: missing {missing[:3]}"
-            f"{'...' if len(missing) > 3 else ''}, unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
-        )
-    return {ours: tensors[hf].to(dtype) for ours, hf in names.items()}
+    """Rename (and split / transpose, per the family's map) HF tensors to depthtools names, cast to `dtype`;
+    refuses missing or unexpected weights and shapes that disagree with the config."""
+    from depthtools.arch import DepthModel
+    from depthtools.checkpoint import model_state
+    from depthtools.interop.families import hf_state
+
+    with torch.device("meta"):  # names and shapes only: nothing of the model's size is allocated
+        expected = {k: tuple(v.shape) for k, v in model_state(DepthModel(cfg)).items()}
+    return hf_state(tensors, cfg, expected, dtype)
 
 
 def _load_state(model, state: dict[str, torch.Tensor], where: str) -> None:
@@ -350,7 +271,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
         tokenizer = {"name": "huggingface", "format": "huggingface", "file": main, "files": [
             f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _sha256(path / main),
             "vocab_size": size, "sep_id": hf.get("eos_token_id")}
-    source = {"format": "huggingface-llama", "path": str(path.resolve()), "hf_config": hf,
+    source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
               "weights_sha256": {f.name: _sha256(f) for f in sorted(path.glob("*.safetensors"))}}
     save(model, target, extra={"source": source, "tokenizer": tokenizer, "train": None})
     return {"checkpoint": str(target), "model": model.config.to_dict(), "params": model.param_counts(),
@@ -372,6 +293,11 @@ def check_exportable(cfg: ModelConfig) -> None:
             f"cannot export a {arch!r} checkpoint to transformers: LlamaForCausalLM is Pre-LN (h + f(RMSNorm h)) "
             f"only, and {arch} ({spec.description}) has no transformers equivalent; exportable: {', '.join(EXPORTABLE)}"
         )
+    options = sorted(k for k in cfg.options if k != "family")  # the pretrained families' block options
+    if options:  # (depthtools.arch.backbone): LlamaForCausalLM has none of them
+        family = cfg.options.get("family") or "configured Pre-LN"
+        raise DepthToolsError(f"cannot export a {family} model to transformers: export-hf writes LlamaForCausalLM "
+                              f"only, and its options {options} have no Llama equivalent")
 
 
 def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
