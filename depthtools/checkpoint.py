@@ -231,18 +231,24 @@ def read_config(name: str | Path) -> dict[str, Any]:
     return read_json(resolve(name) / CONFIG)
 
 
+def tensor_problem(key: str, tensor: torch.Tensor) -> str | None:
+    """Why a weight tensor cannot belong to a trained model, or None: a non-floating dtype (int64 would be
+    cast to a meaningless model silently) or a NaN/inf entry (every metric would be NaN). Shared by `load`
+    and the importers (`depthtools.interop.checks`), so both refuse the same tensors in the same words."""
+    if not tensor.dtype.is_floating_point:
+        return f"tensor {key} has dtype {str(tensor.dtype).replace('torch.', '')}, expected a floating-point dtype"
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        return f"tensor {key} has {bad} non-finite (NaN/inf) value(s) of {tensor.numel()}; the weights are unusable"
+    return None
+
+
 def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Refuse weights that cannot be a trained model: a non-floating dtype (int64 would be cast to a
-    meaningless model silently) or a NaN/inf entry (every metric would be NaN). One line, naming the tensor."""
+    """Refuse weights that cannot be a trained model (`tensor_problem`). One line, naming the tensor."""
     for key in sorted(tensors):
-        tensor = tensors[key]
-        if not tensor.dtype.is_floating_point:
-            raise CheckpointError(f"weights in {directory}: tensor {key} has dtype "
-                                  f"{str(tensor.dtype).replace('torch.', '')}, expected a floating-point dtype")
-        if not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise CheckpointError(f"weights in {directory}: tensor {key} has {bad} non-finite (NaN/inf) "
-                                  f"value(s) of {tensor.numel()}; the checkpoint is unusable")
+        problem = tensor_problem(key, tensors[key])
+        if problem is not None:
+            raise CheckpointError(f"weights in {directory}: {problem}")
 
 
 def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
