@@ -81,6 +81,13 @@ def make(kind: str, folder: Path) -> tuple[Path, list[str]]:
         whole = _zstd(RAW)
         path.write_bytes(whole[: len(whole) // 2])
         return path, ["truncated zstd"]
+    if kind == "zst-flipped-checksummed":
+        import zstandard
+
+        path = folder / "a.jsonl.zst"
+        whole = zstandard.ZstdCompressor(write_checksum=True).compress(RAW)  # as the zstd tool writes by default
+        path.write_bytes(_flip(whole, len(whole) // 2, width=1))
+        return path, ["corrupt zstd"]
     if kind == "parquet-flipped-page":
         path = _parquet(folder / "a.parquet")
         data = path.read_bytes()
@@ -114,7 +121,7 @@ def make(kind: str, folder: Path) -> tuple[Path, list[str]]:
     raise AssertionError(kind)
 
 
-KINDS = ["gz-garbage", "gz-truncated", "gz-flipped", "gz-empty-file", "zst-garbage", "zst-truncated",
+KINDS = ["gz-garbage", "gz-truncated", "gz-flipped", "gz-empty-file", "zst-garbage", "zst-truncated", "zst-flipped-checksummed",
          "parquet-flipped-page", "parquet-flipped-page-checksummed", "parquet-truncated", "jsonl-empty",
          "jsonl-blank-lines", "jsonl-empty-texts", "parquet-no-rows"]
 
@@ -166,6 +173,18 @@ def test_zstandard_fallback_reports_damage_the_same_way(tmp_path, monkeypatch):
         with pytest.raises(DepthToolsError, match=rf"{path}: (corrupt|truncated) zstd"):
             prepare_inputs([str(path)], out_dir=tmp_path / "data", name=kind)
         assert _leftovers(tmp_path / "data") == []
+
+
+def test_a_zst_file_without_a_content_checksum_is_noted(tmp_path):
+    """pyarrow writes .zst without a checksum: a flip inside may decode silently, so the log says so."""
+    import zstandard
+
+    (tmp_path / "plain.jsonl.zst").write_bytes(_zstd(RAW))
+    (tmp_path / "checked.jsonl.zst").write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(RAW))
+    for name, noted in (("plain.jsonl.zst", True), ("checked.jsonl.zst", False)):
+        lines: list[str] = []
+        prepare_inputs([str(tmp_path / name)], out_dir=tmp_path / "data", name=name.split(".")[0], log=lines.append)
+        assert any("no zstd content checksum" in line and name in line for line in lines) == noted, lines
 
 
 def test_the_same_files_undamaged_prepare_the_same_text(tmp_path):

@@ -402,6 +402,22 @@ def _open_binary(path: str, compression: str | None):
     return _zstd_reader(path)
 
 
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def zstd_without_checksum(path: str | os.PathLike) -> bool:
+    """True when a .zst file's first frame carries no content checksum (Frame_Header_Descriptor bit 2).
+
+    Without one, flipped bytes inside the file can decompress to other text with no error (pyarrow's
+    writer stores none; the `zstd` tool does by default); `prepare_inputs` says so in its log."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(5)
+    except OSError:
+        return False
+    return len(head) == 5 and head[:4] == ZSTD_MAGIC and not head[4] & 0x04
+
+
 def pyarrow_zstd() -> bool:
     """Whether this pyarrow build has its zstd codec (the PyPI wheels do)."""
     import pyarrow as pa

@@ -245,6 +245,7 @@ def prepare_inputs(
         raise DepthToolsError(f"--shard-tokens must be >= 1024, got {shard_tokens}")
     check_dir_target(out_dir, "data folder (--out)")
     sources = expand_inputs(list(inputs))
+    _note_unchecked(sources, log)
     units = plan_units(sources, unit_bytes)
     tok = resolve_tokenizer(tokenizer, sep_token, units, text_field, domain_field, seed, val_fraction, log)
     n_files = sum(len(f) for _k, f in sources)
@@ -280,6 +281,17 @@ def prepare_inputs(
                                       for k, v in meta["splits"].items() if k in ("train", "val"))
             + f"; {meta['seconds']:.1f}s")
     return target
+
+
+def _note_unchecked(sources, log) -> None:
+    """A log line when .zst inputs carry no content checksum (damage inside them could go unnoticed)."""
+    from depthtools.data.inputs import zstd_without_checksum
+
+    unchecked = [f for kind, files in sources if kind.endswith(":zstd") for f in files if zstd_without_checksum(f)]
+    if unchecked:
+        more = f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else ""
+        log(f"note: {unchecked[0]}{more}: no zstd content checksum, so damage inside cannot always be detected "
+            "(compress with the zstd tool, which stores one by default)")
 
 
 class _WorkerDied(DepthToolsError):
