@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from cli.main import app, console, grid_app, print_json, table
+from cli.main import app, console, err_console, grid_app, print_json, table
 from depthtools.errors import DepthToolsError
 
 
@@ -201,6 +201,10 @@ def info_command(
     from depthtools.checkpoint import checkpoint_summary
 
     summary = checkpoint_summary(ckpt)
+    if summary["weights"] != "ok":
+        err_console.print(f"[bold yellow]warning:[/] {escape(str(summary['weights']))}; this checkpoint cannot be "
+                          "loaded or probed (restore the file, or retrain the cell with --force)", highlight=False,
+                          soft_wrap=True)
     if as_json:
         print_json(summary)
         return

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from cli.main import app, console
+from cli.plain import PlainLog, is_plain
 
 
 @app.command("demo")
@@ -41,14 +42,20 @@ def demo_command(
     columns = (TextColumn("[bold]{task.fields[stage]:<8}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
                TextColumn("{task.description}"))
     try:
-        with Progress(*columns, console=console, transient=False) as progress:
-            bar = progress.add_task("starting", total=1.0, stage="demo")
+        if is_plain():  # a log file, nohup, Slurm: rich's bar would print nothing until the end
+            log = PlainLog()
+            log(f"demo: preset {preset}; one line per stage and cell (output is not a terminal)")
+            result = run_demo(preset, root=root, data_root=data_root, reports_root=reports, tasks=tasks,
+                              workers=workers, log=log)
+        else:
+            with Progress(*columns, console=console, transient=False) as progress:
+                bar = progress.add_task("starting", total=1.0, stage="demo")
 
-            def show(stage: str, fraction: float, detail: str) -> None:
-                progress.update(bar, completed=fraction, stage=stage, description=detail)
+                def show(stage: str, fraction: float, detail: str) -> None:
+                    progress.update(bar, completed=fraction, stage=stage, description=detail)
 
-            result = run_demo(preset, root=root, data_root=data_root, reports_root=reports, on_progress=show,
-                              tasks=tasks, workers=workers)
+                result = run_demo(preset, root=root, data_root=data_root, reports_root=reports, on_progress=show,
+                                  tasks=tasks, workers=workers)
     except KeyboardInterrupt:
         console.print("interrupted; run the same command again to continue where it stopped")
         raise typer.Exit(130) from None

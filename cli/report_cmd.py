@@ -44,3 +44,16 @@ def report_command(
     else:
         written = model_report(list(ckpt), path, title=title)
     console.print(f"wrote {written} ({written.stat().st_size / 1024:.0f} KB)", markup=False, highlight=False)
+    _warn_weights(grid, ckpt)
+
+
+def _warn_weights(grid: Optional[Path], ckpts: Optional[List[str]]) -> None:
+    """One stderr line per checkpoint whose weights are missing or damaged (the report says so too)."""
+    from rich.markup import escape
+
+    from cli.main import err_console
+    from depthtools.report.data import weights_warnings_of
+
+    for line in weights_warnings_of(grid, ckpts):
+        err_console.print(f"[bold yellow]warning:[/] weights missing or damaged: {escape(line)}", highlight=False,
+                          soft_wrap=True)

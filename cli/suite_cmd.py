@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from cli.main import app, console, fmt, print_json, table
+from cli.plain import PlainLog, is_plain
 from depthtools.errors import DepthToolsError
 from cli.probe_cmd import (BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE, SEED, SEQ_LEN_OPT,
                            SPLIT, ProbeCommand, check_device)
@@ -58,17 +59,20 @@ def analyze_command(
     if protocol == "depthbench":
         run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch_size, device)
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as progress:
-        task = progress.add_task("analyze", total=None)
+    settings = dict(data=data, n_tokens=n_tokens, seq_len=seq_len, split=split, seed=seed, batch_size=batch_size,
+                    exclude_first=exclude_first, only=only, pairs=pairs, tau=tau, tuned=tuned, recompute=recompute,
+                    device=device, ckpts=ckpt, lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr)
+    if is_plain():  # a log file, nohup, Slurm: rich's bar would print nothing until the end
+        report = analyze_grid(grid, progress=_plain_progress(), **settings)
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=False) as progress:
+            task = progress.add_task("analyze", total=None)
 
-        def show(description: str, done: int, total: int) -> None:
-            progress.update(task, description=description, completed=done, total=total)
+            def show(description: str, done: int, total: int) -> None:
+                progress.update(task, description=description, completed=done, total=total)
 
-        report = analyze_grid(grid, data=data, n_tokens=n_tokens, seq_len=seq_len, split=split, seed=seed,
-                              batch_size=batch_size, exclude_first=exclude_first, only=only, pairs=pairs, tau=tau,
-                              tuned=tuned, recompute=recompute, device=device, ckpts=ckpt, progress=show,
-                              lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr)
+            report = analyze_grid(grid, progress=show, **settings)
     console.print(f"analyzed {report.checkpoints} checkpoint(s): {report.ran} run, {report.reused} already saved, "
                   f"{len(report.not_applicable)} not applicable")
     for line in report.not_applicable:
@@ -90,6 +94,23 @@ def run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch
                       markup=False, highlight=False)
         for note in df.attrs.get("notes", []):
             console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
+
+
+def _plain_progress():
+    """analyze_grid's progress as plain lines: one per checkpoint done, and a line at most every minute
+    within a long one (naming the analysis running)."""
+    log, current = PlainLog(), [None]
+
+    def show(description: str, done: int, total: int) -> None:
+        cell = description.split(":")[0]
+        if current[0] is None:
+            log(f"analyze: {total} analyses to run or reuse (output is not a terminal: one line per checkpoint)")
+        elif cell != current[0]:
+            log(f"analyze: {current[0]} done ({done}/{total})")
+        else:
+            log.every(f"analyze: {description} ({done}/{total})")
+        current[0] = cell
+    return show
 
 
 @app.command("summarize")

@@ -75,8 +75,13 @@ class TrainDisplay:
 
 
 def _display(total_tokens: int, n_cells: int, quiet: bool):
-    """The rich display, or a silent stand-in when the output must stay machine-readable (--json)."""
-    return contextlib.nullcontext(None) if quiet else TrainDisplay(total_tokens, n_cells)
+    """The rich display; plain lines when the output is not a terminal (rich's bars would show nothing
+    there); a silent stand-in when the output must stay machine-readable (--json)."""
+    from cli.plain import PlainTrainDisplay, is_plain
+
+    if quiet:
+        return contextlib.nullcontext(None)
+    return PlainTrainDisplay(n_cells) if is_plain() else TrainDisplay(total_tokens, n_cells)
 
 
 @contextlib.contextmanager
@@ -305,16 +310,16 @@ def grid_train_command(
         return
     if dry_run:
         raise DepthToolsError("--dry-run applies to --launcher slurm")
+    log = None if as_json else _launcher_log()
     if launcher == "ray":
         from depthtools.train.launch import launch_ray
 
         summaries = launch_ray(spec, root, data_root, gpus_per_cell=gpus_per_cell, cpus_per_cell=cpus_per_cell,
-                               threads=threads, address=ray_address, force=force, log=None if as_json else _plain)
+                               threads=threads, address=ray_address, force=force, log=log)
     elif workers > 1:
         from depthtools.train.launch import launch_local
 
-        summaries = launch_local(spec, root, data_root, workers=workers, threads=threads or 1, force=force,
-                                 log=None if as_json else _plain)
+        summaries = launch_local(spec, root, data_root, workers=workers, threads=threads or 1, force=force, log=log)
     else:
         summaries = _grid_here(spec, root, data_root, threads, force, as_json)
     _report(spec, root, summaries, as_json)
@@ -323,6 +328,13 @@ def grid_train_command(
 def _plain(line: str) -> None:
     """Print a launcher's log line literally (cell names and errors are not rich markup)."""
     console.print(line, markup=False, highlight=False)
+
+
+def _launcher_log():
+    """A launcher's per-cell lines: literal on a terminal, stamped with the elapsed time in a log."""
+    from cli.plain import PlainLog, is_plain
+
+    return PlainLog() if is_plain() else _plain
 
 
 def _grid_here(spec, root: Path, data_root: Path, threads: Optional[int], force: bool, as_json: bool):

@@ -122,6 +122,57 @@ def read_header(path: Path) -> dict[str, tuple[int, ...]]:
         raise _weights_error(path, exc) from None
 
 
+_SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
+                            "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def weights_problem(path: str | Path) -> str | None:
+    """Why a safetensors file cannot be loaded, from its header alone (None: it looks whole).
+
+    Reads the 8-byte header length and the JSON header, and compares the file's size with the end of
+    the last tensor's data_offsets (and each tensor's byte range with its dtype and shape): a missing,
+    empty, truncated or padded file is caught without reading the weights. For `info` and `report`,
+    which otherwise call a cell whose eval.json exists finished."""
+    import math
+    import struct
+
+    path = Path(path)
+    if not path.is_file():
+        return f"weights file {path} is missing"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                return f"weights file {path} is damaged: {size} bytes, too short for a safetensors header"
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                return f"weights file {path} is damaged (truncated): {size:,} bytes, its header alone claims {length + 8:,}"
+            header = json.loads(handle.read(length).decode("utf-8"))
+    except OSError as exc:
+        return f"weights file {path} cannot be read: {exc.strerror or exc}"
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return f"weights file {path} is damaged: its header is not valid safetensors JSON"
+    if not isinstance(header, dict):
+        return f"weights file {path} is damaged: its header is not a JSON object"
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(v) for v in info["data_offsets"])
+            expected = math.prod(int(d) for d in info["shape"]) * _SAFETENSORS_DTYPE_BYTES.get(info["dtype"], 0)
+        except (KeyError, TypeError, ValueError):
+            return f"weights file {path} is damaged: its header entry for {name} is not valid"
+        if stop < begin or (expected and stop - begin != expected):
+            return f"weights file {path} is damaged: tensor {name} spans bytes {begin}..{stop}, its shape needs {expected}"
+        end = max(end, stop)
+    if size != 8 + length + end:
+        kind = "truncated" if size < 8 + length + end else "extra bytes at the end"
+        return f"weights file {path} is damaged ({kind}): {size:,} bytes, its header says {8 + length + end:,}"
+    return None
+
+
 def _block_count(names) -> int | None:
     indices = {int(k.split(".")[1]) for k in names if k.startswith("blocks.") and k.split(".")[1].isdigit()}
     return max(indices) + 1 if indices else None
@@ -231,18 +282,24 @@ def read_config(name: str | Path) -> dict[str, Any]:
     return read_json(resolve(name) / CONFIG)
 
 
+def tensor_problem(key: str, tensor: torch.Tensor) -> str | None:
+    """Why a weight tensor cannot belong to a trained model, or None: a non-floating dtype (int64 would be
+    cast to a meaningless model silently) or a NaN/inf entry (every metric would be NaN). Shared by `load`
+    and the importers (`depthtools.interop.checks`), so both refuse the same tensors in the same words."""
+    if not tensor.dtype.is_floating_point:
+        return f"tensor {key} has dtype {str(tensor.dtype).replace('torch.', '')}, expected a floating-point dtype"
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        return f"tensor {key} has {bad} non-finite (NaN/inf) value(s) of {tensor.numel()}; the weights are unusable"
+    return None
+
+
 def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
-    """Refuse weights that cannot be a trained model: a non-floating dtype (int64 would be cast to a
-    meaningless model silently) or a NaN/inf entry (every metric would be NaN). One line, naming the tensor."""
+    """Refuse weights that cannot be a trained model (`tensor_problem`). One line, naming the tensor."""
     for key in sorted(tensors):
-        tensor = tensors[key]
-        if not tensor.dtype.is_floating_point:
-            raise CheckpointError(f"weights in {directory}: tensor {key} has dtype "
-                                  f"{str(tensor.dtype).replace('torch.', '')}, expected a floating-point dtype")
-        if not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise CheckpointError(f"weights in {directory}: tensor {key} has {bad} non-finite (NaN/inf) "
-                                  f"value(s) of {tensor.numel()}; the checkpoint is unusable")
+        problem = tensor_problem(key, tensors[key])
+        if problem is not None:
+            raise CheckpointError(f"weights in {directory}: {problem}")
 
 
 def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
@@ -296,7 +353,10 @@ def read_metrics(directory: str | Path) -> list[dict[str, Any]]:
 
 
 def checkpoint_summary(name: str | Path) -> dict[str, Any]:
-    """Config, sizes and training/eval summary of a checkpoint, without loading its weights."""
+    """Config, sizes and training/eval summary of a checkpoint, without loading its weights.
+
+    "weights" is "ok" or why the weights file cannot be loaded (`weights_problem`, a header read);
+    "finished" is True only when training finished (eval.json) and the weights are whole."""
     directory = resolve(name)
     config = read_json(directory / CONFIG)
     model = model_section(config, directory)
@@ -304,11 +364,13 @@ def checkpoint_summary(name: str | Path) -> dict[str, Any]:
     metrics = read_metrics(directory)
     eval_path = directory / "eval.json"
     last = metrics[-1] if metrics else {}
+    damaged = weights_problem(directory / WEIGHTS)
     return {
         "name": directory.name,
         "path": str(directory),
         "arch": model.get("arch"),
-        "finished": eval_path.is_file(),
+        "finished": eval_path.is_file() and damaged is None,  # a run whose weights are gone is not usable
+        "weights": damaged or "ok",
         "model": model,
         "params": params,
         "training": {k: last[k] for k in ("step", "tokens", "train_loss", "val_loss") if k in last},

@@ -6,6 +6,7 @@ executes top to bottom (nbclient, a real kernel) on one of the trained checkpoin
 """
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,12 @@ def test_demo_trains_every_cell_and_writes_the_report(demo):
     for arch in ("preln", "lns", "hc", "attnres"):
         assert f"{arch}_L8" in html
     assert "data:image/png;base64," in html or "data:image/svg+xml" in html
+    # CliRunner's output is not a terminal: plain lines, stamped with the elapsed time (issue 35, item 10)
+    stamped = [line for line in output.splitlines() if re.match(r"^\[\d+:\d\d\] ", line)]
+    for cell in cells:
+        assert any(line.split("] ", 1)[1].startswith("train: ") and cell in line for line in stamped), cell
+    for stage in ("data", "train", "analyze", "summary", "tasks", "report"):
+        assert any(f"] {stage}: done in " in line for line in stamped), stage
 
 
 def test_demo_rerun_reuses_what_is_done(demo):

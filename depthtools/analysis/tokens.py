@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -102,16 +103,64 @@ def token_fingerprint(tokens: torch.Tensor) -> str:
     return hashlib.sha256(data + str(tuple(tokens.shape)).encode()).hexdigest()[:16]
 
 
+def data_dir_candidates(ckpt_dir: str | Path, record: dict) -> list[Path]:
+    """Where a checkpoint's training data may be, most likely first, from its config.json "data" record.
+
+    - "path_from_checkpoint" joined to the checkpoint folder (lexically, as it was computed): right
+      after the checkpoint and data tree moved together;
+    - "path" when absolute (checkpoints trained since issue 35): right from any working directory;
+    - "path" when relative (older checkpoints: relative to the folder training ran in): first from the
+      current folder (where it always worked), then from each folder above the checkpoint, since
+      training usually ran in an ancestor of `checkpoints/` (a notebook in `notebooks/` finds it).
+    """
+    ckpt_dir = Path(ckpt_dir).absolute()
+    out: list[Path] = []
+    relative = record.get("path_from_checkpoint")
+    if isinstance(relative, str) and relative:
+        out.append(Path(os.path.normpath(os.path.join(ckpt_dir, relative))))
+    recorded = record.get("path")
+    if isinstance(recorded, str) and recorded:
+        path = Path(recorded)
+        out.append(path)
+        if not path.is_absolute():
+            out += [parent / path for parent in ckpt_dir.parents]
+    unique: list[Path] = []
+    for candidate in out:
+        if candidate not in unique:
+            unique.append(candidate)
+    return unique
+
+
+def _fingerprint(data_dir: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((data_dir / "meta.json").read_text(encoding="utf-8")).get("data_fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def recorded_data_dir(ckpt_dir: str | Path) -> Path | None:
-    """The data directory recorded in a checkpoint's config.json (None if absent)."""
+    """The data directory recorded in a checkpoint's config.json (None if none is recorded).
+
+    Tried in `data_dir_candidates` order: the first folder holding the recorded data fingerprint wins;
+    failing that, the first folder that exists (`checkpoint_data_dir` then says its data changed);
+    failing that, the recorded path as written (for the error message)."""
     from depthtools.checkpoint import CONFIG, read_json
 
     path = Path(ckpt_dir) / CONFIG
     if not path.is_file():
         return None
     data = read_json(path).get("data") or {}
-    recorded = data.get("path") if isinstance(data, dict) else None
-    return Path(recorded) if recorded else None
+    if not isinstance(data, dict) or not data.get("path"):
+        return None
+    candidates = data_dir_candidates(ckpt_dir, data)
+    existing = [c for c in candidates if c.is_dir()]
+    wanted = data.get("data_fingerprint")
+    for candidate in existing:
+        if wanted and _fingerprint(candidate) == wanted:
+            return candidate
+    return existing[0] if existing else Path(data["path"])
 
 
 def _tokenizer_label(record: dict) -> str:
@@ -143,7 +192,8 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
     elif recorded is None:
         raise DepthToolsError(f"checkpoint {ckpt_dir.name} records no data directory; pass --data DIR (a prepared data dir)")
     elif not recorded.is_dir():
-        raise DepthToolsError(f"data directory {recorded} recorded in {ckpt_dir.name} does not exist; pass --data DIR")
+        raise DepthToolsError(f"data directory {recorded} recorded in {ckpt_dir.name} does not exist (looked for it "
+                              f"from the checkpoint folder and from {Path.cwd()}); pass --data DIR")
     else:
         data_dir = recorded
     meta = read_meta(data_dir)

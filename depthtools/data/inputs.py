@@ -35,6 +35,7 @@ HF_STATE = "state.json"
 HF_DICT = "dataset_dict.json"
 DEFAULT_DOMAIN = "text"
 _READ_CHUNK = 1 << 22
+_DECOMPRESS_CHUNK = 1 << 16  # smaller: a damaged stream loses the chunk being read, so errors name a closer offset
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def _file_units(kind: str, compression: str | None, path: Path, unit_bytes: int)
             raise DepthToolsError(f"{path}: not a readable parquet file ({_first_line(err)})") from None
         return _grouped("parquet", path, [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)], unit_bytes)
     if kind == "arrow":
-        sizes = [batch.nbytes for batch in _arrow_batches(path)]
+        sizes = [batch.nbytes for batch in _checked_batches(path)]
         return _grouped("arrow", path, sizes, unit_bytes)
     raise AssertionError(kind)
 
@@ -311,22 +312,46 @@ def _rows(batch, fields: FieldReader, unit: Unit):
         if col not in names:
             raise DepthToolsError(f"{unit.path}: no column {col!r} (columns: {', '.join(names[:12])}); "
                                   "pass --text-field / --domain-field")
-    cols = {c: batch.column(names.index(c)).to_pylist() for c in fields.columns()}
+    try:
+        cols = {c: batch.column(names.index(c)).to_pylist() for c in fields.columns()}
+    except (UnicodeDecodeError, ValueError) as err:  # a damaged page whose bytes decompressed but are not text
+        raise DepthToolsError(f"{unit.path}: a {unit.kind} batch in piece {unit.start}..{unit.stop} holds text that "
+                              f"cannot be decoded ({_first_line(err)}); the file is damaged") from None
     for i in range(batch.num_rows):
         yield {c: v[i] for c, v in cols.items()}
 
 
 def _parquet_batches(unit: Unit, fields: FieldReader, batch_rows: int):
+    """The unit's row groups as record batches, one row group at a time, so a damaged page (bad
+    compression, a bad page checksum where the writer stored one, bytes that do not decode) is one line
+    naming the file, the row group and its rows."""
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(unit.path)
+    try:
+        pf = pq.ParquetFile(unit.path, page_checksum_verification=True)
+    except Exception as err:  # pyarrow raises ArrowInvalid/OSError subclasses
+        raise DepthToolsError(f"{unit.path}: not a readable parquet file ({_first_line(err)})") from None
     missing = [c for c in fields.columns() if c not in pf.schema_arrow.names]
     if missing:
         raise DepthToolsError(f"{unit.path}: no column {missing[0]!r} (columns: {', '.join(pf.schema_arrow.names[:12])}); "
                               "pass --text-field / --domain-field")
-    groups = list(range(unit.start, unit.stop if unit.stop >= 0 else pf.metadata.num_row_groups))
-    if groups:
-        yield from pf.iter_batches(batch_size=batch_rows, row_groups=groups, columns=fields.columns())
+    meta = pf.metadata
+    first_row = sum(meta.row_group(g).num_rows for g in range(unit.start))
+    for group in range(unit.start, unit.stop if unit.stop >= 0 else meta.num_row_groups):
+        rows = meta.row_group(group).num_rows
+        batches = pf.iter_batches(batch_size=batch_rows, row_groups=[group], columns=fields.columns())
+        while True:
+            try:
+                batch = next(batches)
+                batch.validate(full=True)  # text that decompressed but is not UTF-8: a damaged page, not a document
+            except StopIteration:
+                break
+            except (OSError, ValueError, EOFError) as err:  # ArrowInvalid is a ValueError, ArrowIOError an OSError
+                raise DepthToolsError(f"{unit.path}: row group {group} (rows {first_row:,}..{first_row + rows - 1:,}) "
+                                      f"is damaged ({_first_line(err)}); re-create or re-download the file, or leave "
+                                      "it out of --input") from None
+            yield batch
+        first_row += rows
 
 
 def _arrow_batches(path: Path):
@@ -346,12 +371,27 @@ def _arrow_batches(path: Path):
 
 
 def _arrow_unit_batches(unit: Unit, fields: FieldReader):
-    for i, batch in enumerate(_arrow_batches(Path(unit.path))):
+    for i, batch in enumerate(_checked_batches(Path(unit.path))):
         if i < unit.start:
             continue
         if 0 <= unit.stop <= i:
             break
         yield batch
+
+
+def _checked_batches(path: Path):
+    """`_arrow_batches`, with a batch that cannot be read reported as one line naming the file and batch."""
+    batches, index = _arrow_batches(path), 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (OSError, ValueError, EOFError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise DepthToolsError(f"{path}: record batch {index} is damaged ({_first_line(err)}); re-create the "
+                                  "file, or leave it out of --input") from None
+        yield batch
+        index += 1
 
 
 def _open_binary(path: str, compression: str | None):
@@ -360,6 +400,22 @@ def _open_binary(path: str, compression: str | None):
     if compression == "gzip":
         return gzip.open(path, "rb")
     return _zstd_reader(path)
+
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def zstd_without_checksum(path: str | os.PathLike) -> bool:
+    """True when a .zst file's first frame carries no content checksum (Frame_Header_Descriptor bit 2).
+
+    Without one, flipped bytes inside the file can decompress to other text with no error (pyarrow's
+    writer stores none; the `zstd` tool does by default); `prepare_inputs` says so in its log."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(5)
+    except OSError:
+        return False
+    return len(head) == 5 and head[:4] == ZSTD_MAGIC and not head[4] & 0x04
 
 
 def pyarrow_zstd() -> bool:
@@ -380,12 +436,94 @@ def _zstd_reader(path: str):
     except ImportError:
         raise DepthToolsError(f"{path}: reading .zst needs zstd support: pip install zstandard "
                               "(this pyarrow build has no zstd codec)") from None
-    return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return _ZstdFrames(path, zstandard.ZstdDecompressor())
+
+
+class _ZstdFrames:
+    """The frames of a .zst file decompressed one after another with `zstandard`, refusing a file that ends
+    inside a frame (EOFError). zstandard's own stream_reader returns a truncated file's first part as if it
+    were all of it (zstandard 0.25), which would prepare a silently shortened dataset."""
+
+    def __init__(self, path: str, dctx):
+        self.file, self.dctx = open(path, "rb"), dctx
+        self.frame, self.in_frame = dctx.decompressobj(), False
+        self.pending = bytearray()
+
+    def _feed(self, data: bytes) -> None:
+        while data:
+            self.in_frame = True
+            self.pending += self.frame.decompress(data)
+            if not self.frame.eof:
+                return
+            data, self.frame, self.in_frame = self.frame.unused_data, self.dctx.decompressobj(), False
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self.pending) < size:
+            chunk = self.file.read(1 << 16)
+            if not chunk:
+                if self.in_frame and not self.pending:  # what came before was delivered by the previous call
+                    raise EOFError("the file ends inside a zstd frame")
+                break
+            self._feed(chunk)
+        size = len(self.pending) if size < 0 else min(size, len(self.pending))
+        out = bytes(self.pending[:size])
+        del self.pending[:size]
+        return out
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What a damaged file raises while it is read: gzip's BadGzipFile (an OSError), EOFError (a truncated
+    gzip stream), zlib.error (a damaged deflate block), pyarrow's OSError/ArrowInvalid (zstd), zstandard's
+    ZstdError, and plain OSError (an I/O error)."""
+    import zlib
+
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError, zlib.error)
+    try:
+        import zstandard
+
+        errors += (zstandard.ZstdError,)
+    except ImportError:
+        pass
+    return errors
+
+
+def _damaged(unit: Unit, err: BaseException, offset: int) -> DepthToolsError:
+    """One line for a file that fails while being read: which file, how far reading got, why."""
+    reason = _first_line(err)
+    if unit.compression is None:
+        return DepthToolsError(f"{unit.path}: cannot read it at byte {offset:,} ({reason})")
+    truncated = isinstance(err, EOFError) or "truncated" in reason.lower() or "ended before" in reason.lower()
+    return DepthToolsError(f"{unit.path}: {'truncated' if truncated else 'corrupt'} {unit.compression} file ({reason}) "
+                           f"after {offset:,} bytes of decompressed text; re-create or re-download it, or leave it "
+                           "out of --input")
+
+
+def _read_some(raw) -> bytes:
+    """Up to _DECOMPRESS_CHUNK decompressed bytes, returning what is there before reading on (gzip's read1),
+    so the text before a damaged spot is delivered and the error names how far the good part reached."""
+    return raw.read1(_DECOMPRESS_CHUNK) if isinstance(raw, gzip.GzipFile) else raw.read(_DECOMPRESS_CHUNK)
 
 
 def _jsonl_lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
-    """(offset, line) of the non-blank lines that START in [unit.start, unit.stop) (all for compressed files)."""
-    with _open_binary(unit.path, unit.compression) as raw:
+    """(offset, line) of the non-blank lines that START in [unit.start, unit.stop) (all for compressed files).
+
+    A file that cannot be decompressed or read (garbage, truncated, an I/O error) is one DepthToolsError
+    naming it and the decompressed byte offset reached, never a library traceback."""
+    errors = _read_errors()
+    try:
+        raw = _open_binary(unit.path, unit.compression)
+    except errors as err:
+        raise _damaged(unit, err, 0) from None
+    with raw:
         offset = 0
         if unit.compression is None and unit.start > 0:
             raw.seek(unit.start - 1)
@@ -396,7 +534,10 @@ def _jsonl_lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
         while True:
             if stop is not None and offset >= stop:
                 return
-            chunk = raw.read(_READ_CHUNK)
+            try:
+                chunk = raw.read(_READ_CHUNK) if unit.compression is None else _read_some(raw)
+            except errors as err:
+                raise _damaged(unit, err, offset + len(buffer)) from None
             if not chunk:
                 break
             buffer += chunk

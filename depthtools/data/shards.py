@@ -244,6 +244,7 @@ def prepare_inputs(
         raise DepthToolsError(f"--shard-tokens must be >= 1024, got {shard_tokens}")
     check_dir_target(out_dir, "data folder (--out)")
     sources = expand_inputs(list(inputs))
+    _note_unchecked(sources, log)
     units = plan_units(sources, unit_bytes)
     tok = resolve_tokenizer(tokenizer, sep_token, units, text_field, domain_field, seed, val_fraction, log)
     n_files = sum(len(f) for _k, f in sources)
@@ -264,39 +265,88 @@ def prepare_inputs(
             return target
         if not force:
             check_overwrite(target, settings)
-        work = partial / "work"
         _start_partial(partial, {**settings, "unit_bytes": unit_bytes}, log)  # the units depend on it, the result not
-        work.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        total_bytes = sum(u.size for u in units)
-        records: dict[int, dict] = {}
-        for i in range(len(units)):
-            done = unit_done(work, i)
-            if done is not None:
-                records[i] = done
-        todo = [i for i in range(len(units)) if i not in records]
-        log(f"{n_files} input file(s), {total_bytes:,} bytes in {len(units)} unit(s); tokenizer {tok.name} "
-            f"(vocab {tok.vocab_size:,}, {np.dtype(tok.dtype).name})"
-            + (f"; continuing: {len(records)} unit(s) already done" if records else ""))
-        args = [(i, units[i], str(work), text_field, domain_field, seed, val_fraction) for i in todo]
-        _tokenize_all(args, tok, workers, records, log, len(units))
-        tokenize_s = time.perf_counter() - t0
-        done_bytes = sum(units[i].size for i in todo)
-        log(f"tokenized {len(todo)} unit(s), {done_bytes:,} bytes in {tokenize_s:.1f}s"
-            + (f" ({done_bytes / tokenize_s / 1e6:.1f} MB/s)" if tokenize_s > 0 and todo else ""))
-        out = partial / "out"
-        shutil.rmtree(out, ignore_errors=True)
-        out.mkdir()
-        meta = _assemble(out, work, [records[i] for i in range(len(units))], tok, settings, shard_tokens, target.name,
-                         sources)
-        tok.save(out)
-        _atomic_json(out / "meta.json", meta)
-        replace_dir(out, target)
-        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            meta = _prepare_in(partial, target, units, sources, tok, settings, text_field, domain_field, seed,
+                               val_fraction, workers, shard_tokens, n_files, log)
+        except _WorkerDied:
+            raise  # the finished units are kept: running the same command again continues from them
+        except DepthToolsError:
+            # Bad input (a damaged file, no text at all, too many domains): fixing it changes the inputs'
+            # fingerprint, which discards this partial work anyway; so it goes now, not as a hidden folder.
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         log(f"{target}: " + ", ".join(f"{k} {v['tokens']:,} tokens in {len(v['shards'])} shard(s)"
                                       for k, v in meta["splits"].items() if k in ("train", "val"))
-            + f"; {time.perf_counter() - t0:.1f}s")
+            + f"; {meta['seconds']:.1f}s")
     return target
+
+
+def _note_unchecked(sources, log) -> None:
+    """A log line when .zst inputs carry no content checksum (damage inside them could go unnoticed)."""
+    from depthtools.data.inputs import zstd_without_checksum
+
+    unchecked = [f for kind, files in sources if kind.endswith(":zstd") for f in files if zstd_without_checksum(f)]
+    if unchecked:
+        more = f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else ""
+        log(f"note: {unchecked[0]}{more}: no zstd content checksum, so damage inside cannot always be detected "
+            "(compress with the zstd tool, which stores one by default)")
+
+
+class _WorkerDied(DepthToolsError):
+    """A tokenizer worker process was killed: the preparation can continue from its finished units."""
+
+
+def _prepare_in(partial: Path, target: Path, units: list[Unit], sources, tok, settings: dict, text_field: str,
+                domain_field: str | None, seed: int, val_fraction: float, workers: int, shard_tokens: int,
+                n_files: int, log) -> dict:
+    """Tokenize the units not yet done into `partial/work`, assemble the shards in `partial/out` and swap
+    them into `target`; returns the manifest (meta.json) plus the seconds it took."""
+    work = partial / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    total_bytes = sum(u.size for u in units)
+    records: dict[int, dict] = {}
+    for i in range(len(units)):
+        done = unit_done(work, i)
+        if done is not None:
+            records[i] = done
+    todo = [i for i in range(len(units)) if i not in records]
+    log(f"{n_files} input file(s), {total_bytes:,} bytes in {len(units)} unit(s); tokenizer {tok.name} "
+        f"(vocab {tok.vocab_size:,}, {np.dtype(tok.dtype).name})"
+        + (f"; continuing: {len(records)} unit(s) already done" if records else ""))
+    args = [(i, units[i], str(work), text_field, domain_field, seed, val_fraction) for i in todo]
+    _tokenize_all(args, tok, workers, records, log, len(units))
+    tokenize_s = time.perf_counter() - t0
+    done_bytes = sum(units[i].size for i in todo)
+    log(f"tokenized {len(todo)} unit(s), {done_bytes:,} bytes in {tokenize_s:.1f}s"
+        + (f" ({done_bytes / tokenize_s / 1e6:.1f} MB/s)" if tokenize_s > 0 and todo else ""))
+    check_some_text([records[i] for i in range(len(units))], sources, text_field)
+    out = partial / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    meta = _assemble(out, work, [records[i] for i in range(len(units))], tok, settings, shard_tokens, target.name,
+                     sources)
+    tok.save(out)
+    _atomic_json(out / "meta.json", meta)
+    replace_dir(out, target)
+    shutil.rmtree(partial, ignore_errors=True)
+    return {**meta, "seconds": time.perf_counter() - t0}
+
+
+def check_some_text(records: list[dict], sources, text_field: str) -> None:
+    """Refuse inputs that hold no text at all (an empty file, only blank lines, every text field empty or
+    null): that is a mistake to report, not a 0-token dataset that fails later in training."""
+    text_bytes = sum(r["parts"][s]["bytes"] for r in records for s in ("train", "val"))
+    if text_bytes:
+        return
+    files = [str(f) for _kind, fs in sources for f in fs]
+    named = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    documents = sum(r["documents"] for r in records)
+    found = (f"{documents:,} record(s), every {text_field!r} empty or null" if documents
+             else "no records")
+    raise DepthToolsError(f"--input {named}: no text at all ({found}); nothing to tokenize — check the file(s) "
+                          "and --text-field")
 
 
 def _start_partial(partial: Path, settings: dict, log) -> None:
@@ -344,7 +394,7 @@ def _tokenize_all(args: list[tuple], tok, workers: int, records: dict[int, dict]
                 records[record["unit"]] = record
                 _progress(log, records, record["unit"], total)
     except BrokenProcessPool:
-        raise DepthToolsError(f"a tokenizer worker process died (killed, or out of memory) after {len(records)} "
+        raise _WorkerDied(f"a tokenizer worker process died (killed, or out of memory) after {len(records)} "
                               "unit(s) were done; run the same command again to continue from there") from None
 
 

@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -178,14 +178,32 @@ def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     raise DepthToolsError(f"{path} has no {HF_WEIGHTS} or {HF_INDEX}")
 
 
-def hf_state_to_depthtools(tensors: dict[str, torch.Tensor], cfg: ModelConfig,
-                           dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def hf_weights_file(path: str | Path) -> Callable[[str], Path]:
+    """Tensor name -> the safetensors file of `path` that holds it (the index's shard, else model.safetensors),
+    so an error about one tensor names the file to look at."""
+    path = Path(path)
+    weight_map: dict[str, str] = {}
+    if (path / HF_INDEX).is_file():
+        try:
+            weight_map = json.loads((path / HF_INDEX).read_text(encoding="utf-8")).get("weight_map") or {}
+        except (OSError, ValueError, AttributeError):
+            weight_map = {}
+    return lambda name: path / str(weight_map.get(name, HF_WEIGHTS))
+
+
+def hf_state_to_depthtools(tensors: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                           source: str | Path | None = None) -> dict[str, torch.Tensor]:
     """Rename (and split / transpose, per the family's map) HF tensors to depthtools names, cast to `dtype`;
-    refuses missing or unexpected weights and shapes that disagree with the config."""
+    refuses missing or unexpected weights, shapes that disagree with the config and (before any cast)
+    weights `checkpoint.load` would refuse: non-floating dtypes, NaN/inf entries. `source`: the HF folder,
+    whose file (the shard of a sharded checkpoint) those refusals name."""
     from depthtools.arch import DepthModel
     from depthtools.checkpoint import model_state
+    from depthtools.interop.checks import validate_imported_weights
     from depthtools.interop.families import hf_state
 
+    used = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_HF_SUFFIXES)}
+    validate_imported_weights(used, hf_weights_file(source) if source is not None else "the Hugging Face weights")
     with torch.device("meta"):  # names and shapes only: nothing of the model's size is allocated
         expected = {k: tuple(v.shape) for k, v in model_state(DepthModel(cfg)).items()}
     return hf_state(tensors, cfg, expected, dtype)
@@ -212,9 +230,12 @@ def from_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype
     """
     from depthtools.arch import DepthModel
 
+    from depthtools.checkpoint import check_shapes
+
     path = Path(path)
     cfg = hf_to_model_config(read_hf_config(path), max_seq_len)
-    state = hf_state_to_depthtools(read_hf_tensors(path), cfg, dtype)
+    state = hf_state_to_depthtools(read_hf_tensors(path), cfg, dtype, source=path)
+    check_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, path)  # before a model of cfg's size exists
     model = DepthModel(cfg)
     _load_state(model, state, str(path))
     return model.to(dtype).eval()
@@ -248,6 +269,8 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     """
     from depthtools.checkpoint import CONFIG, checkpoints_root, save
 
+    from depthtools.interop.checks import check_special_ids, validate_tokenizer
+
     path = Path(path)
     hf = read_hf_config(path)
     if out is None and not name:
@@ -256,8 +279,13 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     check_dir_target(target, "checkpoint folder (--out)")
     if (target / CONFIG).is_file() and not force:
         raise DepthToolsError(f"{target} already holds a checkpoint; pass --force to overwrite it")
-    model = from_hf(path, max_seq_len)
     carried = [f for f in HF_CARRIED_FILES if (path / f).is_file()]
+    cfg = hf_to_model_config(hf, max_seq_len)
+    # Everything is checked before the target is touched: a refusal leaves no half-written checkpoint
+    # (and a forced re-import over an existing one leaves that one as it was).
+    check_special_ids(hf, cfg.vocab_size, path / HF_CONFIG)
+    validate_tokenizer(path, cfg.vocab_size, tuple(carried))
+    model = from_hf(path, max_seq_len)
     target.mkdir(parents=True, exist_ok=True)
     for file in HF_CARRIED_FILES:  # a forced re-import must not keep another model's tokenizer files
         if file not in carried:

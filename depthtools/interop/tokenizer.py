@@ -319,9 +319,11 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
     if recorded.get("name") == "byte":
         return byte_plan(max_len, "byte (recorded)")
     if record:
-        data = (config.get("data") or {}).get("path")
+        from depthtools.analysis.tokens import recorded_data_dir
+
+        data = recorded_data_dir(ckpt_dir)  # found from any working directory (issue 35)
         name = record.get("file", TOKENIZER_JSON)
-        candidates = [ckpt_dir / name] + ([Path(data) / name] if data else [])
+        candidates = [ckpt_dir / name] + ([data / name] if data else [])
         for file in candidates:
             if file.is_file():
                 return bpe_plan(file, max_len, vocab, record.get("fingerprint"), record)

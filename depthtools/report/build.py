@@ -146,6 +146,7 @@ def _overview(grid: GridData, cells_df: pd.DataFrame) -> Section:
              f"{', '.join(f'L{d}' for d in depths)}; {seeding}; {span}. Every model of one architecture has about "
              "the same parameter count, so moving along depth trades width for layers.")
     section = Section("overview", "Overview", intro)
+    section.add(_weights_note(grid.cells, grid.missing))
     return section.add(table_block(
         "table-cells", "Cells", cells_df, "One row per trained checkpoint: shape (d_model/n_layer = width per layer), "
         "parameters, training tokens and final losses (val_<domain>: per-domain validation loss, nats/token)."))
@@ -361,8 +362,19 @@ def grid_sections(grid: GridData) -> list[Section]:
     if only_tasks:
         return [_overview(grid, cells_df), found, tasks_section, _task_training_section(grid.cells),
                 _missing_section(missing, "cell")]
-    return [_overview(grid, cells_df), found, *_loss_sections(cells_df, grid.cells), _effective_depth_section(grid),
-            _probe_section(grid), tasks_section, _missing_section(missing, "cell")]
+    return [_overview(grid, cells_df), found, *_loss_sections(cells_df, grid.cells),
+            _effective_depth_section(grid), _probe_section(grid), tasks_section, _missing_section(missing, "cell")]
+
+
+def _weights_note(cells: list[CellData], missing=()) -> NoteBlock | None:
+    """A warning at the top of a report when a checkpoint's weights are missing or damaged."""
+    from depthtools.report.data import weights_warnings
+
+    lines = weights_warnings(cells, missing)
+    if not lines:
+        return None
+    return NoteBlock("Weights missing or damaged — these checkpoints cannot be loaded or probed again, and what "
+                     "the report shows of them predates the damage: " + "; ".join(lines), level="missing")
 
 
 def _task_training_section(cells: list[CellData]) -> Section:
@@ -403,6 +415,7 @@ def _model_overview(cells: list[CellData]) -> Section:
     cells_df = frames.cells_frame(cells)
     section = Section("overview", "Overview", f"{len(cells)} checkpoint(s): " +
                       ", ".join(f"{c.name} ({c.directory})" for c in cells) + ".")
+    section.add(_weights_note(cells))
     section.add(table_block("table-models", "Models", cells_df, "One row per checkpoint: shape, parameters, "
                             "training tokens and final losses (nats/token)."))
     train = {c.name: (c.config.get("train") or {}) for c in cells}

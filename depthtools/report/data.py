@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 
 from depthtools.analysis.tables import ANALYSIS_DIR, load_table
-from depthtools.checkpoint import CONFIG, WEIGHTS, read_json, read_metrics, resolve
+from depthtools.checkpoint import CONFIG, WEIGHTS, read_json, read_metrics, resolve, weights_problem
 from depthtools.errors import DepthToolsError
 
 EVAL = "eval.json"
@@ -39,6 +39,7 @@ class CellData:
     eval: dict[str, Any] | None  # eval.json, None when training has not finished
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     missing: list[tuple[str, str]] = field(default_factory=list)  # (what, how to produce it)
+    weights_problem: str | None = None  # why model.safetensors cannot be loaded (None: whole)
 
     @property
     def model_config(self) -> dict[str, Any]:
@@ -111,6 +112,11 @@ def read_cell(directory: str | Path, name: str | None = None, grid: str | Path |
         raise DepthToolsError(f"{directory / CONFIG} is not a JSON object")
     metrics = pd.DataFrame(read_metrics(directory))
     cell = CellData(name=name or directory.name, directory=directory, config=config, metrics=metrics, eval=None)
+    cell.weights_problem = weights_problem(directory / WEIGHTS)
+    if cell.weights_problem is not None:
+        cell.missing.append((WEIGHTS, f"{cell.weights_problem}: its losses and tables predate the damage and it "
+                                      "cannot be probed again; restore the file, or retrain it "
+                                      f"(`depthtools grid train SPEC --cells {directory.name} --force`)"))
     try:
         cell.eval = read_json(directory / EVAL)
     except DepthToolsError as exc:
@@ -194,7 +200,12 @@ def read_grid(grid_dir: str | Path) -> GridData:
                     grid_summary=_grid_table(grid, "effective_depth_grid"), spec=_read_spec(grid))
     data.missing.extend(unreadable)
     for p in partial:
-        data.missing.append((p.name, WEIGHTS, "no finished weights: rerun `depthtools grid train` (it resumes)"))
+        if (p / EVAL).is_file():  # grid train skips it as finished: resuming will not bring the weights back
+            data.missing.append((p.name, WEIGHTS, "weights missing although training finished (eval.json is there): "
+                                                  "restore model.safetensors, or retrain it (`depthtools grid train "
+                                                  f"SPEC --cells {p.name} --force`)"))
+        else:
+            data.missing.append((p.name, WEIGHTS, "no finished weights: rerun `depthtools grid train` (it resumes)"))
     for cell in cells:
         data.missing.extend((cell.name, what, how) for what, how in cell.missing)
     summarize = f"run `depthtools summarize --grid {grid}`"
@@ -214,6 +225,26 @@ def read_grid(grid_dir: str | Path) -> GridData:
                 data.missing.append((name, "cell directory", "planned in the grid spec but not trained: "
                                                              "run `depthtools grid train SPEC`"))
     return data
+
+
+def weights_warnings(cells: list[CellData], missing: list[tuple[str, str, str]] = ()) -> list[str]:
+    """One line per checkpoint whose weights are missing or damaged: cells read with damaged weights,
+    and grid rows for cell folders whose model.safetensors is absent."""
+    lines = [f"{c.name}: {c.weights_problem}" for c in cells if c.weights_problem is not None]
+    lines += [f"{where}: {how}" for where, what, how in missing if what == WEIGHTS and "missing although" in how]
+    return lines
+
+
+def weights_warnings_of(grid: str | Path | None = None, ckpts: list[str | Path] | None = None) -> list[str]:
+    """`weights_warnings` for a grid folder or checkpoint names, from the weights files' headers alone
+    (no table is read): what the CLI prints after writing a report."""
+    if grid is not None:
+        dirs, partial = _grid_cell_dirs(Path(grid))
+        finished_without = [p for p in partial if (p / EVAL).is_file()]
+        return ([f"{d.name}: {problem}" for d in dirs if (problem := weights_problem(d / WEIGHTS)) is not None]
+                + [f"{p.name}: weights missing although training finished (eval.json is there)" for p in finished_without])
+    return [f"{label}: {problem}" for d, label in resolve_checkpoints(list(ckpts or []))
+            if (problem := weights_problem(d / WEIGHTS)) is not None]
 
 
 def finite(value: Any) -> bool:

@@ -92,6 +92,19 @@ class CellLockedError(LockHeldError):
     """Another live process trains this cell (its pid, host and start time are in the message)."""
 
 
+def data_location(data_dir: str | Path, out_dir: str | Path) -> dict[str, str]:
+    """Where config.json says the training data is, so that probes find it from any working directory
+    and after the checkpoint and data tree moves together: "path" is absolute, "path_from_checkpoint"
+    is relative to the checkpoint folder (`analysis.tokens.recorded_data_dir` tries both)."""
+    data_dir, out_dir = Path(data_dir).absolute(), Path(out_dir).absolute()
+    location = {"path": str(data_dir)}
+    try:
+        location["path_from_checkpoint"] = os.path.relpath(data_dir, out_dir)
+    except ValueError:  # another drive (Windows): no relative path exists
+        pass
+    return location
+
+
 def is_finished(out_dir: str | Path) -> bool:
     """A cell is finished when eval.json exists (written after the final weights and config)."""
     return (Path(out_dir) / EVAL).is_file()
@@ -598,8 +611,9 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
             **({"task_levels": dict(run.batches.mixer.levels)} if _has_curriculum(run) else {}),
         },
         "tokenizer": meta["tokenizer"],
-        "data": {"name": meta.get("name"), "path": str(run.data_dir), "data_fingerprint": meta["data_fingerprint"],
-                 "settings": meta.get("settings"), "domains": meta.get("domains")},
+        "data": {"name": meta.get("name"), **data_location(run.data_dir, run.out_dir),
+                 "data_fingerprint": meta["data_fingerprint"], "settings": meta.get("settings"),
+                 "domains": meta.get("domains")},
     }
     model = _plain_model(run)
     domains = {k: v for k, v in last.items() if k.startswith("val_loss_")}
