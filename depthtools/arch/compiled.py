@@ -30,7 +30,7 @@ opaque as custom ops because inductor's code for them is slower (benchmarks/RESU
     kernel per direction that reads each token's streams once (inductor's code for a block is 7 kernels
     forward and 9 backward, most passing over the stream state, which streams from memory; mHC's kernel runs the
     Sinkhorn inside, per block of 64 tokens); on other devices the references, which inductor fuses there.
-The kernels are in cpu_kernels.py.
+The kernels' sources are in csrc/ (cpu_kernels.py builds and calls them).
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
 found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute

@@ -151,17 +151,15 @@ class ResidualScheme(nn.Module):
     skip_rules: tuple[str, ...] = ("identity",)
     compile_region: str = "none"  # what depthtools.arch.compiled compiles: "step" | "sublayer" | "none"
 
-    kernel_libraries: tuple[str, ...] = ()  # cpu_kernels libraries its fused path uses (built ahead, in the background)
+    # cpu_kernels libraries its fused path uses: built on the first CPU call that needs them, never when a model is
+    # built (the grid planner builds on `meta`); `depthtools archs` shows which path they take
+    kernel_libraries: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.opts = resolve_options(self.option_schema(cfg.arch), cfg)  # every option, defaults filled in
         self.compiled_cores = None  # (attn, mlp) compiled sublayer cores, set only inside a compiled step
-        if self.kernel_libraries and self.opts.get("fused", True):
-            from depthtools.arch import cpu_kernels
-
-            cpu_kernels.prebuild(*self.kernel_libraries)
 
     # -- compiled training (depthtools.arch.compiled) -------------------------------------------
     def compile_key(self, position: int):
