@@ -7,9 +7,9 @@
    mixes' contributions to a range of sources' gradients (dL/dv, dL/d dots, dL/d inv_rms) with each source tile
    and gradient tile read once. Tokens are independent: tiles are split over torch's intra-op threads, results do
    not depend on the count. */
+#include "generic.h"
 #include "common.h"
 #define BT 128
-#include "generic.h"
 
 #define REAL float
 #define SFX f32

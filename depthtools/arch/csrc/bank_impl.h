@@ -39,7 +39,7 @@ int FN(bank_mix_forward)(const REAL *restrict values, const REAL *restrict inv_r
            reads of the dots, 1/rms and alpha rows), the weighted sum in tiles of BT tokens */
         long per = ((N + NUM_THREADS - 1) / NUM_THREADS + 15) / 16 * 16;
         long ta = THREAD_ID * per, tb = ta + per < N ? ta + per : N, len = tb - ta;
-        REAL *mx = len > 0 ? malloc(sizeof(REAL) * 2 * len) : 0;
+        REAL *mx = len > 0 ? (REAL *)malloc(sizeof(REAL) * 2 * len) : 0;
         if (len > 0 && !mx) {
             #pragma omp atomic write
             failed = 1;
@@ -113,7 +113,7 @@ int FN(bank_prefix)(const REAL *restrict values, const REAL *restrict inv_rms, c
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        REAL *w = malloc(sizeof(REAL) * (long)n0 * G * PT);  /* [i][g][b] */
+        REAL *w = (REAL *)malloc(sizeof(REAL) * (long)n0 * G * PT);  /* [i][g][b] */
         if (!w) {
             #pragma omp atomic write
             failed = 1;

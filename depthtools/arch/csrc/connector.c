@@ -11,9 +11,9 @@
 
    mHC's connector (mhc_impl.h) is the same single pass, in blocks of BLK tokens so that the sigmoids and the
    Sinkhorn (sinkhorn_impl.h's block routines, compiled again here) run tokens-last and vectorised. */
+#include "generic.h"
 #include "common.h"
 #define BLK 64
-#include "generic.h"
 
 #define REAL float
 #define SFX f32

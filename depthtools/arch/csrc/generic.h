@@ -6,3 +6,8 @@
 #define FN_PASTE_(name, sfx) name##_##sfx
 #define FN_PASTE(name, sfx) FN_PASTE_(name, sfx)
 #define FN(name) FN_PASTE(name, SFX)
+
+/* The sources are also valid C++ (for a build through torch.utils.cpp_extension, which compiles as C++). */
+#if defined(__cplusplus) && !defined(restrict)
+#define restrict __restrict__
+#endif

@@ -11,13 +11,13 @@
    Slots are stored as the model's dtype (f32, f64) or, with option moda_kv_dtype="bfloat16", as bfloat16 bits
    (bf16: float32 arithmetic; a slot is rounded to nearest even once, when stored, as torch's
    .to(torch.bfloat16) rounds): moda_kv.h. */
+#include "generic.h"
 #include "common.h"
 #define DT 1024
 #define DTP (DT + 16)
 #define ST 256
 #define STP (ST + 16)
 #include "moda_kv.h"
-#include "generic.h"
 
 #define REAL float
 #define KV_T float

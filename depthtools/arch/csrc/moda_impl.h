@@ -54,7 +54,7 @@ int FN(moda_forward)(const KV_T *restrict K, const KV_T *restrict V, const REAL 
     #pragma omp parallel num_threads(threads)
     {
         long rows = (long)g * hd * DTP;
-        REAL *buf = malloc(sizeof(REAL) * (2 * rows + (long)g * S * DTP + 3L * g * DTP));
+        REAL *buf = (REAL *)malloc(sizeof(REAL) * (2 * rows + (long)g * S * DTP + 3L * g * DTP));
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
@@ -150,7 +150,7 @@ int FN(moda_backward)(const KV_T *restrict K, const KV_T *restrict V, const REAL
     #pragma omp parallel num_threads(threads)
     {
         long rows = (long)g * hd * DTP;
-        REAL *buf = malloc(sizeof(REAL) * (2 * rows + 2L * g * DTP));
+        REAL *buf = (REAL *)malloc(sizeof(REAL) * (2 * rows + 2L * g * DTP));
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
@@ -223,7 +223,7 @@ int FN(moda_slot_grads)(int R, const long *ds, const long *probs, const long *qs
     int failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        REAL *buf = n > 0 ? malloc(sizeof(REAL) * 2L * hd * STP) : 0;
+        REAL *buf = n > 0 ? (REAL *)malloc(sizeof(REAL) * 2L * hd * STP) : 0;
         if (n > 0 && !buf) {
             #pragma omp atomic write
             failed = 1;

@@ -6,15 +6,15 @@
    n x n matrix is iterated in L1 (tokens in blocks of 64, the vectorised inner loop), forward and backward (the
    backward recomputes the iterates per block, so nothing is saved between them).
 
-   The same iteration as hyper._sinkhorn_forward / _sinkhorn_backward (softmax over dim `first`, then half-steps
+   The same iteration as sinkhorn_torch.sinkhorn_forward / sinkhorn_backward (softmax over dim `first`, then half-steps
    m * 1/max(sum m, tiny), sums in index order); it multiplies by reciprocals where the torch kernel divides, so
    results differ by an ulp or so per half-step. Built without -ffast-math and with -ffp-contract=off
    (cpu_kernels.py). tests/test_compile.py compares it with the reference in float64 and float32. */
+#include "generic.h"
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #define BLK 64
-#include "generic.h"
 
 #define REAL float
 #define SFX f32
