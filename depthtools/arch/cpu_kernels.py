@@ -15,7 +15,7 @@ Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_
 may read bfloat16 slots); anything else (CUDA, the meta device, other dtypes, no C compiler, a failed build)
 takes torch ops, the same computation (`kernel_status` says which path each library takes, without building).
 Nothing is compiled at import or when a model is built (the grid planner builds models on `meta`). Each shared
-object is cached next to inductor's cache (`compiled.cache_dir()`), keyed by the sources, the compiler, its
+object is cached next to inductor's cache (`compile_cache.cache_dir()`), keyed by the sources, the compiler, its
 flags and this CPU's flags (-march=native).
 """
 
@@ -33,6 +33,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from depthtools.arch.compile_cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +101,7 @@ def _cpu_key() -> str:
 
 
 def _kernel_folder() -> Path:
-    """Where built libraries are cached: next to inductor's cache (`compiled.cache_dir`)."""
-    from depthtools.arch.compiled import cache_dir
-
+    """Where built libraries are cached: next to inductor's cache (`compile_cache.cache_dir`)."""
     return cache_dir() / "depthtools_kernels"
 
 
