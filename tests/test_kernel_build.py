@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMPILERS = ("cc", "gcc", "clang", "c++", "g++", "clang++")
+COMPILERS = ("cc", "gcc", "clang", "c++", "g++", "clang++", "ninja")  # ninja: cpp_extension builds with it
 
 
 def _run(code: str, path: Path, cache: Path) -> dict:
@@ -24,9 +24,9 @@ def _run(code: str, path: Path, cache: Path) -> dict:
 
 
 def test_import_and_a_meta_grid_plan_start_no_compiler(tmp_path):
-    """Every compiler name on PATH is a stub that records its call: `import depthtools` and a grid plan over every
-    architecture with C kernels (models built on `meta` to count parameters) never call one, and the kernel cache
-    stays empty."""
+    """Every compiler name (and ninja) on PATH is a stub that records its call: `import depthtools` and a grid plan
+    over every architecture with C kernels (models built on `meta` to count parameters) never call one, and the
+    kernel cache stays empty."""
     bin_dir, calls, cache = tmp_path / "bin", tmp_path / "compiler_calls.txt", tmp_path / "cache"
     bin_dir.mkdir()
     for name in COMPILERS:
@@ -45,7 +45,7 @@ def test_import_and_a_meta_grid_plan_start_no_compiler(tmp_path):
     assert not calls.exists(), calls.read_text()
     assert out["libs"] == []  # no library was even attempted
     assert not (cache / "depthtools_kernels").exists() or not any((cache / "depthtools_kernels").iterdir())
-    assert all(v == f"C (builds on first CPU use with {bin_dir / 'cc'})" for v in out["status"].values()), out
+    assert all(v == f"C (builds on first CPU use with {bin_dir / 'c++'})" for v in out["status"].values()), out
 
 
 def test_without_a_compiler_the_torch_twin_runs_and_says_so(tmp_path):

@@ -1,5 +1,6 @@
-"""Small C kernels for HC/mHC, AttnRes and MoDA training on CPU: sources in `depthtools/arch/csrc/`, built with
-the system C compiler on the first real CPU call that needs them (one log line), cached, and called through ctypes.
+"""Small C kernels for HC/mHC, AttnRes and MoDA training on CPU: sources in `depthtools/arch/csrc/`, built by
+torch.utils.cpp_extension (JIT, with ninja) on the first real CPU call that needs them (one log line), cached, and
+called through ctypes.
 
 Four libraries, one source file each (`csrc/<name>.c`, which says what its kernels do and why, with the figures'
 places in benchmarks/RESULTS.md): "sinkhorn" (mHC's Sinkhorn), "connector" (HC's and mHC's whole connectors,
@@ -12,7 +13,7 @@ serve both the compiled step's opaque ops (`compiled.hc_connect_op`, `mhc_connec
 `hyper._HCConnect` / `_MHCConnect`; the bank kernels serve `bankops.DepthBank` (eager and compiled steps alike);
 the moda kernels serve `moda._DepthAttention` and `_AppendSlots` (MoDA runs eagerly).
 Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`, `moda_usable`; MoDA's
-may read bfloat16 slots); anything else (CUDA, the meta device, other dtypes, no C compiler, a failed build)
+may read bfloat16 slots); anything else (CUDA, the meta device, other dtypes, no compiler or ninja, a failed build)
 takes torch ops, the same computation (`kernel_status` says which path each library takes, without building).
 Nothing is compiled at import or when a model is built (the grid planner builds models on `meta`). Each shared
 object is cached next to inductor's cache (`compile_cache.cache_dir()`), keyed by the sources, the compiler, its
@@ -28,7 +29,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -42,11 +42,11 @@ SOURCE_DIR = Path(__file__).with_name("csrc")  # <name>.c per library, the *.h f
 
 # sinkhorn: -O3 vectorises the blocks' inner loops; no -ffast-math (it would reorder the sums and drop the
 # NaN/Inf semantics the torch kernel has); -ffp-contract=off: no fused multiply-adds either.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 # connector, bank, moda: sums may be reassociated (a fixed, compile-time order: deterministic) and multiply-adds
 # contracted, so that rows of d vectorise; NaN and Inf still propagate (no -ffinite-math-only).
 _CONNECTOR_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fassociative-math",
-                    "-fno-signed-zeros", "-fno-trapping-math", "-shared", "-fPIC"]
+                    "-fno-signed-zeros", "-fno-trapping-math"]
 CONNECTOR_MAX_STREAMS = 16  # NMAX in csrc/common.h: the kernels' per-token arrays
 
 _LIBRARIES = {  # name: flag sets in order of preference (the first that builds is used)
@@ -54,9 +54,9 @@ _LIBRARIES = {  # name: flag sets in order of preference (the first that builds 
     # the connector kernels split their token loops over torch's intra-op threads with OpenMP (the
     # libgomp torch itself loads); without it they build and run on one thread; a compiler that lacks
     # the x86 / vectorising flags gets plain -O3 (same results up to rounding, slower)
-    "connector": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]],
-    "bank": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]],
-    "moda": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3", "-shared", "-fPIC"]],
+    "connector": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3"]],
+    "bank": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3"]],
+    "moda": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3"]],
 }
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 
@@ -85,10 +85,10 @@ _libs: dict[str, ctypes.CDLL | None] = {}
 
 
 def _compiler() -> str | None:
-    for cc in (os.environ.get("CC", "cc"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return shutil.which(cc)
-    return None
+    """The compiler driver torch.utils.cpp_extension builds with ($CXX, else c++), or None when it or ninja (which
+    cpp_extension runs the build with) is not on PATH."""
+    cxx = shutil.which(os.environ.get("CXX") or "c++")
+    return cxx if cxx and shutil.which("ninja") else None
 
 
 def _cpu_key() -> str:
@@ -111,37 +111,43 @@ def _sources_key() -> str:
 
 
 def _target(name: str, cc: str, flags: list[str], folder: Path) -> Path:
-    """The cache path of library `name` built by `cc` with `flags` (keyed by sources, compiler, flags and CPU)."""
+    """The cached shared object of library `name` built by `cc` with `flags`: its build folder is keyed by the
+    sources, compiler, flags and CPU (-march=native), so a changed source or another machine builds afresh."""
     key = hashlib.sha256("\0".join([_sources_key(), name, cc, *flags, _cpu_key()]).encode()).hexdigest()[:20]
-    return folder / f"{name}-{key}.so"
+    return folder / f"{name}-{key}" / f"depthtools_{name}_{key}.so"
 
 
 def _compile(name: str, cc: str, flags: list[str], folder: Path | None = None) -> Path:
-    """The shared object of csrc/<name>.c built with `flags` (cached) in `folder` (default `_kernel_folder()`)."""
+    """The shared object of csrc/<name>.c built with `flags` in `folder` (default `_kernel_folder()`), through
+    torch.utils.cpp_extension's JIT build (ninja; a lock file makes concurrent builders wait for one build). The
+    sources are C: `-x c` compiles them as C with the same flags as a plain `cc` build (same machine code); they
+    are called through ctypes, so nothing in them depends on torch's headers or ABI."""
     folder = _kernel_folder() if folder is None else folder
     target = _target(name, cc, flags, folder)
     if not target.exists():
         logger.info("building the %s CPU kernels with %s (first use; cached in %s)", name, cc, folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            out = Path(tmp) / f"{name}.so"
-            subprocess.run([cc, *flags, "-I", str(SOURCE_DIR), "-o", str(out), str(SOURCE_DIR / f"{name}.c"), "-lm"],
-                           check=True, capture_output=True, text=True)
-            os.replace(out, target)  # atomic: concurrent builders agree
+        from torch.utils import cpp_extension  # here: it imports setuptools, needed only for a cold build
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=target.stem, sources=[str(SOURCE_DIR / f"{name}.c")], build_directory=str(target.parent),
+                           extra_cflags=["-x", "c", *flags, f"-I{SOURCE_DIR}"],
+                           extra_ldflags=["-lm", *(["-fopenmp"] if "-fopenmp" in flags else [])],
+                           is_python_module=False, with_cuda=False, verbose=False)
     return target
 
 
 def _build(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
-        logger.info("no C compiler found (CC, cc, gcc, clang): the %s kernels run as torch ops", name)
+        logger.info("no compiler or no ninja on PATH (torch.utils.cpp_extension needs both): the %s kernels run "
+                    "as torch ops", name)
         return None
     flag_sets = _LIBRARIES[name]
     for i, flags in enumerate(flag_sets):
         try:
             lib = ctypes.CDLL(str(_compile(name, cc, flags, folder)))
             break
-        except (OSError, subprocess.CalledProcessError):
+        except (OSError, RuntimeError, subprocess.CalledProcessError):  # cpp_extension: RuntimeError
             if i == len(flag_sets) - 1:
                 raise
     suffixes = [("f32", ctypes.c_float), ("f64", ctypes.c_double)] + [("bf16", ctypes.c_float)] * (name == "moda")
@@ -166,7 +172,7 @@ def library(name: str = "sinkhorn", folder: Path | None = None) -> ctypes.CDLL |
             lib = None
             try:
                 lib = _build(name, folder)
-            except (OSError, subprocess.CalledProcessError) as exc:
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
                 detail = getattr(exc, "stderr", "") or exc
                 logger.warning("%s CPU kernels unavailable (%s); using torch ops", name, str(detail)[:500])
             _libs[name] = lib
@@ -182,7 +188,7 @@ def kernel_status() -> dict[str, str]:
         if name in _libs:
             status[name] = "C (loaded)" if _libs[name] is not None else "torch ops (the C build failed: see the log)"
         elif cc is None:
-            status[name] = "torch ops (no C compiler: set CC or install gcc)"
+            status[name] = "torch ops (no compiler or no ninja: set CXX or install g++, and ninja)"
         elif any(_target(name, cc, flags, _kernel_folder()).exists() for flags in flag_sets):
             status[name] = "C (built, cached)"
         else:
