@@ -1,6 +1,7 @@
 """The CPU kernels (depthtools/arch/csrc) build only on the first real CPU call: importing depthtools and planning a
-grid on `meta` start no compiler; without a compiler the torch twin runs and `kernel_status` says so. Each case
-runs in a fresh interpreter, so nothing this test process already built or imported hides a build."""
+grid on `meta` start no compiler; without a compiler the torch twin runs and `kernel_status` says so (each of
+these in a fresh interpreter, so nothing this test process already built or imported hides a build); a build
+lock left by a killed builder does not hang the next build."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILERS = ("cc", "gcc", "clang", "c++", "g++", "clang++", "ninja")  # ninja: cpp_extension builds with it
@@ -81,3 +84,21 @@ def test_without_a_compiler_the_torch_twin_runs_and_says_so(tmp_path):
         model = DepthModel(cfg, seed=0).double()
         tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
         assert abs(model(tokens).logsumexp(-1).mean().item() - loss) < 1e-12, arch
+
+
+@pytest.mark.timeout(300)  # without the fix this build waits forever
+def test_a_stale_build_lock_does_not_hang_the_build(tmp_path, monkeypatch):
+    """A builder killed mid-build leaves cpp_extension's lock file, on which the next build would wait forever: a
+    lock older than STALE_LOCK_S is removed and the library builds."""
+    from depthtools.arch import cpu_kernels
+
+    cc = cpu_kernels._compiler()
+    assert cc is not None, "this test needs a compiler and ninja (CI has both)"
+    lock = cpu_kernels._target("sinkhorn", cc, cpu_kernels._LIBRARIES["sinkhorn"][0], tmp_path).parent / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    old = lock.stat().st_mtime - cpu_kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    monkeypatch.setattr(cpu_kernels, "_libs", {})
+    assert cpu_kernels.library("sinkhorn", folder=tmp_path) is not None
+    assert not lock.exists()

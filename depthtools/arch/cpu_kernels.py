@@ -30,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -129,11 +130,26 @@ def _compile(name: str, cc: str, flags: list[str], folder: Path | None = None) -
         from torch.utils import cpp_extension  # here: it imports setuptools, needed only for a cold build
 
         target.parent.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(target.parent / "lock")
         cpp_extension.load(name=target.stem, sources=[str(SOURCE_DIR / f"{name}.c")], build_directory=str(target.parent),
                            extra_cflags=["-x", "c", *flags, f"-I{SOURCE_DIR}"],
                            extra_ldflags=["-lm", *(["-fopenmp"] if "-fopenmp" in flags else [])],
                            is_python_module=False, with_cuda=False, verbose=False)
     return target
+
+
+STALE_LOCK_S = 600  # far longer than any build of these libraries (seconds)
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove cpp_extension's lock file when it is older than STALE_LOCK_S: a builder killed mid-build leaves it
+    behind, and cpp_extension would then wait for it forever."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning("removing a stale kernel build lock %s (a build was interrupted)", lock)
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
 
 
 def _build(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
