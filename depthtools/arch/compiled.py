@@ -55,7 +55,7 @@ from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch import cpu_kernels, reference
-from depthtools.arch.compile_cache import CACHE_ENV, cache_dir  # CACHE_ENV: part of this module's interface
+from depthtools.arch.compile_cache import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: this module's interface too)
 from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
 from depthtools.arch.torch_private import is_hooked
 
