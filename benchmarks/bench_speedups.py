@@ -134,7 +134,7 @@ def tanh_ab(args) -> None:
 
 def sinkhorn_ab(args) -> None:
     from depthtools.arch import cpu_kernels
-    from depthtools.arch.hyper import _sinkhorn_backward, _sinkhorn_forward
+    from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
 
     z, g = torch.randn(4, 4, 1024), torch.randn(4, 4, 1024)
     if not cpu_kernels.usable(z, g):
@@ -142,8 +142,8 @@ def sinkhorn_ab(args) -> None:
         return
 
     def torch_ops():
-        _, saved = _sinkhorn_forward(z, 20, 1)
-        return _sinkhorn_backward(saved, g)
+        _, saved = sinkhorn_forward(z, 20, 1)
+        return sinkhorn_backward(saved, g)
 
     def c_kernel():
         cpu_kernels.sinkhorn_forward(z, 20, 1)

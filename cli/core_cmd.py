@@ -22,6 +22,7 @@ def archs_command(
     Example: depthtools archs --json
     """
     from depthtools.arch import list_archs
+    from depthtools.arch.cpu_kernels import kernel_status
 
     if markdown:
         from depthtools.arch.doc_table import registry_markdown_table
@@ -29,10 +30,12 @@ def archs_command(
         print(registry_markdown_table())
         return
 
+    kernels = kernel_status()  # which path each CPU kernel library takes (C or torch ops); builds nothing
     rows = [
         {
             "name": s.name, "family": s.family, "description": s.description, "extra_params": s.extra_formula,
             "paper": s.paper, "in_depthbench": s.in_depthbench, "aliases": list(s.aliases),
+            "cpu_kernels": {lib: kernels[lib] for lib in getattr(s.scheme, "kernel_libraries", ())},
         }
         for s in list_archs()
     ]
@@ -44,6 +47,7 @@ def archs_command(
         [[r["name"] + (f" ({', '.join(r['aliases'])})" if r["aliases"] else ""), r["family"], r["description"],
           r["extra_params"], r["paper"], "yes" if r["in_depthbench"] else ""] for r in rows],
     ))
+    console.print("CPU kernels (fused paths on CPU): " + "; ".join(f"{lib}: {path}" for lib, path in kernels.items()))
 
 
 def _split_list(text: Optional[str], cast) -> Optional[list]:

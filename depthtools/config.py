@@ -61,7 +61,9 @@ class ModelConfig:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         object.__setattr__(self, "options", dict(self.options))
-        from depthtools.arch.registry import canonical_name  # (lazily: the registry imports this module)
+        # imported here, not at the top: the registry imports torch and every scheme, and `import depthtools` and
+        # the torch-free CLI commands import this module (arch/ itself never imports config: no circle)
+        from depthtools.arch.registry import canonical_name
 
         if isinstance(self.arch, str):
             object.__setattr__(self, "arch", canonical_name(self.arch))
@@ -99,7 +101,7 @@ class ModelConfig:
                 raise DepthToolsError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
         if not isinstance(self.arch, str):
             raise DepthToolsError(f"ModelConfig.arch must be an architecture name, got {self.arch!r}")
-        from depthtools.arch.registry import check_options
+        from depthtools.arch.registry import check_options  # here, not at the top: as in __post_init__
 
         check_options(self)  # unknown option keys and bad values
 

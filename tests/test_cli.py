@@ -25,8 +25,11 @@ def test_archs_json_lists_every_architecture_with_formula_and_paper():
     assert {"preln", "postln", "periln", "lns", "deepnorm", "keel", "mixln", "rezero", "layerscale",
             "depthmup", "completep"} <= names
     assert all(r["paper"] and r["description"] and r["extra_params"] for r in rows)
+    kernels = {r["name"]: r["cpu_kernels"] for r in rows}  # which path each fused CPU kernel takes (C or torch ops)
+    assert set(kernels["hc"]) == {"connector"} and set(kernels["attnres"]) == {"bank"} and kernels["preln"] == {}
+    assert all(path.startswith(("C (", "torch ops (")) for path in kernels["moda"].values())
     table = runner.invoke(app, ["archs"])
-    assert table.exit_code == 0 and "keel" in table.stdout
+    assert table.exit_code == 0 and "keel" in table.stdout and "CPU kernels" in table.stdout
 
 
 def test_grid_plan_depthbench_example_prints_json():

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -72,11 +73,12 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch import reference
 from depthtools.arch.bankops import DepthBank, MixGroups, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
 from depthtools.arch.layers import BufferPool, RMSNorm
-from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
 from depthtools.arch.torch_private import is_hooked, versions
-from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ opaque as custom ops because inductor's code for them is slower (benchmarks/RESU
     kernel per direction that reads each token's streams once (inductor's code for a block is 7 kernels
     forward and 9 backward, most passing over the stream state, which streams from memory; mHC's kernel runs the
     Sinkhorn inside, per block of 64 tokens); on other devices the references, which inductor fuses there.
-The kernels are in cpu_kernels.py.
+The kernels' sources are in csrc/ (cpu_kernels.py builds and calls them).
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
 found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute
@@ -48,17 +48,19 @@ import importlib.util
 import logging
 import os
 import shutil
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch import cpu_kernels, reference
+from depthtools.arch.compile_cache import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: this module's interface too)
+from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
 from depthtools.arch.torch_private import is_hooked
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "DEPTHTOOLS_COMPILE_CACHE"
 REGIONS = ("step", "sublayer", "none")
 
 
@@ -79,30 +81,15 @@ def backend_for(device: torch.device | str) -> str | None:
     return None
 
 
-def cache_dir() -> Path:
-    """Where inductor's on-disk caches live (see the module docstring); sets TORCHINDUCTOR_CACHE_DIR
-    for this process if it was not set, so compiled graphs are reused by later runs on this machine."""
-    chosen = os.environ.get(CACHE_ENV) or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
-        Path.home() / ".cache" / "depthtools" / "inductor")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
-    import torch._inductor.config as inductor_config  # public module of torch.compile's settings
-    inductor_config.fx_graph_cache = True
-    inductor_config.autotune_local_cache = True
-    return Path(chosen)
-
-
 # -- mHC's Sinkhorn as an opaque op (the fused tokens-last kernel, device-generic torch ops) -------
 
 @torch.library.custom_op("depthtools::sinkhorn_tokens_last", mutates_args=())
 def _sinkhorn_tl(z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-    """Sinkhorn of tokens-last logits z [n_out, n_in, N] (hyper._sinkhorn_forward); contiguous result.
+    """Sinkhorn of tokens-last logits z [n_out, n_in, N] (sinkhorn_torch.sinkhorn_forward); contiguous result.
     CPU float32/float64: the C kernel (cpu_kernels), else the torch-op kernel."""
-    from depthtools.arch import cpu_kernels
-    from depthtools.arch.hyper import _sinkhorn_forward
-
     if cpu_kernels.usable(z):
         return cpu_kernels.sinkhorn_forward(z, t_max, first)
-    return _sinkhorn_forward(z, t_max, first)[0].contiguous()
+    return sinkhorn_forward(z, t_max, first)[0].contiguous()
 
 
 @_sinkhorn_tl.register_fake
@@ -113,14 +100,11 @@ def _(z, t_max, first):
 @torch.library.custom_op("depthtools::sinkhorn_tokens_last_backward", mutates_args=())
 def _sinkhorn_tl_backward(grad: torch.Tensor, z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
     """Gradient of `_sinkhorn_tl` w.r.t. z (recomputes the cheap forward for its saved terms)."""
-    from depthtools.arch import cpu_kernels
-    from depthtools.arch.hyper import _sinkhorn_backward, _sinkhorn_forward
-
     grad = grad.contiguous()
     if cpu_kernels.usable(z, grad):
         return cpu_kernels.sinkhorn_backward(z, grad, t_max, first)
-    _, saved = _sinkhorn_forward(z, t_max, first)
-    return _sinkhorn_backward(saved, grad.contiguous()).contiguous()
+    _, saved = sinkhorn_forward(z, t_max, first)
+    return sinkhorn_backward(saved, grad.contiguous()).contiguous()
 
 
 @_sinkhorn_tl_backward.register_fake
@@ -162,8 +146,6 @@ def _hc_connect(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch
                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out = [w; R] @ H [N,n+1,d], β [N,n], raw, inv, t) -- cpu_kernels.hc_connect_forward's contract;
     the last three are saved for the backward. Torch ops where the C kernel does not apply."""
-    from depthtools.arch import cpu_kernels
-
     H, Pt, S, scale = H.contiguous(), Pt.contiguous(), S.contiguous(), scale.contiguous()
     if cpu_kernels.connector_usable(H, Pt, S, scale):
         return cpu_kernels.hc_connect_forward(H, Pt, S, scale, eps)
@@ -193,8 +175,6 @@ def _hc_connect_backward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, sca
                          raw: torch.Tensor, inv: torch.Tensor, t: torch.Tensor, g_out: torch.Tensor,
                          g_depth: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dL/dH, dL/dPt, dL/dS, dL/dscale) of `_hc_connect` (the reference's vjp where the kernel does not apply)."""
-    from depthtools.arch import cpu_kernels
-
     args = [x.contiguous() for x in (H, Pt, S, scale, raw, inv, t, g_out, g_depth)]
     if cpu_kernels.connector_usable(*args):
         return cpu_kernels.hc_connect_backward(*args)
@@ -230,8 +210,6 @@ def _mhc_connect(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre
     """(out = [H_pre; H_res] @ H [N,n+1,d], H_post [N,n], raw, inv) -- cpu_kernels.mhc_connect_forward's
     contract (b_res flattened row-major); raw and inv are saved for the backward. Torch ops (the
     reference) where the C kernel does not apply."""
-    from depthtools.arch import cpu_kernels
-
     args = [x.contiguous() for x in (H, PhiT, gates, b_pre, b_post, b_res)]
     if cpu_kernels.connector_usable(*args):
         return cpu_kernels.mhc_connect_forward(*args, eps, t_max, first)
@@ -242,8 +220,6 @@ def _mhc_connect(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre
 
 def _mhc_reference(H, PhiT, gates, b_pre, b_post, b_res, eps, t_max, first):
     """(out, H_post) of `_mhc_connect` by `reference.mhc_connect` (differentiable torch ops)."""
-    from depthtools.arch import reference
-
     n = H.shape[1]
     phi_pre, phi_post, phi_res = PhiT.t().split([n, n, n * n], 1)
     u, mixed, depth = reference.mhc_connect(H, phi_pre, phi_post, phi_res, gates[0], gates[1], gates[2], b_pre,
@@ -263,8 +239,6 @@ def _mhc_connect_backward(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tens
                           g_out: torch.Tensor, g_depth: torch.Tensor, eps: float, t_max: int, first: int
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of `_mhc_connect`'s six tensor inputs (the reference's vjp where the kernel does not apply)."""
-    from depthtools.arch import cpu_kernels
-
     args = [x.contiguous() for x in (H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth)]
     if cpu_kernels.connector_usable(*args):
         return cpu_kernels.mhc_connect_backward(*args, t_max, first)
@@ -305,8 +279,6 @@ def connector_op(H: torch.Tensor) -> bool:
 def hc_connect_op(H, Wa, wb, Sa, sb, sa, sbeta, eps):
     """`reference.hc_connect` (u, R H, β) as the opaque op; the parameters are packed by traced ops
     (P = [W_a | w_b], S = [S_a | s_b], scale = [s_a .. s_a, s_b]), whose gradients autograd unpacks."""
-    from depthtools.arch import cpu_kernels
-
     Pt, S = cpu_kernels.hc_pack(Wa, wb, Sa, sb)
     scale = torch.cat([sa.expand(H.shape[1] + 1), sbeta.reshape(1)])
     out, depth, *_ = _hc_connect(H, Pt, S, scale, eps)
@@ -315,8 +287,6 @@ def hc_connect_op(H, Wa, wb, Sa, sb, sa, sbeta, eps):
 
 def mhc_connect_op(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
     """`reference.mhc_connect` (u, H_res H, H_post) as the opaque op (parameters packed by traced ops)."""
-    from depthtools.arch import cpu_kernels
-
     packed = cpu_kernels.mhc_pack(phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)
     out, depth, *_ = _mhc_connect(H, *packed, eps, t_max, first)
     return out[:, 0], out[:, 1:], depth
@@ -331,8 +301,6 @@ def compiling() -> bool:
 # -- the regions -----------------------------------------------------------------------------------
 
 def _hook_points(block: nn.Module) -> list[nn.Module]:
-    from transformer_lens.hook_points import HookPoint
-
     return [m for m in block.modules() if isinstance(m, HookPoint)]
 
 

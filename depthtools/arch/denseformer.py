@@ -28,6 +28,7 @@ the DWA with plain autograd (reference.weighted_sum) instead of bankops' `_Weigh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,10 +37,11 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch import reference
 from depthtools.arch.bankops import weighted_sum
 from depthtools.arch.layers import RMSNorm
-from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme
-from depthtools.config import ModelConfig
+from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
 from depthtools.errors import DepthToolsError
+
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -103,13 +104,15 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch import reference
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
-from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import DepthRouting, NormSite, Option, ResidualScheme, resolve_options
+from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme, resolve_options
 from depthtools.arch import compiled, cpu_kernels
 from depthtools.arch.compiled import compiling, sinkhorn_op
+from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
 from depthtools.arch.torch_private import is_hooked
-from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 MHC_INITS = ("hc_like", "uniform", "lucidrains")
 # Sinkhorn half-step order (option "sinkhorn_order"), named by the normalisation that runs last and
@@ -227,65 +230,19 @@ def _tokens_last(x: torch.Tensor) -> torch.Tensor:
     return out.view(n, n, tokens)
 
 
-def _half_step_dim(step: int, first: int) -> int:
-    """Dim normalised by half-step `step` after a softmax over dim `first` (they alternate)."""
-    return (first + 1 + step) % 2
-
-
-def _sinkhorn_loop(p: torch.Tensor, t_max: int, tiny: float, first: int = 1):
-    """2·t_max - 1 half-steps y = m / s on [n_out, n_in, N], alternating, starting with the dim
-    the softmax did not normalise (`first`: 1 = rows were first, 0 = columns): (result, ys, ss)."""
-    m = p
-    ys: list[torch.Tensor] = []
-    ss: list[torch.Tensor] = []
-    for step in range(2 * t_max - 1):
-        s = m.sum(_half_step_dim(step, first), keepdim=True).clamp_min_(tiny)  # dim 0 = column sums, 1 = row sums
-        m = m / s
-        ys.append(m)
-        ss.append(s)
-    return m, ys, ss
-
-
-def _sinkhorn_loop_backward(g: torch.Tensor, p: torch.Tensor, ys: list[torch.Tensor], ss: list[torch.Tensor],
-                            first: int = 1):
-    """Gradient of the softmax logits from the gradient g of the result (same order as the forward)."""
-    for step in range(len(ys) - 1, -1, -1):
-        g = (g - (g * ys[step]).sum(_half_step_dim(step, first), keepdim=True)) / ss[step]
-    return p * (g - (g * p).sum(first, keepdim=True))  # softmax backward over the first dim
-
-
-def _sinkhorn_forward(z: torch.Tensor, t_max: int, first: int = 1):
-    """Sinkhorn of tokens-last logits z [n_out, n_in, N]: (result [n,n,N], saved for backward).
-
-    Softmax over dim `first` (exp + the first normalisation: 0 = columns, the paper's "rows_last"
-    order; 1 = rows, "cols_last"), then 2·t_max - 1 alternating half-steps y = m / s, s =
-    m.sum(dim) (clamped at the smallest normal so an underflowed line cannot give 0/0).
-    """
-    p = torch.softmax(z, dim=first)
-    m, ys, ss = _sinkhorn_loop(p, t_max, torch.finfo(z.dtype).tiny, first)
-    return m, (p, ys, ss, first)
-
-
-def _sinkhorn_backward(saved, g: torch.Tensor) -> torch.Tensor:
-    """Gradient of the logits from the gradient g [n,n,N] of the result: half-step backward
-    dm = (g - Σ_dim g·y) / s in reverse order, then the softmax backward."""
-    p, ys, ss, first = saved
-    return _sinkhorn_loop_backward(g, p, ys, ss, first)
-
-
 class _SinkhornKnopp(torch.autograd.Function):
     """The unrolled Sinkhorn iteration with a hand-written backward, run with tokens last.
 
     Why: n is tiny (4), and PyTorch's CPU kernels for reductions/softmax over a size-4 last
     dimension are far slower than over a contiguous token dimension (measured: RESULTS.md); autograd would also
     record ~6 nodes per half-step. Layout inside: [n_out, n_in, N] with N = all leading dims.
-    See `_sinkhorn_forward` / `_sinkhorn_backward`.
+    See `sinkhorn_torch.sinkhorn_forward` / `sinkhorn_backward`.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
         n = logits.shape[-1]
-        m, saved = _sinkhorn_forward(_tokens_last(logits), t_max, first)
+        m, saved = sinkhorn_forward(_tokens_last(logits), t_max, first)
         ctx.saved = saved  # internal buffers (not inputs/outputs of this Function)
         return m.reshape(n * n, -1).T.reshape(logits.shape)
 
@@ -293,7 +250,7 @@ class _SinkhornKnopp(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         n = grad.shape[-1]
-        g = _sinkhorn_backward(ctx.saved, _tokens_last(grad))
+        g = sinkhorn_backward(ctx.saved, _tokens_last(grad))
         return g.view(n * n, -1).T.reshape(grad.shape), None, None
 
 
@@ -640,7 +597,7 @@ class _MHCConnect(torch.autograd.Function):
         h_pre = torch.sigmoid(mix[:n] * g_pre + b_pre.unsqueeze(1))  # [n, N]
         h_post = torch.sigmoid(mix[n : 2 * n] * g_post + b_post.unsqueeze(1)).mul_(2)  # [n, N]
         logits = mix[2 * n :].view(n, n, N) * g_res + b_res.unsqueeze(-1)  # [n_out, n_in, N]
-        h_res, sk_saved = _sinkhorn_forward(logits, t_max, first)
+        h_res, sk_saved = sinkhorn_forward(logits, t_max, first)
         routing = H.new_empty(N, n + 1, n)
         routing[:, 0] = h_pre.t()
         routing[:, 1:] = h_res.permute(2, 0, 1)
@@ -670,7 +627,7 @@ class _MHCConnect(torch.autograd.Function):
         else:
             g_mix[n : 2 * n] = g_depth.t()
             g_mix[n : 2 * n].mul_(h_post * (1 - h_post * 0.5))
-        g_logits = _sinkhorn_backward(ctx.sk_saved, g_routing[:, :, 1:].permute(2, 1, 0).contiguous())  # [n_out,n_in,N]
+        g_logits = sinkhorn_backward(ctx.sk_saved, g_routing[:, :, 1:].permute(2, 1, 0).contiguous())  # [n_out,n_in,N]
         g_mix[2 * n :] = g_logits.view(n * n, N)
         grads = [None] * 13
         if need[7]:

@@ -8,6 +8,7 @@ explicitly so it can be read or edited) — so hooks cost nothing when none are 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,9 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.backbone import (HookedNorm, Norm, activation, backbone, banded_causal_mask, rotary_dim,
                                       softcap)
 from depthtools.arch.torch_private import is_hooked, storage_unshared
-from depthtools.config import ModelConfig
+
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 
 def fused_inverse_rms(x: torch.Tensor, eps: float, keepdim: bool = False,

@@ -60,7 +60,7 @@ place), and any block run at position L-1 writes no slots.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +69,13 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch import cpu_kernels, reference
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
-from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
 from depthtools.arch.torch_private import (cpu_flash_attention, cpu_flash_attention_backward, cpu_flash_attention_ok,
                                            is_hooked, set_tensor_tag, tensor_tag, untracked, view_base)
-from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 NORMS = ("pre", "post")
 DEPTH_ROPE = ("none", "query")

@@ -10,7 +10,7 @@ depth, so sweeps never recompute a shared prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,10 +20,13 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.backbone import backbone, rotary_dim, softcap
 from depthtools.arch.layers import Attention, SwiGLU, make_norm, rope_tables
+from depthtools.arch.registry import get_arch
 from depthtools.arch.scheme import ResidualScheme, State
 from depthtools.arch.tl_cache import DepthCache
-from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,6 @@ class DepthModel(HookedRootModule):
 
     def __init__(self, cfg: ModelConfig, seed: int | None = None):
         super().__init__()
-        from depthtools.arch.registry import get_arch
-
         spec = get_arch(cfg.arch)
         if seed is not None:
             torch.manual_seed(seed)

@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from depthtools.arch.backbone import OPTIONS as BACKBONE_OPTIONS, backbone
 from depthtools.arch.layers import make_norm
-from depthtools.arch.registry import ArchSpec
-from depthtools.arch.scheme import NormSite, Option, ResidualScheme
-from depthtools.config import ModelConfig
+from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
 from depthtools.errors import DepthToolsError
+
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 SUBLAYERS = ("attn", "mlp")
 

@@ -2,37 +2,21 @@
 
 `extra_params(cfg)` is the closed-form count of parameters this architecture adds to (or removes
 from) a Pre-LN model of the same shape; tests check it against the built model. Adding an
-architecture: a scheme file (a `ResidualScheme` subclass and its `ARCH_SPECS`) and its name in
-`ARCH_MODULES`.
+architecture: a scheme file (a `ResidualScheme` subclass and its `ARCH_SPECS` of `scheme.ArchSpec`) and its
+module in `ARCH_MODULES` (the scheme files import `scheme`, never this module, so the registry sits above them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
-from depthtools.config import ModelConfig
+from depthtools.arch import attnres, denseformer, hyper, moda, norm_family
+from depthtools.arch.backbone import BACKBONE_ARCHS, check_backbone
+from depthtools.arch.scheme import ArchSpec, resolve_options
 from depthtools.errors import DepthToolsError
 
-
-@dataclass(frozen=True)
-class ArchSpec:
-    name: str
-    family: str  # "baseline" | "normalisation" | "multi-stream" | "cross-layer"
-    description: str
-    extra_formula: str  # human-readable, in d (d_model), L (n_layer), n (streams)
-    extra_params: Callable[[ModelConfig], int]
-    paper: str
-    scheme: Callable[[ModelConfig], object]
-    in_depthbench: bool = False
-    aliases: tuple[str, ...] = ()
-
-    def build_scheme(self, cfg: ModelConfig):
-        return self.scheme(cfg)
-
-    def option_schema(self) -> dict:
-        """{name: depthtools.arch.scheme.Option} of the options this architecture accepts."""
-        return self.scheme.option_schema(self.name)
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 
 _REGISTRY: dict[str, ArchSpec] = {}
@@ -66,9 +50,6 @@ def list_archs() -> list[ArchSpec]:
 
 def check_options(cfg: ModelConfig) -> dict:
     """cfg.options validated against its architecture's schema, defaults filled in (one-line errors)."""
-    from depthtools.arch.backbone import BACKBONE_ARCHS, check_backbone
-    from depthtools.arch.scheme import resolve_options
-
     resolved = resolve_options(get_arch(cfg.arch).option_schema(), cfg)
     if cfg.arch in BACKBONE_ARCHS:
         check_backbone(cfg)  # checks across options (layer_types' length, rotary width, ...)
@@ -77,15 +58,8 @@ def check_options(cfg: ModelConfig) -> dict:
 
 # The registration lines: each module defines its architectures' `ARCH_SPECS`; everything else an
 # architecture needs (options, extra FLOPs, routing, the probe's written tensor) is on its scheme.
-ARCH_MODULES = ("norm_family", "hyper", "attnres", "denseformer", "moda")
-
-
-def _register_modules() -> None:
-    import importlib
-
-    for module in ARCH_MODULES:
-        for spec in importlib.import_module(f"depthtools.arch.{module}").ARCH_SPECS:
-            register(spec)
-
-
-_register_modules()
+ARCH_MODULES = (norm_family, hyper, attnres, denseformer, moda)
+for _module in ARCH_MODULES:
+    for _spec in _module.ARCH_SPECS:
+        register(_spec)
+del _module, _spec

@@ -6,7 +6,7 @@ block is bypassed. `DepthModel` owns the shared backbone (embedding, blocks' att
 final norm, unembedding) and drives the scheme. Analyses only see `DepthModel`'s contract.
 
 Everything the rest of the package needs to know about an architecture is asked of its scheme, so
-adding one is a scheme file (a subclass plus its `ARCH_SPECS`) and its line in registry.ARCH_MODULES:
+adding one is a scheme file (a subclass plus its `ARCH_SPECS`) and its module in registry.ARCH_MODULES:
 
     option_schema(arch)   {name: Option}: the options ModelConfig accepts (kind, default, valid values)
     extra_flops()         forward FLOPs per token added to Pre-LN (depthtools.train.flops)
@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+
+if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+    from depthtools.config import ModelConfig
 
 State = Any  # architecture-specific and opaque to analyses (tensor, stream stack, source bank...)
 
@@ -152,17 +154,15 @@ class ResidualScheme(nn.Module):
     skip_rules: tuple[str, ...] = ("identity",)
     compile_region: str = "none"  # what depthtools.arch.compiled compiles: "step" | "sublayer" | "none"
 
-    kernel_libraries: tuple[str, ...] = ()  # cpu_kernels libraries its fused path uses (built ahead, in the background)
+    # cpu_kernels libraries its fused path uses: built on the first CPU call that needs them, never when a model is
+    # built (the grid planner builds on `meta`); `depthtools archs` shows which path they take
+    kernel_libraries: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.opts = resolve_options(self.option_schema(cfg.arch), cfg)  # every option, defaults filled in
         self.compiled_cores = None  # (attn, mlp) compiled sublayer cores, set only inside a compiled step
-        if self.kernel_libraries and self.opts.get("fused", True):
-            from depthtools.arch import cpu_kernels
-
-            cpu_kernels.prebuild(*self.kernel_libraries)
 
     # -- compiled training (depthtools.arch.compiled) -------------------------------------------
     def compile_key(self, position: int):
@@ -270,3 +270,28 @@ class ResidualScheme(nn.Module):
     def no_decay_names(self) -> tuple[str, ...]:
         """Substrings of parameter names excluded from weight decay beyond norms/gains (routing)."""
         return ()
+
+
+# -- registration (depthtools.arch.registry) ------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One registered architecture: its name, family, description, closed-form extra parameters, paper and scheme
+    class (each scheme file lists its own in `ARCH_SPECS`; `depthtools.arch.registry` registers them)."""
+
+    name: str
+    family: str  # "baseline" | "normalisation" | "multi-stream" | "cross-layer"
+    description: str
+    extra_formula: str  # human-readable, in d (d_model), L (n_layer), n (streams)
+    extra_params: Callable[[ModelConfig], int]
+    paper: str
+    scheme: type[ResidualScheme]
+    in_depthbench: bool = False
+    aliases: tuple[str, ...] = ()
+
+    def build_scheme(self, cfg: ModelConfig):
+        return self.scheme(cfg)
+
+    def option_schema(self) -> dict:
+        """{name: depthtools.arch.scheme.Option} of the options this architecture accepts."""
+        return self.scheme.option_schema(self.name)
