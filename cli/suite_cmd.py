@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli.main import app, console, fmt, print_json, table
+from cli.main import app, console, fmt, parse_list, print_json, table
 from cli.probe_cmd import (BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE, SEED, SEQ_LEN_OPT,
                            SPLIT, ProbeCommand, check_device)
 
@@ -49,6 +49,7 @@ def analyze_command(
     from depthtools.analysis.suite import analyze_grid
 
     check_device(device)
+    only = parse_list(only, "str", "--only", "causal,lens_logit")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         task = progress.add_task("analyze", total=None)

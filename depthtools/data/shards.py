@@ -42,7 +42,7 @@ import numpy as np
 
 from depthtools.data.inputs import UNIT_BYTES, FieldReader, Unit, expand_inputs, plan_units, read_unit, sources_state
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, replace_dir
+from depthtools.fsutil import check_dir_target, check_name, replace_dir
 
 from depthtools.data.prepare import FORMAT_SHARDS  # noqa: E402  (one definition)
 SHARD_TOKENS = 100_000_000  # as nanoGPT's FineWeb script: 200 MB per uint16 shard
@@ -237,6 +237,8 @@ def prepare_inputs(
     from depthtools.data.prepare import check_overwrite, dataset_lock, is_prepared
 
     log = log or (lambda _msg: None)
+    if name is not None:  # one folder under out_dir, checked before anything
+        check_name(name, "dataset name (--name)")
     if not 0.0 <= val_fraction < 1.0:
         raise DepthToolsError(f"val_fraction {val_fraction} must be in [0, 1)")
     if workers < 1:
