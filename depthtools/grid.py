@@ -346,7 +346,8 @@ _STATED_NAME = re.compile(r"(?P<arch>.+?)_L(?P<n_layer>[0-9]+)(?:_s(?P<seed>[0-9
 def check_spec(spec: Any, where: str = "grid spec") -> dict[str, Any]:
     """The grid spec `spec` with its cells as checked `Cell`s, or a one-line DepthToolsError naming the
     problem: not an object; an unknown key (named as a key); a missing 'cells'; a key of the wrong JSON
-    type ("data": 5); an invalid grid name (`check_name`); no cells; a cell that `check_cell` refuses;
+    type ("data": 5); an invalid grid name (`check_name`); a "data" section `check_data_section`
+    refuses; a "train" recipe TrainConfig refuses; no cells; a cell that `check_cell` refuses;
     two cells with one name (also when they differ only in case: one folder on macOS/Windows).
     A missing name is "grid", as it always was."""
     from depthtools.fsutil import check_name
@@ -366,6 +367,13 @@ def check_spec(spec: Any, where: str = "grid spec") -> dict[str, Any]:
             raise DepthToolsError(f"{where}: {key!r} must be {valid}, not {type(spec[key]).__name__} {spec[key]!r}"[:300])
     name = check_name(spec.get("name", "grid"), f"{where}: grid name")
     check_data_section(spec.get("data"), f"{where}: 'data'")
+    if spec.get("train") is not None:
+        from depthtools.config import TrainConfig
+
+        try:
+            TrainConfig.from_dict(spec["train"])  # the recipe's keys, types and values (cells add their seed)
+        except DepthToolsError as exc:
+            raise DepthToolsError(f"{where}: 'train': {exc}") from None
     if not spec["cells"]:
         raise DepthToolsError(f"{where} has no cells; plan some with `depthtools grid plan`")
     cells = [check_cell(cell, f"{where}: cells[{i}]") for i, cell in enumerate(spec["cells"])]
@@ -388,7 +396,8 @@ def check_data_section(data: Any, where: str = "grid spec: 'data'") -> None:
     """A grid spec's "data" in one line: null, or an object of one of three forms — {"dir": FOLDER}
     (a prepared folder, plus the notes "needs"/"prepare"), {"input": FILES, ...} (the arguments of
     `depthtools.data.prepare_inputs`) or {"corpus": ..., ...} (those of `depthtools.data.prepare`) —
-    whose keys are that form's arguments and whose values have their annotated JSON types."""
+    whose keys are that form's arguments and whose values have their annotated JSON types; a dataset
+    "name" must pass `check_name`."""
     import inspect
 
     from depthtools.config import _annotation_kinds, _JSON_KINDS, _KIND_WORDS
@@ -422,6 +431,10 @@ def check_data_section(data: Any, where: str = "grid spec: 'data'") -> None:
             raise DepthToolsError(f"{where}: {key!r} must be {words}, not {type(value).__name__} {value!r}"[:300])
         if isinstance(value, list) and not all(isinstance(v, str) for v in value):
             raise DepthToolsError(f"{where}: {key!r} must list strings, got {value!r}"[:300])
+    if data.get("name") is not None:
+        from depthtools.fsutil import check_name
+
+        check_name(data["name"], f"{where}: 'name' (the dataset folder)")
 
 
 def check_cell(cell: Any, where: str = "cell") -> Cell:

@@ -149,6 +149,8 @@ def cell_recipe(train: dict[str, Any] | None, cell: Cell, threads: int | None = 
     Seeds are a grid axis (`plan_grid(seeds=...)`), so a recipe that names another seed than its
     cell is a contradiction and is refused rather than silently overridden.
     """
+    if train is not None and not isinstance(train, dict):
+        raise DepthToolsError(f"the grid recipe ('train') must be a JSON object, not {type(train).__name__} {train!r}"[:200])
     recipe = dict(train or {})
     if "seed" in recipe and recipe["seed"] != cell.seed:
         raise DepthToolsError(
