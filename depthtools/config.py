@@ -29,10 +29,28 @@ _KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "boo
 
 
 def _annotation_kinds(annotation: Any) -> list[str] | None:
-    """'int | None' -> ['int', 'None']; 'dict[str, Any]' -> ['dict']; None for a kind JSON cannot check."""
+    """'int | None' -> ['int', 'None']; 'dict[str, Any]' -> ['dict']; 'str | os.PathLike' -> ['str'];
+    None for a kind JSON cannot check (e.g. 'TaskMix | None')."""
     text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
     kinds = [part.strip().strip("'\"").split("[")[0] for part in text.split("|")]
+    kinds = [k for k in kinds if not k.endswith("PathLike")] if "str" in kinds else kinds  # a path is a string in JSON
     return kinds if all(k in _JSON_KINDS for k in kinds) else None
+
+
+def check_json_value(value: Any, annotation: Any, label: str, also: tuple = ()) -> None:
+    """A one-line DepthToolsError unless `value` (parsed JSON) has the JSON type of `annotation` (a
+    dataclass field's or a function parameter's, e.g. 'int | None'; `also`: more accepted types). A
+    bool is not an integer or a number, an integer is a number, a list must hold strings where its
+    annotation says list[str]. `label` names the value: "TrainConfig.lr", "grid spec: 'data': 'seed'"."""
+    kinds = _annotation_kinds(annotation)
+    if kinds is None:
+        return
+    allowed = tuple(t for k in kinds for t in _JSON_KINDS[k]) + tuple(also)
+    words = " or ".join(_KIND_WORDS[k] for k in kinds)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise DepthToolsError(f"{label} must be {words}, not {type(value).__name__} {_short(value)}")
+    if isinstance(value, list) and "list[str]" in str(annotation) and not all(isinstance(v, str) for v in value):
+        raise DepthToolsError(f"{label} must list strings, got {_short(value)}")
 
 
 def check_json_fields(data: Any, cls: type, what: str, also: dict[str, tuple] | None = None) -> dict[str, Any]:
@@ -50,13 +68,7 @@ def check_json_fields(data: Any, cls: type, what: str, also: dict[str, tuple] | 
         where = f"unknown {what} field(s)" if what.isidentifier() else f"{what}: unknown field(s)"
         raise DepthToolsError(f"{where} {unknown}; valid: {sorted(fields)}")
     for name, value in data.items():
-        kinds = _annotation_kinds(fields[name].type)
-        if kinds is None:
-            continue
-        allowed = tuple(t for k in kinds for t in _JSON_KINDS[k]) + tuple((also or {}).get(name, ()))
-        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            words = " or ".join(_KIND_WORDS[k] for k in kinds)
-            raise DepthToolsError(f"{what}.{name} must be {words}, not {type(value).__name__} {_short(value)}")
+        check_json_value(value, fields[name].type, f"{what}.{name}", (also or {}).get(name, ()))
     return data
 
 

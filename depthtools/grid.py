@@ -12,6 +12,7 @@ round-up(ratio·d, multiple m) (DepthBench: 8/3, 16) or ratio·d exactly.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
@@ -130,11 +131,17 @@ def parse_seeds(seeds: Iterable[int] | str | int | None) -> list[int]:
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Exact parameter counts of the model `cfg` describes, built on the meta device."""
+    """Exact parameter counts of the model `cfg` describes, built on the meta device (once per config
+    and process: planning and then checking a grid spec count the same shapes)."""
+    return dict(_counts_of(cfg.to_json()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _counts_of(config_json: str) -> dict[str, int]:
     from depthtools.arch import DepthModel
 
     with torch.device("meta"):
-        return DepthModel(cfg).param_counts()
+        return DepthModel(ModelConfig.from_json(config_json)).param_counts()
 
 
 def _config(arch, n_layer, d_model, rules: ShapeRules, base: dict[str, Any]) -> ModelConfig:
@@ -400,7 +407,7 @@ def check_data_section(data: Any, where: str = "grid spec: 'data'") -> None:
     "name" must pass `check_name`."""
     import inspect
 
-    from depthtools.config import _annotation_kinds, _JSON_KINDS, _KIND_WORDS
+    from depthtools.config import check_json_value
 
     if data is None:
         return
@@ -414,23 +421,13 @@ def check_data_section(data: Any, where: str = "grid spec: 'data'") -> None:
         function, form = (prepare_inputs, "with 'input'") if "input" in data else (prepare, "for a corpus")
         params = {k: p.annotation for k, p in inspect.signature(function).parameters.items() if k not in _NOT_DATA_KEYS}
         if "input" in data:
-            params["input"] = "str | list"
+            params["input"] = "str | list[str]"
     params.update({note: "str" for note in DATA_NOTES})
     unknown = sorted(str(k) for k in data if k not in params)
     if unknown:
         raise DepthToolsError(f"{where}: unknown key(s) {unknown} {form}; valid: {sorted(params)}")
     for key, value in data.items():
-        kinds = _annotation_kinds(params[key])
-        if kinds is None:  # e.g. a path: str | os.PathLike
-            kinds = ["str", "None"] if "PathLike" in str(params[key]) else None
-        if kinds is None:
-            continue
-        allowed = tuple(t for k in kinds for t in _JSON_KINDS[k])
-        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            words = " or ".join(_KIND_WORDS[k] for k in kinds)
-            raise DepthToolsError(f"{where}: {key!r} must be {words}, not {type(value).__name__} {value!r}"[:300])
-        if isinstance(value, list) and not all(isinstance(v, str) for v in value):
-            raise DepthToolsError(f"{where}: {key!r} must list strings, got {value!r}"[:300])
+        check_json_value(value, params[key], f"{where}: {key!r}")
     if data.get("name") is not None:
         from depthtools.fsutil import check_name
 
