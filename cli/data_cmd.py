@@ -35,26 +35,18 @@ def spread_inputs(args: list) -> list:
     "b", "--name", "x"]. Order is kept; `--` ends the options as usual."""
     out, taking, i = [], False, 0
     while i < len(args):
-        arg = args[i]
-        if not isinstance(arg, str) or arg == "--":
-            out += args[i:] if arg == "--" else [arg]
-            if arg == "--":
-                break
-            taking, i = False, i + 1
-            continue
-        if arg in INPUT_OPTIONS and i + 1 < len(args):
-            out += [arg, args[i + 1]]
+        word = str(args[i])  # programmatic callers may pass paths
+        if word == "--":
+            return out + list(args[i:])
+        if word in INPUT_OPTIONS and i + 1 < len(args):
+            out += [args[i], args[i + 1]]
             taking, i = True, i + 2
             continue
-        if arg.startswith("--input="):
-            out.append(arg)
-            taking, i = True, i + 1
-            continue
-        if taking and not arg.startswith("-"):
-            out += ["--input", arg]
+        if taking and not word.startswith("-"):
+            out += ["--input", args[i]]
         else:
-            out.append(arg)
-            taking = False
+            out.append(args[i])
+            taking = word.startswith("--input=")
         i += 1
     return out
 

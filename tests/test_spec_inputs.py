@@ -97,7 +97,7 @@ def test_a_cell_name_cannot_train_outside_the_root_even_with_force(cell_name, ba
     before = _finished_victim(victim)
     spec = copy.deepcopy(base_spec)
     spec["cells"][0]["name"] = str(victim) if cell_name == "ABS" else cell_name
-    path, root = _spec_file(tmp_path, spec), tmp_path / "ck" / "inner"
+    path, root = _spec_file(tmp_path, spec), tmp_path / "ck"  # ck/g/../../victim is the victim
     for command in (["grid", "train", path, "--root", root, "--force"], ["grid", "status", path, "--root", root]):
         refused(command, "cell name", "is not a valid name")
     assert tree(victim) == before
