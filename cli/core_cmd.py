@@ -73,6 +73,10 @@ def grid_plan_command(
     """
     from depthtools.grid import grid_spec, parse_seeds, plan_grid, save_grid
 
+    from depthtools.fsutil import check_name
+
+    if name is not None:  # before planning, which can take a while
+        check_name(name, "grid name (--name)")
     meta = _data_meta(data)
     seeds = parse_seeds(parse_list(seeds, "int", "--seeds", "0,1,2")) if seeds is not None else None
     if preset is not None:
@@ -95,7 +99,7 @@ def grid_plan_command(
             aspect_ratios=parse_list(aspect_ratios, "float", "--aspect-ratios", "76,42.7,28"), basis=basis,
             tolerance=tolerance, n_heads=n_heads if (n_heads is not None or head_dim) else 16, head_dim=head_dim,
             head_dim_multiple=head_dim_multiple, n_kv_heads=n_kv_heads, ffn_ratio=ffn_ratio,
-            ffn_multiple=ffn_multiple or None, max_seq_len=max_seq_len, seeds=seeds,
+            ffn_multiple=ffn_multiple or None, max_seq_len=max_seq_len, seeds=parse_seeds(seeds),
         )
         cells = plan_grid(**plan_args)
         spec = grid_spec(cells, name=name or "grid", plan={k: v for k, v in plan_args.items()},
