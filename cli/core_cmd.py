@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from cli.main import app, console, err_console, grid_app, print_json, table
+from cli.main import app, console, err_console, grid_app, parse_list, print_json, table
 from depthtools.errors import DepthToolsError
 
 
@@ -50,15 +50,6 @@ def archs_command(
     console.print("CPU kernels (fused paths on CPU): " + "; ".join(f"{lib}: {path}" for lib, path in kernels.items()))
 
 
-def _split_list(text: Optional[str], cast) -> Optional[list]:
-    if text is None:
-        return None
-    try:
-        return [cast(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise DepthToolsError(f"cannot read list {text!r}; use comma-separated values like 16,20,24") from None
-
-
 @grid_app.command("plan")
 def grid_plan_command(
     arch: str = typer.Option("preln", "--arch", help="Architecture(s), comma-separated (see `depthtools archs`)."),
@@ -93,7 +84,12 @@ def grid_plan_command(
     """
     from depthtools.grid import grid_spec, parse_seeds, plan_grid, save_grid
 
+    from depthtools.fsutil import check_name
+
+    if name is not None:  # before planning, which can take a while
+        check_name(name, "grid name (--name)")
     meta = _data_meta(data)
+    seeds = parse_seeds(parse_list(seeds, "int", "--seeds", "0,1,2")) if seeds is not None else None
     if preset is not None:
         from depthtools.presets import get_preset
 
@@ -109,8 +105,9 @@ def grid_plan_command(
         if vocab_size is None:
             vocab_size = int(meta["tokenizer"]["vocab_size"]) if meta else 256
         plan_args = dict(
-            arch=_split_list(arch, str), budget=budget, vocab_size=vocab_size,
-            layers=_split_list(layers, int), aspect_ratios=_split_list(aspect_ratios, float), basis=basis,
+            arch=parse_list(arch, "str", "--arch", "preln,hc"), budget=budget, vocab_size=vocab_size,
+            layers=parse_list(layers, "int", "--layers", "16,20,24"),
+            aspect_ratios=parse_list(aspect_ratios, "float", "--aspect-ratios", "76,42.7,28"), basis=basis,
             tolerance=tolerance, n_heads=n_heads if (n_heads is not None or head_dim) else 16, head_dim=head_dim,
             head_dim_multiple=head_dim_multiple, n_kv_heads=n_kv_heads, ffn_ratio=ffn_ratio,
             ffn_multiple=ffn_multiple or None, max_seq_len=max_seq_len, seeds=parse_seeds(seeds),

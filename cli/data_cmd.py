@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand
 from rich.table import Table
 
 from depthtools.data import CORPORA, MIXES, available_corpora, prepare, prepare_inputs, read_meta
@@ -22,17 +23,62 @@ from depthtools.data.corpora import CorpusChecksumWarning
 from depthtools.data.tokenizer import TOKENIZER_SPECS
 from depthtools.errors import DepthToolsError
 
+INPUT_OPTIONS = ("--input", "-i")
+GLOB_HINT = ("a shell glob expands into several words: quote it (--input 'shards/*.parquet') or put the paths "
+             "right after one --input")
+
+
+def spread_inputs(args: list) -> list:
+    """The words after one --input/-i value that are not options become inputs too, so an unquoted
+    shell glob (`--input shards/*.parquet`, expanded by the shell into `--input a.parquet b.parquet`)
+    means what a quoted one means: ["--input", "a", "b", "--name", "x"] -> ["--input", "a", "--input",
+    "b", "--name", "x"]. Order is kept; `--` ends the options as usual."""
+    out, taking, i = [], False, 0
+    while i < len(args):
+        word = str(args[i])  # programmatic callers may pass paths
+        if word == "--":
+            return out + list(args[i:])
+        if word in INPUT_OPTIONS and i + 1 < len(args):
+            out += [args[i], args[i + 1]]
+            taking, i = True, i + 2
+            continue
+        if taking and not word.startswith("-"):
+            out += ["--input", args[i]]
+        else:
+            out.append(args[i])
+            taking = word.startswith("--input=")
+        i += 1
+    return out
+
+
+# The usage-error class of the click typer runs on (typer >= 0.2x vendors its own click; BadParameter derives from it).
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+class PrepareCommand(TyperCommand):
+    """`data prepare`: several paths after one --input (`spread_inputs`); any other stray word is a usage
+    error that says how to quote a glob."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, spread_inputs(list(args)))
+        except _USAGE_ERROR as exc:
+            if "unexpected extra argument" in str(exc.message):
+                exc.message = f"{exc.message}; {GLOB_HINT}"
+            raise
+
+
 data_app = typer.Typer(help="Prepare training data from package-shipped corpora or your own local files (no hub downloads) and list corpora.",
                        no_args_is_help=True)
 SUB_APPS = {"data": data_app}
 _console = Console(stderr=True)
 
 
-@data_app.command("prepare")
+@data_app.command("prepare", cls=PrepareCommand)
 def prepare_cmd(
     corpus: Optional[str] = typer.Option(None, "--corpus", "-c", help="Corpus NAME or MIX like 'shakespeare+sympy' (default: 'default', or 'text-dir' with --text-dir)."),
     text_dir: Optional[Path] = typer.Option(None, "--text-dir", help="Folder of your own UTF-8 files; each file is one document."),
-    inputs: Optional[List[str]] = typer.Option(None, "--input", "-i", help="Your corpus (repeatable; globs allowed): jsonl[.gz|.zst], parquet, a datasets save_to_disk folder, or a folder of text files. Written as token shards; see docs/data.md."),
+    inputs: Optional[List[str]] = typer.Option(None, "--input", "-i", help="Your corpus (repeatable, or several paths after one --input; globs allowed, quoted or not): jsonl[.gz|.zst], parquet, a datasets save_to_disk folder, or a folder of text files. Written as token shards; see docs/data.md."),
     text_field: str = typer.Option("text", "--text-field", help="--input: the record field holding the text (dotted for nested, e.g. meta.body)."),
     domain_field: Optional[str] = typer.Option(None, "--domain-field", help="--input: a record field naming each document's domain (one validation split per domain)."),
     tokenizer: str = typer.Option("byte", "--tokenizer", "-t", help=f"One of: {', '.join(TOKENIZER_SPECS)}, or a local tokenizer.json (any `tokenizers` file)."),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import sys
 
 import typer
@@ -88,8 +89,34 @@ def fmt(value, digits: int = 4) -> str:
     return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
 
 
+LIST_KINDS = {"int": "an integer", "float": "a finite number", "str": "a name"}
+
+
+def parse_list(text: str | None, kind: str, option: str, example: str) -> list | None:
+    """A comma-separated option value as a list: every list-valued option of the CLI parses here.
+
+    `kind` is "int", "float" (finite) or "str"; None (option not given) stays None; spaces and empty
+    items ("16,,24,") are ignored. A value that names nothing, or an item of the wrong kind, is a
+    one-line DepthToolsError (exit 2) naming the option, the item and an example (`example`)."""
+    if text is None:
+        return None
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise DepthToolsError(f"{option} {text!r} names no value; use comma-separated values like {example}")
+    out = []
+    for item in items:
+        try:
+            value = {"int": int, "float": float, "str": str}[kind](item)
+        except ValueError:
+            value = None
+        if value is None or (kind == "float" and not math.isfinite(value)):
+            raise DepthToolsError(f"cannot read {option} {text!r}: {item!r} is not {LIST_KINDS[kind]}; "
+                                  f"use comma-separated values like {example}")
+        out.append(value)
+    return out
+
+
 def _load_command_modules() -> None:
-    import importlib
 
     for name in COMMAND_MODULES:
         module = importlib.import_module(name)

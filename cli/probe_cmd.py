@@ -25,7 +25,7 @@ import typer
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from cli.main import app, console, err_console, fmt, print_json, table
+from cli.main import app, console, err_console, fmt, parse_list, print_json, table
 from depthtools.analysis.suite import N_TOKENS, SEQ_LEN, check_sizes
 from depthtools.errors import DepthToolsError
 
@@ -320,7 +320,7 @@ def causal_command(
 
     Example: depthtools causal --ckpt preln_L8 --n-tokens 2048 --seq-len 64
     """
-    cut_list = [int(c) for c in cuts.split(",") if c] if cuts else None
+    cut_list = parse_list(cuts, "int", "--cuts", "8,16")
     done = probe(["causal"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
                  exclude_first=exclude_first, rule=rule, future=future, cuts=cut_list)
 

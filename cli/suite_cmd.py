@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from cli.main import app, console, fmt, print_json, table
+from cli.main import app, console, fmt, parse_list, print_json, table
 from cli.plain import PlainLog, is_plain
 from depthtools.errors import DepthToolsError
 from cli.probe_cmd import (BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE, SEED, SEQ_LEN_OPT,
@@ -54,6 +54,7 @@ def analyze_command(
     from depthtools.analysis.suite import analyze_grid
 
     check_device(device)
+    only = parse_list(only, "str", "--only", "causal,lens_logit")
     if protocol not in ("depthtools", "depthbench"):
         raise DepthToolsError(f"unknown --protocol {protocol!r}; valid: depthtools, depthbench")
     if protocol == "depthbench":

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from cli.main import console, fmt, print_json, table
+from cli.main import console, fmt, parse_list, print_json, table
 from depthtools.data.tasks import TASKS
 from depthtools.errors import DepthToolsError
 
@@ -93,7 +93,7 @@ def eval_command(
 
     if (ckpt is None) == (grid is None):
         raise DepthToolsError("give exactly one of --ckpt NAME or --grid DIR")
-    task_list, ks = parse_tasks(tasks), parse_k(k)
+    task_list, ks = parse_tasks(parse_list(tasks, "str", "--tasks", "chase,s5")), parse_k(k)
     for name in task_list:
         check_k(name, max(ks))
     if n < 1:

@@ -18,7 +18,7 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cli.main import app, console, grid_app, print_json, table
+from cli.main import app, console, grid_app, parse_list, print_json, table
 from depthtools.errors import DepthToolsError
 
 
@@ -297,7 +297,7 @@ def grid_train_command(
 
     if launcher not in LAUNCHERS:
         raise DepthToolsError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
-    spec = select_cells(_grid_spec(grid, preset), [c.strip() for c in cells.split(",")] if cells else None)
+    spec = select_cells(_grid_spec(grid, preset), parse_list(cells, "str", "--cells", "preln_L2,hc_L4"))
     if compile is not None:
         from depthtools.config import TrainConfig
 

@@ -21,6 +21,62 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# -- JSON fields against a dataclass's annotations ----------------------------------------------
+_JSON_KINDS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "dict": (dict,), "list": (list,),
+               "None": (type(None),)}
+_KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+               "dict": "a JSON object", "list": "a JSON list", "None": "null"}
+
+
+def _annotation_kinds(annotation: Any) -> list[str] | None:
+    """'int | None' -> ['int', 'None']; 'dict[str, Any]' -> ['dict']; 'str | os.PathLike' -> ['str'];
+    None for a kind JSON cannot check (e.g. 'TaskMix | None')."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    kinds = [part.strip().strip("'\"").split("[")[0] for part in text.split("|")]
+    kinds = [k for k in kinds if not k.endswith("PathLike")] if "str" in kinds else kinds  # a path is a string in JSON
+    return kinds if all(k in _JSON_KINDS for k in kinds) else None
+
+
+def check_json_value(value: Any, annotation: Any, label: str, also: tuple = ()) -> None:
+    """A one-line DepthToolsError unless `value` (parsed JSON) has the JSON type of `annotation` (a
+    dataclass field's or a function parameter's, e.g. 'int | None'; `also`: more accepted types). A
+    bool is not an integer or a number, an integer is a number, a list must hold strings where its
+    annotation says list[str]. `label` names the value: "TrainConfig.lr", "grid spec: 'data': 'seed'"."""
+    kinds = _annotation_kinds(annotation)
+    if kinds is None:
+        return
+    allowed = tuple(t for k in kinds for t in _JSON_KINDS[k]) + tuple(also)
+    words = " or ".join(_KIND_WORDS[k] for k in kinds)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise DepthToolsError(f"{label} must be {words}, not {type(value).__name__} {_short(value)}")
+    if isinstance(value, list) and "list[str]" in str(annotation) and not all(isinstance(v, str) for v in value):
+        raise DepthToolsError(f"{label} must list strings, got {_short(value)}")
+
+
+def check_json_fields(data: Any, cls: type, what: str, also: dict[str, tuple] | None = None) -> dict[str, Any]:
+    """`data` (parsed JSON) as the keyword arguments of dataclass `cls`, checked against its fields in
+    one line: it must be an object, every key must be a field (unknown keys are named as keys), and
+    every value must have its field's annotated JSON type (an integer is not a bool, a bool is not an
+    integer, a string is not a number). Fields whose annotation JSON cannot express (e.g. TaskMix) are
+    left to the class's own validation; `also` adds accepted types per field (old spellings).
+    `what` names the object in the message, e.g. "ModelConfig" or "grid spec g.json: cells[2]"."""
+    if not isinstance(data, dict):
+        raise DepthToolsError(f"{what} must be a JSON object, not {type(data).__name__} {_short(data)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(str(k) for k in data if k not in fields)
+    if unknown:
+        where = f"unknown {what} field(s)" if what.isidentifier() else f"{what}: unknown field(s)"
+        raise DepthToolsError(f"{where} {unknown}; valid: {sorted(fields)}")
+    for name, value in data.items():
+        check_json_value(value, fields[name].type, f"{what}.{name}", (also or {}).get(name, ()))
+    return data
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def round_up(x: float, multiple: int) -> int:
     """Smallest multiple of `multiple` that is >= x."""
     return int(math.ceil(x / multiple - 1e-9)) * multiple
@@ -114,11 +170,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise DepthToolsError(f"unknown ModelConfig field(s) {unknown}; valid: {sorted(known)}")
-        return cls(**data)
+        """From parsed JSON: keys and value types are checked first (`check_json_fields`), so a string
+        "no" is not a true tie_embeddings and `true` is not one layer."""
+        return cls(**check_json_fields(data, cls, "ModelConfig"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -287,10 +341,12 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise DepthToolsError(f"unknown TrainConfig field(s) {unknown}; valid: {sorted(known)}")
+        """From parsed JSON, keys and value types checked first (`check_json_fields`); `compile` may
+        still be the true/false of configs written before issue 20."""
+        data = check_json_fields(data, cls, "TrainConfig", also={"compile": (bool,)})
+        for name, value in (data.get("lr_overrides") or {}).items():
+            if not _finite(value):
+                raise DepthToolsError(f"TrainConfig.lr_overrides[{name!r}] must be a number, not {value!r}")
         return cls(**data)
 
     def to_json(self) -> str:

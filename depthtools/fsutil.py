@@ -59,6 +59,29 @@ def _kind_name(kind) -> str:
     return names.get(kind, kind.__name__)
 
 
+# -- names that become one path component -----------------------------------------------------------
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}"
+NAME_RULE = "1-128 characters from letters, digits, '.', '_', '+', '-', starting with a letter or digit, without '..'"
+
+
+def check_name(name, what: str) -> str:
+    """`name` if it can be one folder or file name inside a root, else a one-line DepthToolsError.
+
+    Every user string that depthtools turns into a path component goes through here — grid and cell
+    names of a grid spec, `import-hf --name`, `data prepare --name`, analysis table names — so that no
+    name can reach outside its root (`../x`, `/abs`, `a/b`), hide (`.x`), be empty or be ambiguous.
+    The rule (NAME_PATTERN, NAME_RULE): 1 to 128 characters from [A-Za-z0-9._+-], the first a letter or
+    a digit, and no `..` anywhere. `what` names the thing, e.g. "cell name" or "--name (the dataset folder)".
+    """
+    import re
+
+    if not isinstance(name, str):
+        raise DepthToolsError(f"{what} must be a string, not {type(name).__name__} {name!r}; use {NAME_RULE}")
+    if re.fullmatch(NAME_PATTERN, name) is None or ".." in name:
+        raise DepthToolsError(f"{what} {name!r} is not a valid name: use {NAME_RULE} (it becomes one folder name)")
+    return name
+
+
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EFBIG, getattr(errno, "EDQUOT", -1)}
 
 

@@ -12,9 +12,11 @@ round-up(ratio·d, multiple m) (DepthBench: 8/3, 16) or ratio·d exactly.
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -58,12 +60,15 @@ class ShapeRules:
         if self.head_dim is not None and self.head_dim % 2:
             raise DepthToolsError(f"head_dim={self.head_dim} must be even for RoPE")
 
+    def width_step(self) -> int:
+        """The narrowest allowed d_model; every allowed width is a multiple of it."""
+        if self.n_heads is not None:
+            return self.n_heads * math.lcm(self.head_dim_multiple, 2)
+        return self.head_dim
+
     def width_candidates(self, max_width: int) -> list[int]:
         """Every d_model allowed by the rules, ascending, up to max_width."""
-        if self.n_heads is not None:
-            step = self.n_heads * math.lcm(self.head_dim_multiple, 2)
-        else:
-            step = self.head_dim
+        step = self.width_step()
         return list(range(step, max_width + 1, step))
 
     def heads_for(self, d_model: int) -> int:
@@ -126,11 +131,17 @@ def parse_seeds(seeds: Iterable[int] | str | int | None) -> list[int]:
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
-    """Exact parameter counts of the model `cfg` describes, built on the meta device."""
+    """Exact parameter counts of the model `cfg` describes, built on the meta device (once per config
+    and process: planning and then checking a grid spec count the same shapes)."""
+    return dict(_counts_of(cfg.to_json()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _counts_of(config_json: str) -> dict[str, int]:
     from depthtools.arch import DepthModel
 
     with torch.device("meta"):
-        return DepthModel(cfg).param_counts()
+        return DepthModel(ModelConfig.from_json(config_json)).param_counts()
 
 
 def _config(arch, n_layer, d_model, rules: ShapeRules, base: dict[str, Any]) -> ModelConfig:
@@ -200,7 +211,11 @@ def plan_grid(
     from depthtools.arch import canonical_name, get_arch
 
     archs = [arch] if isinstance(arch, str) else list(arch)
+    if not archs:
+        raise DepthToolsError("no architecture given; name at least one (see `depthtools archs`)")
     archs = [canonical_name(a) for a in archs]
+    if len(set(archs)) != len(archs):
+        raise DepthToolsError(f"architectures {archs} name one twice; every cell needs its own name")
     budget = parse_count(budget)
     if budget <= 0:
         raise DepthToolsError(f"budget must be positive, got {budget}")
@@ -214,17 +229,37 @@ def plan_grid(
     cells = []
     for name in archs:
         depths = list(layers) if layers is not None else _depths_for_ratios(name, budget, basis, rules, base, aspect_ratios)
-        if not depths or any(int(n) < 1 for n in depths):
+        if not depths or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in depths):
             raise DepthToolsError(f"layers must be positive integers, got {depths}")
+        if len(set(depths)) != len(depths):
+            how = "" if layers is not None else f" (aspect ratios {list(aspect_ratios)} chose them)"
+            raise DepthToolsError(f"depths {depths}{how} name one depth twice; every cell needs its own name")
         for n_layer in depths:
             cell = _plan_cell(name, int(n_layer), budget, basis, tolerance, rules, base, get_arch(name))
             cells += [replace(cell, seed=s, name=cell_name(name, cell.n_layer, s)) for s in seed_list]
     return cells
 
 
-def _plan_cell(arch, n_layer, budget, basis, tolerance, rules, base, spec) -> Cell:
-    cfg, counts = best_width(arch, n_layer, budget, basis, rules, base)
+def _fewest_params(arch, n_layer, basis, rules, base) -> int:
+    """A lower bound on the count (on `basis`) of any allowed shape with n_layer blocks, from two tiny
+    meta builds: the narrowest width's count at 1 and 2 blocks, extended linearly (per-block extras
+    never shrink with depth, and counts grow with width). Lets the planner refuse a depth no width
+    can fit (e.g. --layers 100000000) without building that model, which would take hours."""
     key = "total" if basis == "total" else "non_embedding"
+    width = rules.width_step()
+    one, two = (count_params(_config(arch, n, width, rules, base))[key] for n in (1, 2))
+    return one + (n_layer - 1) * max(two - one, 0)
+
+
+def _plan_cell(arch, n_layer, budget, basis, tolerance, rules, base, spec) -> Cell:
+    key = "total" if basis == "total" else "non_embedding"
+    if n_layer > 64:
+        fewest = _fewest_params(arch, n_layer, basis, rules, base)
+        if fewest > budget * (1 + tolerance):
+            raise DepthToolsError(
+                f"no shape for {arch}_L{n_layer} within ±{tolerance:.1%} of {budget:,} params ({basis}): even the "
+                f"narrowest allowed width has at least {fewest:,}; use fewer layers or a larger --budget")
+    cfg, counts = best_width(arch, n_layer, budget, basis, rules, base)
     deviation = (counts[key] - budget) / budget
     if abs(deviation) > tolerance:
         raise DepthToolsError(
@@ -256,8 +291,8 @@ def _depths_for_ratios(arch, budget, basis, rules, base, ratios) -> list[int]:
 
     depths = []
     for ratio in ratios:
-        if ratio <= 0:
-            raise DepthToolsError(f"aspect ratios must be positive, got {ratio}")
+        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not (math.isfinite(ratio) and ratio > 0):
+            raise DepthToolsError(f"aspect ratios must be positive finite numbers, got {ratio!r}")
         # N ≈ 12 L d² with d = r L  =>  L ≈ (N / 12 r²)^(1/3); the answer lies well inside [1, 4·guess].
         lo, hi = 1, 4 * max(1, round((budget / (12 * ratio**2)) ** (1 / 3)))
         while lo < hi:  # first depth whose ratio is <= target
@@ -274,7 +309,12 @@ def _depths_for_ratios(arch, budget, basis, rules, base, ratios) -> list[int]:
 # -- grid spec files (consumed by training) ------------------------------------------------------
 def grid_spec(cells: list[Cell], name: str = "grid", train: dict[str, Any] | None = None,
               data: dict[str, Any] | None = None, plan: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A JSON-able grid spec: the planned cells plus the shared recipe and data settings."""
+    """A JSON-able grid spec: the planned cells plus the shared recipe and data settings.
+
+    `name` becomes the grid's folder under the checkpoint root, so it must pass `check_name`."""
+    from depthtools.fsutil import check_name
+
+    check_name(name, "grid name (--name)")
     return {"name": name, "plan": plan or {}, "train": train, "data": data, "cells": [asdict(c) for c in cells]}
 
 
@@ -288,16 +328,181 @@ def save_grid(spec: dict[str, Any], path: str | Path) -> Path:
 
 
 def load_grid(path: str | Path) -> dict[str, Any]:
-    """Read a grid spec; cells come back as `Cell` objects under 'cells'."""
+    """Read and check a grid spec (`check_spec`); cells come back as `Cell` objects under 'cells'."""
     path = Path(path)
     if not path.is_file():
         raise DepthToolsError(f"grid spec {path} not found; create one with `depthtools grid plan --out {path}`")
-    from depthtools.fsutil import json_section, read_json_object
+    from depthtools.fsutil import read_json_object
 
     spec = read_json_object(path, "a grid spec", hint=" (the grid spec is not valid; write one with `depthtools grid plan --out`)")
-    cells = json_section(spec, "cells", path, list)
+    return check_spec(spec, f"grid spec {path}")
+
+
+# The grid spec's schema, checked in one place (`check_spec`) wherever a spec comes from (a file, a
+# preset, a dict in a notebook) before anything is created: the top-level keys and their JSON types,
+# and every cell (`check_cell`).
+SPEC_KEYS = {"name": (str,), "plan": (dict,), "train": (dict, type(None)), "data": (dict, type(None)), "cells": (list,)}
+REQUIRED_SPEC_KEYS = ("cells",)
+# A cell's model must state its shape: a missing field would silently be ModelConfig's default.
+REQUIRED_MODEL_FIELDS = ("arch", "vocab_size", "d_model", "n_layer", "n_heads", "d_ff", "max_seq_len")
+# Entries of a grid folder that are not cells (summaries, the recorded spec): no cell may take them.
+RESERVED_CELL_NAMES = ("analysis", "grid.json")
+_STATED_NAME = re.compile(r"(?P<arch>.+?)_L(?P<n_layer>[0-9]+)(?:_s(?P<seed>[0-9]+))?")
+
+
+def check_spec(spec: Any, where: str = "grid spec") -> dict[str, Any]:
+    """The grid spec `spec` with its cells as checked `Cell`s, or a one-line DepthToolsError naming the
+    problem: not an object; an unknown key (named as a key); a missing 'cells'; a key of the wrong JSON
+    type ("data": 5); an invalid grid name (`check_name`); a "data" section `check_data_section`
+    refuses; a "train" recipe TrainConfig refuses; no cells; a cell that `check_cell` refuses;
+    two cells with one name (also when they differ only in case: one folder on macOS/Windows).
+    A missing name is "grid", as it always was."""
+    from depthtools.fsutil import check_name
+
+    if not isinstance(spec, dict):
+        raise DepthToolsError(f"{where} must be a JSON object, not {type(spec).__name__}")
+    unknown = sorted(str(k) for k in spec if k not in SPEC_KEYS)
+    if unknown:
+        raise DepthToolsError(f"{where}: unknown key(s) {unknown}; valid: {list(SPEC_KEYS)}")
+    for key in REQUIRED_SPEC_KEYS:
+        if key not in spec:
+            raise DepthToolsError(f"{where} has no {key!r} list; write one with `depthtools grid plan --out`")
+    for key, kinds in SPEC_KEYS.items():
+        if key in spec and not isinstance(spec[key], kinds):
+            valid = " or ".join({dict: "a JSON object", list: "a JSON list", str: "a string",
+                                 type(None): "null"}[k] for k in kinds)
+            raise DepthToolsError(f"{where}: {key!r} must be {valid}, not {type(spec[key]).__name__} {spec[key]!r}"[:300])
+    name = check_name(spec.get("name", "grid"), f"{where}: grid name")
+    check_data_section(spec.get("data"), f"{where}: 'data'")
+    if spec.get("train") is not None:
+        from depthtools.config import TrainConfig
+
+        try:
+            TrainConfig.from_dict(spec["train"])  # the recipe's keys, types and values (cells add their seed)
+        except DepthToolsError as exc:
+            raise DepthToolsError(f"{where}: 'train': {exc}") from None
+    if not spec["cells"]:
+        raise DepthToolsError(f"{where} has no cells; plan some with `depthtools grid plan`")
+    cells = [check_cell(cell, f"{where}: cells[{i}]") for i, cell in enumerate(spec["cells"])]
+    seen: dict[str, int] = {}
+    for i, cell in enumerate(cells):
+        first = seen.setdefault(cell.name.lower(), i)
+        if first != i:
+            other = cells[first].name
+            case = "" if other == cell.name else f" ({other!r} and {cell.name!r} differ only in case)"
+            raise DepthToolsError(f"{where}: cell name {cell.name!r} appears twice (cells[{first}] and cells[{i}]){case}; "
+                                  "every cell needs its own name")
+    return {**spec, "name": name, "cells": cells}
+
+
+DATA_NOTES = ("needs", "prepare")  # descriptive fields of a grid's data spec (what to prepare, and how)
+_NOT_DATA_KEYS = ("out_dir", "log", "inputs")  # prepare()'s arguments that a spec does not set (--data-root, ...)
+
+
+def check_data_section(data: Any, where: str = "grid spec: 'data'") -> None:
+    """A grid spec's "data" in one line: null, or an object of one of three forms — {"dir": FOLDER}
+    (a prepared folder, plus the notes "needs"/"prepare"), {"input": FILES, ...} (the arguments of
+    `depthtools.data.prepare_inputs`) or {"corpus": ..., ...} (those of `depthtools.data.prepare`) —
+    whose keys are that form's arguments and whose values have their annotated JSON types; a dataset
+    "name" must pass `check_name`."""
+    import inspect
+
+    from depthtools.config import check_json_value
+
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise DepthToolsError(f"{where} must be a JSON object or null, not {type(data).__name__} {data!r}"[:300])
+    if "dir" in data:
+        params, form = {"dir": "str"}, "with 'dir'"
+    else:
+        from depthtools.data import prepare, prepare_inputs
+
+        function, form = (prepare_inputs, "with 'input'") if "input" in data else (prepare, "for a corpus")
+        params = {k: p.annotation for k, p in inspect.signature(function).parameters.items() if k not in _NOT_DATA_KEYS}
+        if "input" in data:
+            params["input"] = "str | list[str]"
+    params.update({note: "str" for note in DATA_NOTES})
+    unknown = sorted(str(k) for k in data if k not in params)
+    if unknown:
+        raise DepthToolsError(f"{where}: unknown key(s) {unknown} {form}; valid: {sorted(params)}")
+    for key, value in data.items():
+        check_json_value(value, params[key], f"{where}: {key!r}")
+    if data.get("name") is not None:
+        from depthtools.fsutil import check_name
+
+        check_name(data["name"], f"{where}: 'name' (the dataset folder)")
+
+
+def check_cell(cell: Any, where: str = "cell") -> Cell:
+    """A `Cell` from a spec entry (a dict or a Cell) whose name and fields agree with its model.
+
+    Refused in one line: unknown or missing fields, values of the wrong JSON type, a name that is not
+    one path component (`check_name`) or is a reserved grid-folder entry, a model that misses a shape
+    field (REQUIRED_MODEL_FIELDS) or is not a valid ModelConfig, a cell field (arch, n_layer, d_model,
+    n_heads, head_dim, d_ff, parameter counts) that differs from its model, and a name of the form
+    ARCH_L<n>[_s<seed>] that states another depth or seed — or, when ARCH is an architecture name,
+    another architecture — than the cell trains. The name is never trusted: other names are labels.
+    """
+    from depthtools.config import ModelConfig, check_json_fields
+    from depthtools.fsutil import check_name
+
+    data = asdict(cell) if isinstance(cell, Cell) else cell
+    data = check_json_fields(data, Cell, where)
+    missing = [f.name for f in fields(Cell) if f.name not in data and f.name != "seed"]  # seed: 0 before seeds existed
+    if missing:
+        raise DepthToolsError(f"{where}: missing field(s) {missing}; re-plan it with `depthtools grid plan`")
+    name = check_name(data["name"], f"{where}: cell name")
+    where = f"{where} ({name})"
+    if name in RESERVED_CELL_NAMES:
+        raise DepthToolsError(f"{where}: the cell name {name!r} is reserved in a grid folder; "
+                              f"no cell may be named {' or '.join(RESERVED_CELL_NAMES)}")
+    if data.get("seed", 0) < 0:
+        raise DepthToolsError(f"{where}: seed must be >= 0, got {data['seed']}")
+    model = data["model"]
+    lacking = [k for k in REQUIRED_MODEL_FIELDS if k not in model]
+    if lacking:
+        raise DepthToolsError(f"{where}: model lacks {lacking} (it would train the default shape); "
+                              "re-plan it with `depthtools grid plan`")
     try:
-        spec["cells"] = [Cell(**cell) for cell in cells]
-    except TypeError as exc:  # a cell that is not an object, or with unknown or missing fields
-        raise DepthToolsError(f"grid spec {path} is not valid: {exc}") from None
-    return spec
+        cfg = ModelConfig.from_dict(model)
+    except DepthToolsError as exc:
+        raise DepthToolsError(f"{where}: model: {exc}") from None
+    made = Cell(**data)
+    _check_cell_against_model(made, cfg, where)
+    return made
+
+
+def _check_cell_against_model(cell: Cell, cfg: ModelConfig, where: str) -> None:
+    """The cell's restated shape, parameter counts and name against the model it trains."""
+    from depthtools.arch import canonical_name
+
+    try:
+        arch = canonical_name(cell.arch)
+    except DepthToolsError as exc:
+        raise DepthToolsError(f"{where}: {exc}") from None
+    stated = {"arch": arch, "n_layer": cell.n_layer, "d_model": cell.d_model, "n_heads": cell.n_heads,
+              "head_dim": cell.head_dim, "d_ff": cell.d_ff}
+    for key, value in stated.items():
+        if getattr(cfg, key) != value:
+            raise DepthToolsError(f"{where}: the cell says {key}={value!r} but its model has {key}={getattr(cfg, key)!r}; "
+                                  "re-plan it with `depthtools grid plan`")
+    counts = count_params(cfg)
+    for key, count in (("params_total", counts["total"]), ("params_non_embedding", counts["non_embedding"])):
+        if getattr(cell, key) != count:
+            raise DepthToolsError(f"{where}: the cell says {key}={getattr(cell, key):,} but its model has {count:,} "
+                                  "(token budgets are computed from it); re-plan it with `depthtools grid plan`")
+    match = _STATED_NAME.fullmatch(cell.name)
+    if match is None:
+        return
+    said = {"n_layer": int(match["n_layer"]), "seed": int(match["seed"] or 0)}
+    try:
+        said["arch"] = canonical_name(match["arch"])
+    except DepthToolsError:
+        pass  # not an architecture name: a label such as hc4_L8
+    actual = {"arch": cfg.arch, "n_layer": cfg.n_layer, "seed": cell.seed}
+    wrong = [k for k in said if said[k] != actual[k]]
+    if wrong:
+        right = cell_name(cfg.arch, cfg.n_layer, cell.seed)
+        raise DepthToolsError(f"{where}: the name states {', '.join(f'{k}={said[k]}' for k in wrong)} but the cell "
+                              f"trains {', '.join(f'{k}={actual[k]}' for k in wrong)}; name it {right!r}")

@@ -101,7 +101,7 @@ def test_user_errors_are_one_line_on_stderr_with_exit_code_2(tmp_path):
     missing = run_cli("info", "--ckpt", str(tmp_path / "nothing_here"))
     assert missing.returncode == 2 and "unknown checkpoint" in missing.stderr
     usage = run_cli("grid", "plan", "--layers", "x", "--budget", "1M")
-    assert usage.returncode == 2 and "cannot read list" in usage.stderr
+    assert usage.returncode == 2 and "cannot read --layers 'x'" in usage.stderr
     typo = run_cli("archz")
     assert typo.returncode == 2 and "No such command" in typo.stderr
 

@@ -121,8 +121,11 @@ def test_a_cell_trains_with_its_own_seed_and_a_contradicting_recipe_is_refused()
     assert cell.name == "preln_L2_s4" and cell_recipe({"tokens": 100}, cell).seed == 4
     with pytest.raises(DepthToolsError, match="plan seeds as a grid axis"):
         cell_recipe({"seed": 1}, cell)
-    old = load_spec({"cells": [{k: v for k, v in cell.__dict__.items() if k != "seed"}]})  # a spec from before seeds
+    before_seeds = {**{k: v for k, v in cell.__dict__.items() if k != "seed"}, "name": "preln_L2"}
+    old = load_spec({"cells": [before_seeds]})  # a spec from before seeds: no seed field, no _s<seed> in names
     assert old["cells"][0].seed == 0
+    with pytest.raises(DepthToolsError, match="the name states seed=4 but the cell trains seed=0"):
+        load_spec({"cells": [{**before_seeds, "name": "preln_L2_s4"}]})
 
 
 def test_tiny_preset_with_two_seeds_plans_trains_resolves_and_aggregates(tmp_path, monkeypatch):

@@ -306,6 +306,8 @@ def choose(only: str | list[str] | None, pairs: str = "all", tuned: bool = False
         swap = "ablate_swap" if pairs == "all" else ablate_analysis("swap", pairs)
         return [swap if n == "ablate_swap" else n for n in SUITE] + (["lens_tuned"] if tuned else [])
     chosen = [s for s in (only.replace(" ", "").split(",") if isinstance(only, str) else only) if s]
+    if not chosen:
+        raise DepthToolsError(f"--only {only!r} names no analysis; valid: {', '.join(ANALYSES)}")
     unknown = [s for s in chosen if s not in ANALYSES]
     if unknown:
         raise DepthToolsError(f"unknown analysis {unknown}; valid: {', '.join(ANALYSES)}")

@@ -18,6 +18,7 @@ import pandas as pd
 
 from depthtools.checkpoint import atomic_write_bytes, atomic_write_json
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import check_name
 
 ANALYSIS_DIR = "analysis"
 
@@ -36,8 +37,7 @@ def normalise_settings(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def table_paths(ckpt_dir: str | Path, name: str) -> tuple[Path, Path]:
-    if not name or "/" in name or name.startswith("."):
-        raise DepthToolsError(f"table name {name!r} must be a plain file stem like 'ablate_skip'")
+    check_name(name, "table name")  # one file stem in <ckpt>/analysis/, like 'ablate_skip'
     folder = Path(ckpt_dir) / ANALYSIS_DIR
     return folder / f"{name}.parquet", folder / f"{name}.json"
 

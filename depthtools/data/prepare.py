@@ -33,8 +33,8 @@ from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root
 from depthtools.data.sharded_tokens import load_sharded
 from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import (check_dir_target, dir_mode, exclusive_lock, json_section, read_json_object, replace_dir,
-                               write_error)
+from depthtools.fsutil import (check_dir_target, check_name, dir_mode, exclusive_lock, json_section, read_json_object,
+                               replace_dir, write_error)
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
@@ -74,6 +74,8 @@ def prepare(
     (DepthToolsError) unless force=True, which rebuilds it in place.
     """
     log = log or (lambda _msg: None)
+    if name is not None:  # one folder under out_dir, checked before anything
+        check_name(name, "dataset name (--name)")
     corpora, default_cap, mix_name = resolve_corpora(corpus, text_dir)
     _validate(tokenizer, val_fraction, max_bytes)
     cap = max_bytes if max_bytes is not None else default_cap

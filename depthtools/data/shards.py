@@ -44,7 +44,7 @@ from depthtools.data.inputs import UNIT_BYTES, FieldReader, Unit, expand_inputs,
 from depthtools.data.prepare import FORMAT_SHARDS, check_overwrite, dataset_lock, is_prepared, read_meta
 from depthtools.data.sharded_tokens import ShardedTokens, load_sharded  # noqa: F401  (re-exported)
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, replace_dir
+from depthtools.fsutil import check_dir_target, check_name, replace_dir
 
 SHARD_TOKENS = 100_000_000  # as nanoGPT's FineWeb script: 200 MB per uint16 shard
 MAX_DOMAINS = 256
@@ -236,6 +236,8 @@ def prepare_inputs(
     (Ctrl-C, a killed worker, a crash) continues from its finished units when called again.
     """
     log = log or (lambda _msg: None)
+    if name is not None:  # one folder under out_dir, checked before anything
+        check_name(name, "dataset name (--name)")
     if not 0.0 <= val_fraction < 1.0:
         raise DepthToolsError(f"val_fraction {val_fraction} must be in [0, 1)")
     if workers < 1:

@@ -33,7 +33,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, dir_mode, replace_dir
+from depthtools.fsutil import check_dir_target, check_name, dir_mode, replace_dir
 from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, resolve_tokenizer
 
 HF_CONFIG = "config.json"
@@ -275,6 +275,8 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     hf = read_hf_config(path)
     if out is None and not name:
         raise DepthToolsError("give a checkpoint name (--name) or an output directory (--out)")
+    if name is not None:  # one folder under $DEPTHTOOLS_CHECKPOINTS
+        check_name(name, "checkpoint name (--name)")
     target = Path(out) if out is not None else checkpoints_root() / str(name)
     check_dir_target(target, "checkpoint folder (--out)")
     if (target / CONFIG).is_file() and not force:

@@ -24,8 +24,8 @@ from depthtools.checkpoint import CONFIG, read_json
 from depthtools.config import TrainConfig
 from depthtools.data import prepare, read_meta
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target
-from depthtools.grid import Cell, load_grid
+from depthtools.fsutil import check_dir_target, check_name
+from depthtools.grid import DATA_NOTES, Cell, check_cell, check_data_section, check_spec, load_grid
 from depthtools.train.loop import HEARTBEAT, METRICS, Progress, is_finished, tidy_finished, train_cell
 from depthtools.train.state import STATE_DIR, latest_step
 
@@ -33,15 +33,11 @@ DEFAULT_DATA = {"corpus": "default", "tokenizer": "byte"}
 
 
 def load_spec(grid: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """A grid spec with `Cell` objects, from a path or an in-memory spec (cells as dicts or Cells)."""
+    """A checked grid spec with `Cell` objects (`depthtools.grid.check_spec`), from a path or an
+    in-memory spec (cells as dicts or Cells): nothing is created for a spec that is refused."""
     if isinstance(grid, (str, Path)):
         return load_grid(grid)
-    spec = dict(grid)
-    try:
-        spec["cells"] = [c if isinstance(c, Cell) else Cell(**c) for c in spec["cells"]]
-    except (KeyError, TypeError) as exc:
-        raise DepthToolsError(f"grid spec is not valid: {exc}") from None
-    return spec
+    return check_spec(grid)
 
 
 def select_cells(spec: dict[str, Any], names: list[str] | None) -> dict[str, Any]:
@@ -55,7 +51,6 @@ def select_cells(spec: dict[str, Any], names: list[str] | None) -> dict[str, Any
     return {**spec, "cells": [c for c in spec["cells"] if c.name in set(names)]}
 
 
-DATA_NOTES = ("needs", "prepare")  # descriptive fields of a grid's data spec (what to prepare, and how)
 
 
 def grid_data_dir(spec: dict[str, Any], data_root: str | Path = "data") -> Path:
@@ -66,6 +61,7 @@ def grid_data_dir(spec: dict[str, Any], data_root: str | Path = "data") -> Path:
     folder prepared beforehand (`dir`, relative to data_root), which must exist: if it does not, the
     error says what data the grid needs and the command that prepares it ("needs", "prepare").
     """
+    check_data_section(spec.get("data"))
     data = dict(spec.get("data") or {})
     notes = {k: data.pop(k) for k in DATA_NOTES if k in data}
     if "dir" in data:
@@ -83,17 +79,8 @@ def grid_data_dir(spec: dict[str, Any], data_root: str | Path = "data") -> Path:
         from depthtools.data import prepare_inputs
 
         inputs = data.pop("input")
-        data.setdefault("out_dir", data_root)
-        try:
-            return prepare_inputs([inputs] if isinstance(inputs, str) else list(inputs), **data)
-        except TypeError as exc:
-            raise DepthToolsError(f"grid spec 'data' has an unknown field: {exc}") from None
-    data = {**DEFAULT_DATA, **data}
-    data.setdefault("out_dir", data_root)
-    try:
-        return prepare(**data)
-    except TypeError as exc:
-        raise DepthToolsError(f"grid spec 'data' has an unknown field: {exc}") from None
+        return prepare_inputs([inputs] if isinstance(inputs, str) else list(inputs), out_dir=data_root, **data)
+    return prepare(**{**DEFAULT_DATA, **data}, out_dir=data_root)
 
 
 def check_grid_data(spec: dict[str, Any], data_dir: Path) -> list[str]:
@@ -162,6 +149,8 @@ def cell_recipe(train: dict[str, Any] | None, cell: Cell, threads: int | None = 
     Seeds are a grid axis (`plan_grid(seeds=...)`), so a recipe that names another seed than its
     cell is a contradiction and is refused rather than silently overridden.
     """
+    if train is not None and not isinstance(train, dict):
+        raise DepthToolsError(f"the grid recipe ('train') must be a JSON object, not {type(train).__name__} {train!r}"[:200])
     recipe = dict(train or {})
     if "seed" in recipe and recipe["seed"] != cell.seed:
         raise DepthToolsError(
@@ -219,9 +208,9 @@ def run_cell(spec_cell: dict[str, Any], root: str | Path, data_root: str | Path 
         from submitit.helpers import TorchDistributedEnvironment
 
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-    cell = Cell(**spec_cell["cell"])
+    cell = check_cell(spec_cell["cell"])
     recipe = cell_recipe(spec_cell.get("train"), cell, threads)
-    out_dir = Path(root) / spec_cell["grid"] / cell.name
+    out_dir = Path(root) / check_name(spec_cell["grid"], "grid name") / cell.name
     if is_finished(out_dir) and not force:
         tidy_finished(out_dir)
         return {"name": cell.name, "out_dir": str(out_dir), "skipped": True}
