@@ -903,6 +903,17 @@ class HyperScheme(ResidualScheme):
             "bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res")
         return routing + ("head_base", "head_scale")
 
+    def static_routing_names(self) -> tuple[str, ...]:
+        """DepthBench's `HyperConnectionsConfig.static_parameter_patterns`, in our names: HC static_alpha,
+        static_beta (its scales and dynamic projections decay); mHC with the Liger init ("uniform", its
+        `liger_mhc` backend) the biases b and the gates alpha_pre/post/res = bias_*, gate_* (φ decays);
+        mHC with another init (its PyTorch `mhc` backend) the biases pre/post/residual_bias = bias_* only.
+        The head mixer is not DepthBench's, so it decays like any other parameter there."""
+        if self.cfg.arch == "hc":
+            return ("static_alpha", "static_beta")
+        biases = ("bias_pre", "bias_post", "bias_res")
+        return biases + (("gate_pre", "gate_post", "gate_res") if self.opts["mhc_init"] == "uniform" else ())
+
     # -- the depth-state contract -------------------------------------------------------------
     def embed_state(self, x0: torch.Tensor) -> torch.Tensor:
         """n copies of the embedding: [B,T,d] -> [B,T,n,d]."""

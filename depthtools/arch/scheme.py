@@ -269,3 +269,9 @@ class ResidualScheme(nn.Module):
     def no_decay_names(self) -> tuple[str, ...]:
         """Substrings of parameter names excluded from weight decay beyond norms/gains (routing)."""
         return ()
+
+    def static_routing_names(self) -> tuple[str, ...]:
+        """Parameter names (the last part of the dotted name) that DepthBench exempts from weight decay
+        (its `static_parameter_patterns`, HC/mHC only); every other parameter is decayed under
+        TrainConfig.decay_groups="depthbench". Default: none."""
+        return ()
