@@ -128,6 +128,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 PARALLEL = ("ddp", "fsdp")
 COMPILE = ("auto", "on", "off")  # TrainConfig.compile (issue 20)
 DECAY_GROUPS = ("depthtools", "depthbench")  # TrainConfig.decay_groups (issue 37)
+PROFILES = ("depthtools", "depthbench")  # TrainConfig.profile: recipe profiles (depthtools.profiles)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ class TrainConfig:
     compiles only when the planned run is long enough to repay the compilation (`depthtools.arch.compiled.decide`).
     `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
     sharding, for models whose weights + AdamW state do not fit one device); one process ignores it.
+    `profile` records the recipe profile the config was built with (`depthtools.profiles`: the fields
+    it sets are already in this config; the trainer prints what the profile does not reproduce).
     """
 
     tokens: int | None = None
@@ -193,6 +196,7 @@ class TrainConfig:
     task_mix: "TaskMix | None" = None  # synthetic task rows mixed into training (depthtools.data.tasks.TaskMix)
     max_epochs: float | None = None  # refuse a budget above this many passes over the train split (None: warn above 1)
     decay_groups: str = "depthtools"  # which parameters AdamW decays: "depthtools" | "depthbench" (depthtools.train.optim)
+    profile: str | None = None  # the recipe profile this config was built with (depthtools.profiles); a record
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lr_overrides", {str(k): float(v) for k, v in dict(self.lr_overrides).items()})
@@ -256,6 +260,8 @@ class TrainConfig:
             raise DepthToolsError(f"unknown compile {self.compile!r}; valid: {', '.join(COMPILE)}")
         if self.decay_groups not in DECAY_GROUPS:
             raise DepthToolsError(f"unknown decay_groups {self.decay_groups!r}; valid: {', '.join(DECAY_GROUPS)}")
+        if self.profile is not None and self.profile not in PROFILES:
+            raise DepthToolsError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
 
     def total_tokens(self, n_params: int) -> int:
         """The token budget for a model of `n_params` total parameters."""
@@ -281,6 +287,8 @@ class TrainConfig:
             del data["max_epochs"]
         if self.decay_groups == "depthtools":  # the default: config.json and the run fingerprint stay as before
             del data["decay_groups"]
+        if self.profile is None:
+            del data["profile"]
         if self.task_mix is None:  # runs without a task mix keep their config.json and run fingerprint
             del data["task_mix"]
         else:

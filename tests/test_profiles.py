@@ -20,7 +20,12 @@ def test_depthbench_profile_switches_options_and_keeps_defaults():
     assert (train.schedule, train.warmup_fraction, train.final_lr_fraction) == ("cosine", 0.1, 0.1)
     hop = profiles.apply("depthbench", base, TrainConfig(lr=1e-3, warmup_fraction=0.02))[1]
     assert hop.lr == 1e-3 and hop.warmup_fraction == 0.1  # the preset's LR stays; scale-free choices are DepthBench's
-    assert any("readout" in n for n in notes) and any("bf16" in n for n in notes)
+    assert any("readout" in n for n in notes)
+    # bf16 weights: one line per run, saying what it does instead on this device (depthtools.train.loop)
+    assert "on CPU" in profiles.weights_note("depthbench", "cpu", "float32", False)
+    assert "has no bf16" in profiles.weights_note("depthbench", "cuda", "float32", False)
+    assert "not implemented" in profiles.weights_note("depthbench", "cuda", "bfloat16", True)
+    assert profiles.weights_note(None, "cpu", "float32", False) is None
     assert profiles.apply("depthtools", base)[0] == base and base.norm_eps == 1e-5  # defaults unchanged
     moda = profiles.apply("depthbench", ModelConfig(arch="moda", **SMALL, options={"moda_depth_rope": "none"}))[0]
     assert moda.options["moda_depth_rope"] == "none"  # an explicit option wins
@@ -100,3 +105,64 @@ def test_depthbench_decay_keeps_depth_scaled_block_groups():
     groups, _, decayed = _decay_split(model, TrainConfig(tokens=1, decay_groups="depthbench"))
     assert decayed == {n for n, _ in model.named_parameters()}
     assert sorted(g["group"] for g in groups) == ["decay", "decay/blocks"]
+
+
+# -- wiring: `depthtools train --profile`, `grid plan --profile`, a spec's train "profile" -------------
+def test_train_command_profile_is_recorded_and_says_what_it_does_instead(data_dir, tmp_path, caplog):
+    import json
+    import logging
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = tmp_path / "cell"
+    args = ["train", "--arch", "hc", "--layers", "2", "--d-model", "32", "--n-heads", "2", "--data", str(data_dir),
+            "--out", str(out), "--tokens", str(3 * 4 * 16), "--batch-size", "4", "--seq-len", "16",
+            "--eval-every", "0", "--threads", "1", "--device", "cpu", "--profile", "depthbench"]
+    with caplog.at_level(logging.WARNING, logger="depthtools.train.loop"):
+        result = CliRunner().invoke(app, args + ["--lr", "1e-3"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["profile"] == "depthbench" and config["train"]["decay_groups"] == "depthbench"
+    assert config["train"]["lr"] == 1e-3  # an explicit option wins over the profile
+    assert config["model"]["norm_eps"] == 1e-6
+    notes = config["train_resolved"]["profile_notes"]
+    weights = [n for n in notes if "bf16 weights" in n]
+    assert len(weights) == 1 and "on CPU" in weights[0] and "float32 weights" in weights[0]
+    assert any("readout" in n for n in notes)  # hc: the readout is not reproduced (yet)
+    assert weights[0] in caplog.text  # printed, one line
+    with pytest.raises(DepthToolsError, match="unknown profile 'olmo'; valid: depthtools, depthbench"):
+        TrainConfig(profile="olmo")
+
+
+def test_grid_plan_profile_and_a_spec_naming_one(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from depthtools.train.sweep import load_spec
+
+    path = tmp_path / "db.json"
+    result = CliRunner().invoke(app, ["grid", "plan", "--preset", "tiny", "--profile", "depthbench", "--out", str(path)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    spec = json.loads(path.read_text())
+    assert spec["train"]["profile"] == "depthbench" and spec["train"]["decay_groups"] == "depthbench"
+    assert spec["train"]["lr"] == 3e-3  # the preset's LR stays
+    assert all(c["model"]["norm_eps"] == 1e-6 for c in spec["cells"])
+    again = load_spec(path)  # reading it back changes nothing
+    assert again["train"] == spec["train"] and [c.model for c in again["cells"]] == [c["model"] for c in spec["cells"]]
+
+    # a spec written by hand: the profile fills what the spec leaves out, its explicit choices stay
+    hand = {**spec, "train": {"profile": "depthbench", "warmup_fraction": 0.05, "tokens": 1000},
+            "cells": [{**c, "model": {**c["model"], "norm_eps": 1e-5}} for c in spec["cells"]]}
+    hand["cells"][0]["model"] = {**hand["cells"][0]["model"], "arch": "mhc", "options": {}}
+    loaded = load_spec(hand)
+    assert loaded["train"]["warmup_fraction"] == 0.05 and loaded["train"]["decay_groups"] == "depthbench"
+    assert all(c.model["norm_eps"] == 1e-6 for c in loaded["cells"])
+    assert loaded["cells"][0].model["options"]["mhc_init"] == "uniform"
+    plain = {**spec, "train": {"tokens": 1000}}
+    assert load_spec(plain)["train"] == {"tokens": 1000}  # no profile: untouched
+    with pytest.raises(DepthToolsError, match="unknown profile 'olmo'"):
+        load_spec({**spec, "train": {"profile": "olmo"}})

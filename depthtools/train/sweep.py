@@ -33,15 +33,18 @@ DEFAULT_DATA = {"corpus": "default", "tokenizer": "byte"}
 
 
 def load_spec(grid: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """A grid spec with `Cell` objects, from a path or an in-memory spec (cells as dicts or Cells)."""
+    """A grid spec with `Cell` objects, from a path or an in-memory spec (cells as dicts or Cells),
+    under the recipe profile its train section names ("profile": depthtools.profiles.apply_to_spec)."""
+    from depthtools.profiles import apply_to_spec
+
     if isinstance(grid, (str, Path)):
-        return load_grid(grid)
+        return apply_to_spec(load_grid(grid))
     spec = dict(grid)
     try:
         spec["cells"] = [c if isinstance(c, Cell) else Cell(**c) for c in spec["cells"]]
     except (KeyError, TypeError) as exc:
         raise DepthToolsError(f"grid spec is not valid: {exc}") from None
-    return spec
+    return apply_to_spec(spec)
 
 
 def select_cells(spec: dict[str, Any], names: list[str] | None) -> dict[str, Any]:
