@@ -14,13 +14,16 @@ def test_depthbench_profile_switches_options_and_keeps_defaults():
     base = ModelConfig(arch="mhc", **SMALL)
     cfg, train, notes = profiles.apply("depthbench", base, TrainConfig(batch_size=4, seq_len=16), steps=3)
     assert cfg.norm_eps == 1e-6 and cfg.options == {"mhc_init": "uniform", "sinkhorn_iters": 20,
-                                                    "sinkhorn_order": "cols_last"}
+                                                    "sinkhorn_order": "cols_last", "readout": "mean"}
+    assert profiles.apply_model("depthbench", ModelConfig(arch="hc", **SMALL)).options == {"readout": "normed_sum"}
+    pytorch_mhc = profiles.apply_model("depthbench", ModelConfig(arch="mhc", **SMALL, options={"mhc_init": "hc_like"}))
+    assert pytorch_mhc.options["readout"] == "normed_sum"
     assert train.tokens == 3 * 4 * 16 and train.weight_decay == 0.1 and train.decay_groups == "depthbench"
     assert (train.beta1, train.beta2, train.eps, train.grad_clip) == (0.9, 0.95, 1e-8, 1.0)
     assert (train.schedule, train.warmup_fraction, train.final_lr_fraction) == ("cosine", 0.1, 0.1)
     hop = profiles.apply("depthbench", base, TrainConfig(lr=1e-3, warmup_fraction=0.02))[1]
     assert hop.lr == 1e-3 and hop.warmup_fraction == 0.1  # the preset's LR stays; scale-free choices are DepthBench's
-    assert any("readout" in n for n in notes)
+    assert not any("readout" in n for n in notes)  # reproduced since the readout option
     # bf16 weights: one line per run, saying what it does instead on this device (depthtools.train.loop)
     assert "on CPU" in profiles.weights_note("depthbench", "cpu", "float32", False)
     assert "has no bf16" in profiles.weights_note("depthbench", "cuda", "float32", False)
@@ -130,7 +133,7 @@ def test_train_command_profile_is_recorded_and_says_what_it_does_instead(data_di
     notes = config["train_resolved"]["profile_notes"]
     weights = [n for n in notes if "bf16 weights" in n]
     assert len(weights) == 1 and "on CPU" in weights[0] and "float32 weights" in weights[0]
-    assert any("readout" in n for n in notes)  # hc: the readout is not reproduced (yet)
+    assert config["model"]["options"]["readout"] == "normed_sum"
     assert weights[0] in caplog.text  # printed, one line
     with pytest.raises(DepthToolsError, match="unknown profile 'olmo'; valid: depthtools, depthbench"):
         TrainConfig(profile="olmo")

@@ -212,8 +212,9 @@ class DepthModel(HookedRootModule):
         return self.scheme.geometry(state)
 
     def head(self, state: State) -> torch.Tensor:
-        """Logits [B,T,V] = unembed(ln_final(readout(state))) — the lens at any depth."""
-        return self.unembed(self.ln_final(self.readout(state)))
+        """Logits [B,T,V] = unembed(ln_final(readout(state))) — the lens at any depth (a scheme may
+        norm before it collapses: `ResidualScheme.final_hidden`)."""
+        return self.unembed(self.scheme.final_hidden(state, self.ln_final))
 
     def apply_position(self, position: int, state: State, plan: Plan | None = None) -> State:
         """One depth step under a plan: replace, skip, or run the planned block."""

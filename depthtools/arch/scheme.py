@@ -237,6 +237,11 @@ class ResidualScheme(nn.Module):
         """[B,T,d]: what the final norm + unembedding read if the network stopped here."""
         return state
 
+    def final_hidden(self, state: State, final_norm: nn.Module) -> torch.Tensor:
+        """[B,T,d]: what the unembedding reads, final_norm(readout(state)). A scheme whose readout norms
+        before it collapses (HC/mHC readout="normed_sum") overrides this and has no `readout`."""
+        return final_norm(self.readout(state))
+
     def geometry(self, state: State) -> torch.Tensor:
         """[B,T,k]: the vector used for similarity/angle metrics."""
         return state
