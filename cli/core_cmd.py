@@ -70,6 +70,7 @@ def grid_plan_command(
     max_seq_len: int = typer.Option(256, "--max-seq-len", help="Context length of the models."),
     seeds: Optional[str] = typer.Option(None, "--seeds", help="Training seeds, e.g. 0,1,2: one cell per (arch, depth, seed); seed s > 0 is named <arch>_L<n>_s<s> (default: the preset's, else 0)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="A named grid (see `depthtools grid presets`)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Recipe profile for every cell: depthbench = DepthBench's recipe and architecture options (docs/depthbench.md); recorded in the spec's train section."),
     name: Optional[str] = typer.Option(None, "--name", help="Grid name (directory under checkpoints/)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the grid spec JSON that `grid train` consumes."),
     as_json: bool = typer.Option(False, "--json", help="Print the cells as JSON."),
@@ -81,6 +82,7 @@ def grid_plan_command(
         --head-dim-multiple 2 --ffn-multiple 16 --layers 16,20,24,28,32 --json
       depthtools grid plan --preset tiny --out grid.json
       depthtools grid plan --preset demo --seeds 0,1,2 --out demo3.json
+      depthtools grid plan --preset afternoon --profile depthbench --name afternoon-depthbench --out db.json
     """
     from depthtools.grid import grid_spec, parse_seeds, plan_grid, save_grid
 
@@ -115,6 +117,11 @@ def grid_plan_command(
         cells = plan_grid(**plan_args)
         spec = grid_spec(cells, name=name or "grid", plan={k: v for k, v in plan_args.items()},
                          data={"dir": str(data.expanduser().resolve())} if data is not None else None)
+        cells = spec["cells"]
+    if profile is not None:
+        from depthtools.profiles import apply_to_spec
+
+        spec = apply_to_spec(spec, profile)
         cells = spec["cells"]
     _check_plan_data(spec, data_root)
     if out is not None:

@@ -122,9 +122,12 @@ def _task_mix_option(text: str) -> dict[str, Any] | None:
     return value
 
 
-def _recipe(preset_recipe: Optional[str], overrides: dict[str, Any], task_mix: Optional[str] = None):
+def _recipe(preset_recipe: Optional[str], overrides: dict[str, Any], task_mix: Optional[str] = None,
+            profile: Optional[str] = None):
+    """The TrainConfig: a preset's recipe, then the profile's fields, then the options given here."""
     from depthtools.config import TrainConfig
     from depthtools.presets import get_preset
+    from depthtools.profiles import recipe
 
     base = dict(get_preset(preset_recipe).train) if preset_recipe else {}
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -137,7 +140,7 @@ def _recipe(preset_recipe: Optional[str], overrides: dict[str, Any], task_mix: O
         base.pop("tokens_per_param", None)
     if "tokens_per_param" in given:
         base.pop("tokens", None)
-    return TrainConfig.from_dict({**base, **given})
+    return TrainConfig.from_dict(recipe(profile, base, given))
 
 
 def _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max_seq_len, preset_recipe, tolerance):
@@ -170,6 +173,7 @@ def train_command(
     n_heads: Optional[int] = typer.Option(None, "--n-heads", help="Attention heads (default: the preset's, else 16)."),
     tolerance: Optional[float] = typer.Option(None, "--tolerance", help="Allowed deviation from --budget."),
     preset_recipe: Optional[str] = typer.Option(None, "--preset-recipe", help="Start from a preset's recipe (tiny, demo, cpu-small, depthbench-400m)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Recipe profile: depthbench switches the recipe and the architecture's options to DepthBench's code (docs/depthbench.md); options given here still win. Recorded in config.json."),
     data: str = typer.Option("default", "--data", help="Corpus name/mix to prepare, or a prepared data folder."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="Tokenizer when --data names a corpus."),
     data_root: Path = typer.Option(Path("data"), "--data-root", help="Where corpora are prepared."),
@@ -219,11 +223,15 @@ def train_command(
         seq_len=seq_len, lr=lr, schedule=schedule, seed=seed, device=device, dtype=dtype, compile=compile,
         threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every, log_every=log_every,
         parallel=parallel, divergence_margin=divergence_margin,
-    ), task_mix)
+    ), task_mix, profile)
     data_dir = _data_dir(data, tokenizer, data_root)
     vocab_size = int(read_meta(data_dir)["tokenizer"]["vocab_size"])
     model_cfg = _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max(recipe.seq_len, 1),
                               preset_recipe, tolerance)
+    if profile is not None:
+        from depthtools.profiles import apply_model
+
+        model_cfg = apply_model(profile, model_cfg)
     out = out or checkpoints_root() / cell_name(model_cfg.arch, layers, recipe.seed)  # where --ckpt NAME looks
     params = count_params(model_cfg)["total"]
     main_rank = env_rank() == 0

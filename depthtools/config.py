@@ -187,6 +187,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 PARALLEL = ("ddp", "fsdp")
 COMPILE = ("auto", "on", "off")  # TrainConfig.compile (issue 20)
+DECAY_GROUPS = ("depthtools", "depthbench")  # TrainConfig.decay_groups (issue 37)
+PROFILES = ("depthtools", "depthbench")  # TrainConfig.profile: recipe profiles (depthtools.profiles)
 
 
 @dataclass(frozen=True)
@@ -195,7 +197,9 @@ class TrainConfig:
 
     Budget: `tokens`, or `tokens_per_param` × the model's total parameters (default 20, Chinchilla /
     DepthBench). Optimiser: AdamW (β1, β2, eps), decoupled weight decay on matrices only; norms,
-    gains and routing parameters (1-D tensors and the scheme's `no_decay_names()`) are not decayed.
+    gains and routing parameters (1-D tensors and the scheme's `no_decay_names()`) are not decayed
+    (`decay_groups="depthtools"`, the default). `decay_groups="depthbench"` is DepthBench's grouping:
+    every parameter decays except HC/mHC static routing (the scheme's `static_routing_names()`).
     Schedule: linear warmup over `warmup_fraction` of the steps, then cosine to `final_lr_fraction`·lr
     ("cosine"), or warmup-stable-decay with a linear decay over the last `decay_fraction` ("wsd").
     `lr_overrides` maps an architecture name to its own peak LR; the LR actually used is recorded
@@ -215,6 +219,8 @@ class TrainConfig:
     compiles only when the planned run is long enough to repay the compilation (`depthtools.arch.compiled.decide`).
     `parallel` is how a run under torchrun splits the model: "ddp" (replicas) or "fsdp" (FSDP2
     sharding, for models whose weights + AdamW state do not fit one device); one process ignores it.
+    `profile` records the recipe profile the config was built with (`depthtools.profiles`: the fields
+    it sets are already in this config; the trainer prints what the profile does not reproduce).
     """
 
     tokens: int | None = None
@@ -249,6 +255,8 @@ class TrainConfig:
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (same maths; not part of the run fingerprint)
     task_mix: "TaskMix | None" = None  # synthetic task rows mixed into training (depthtools.data.tasks.TaskMix)
     max_epochs: float | None = None  # refuse a budget above this many passes over the train split (None: warn above 1)
+    decay_groups: str = "depthtools"  # which parameters AdamW decays: "depthtools" | "depthbench" (depthtools.train.optim)
+    profile: str | None = None  # the recipe profile this config was built with (depthtools.profiles); a record
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lr_overrides", {str(k): float(v) for k, v in dict(self.lr_overrides).items()})
@@ -310,6 +318,10 @@ class TrainConfig:
             raise DepthToolsError(f"unknown parallel {self.parallel!r}; valid: {', '.join(PARALLEL)}")
         if self.compile not in COMPILE:
             raise DepthToolsError(f"unknown compile {self.compile!r}; valid: {', '.join(COMPILE)}")
+        if self.decay_groups not in DECAY_GROUPS:
+            raise DepthToolsError(f"unknown decay_groups {self.decay_groups!r}; valid: {', '.join(DECAY_GROUPS)}")
+        if self.profile is not None and self.profile not in PROFILES:
+            raise DepthToolsError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
 
     def total_tokens(self, n_params: int) -> int:
         """The token budget for a model of `n_params` total parameters."""
@@ -333,6 +345,10 @@ class TrainConfig:
         data = dataclasses.asdict(self)
         if self.max_epochs is None:  # unset: config.json stays as before the field existed
             del data["max_epochs"]
+        if self.decay_groups == "depthtools":  # the default: config.json and the run fingerprint stay as before
+            del data["decay_groups"]
+        if self.profile is None:
+            del data["profile"]
         if self.task_mix is None:  # runs without a task mix keep their config.json and run fingerprint
             del data["task_mix"]
         else:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from depthtools.errors import DepthToolsError
 
 # Share of the whole demo's wall time each stage takes (measured on the demo preset, 2 CPU cores),
 # so one progress bar moves at a roughly even pace.

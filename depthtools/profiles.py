@@ -8,35 +8,69 @@
     near uniform) and `sinkhorn_log`'s order, rows then columns each of 20 iterations (`sinkhorn_order=
     "cols_last"`: the columns are normalised last);
   * MoDA: depth scores with the RoPE-rotated query (`moda_depth_rope="query"`);
-  * AdamW weight decay 0.1; the run length as a number of optimizer steps (`steps_to_tokens`).
+  * the HC/mHC head as DepthBench's `Transformer.forward` computes it: HC each stream normed by the
+    final norm, then summed (`readout="normed_sum"`); mHC with the Liger init the mean of the streams,
+    then the final norm (`readout="mean"`; with another mhc_init, DepthBench's PyTorch mHC: normed_sum);
+  * AdamW as `examples/pretrain_llama_base.py` builds it: weight decay 0.1 on every parameter but HC/mHC
+    static routing (`decay_groups="depthbench"`, see depthtools.train.optim), betas (0.9, 0.95), eps 1e-8,
+    gradient clipping at norm 1.0; OLMo-core's `CosWithWarmup(warmup=760, alpha_f=0.1,
+    warmup_min_lr=0)` over 7,600 steps = linear warmup over 10% of the steps, then cosine to 0.1 x peak
+    (`schedule="cosine"`, `warmup_fraction=0.1`, `final_lr_fraction=0.1`). These are scale-free, so the
+    profile sets them whatever preset it is applied to. (OLMo-core evaluates the cosine at step s+1 of
+    T-W, ours at s of T-W-1: the multipliers differ by < 1.5/(T-W) of the peak, e.g. 0.0013 at the
+    afternoon preset's 1,221 steps.)
+  * the run length as a number of optimizer steps when asked (`steps_to_tokens`).
 
-Not reproduced yet (each needs an architecture or trainer option that does not exist; `NOT_REPRODUCED` lists
-them and `apply` records them in the returned notes, so a run never claims more than it did):
-HC's readout (each stream normed by the final norm, then summed), DeepNorm with LayerNorm, weight decay on
-every parameter but HC/mHC static routing (ours exempts gains, AttnRes queries/key gains and HC scales),
-and bf16 weights/optimizer state (ours: fp32 weights under bf16 autocast on CUDA; on CPU float32 throughout).
+The peak learning rate is NOT taken from DepthBench: its 2e-3 (1e-2 for LNS) is tuned for 400M-parameter
+models at 512 x 2,048 tokens per step, and the best LR shifts with width and batch; a profile applied to
+a preset keeps the preset's LR (e.g. 3e-3 for the ~0.4M-parameter afternoon grid, tuned at that scale).
+
+Not reproduced yet (each needs an architecture or trainer option that does not exist; `NOT_REPRODUCED`
+lists them, `notes` gives the lines for one architecture): DeepNorm with LayerNorm. bf16 weights and optimizer state are not implemented: a run
+under the profile prints one line (`weights_note`) saying it keeps float32 weights and AdamW state (on
+CPU, where bf16 weights would also be far slower, computing in float32; on CUDA under bf16 autocast).
 Our defaults are unchanged: a profile only applies when named.
+
+Where it is selected (one name, recorded in config.json as `train.profile`):
+  depthtools train ... --profile depthbench            (`recipe` + `apply_model`)
+  depthtools grid plan ... --profile depthbench        (`apply_to_spec`: the spec's train section gets
+                                                        the profile's fields and "profile")
+  a grid spec whose "train" holds "profile": "depthbench" (`load_spec` -> `apply_to_spec`)
+Precedence: a preset's recipe < the profile < what the user gave (CLI options, a spec's explicit fields).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from depthtools.config import ModelConfig, TrainConfig
+from depthtools.config import PROFILES, ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 
 DEPTHBENCH_OPTIONS: dict[str, dict[str, Any]] = {
+    "hc": {"readout": "normed_sum"},
     "mhc": {"mhc_init": "uniform", "sinkhorn_iters": 20, "sinkhorn_order": "cols_last"},
     "moda": {"moda_depth_rope": "query"},
 }
-NOT_REPRODUCED = (
-    "HC/mHC readout: DepthBench norms each stream with the final norm, then sums; depthtools sums, then norms",
-    "DeepNorm: DepthBench uses LayerNorm; depthtools uses RMSNorm",
-    "weight decay: DepthBench decays every parameter but HC/mHC static routing; depthtools exempts gains and routing",
-    "weights: DepthBench trains bf16 weights and optimizer state where the device has bf16; depthtools keeps float32 "
-    "weights (bf16 autocast on CUDA; on CPU everything stays float32)",
-)
-PROFILES = ("depthtools", "depthbench")
+# DepthBench's head per mHC backend (`Transformer.forward`, collapse "auto"): Liger (our "uniform" init)
+# takes the mean of the streams, then the final norm; its PyTorch mHC norms each stream, then sums.
+MHC_READOUT = {"uniform": "mean"}
+DEPTHBENCH_NORM_EPS = 1e-6
+# What the profile cannot reproduce yet: (architectures it concerns, None = all; the line a run prints).
+NOT_REPRODUCED: dict[str, tuple[tuple[str, ...] | None, str]] = {
+    "deepnorm_norm": (("deepnorm",), "DeepNorm: DepthBench uses LayerNorm; depthtools uses RMSNorm"),
+}
+# The scale-free recipe of examples/pretrain_llama_base.py + pretrain_400m.sh (TrainConfig fields).
+DEPTHBENCH_TRAIN: dict[str, Any] = {
+    "weight_decay": 0.1, "decay_groups": "depthbench", "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+    "grad_clip": 1.0, "schedule": "cosine", "warmup_fraction": 0.1, "final_lr_fraction": 0.1,
+}
+
+
+def check_profile(profile: str) -> str:
+    if profile not in PROFILES:
+        raise DepthToolsError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+    return profile
 
 
 def steps_to_tokens(steps: int, batch_size: int, seq_len: int) -> int:
@@ -46,20 +80,94 @@ def steps_to_tokens(steps: int, batch_size: int, seq_len: int) -> int:
     return steps * batch_size * seq_len
 
 
+def train_fields(profile: str) -> dict[str, Any]:
+    """The TrainConfig fields `profile` sets (with "profile" itself, recorded in config.json); {} for depthtools."""
+    if check_profile(profile) == "depthtools":
+        return {}
+    return {**DEPTHBENCH_TRAIN, "profile": profile}
+
+
+def apply_model(profile: str, model: ModelConfig) -> ModelConfig:
+    """`model` under `profile`: norm eps and the architecture's options; options given explicitly in
+    `model.options` win. Idempotent, so applying it to a config it already produced changes nothing."""
+    if check_profile(profile) == "depthtools":
+        return model
+    options = {**DEPTHBENCH_OPTIONS.get(model.arch, {}), **model.options}
+    if model.arch == "mhc" and "readout" not in model.options:
+        options["readout"] = MHC_READOUT.get(options["mhc_init"], "normed_sum")
+    return model.replace(norm_eps=DEPTHBENCH_NORM_EPS, options=options)
+
+
+def notes(profile: str | None, arch: str) -> list[str]:
+    """One line per part of `profile` that a cell of `arch` does not reproduce (see NOT_REPRODUCED)."""
+    if profile in (None, "depthtools"):
+        return []
+    return [f"{profile} profile: not reproduced: {text}" for archs, text in NOT_REPRODUCED.values()
+            if archs is None or arch in archs]
+
+
+def weights_note(profile: str | None, device_type: str, compute_dtype: str, bf16_supported: bool) -> str | None:
+    """The one line a run under `profile` prints about DepthBench's bf16 weights and optimizer state
+    (OLMo-core casts the model to bf16 under DDP), saying what it does instead: depthtools keeps float32
+    weights and AdamW state everywhere; on CPU bf16 weights would also be far slower than float32."""
+    if profile in (None, "depthtools"):
+        return None
+    if device_type == "cpu":
+        where = "on CPU (where bf16 weights would be far slower)"
+    elif not bf16_supported:
+        where = f"on this {device_type} device, which has no bf16"
+    else:
+        where = f"on {device_type} (bf16 weights are not implemented)"
+    return (f"{profile} profile: DepthBench trains bf16 weights and optimizer state; {where} this run keeps "
+            f"float32 weights and AdamW state and computes in {compute_dtype}")
+
+
 def apply(profile: str, model: ModelConfig, train: TrainConfig | None = None,
           steps: int | None = None) -> tuple[ModelConfig, TrainConfig | None, list[str]]:
     """(model config, train config, notes) under `profile`; "depthtools" returns them unchanged.
 
-    The architecture's own options given explicitly in `model.options` win over the profile's."""
-    if profile not in PROFILES:
-        raise DepthToolsError(f"unknown profile {profile!r}; valid: {', '.join(PROFILES)}")
+    The profile's training fields replace `train`'s (a TrainConfig cannot tell a default from a
+    choice); to let explicit choices win, merge dicts with `recipe`. `steps` sets the budget as
+    DepthBench does, a number of optimizer steps."""
+    model = apply_model(profile, model)
     if profile == "depthtools":
         return model, train, []
-    options = {**DEPTHBENCH_OPTIONS.get(model.arch, {}), **model.options}
-    model = model.replace(norm_eps=1e-6, options=options)
     if train is not None:
-        changes: dict[str, Any] = {"weight_decay": 0.1}
+        changes = train_fields(profile)
         if steps is not None:
             changes.update(tokens=steps_to_tokens(steps, train.batch_size, train.seq_len), tokens_per_param=None)
         train = train.replace(**changes)
-    return model, train, [f"not reproduced: {line}" for line in NOT_REPRODUCED]
+    return model, train, notes(profile, model.arch)
+
+
+def recipe(profile: str | None, base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """TrainConfig fields: a preset's recipe `base`, then the profile's fields, then the caller's own
+    `given` choices (so the profile overrides a preset, and what a user typed overrides the profile)."""
+    return {**base, **(train_fields(profile) if profile else {}), **given}
+
+
+def apply_to_spec(spec: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
+    """A grid spec under its profile: the one place grids apply one (`depthtools grid plan --profile`,
+    and `load_spec` for a spec whose train section names "profile").
+
+    With `profile` (grid plan): the profile's training fields replace the spec's (a planned spec's
+    train section is the preset's recipe, which the profile overrides). Without (a spec read back):
+    the profile named in the train section fills only the fields the spec leaves out, so a spec
+    written by hand keeps its explicit choices and applying twice changes nothing. Every cell's
+    model config gets `apply_model`."""
+    if not isinstance(spec.get("train") or {}, dict):  # not a recipe: TrainConfig's validation says so later
+        return spec
+    train = dict(spec.get("train") or {})
+    if profile is not None:
+        train = {**train, **train_fields(profile)}
+    name = train.get("profile")
+    if name is None:
+        return spec
+    train = {**train_fields(name), **train}
+    cells = []
+    for cell in spec["cells"]:
+        as_dict = cell if isinstance(cell, dict) else None
+        model = ModelConfig.from_dict(dict(as_dict["model"] if as_dict is not None else cell.model))
+        model = apply_model(name, model).to_dict()
+        cells.append({**as_dict, "model": model} if as_dict is not None else dataclasses.replace(cell, model=model))
+    return {**spec, "train": train, "cells": cells}

@@ -560,3 +560,33 @@ def test_bad_options_are_one_line_errors(options, match):
         DepthModel(config("mhc", **options))
     with pytest.raises(DepthToolsError, match="unknown"):
         DepthModel(config("hc", mhc_init="uniform"))
+
+
+# -- readout option (issue 37: DepthBench's HC head norms each stream, then sums) ------------------
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_readout_options_against_the_formula(arch):
+    from tiny_models import tiny
+
+    ids = tokens()
+    logits = {}
+    for mode in ("sum", "mean", "normed_sum"):
+        model = tiny(arch, n_layer=3, readout=mode)  # float64, every parameter moved off its init
+        with torch.no_grad():
+            H = model.run_states(ids)[-1].double()  # [B,T,n,d]
+            logits[mode] = model.run(ids)
+        gamma, eps, W = model.ln_final.weight.double(), model.config.norm_eps, model.unembed.weight.double()
+
+        def rms_norm(x):
+            return gamma * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+        expected = {"sum": rms_norm(H.sum(-2)), "mean": rms_norm(H.mean(-2)),
+                    "normed_sum": sum(rms_norm(H[..., s, :]) for s in range(H.shape[-2]))}[mode] @ W.T
+        torch.testing.assert_close(logits[mode].double(), expected, rtol=0, atol=1e-10)
+    # "sum" is the default: the same weights without the option give the same logits
+    with torch.no_grad():
+        torch.testing.assert_close(tiny(arch, n_layer=3).run(ids), logits["sum"], rtol=0, atol=0)
+    assert (logits["normed_sum"] - logits["sum"]).abs().max() > 1e-3  # a different function
+    with pytest.raises(DepthToolsError, match="readout='normed_sum'.*model.head"):
+        model.readout(H)
+    with pytest.raises(DepthToolsError, match="head_mixer .* needs readout='sum'"):
+        DepthModel(config(arch, head_mixer=True, readout="mean"))

@@ -14,9 +14,21 @@ def test_depthbench_profile_switches_options_and_keeps_defaults():
     base = ModelConfig(arch="mhc", **SMALL)
     cfg, train, notes = profiles.apply("depthbench", base, TrainConfig(batch_size=4, seq_len=16), steps=3)
     assert cfg.norm_eps == 1e-6 and cfg.options == {"mhc_init": "uniform", "sinkhorn_iters": 20,
-                                                    "sinkhorn_order": "cols_last"}
-    assert train.tokens == 3 * 4 * 16 and train.weight_decay == 0.1
-    assert any("readout" in n for n in notes) and any("bf16" in n for n in notes)
+                                                    "sinkhorn_order": "cols_last", "readout": "mean"}
+    assert profiles.apply_model("depthbench", ModelConfig(arch="hc", **SMALL)).options == {"readout": "normed_sum"}
+    pytorch_mhc = profiles.apply_model("depthbench", ModelConfig(arch="mhc", **SMALL, options={"mhc_init": "hc_like"}))
+    assert pytorch_mhc.options["readout"] == "normed_sum"
+    assert train.tokens == 3 * 4 * 16 and train.weight_decay == 0.1 and train.decay_groups == "depthbench"
+    assert (train.beta1, train.beta2, train.eps, train.grad_clip) == (0.9, 0.95, 1e-8, 1.0)
+    assert (train.schedule, train.warmup_fraction, train.final_lr_fraction) == ("cosine", 0.1, 0.1)
+    hop = profiles.apply("depthbench", base, TrainConfig(lr=1e-3, warmup_fraction=0.02))[1]
+    assert hop.lr == 1e-3 and hop.warmup_fraction == 0.1  # the preset's LR stays; scale-free choices are DepthBench's
+    assert not any("readout" in n for n in notes)  # reproduced since the readout option
+    # bf16 weights: one line per run, saying what it does instead on this device (depthtools.train.loop)
+    assert "on CPU" in profiles.weights_note("depthbench", "cpu", "float32", False)
+    assert "has no bf16" in profiles.weights_note("depthbench", "cuda", "float32", False)
+    assert "not implemented" in profiles.weights_note("depthbench", "cuda", "bfloat16", True)
+    assert profiles.weights_note(None, "cpu", "float32", False) is None
     assert profiles.apply("depthtools", base)[0] == base and base.norm_eps == 1e-5  # defaults unchanged
     moda = profiles.apply("depthbench", ModelConfig(arch="moda", **SMALL, options={"moda_depth_rope": "none"}))[0]
     assert moda.options["moda_depth_rope"] == "none"  # an explicit option wins
@@ -34,3 +46,131 @@ def test_profile_trains_every_depthbench_arch(arch, data_dir, tmp_path):
     summary = train_cell(cfg, train, data_dir, tmp_path / arch)
     losses = [v for k, v in summary.items() if "loss" in k and isinstance(v, float)]
     assert losses and all(math.isfinite(v) for v in losses), summary
+
+
+# -- weight-decay groups (TrainConfig.decay_groups) ----------------------------------------------
+# DepthBench's static routing, read off its `HyperConnectionsConfig.static_parameter_patterns` and mapped
+# to our parameter names by hand: HC static_alpha/static_beta; Liger mHC (our "uniform" init) b and
+# alpha_pre/post/res = bias_* and gate_*; PyTorch mHC (our "hc_like" init) pre/post/residual_bias = bias_*.
+DEPTHBENCH_STATIC = {
+    ("hc", None): {"static_alpha", "static_beta"},
+    ("mhc", "uniform"): {"bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res"},
+    ("mhc", "hc_like"): {"bias_pre", "bias_post", "bias_res"},
+}
+
+
+def _decay_split(model, train):
+    from depthtools.train.optim import param_groups
+
+    groups, names = param_groups(model, train)
+    ids = {id(p): n for n, p in model.named_parameters()}
+    decayed = {ids[id(p)] for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    return groups, names, decayed
+
+
+@pytest.mark.parametrize("arch,init", [("preln", None), ("attnres", None), ("lns", None), ("moda", None),
+                                       ("hc", None), ("mhc", "uniform"), ("mhc", "hc_like")])
+def test_depthbench_decay_groups_equal_an_independent_listing(arch, init):
+    from depthtools.arch import DepthModel
+
+    options = {"mhc_init": init} if init else {}
+    model = DepthModel(ModelConfig(arch=arch, **SMALL, options=options))
+    groups, names, decayed = _decay_split(model, TrainConfig(tokens=1, weight_decay=0.1, decay_groups="depthbench"))
+    static = DEPTHBENCH_STATIC.get((arch, init), set())
+    expected_undecayed = {n for n, _ in model.named_parameters() if n.split(".")[-1] in static}
+    all_names = {n for n, _ in model.named_parameters()}
+    assert all_names - decayed == expected_undecayed and len(names) == len(all_names)
+    assert len(groups) == (2 if static else 1)  # DepthBench: one group, plus the wd-0 override for HC/mHC
+    assert all(g["weight_decay"] in (0.0, 0.1) for g in groups)
+    # norms, gains and 1-D tensors decay too (ours exempts them)
+    assert any(n.endswith("norm.weight") for n in decayed)
+
+
+def test_default_decay_groups_are_unchanged():
+    from depthtools.arch import DepthModel
+
+    assert "decay_groups" not in TrainConfig().to_dict()  # config.json and run fingerprints stay as before
+    assert TrainConfig(decay_groups="depthbench").to_dict()["decay_groups"] == "depthbench"
+    model = DepthModel(ModelConfig(arch="hc", **SMALL))
+    _, _, decayed = _decay_split(model, TrainConfig(tokens=1))
+    # ours: matrices only, minus the routing names of the scheme
+    expected = {n for n, p in model.named_parameters()
+                if p.dim() >= 2 and n.split(".")[-1] not in {"static_alpha", "static_beta"}}
+    assert decayed == expected
+    with pytest.raises(DepthToolsError, match="unknown decay_groups 'olmo'; valid: depthtools, depthbench"):
+        TrainConfig(decay_groups="olmo")
+
+
+def test_depthbench_decay_keeps_depth_scaled_block_groups():
+    from depthtools.arch import DepthModel
+
+    model = DepthModel(ModelConfig(arch="completep", **{**SMALL, "n_layer": 48}))
+    groups, _, decayed = _decay_split(model, TrainConfig(tokens=1, decay_groups="depthbench"))
+    assert decayed == {n for n, _ in model.named_parameters()}
+    assert sorted(g["group"] for g in groups) == ["decay", "decay/blocks"]
+
+
+# -- wiring: `depthtools train --profile`, `grid plan --profile`, a spec's train "profile" -------------
+def test_train_command_profile_is_recorded_and_says_what_it_does_instead(data_dir, tmp_path, caplog):
+    import json
+    import logging
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = tmp_path / "cell"
+    args = ["train", "--arch", "hc", "--layers", "2", "--d-model", "32", "--n-heads", "2", "--data", str(data_dir),
+            "--out", str(out), "--tokens", str(3 * 4 * 16), "--batch-size", "4", "--seq-len", "16",
+            "--eval-every", "0", "--threads", "1", "--device", "cpu", "--profile", "depthbench"]
+    with caplog.at_level(logging.WARNING, logger="depthtools.train.loop"):
+        result = CliRunner().invoke(app, args + ["--lr", "1e-3"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    config = json.loads((out / "config.json").read_text())
+    assert config["train"]["profile"] == "depthbench" and config["train"]["decay_groups"] == "depthbench"
+    assert config["train"]["lr"] == 1e-3  # an explicit option wins over the profile
+    assert config["model"]["norm_eps"] == 1e-6
+    notes = config["train_resolved"]["profile_notes"]
+    weights = [n for n in notes if "bf16 weights" in n]
+    assert len(weights) == 1 and "on CPU" in weights[0] and "float32 weights" in weights[0]
+    assert config["model"]["options"]["readout"] == "normed_sum"
+    assert weights[0] in caplog.text  # printed, one line
+    with pytest.raises(DepthToolsError, match="unknown profile 'olmo'; valid: depthtools, depthbench"):
+        TrainConfig(profile="olmo")
+
+
+def test_grid_plan_profile_and_a_spec_naming_one(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from depthtools.train.sweep import load_spec
+
+    path = tmp_path / "db.json"
+    result = CliRunner().invoke(app, ["grid", "plan", "--preset", "tiny", "--profile", "depthbench", "--out", str(path)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    spec = json.loads(path.read_text())
+    assert spec["train"]["profile"] == "depthbench" and spec["train"]["decay_groups"] == "depthbench"
+    assert spec["train"]["lr"] == 3e-3  # the preset's LR stays
+    assert all(c["model"]["norm_eps"] == 1e-6 for c in spec["cells"])
+    again = load_spec(path)  # reading it back changes nothing
+    assert again["train"] == spec["train"] and [c.model for c in again["cells"]] == [c["model"] for c in spec["cells"]]
+
+    # a spec written by hand: the profile fills what the spec leaves out, its explicit choices stay
+    hand = {**spec, "train": {"profile": "depthbench", "warmup_fraction": 0.05, "tokens": 1000},
+            "cells": [{**c, "model": {**c["model"], "norm_eps": 1e-5}} for c in spec["cells"]]}
+    mhc_path = tmp_path / "mhc.json"  # an mHC cell as the planner writes it (a cell must agree with its model)
+    result = CliRunner().invoke(app, ["grid", "plan", "--arch", "mhc", "--layers", "2", "--budget", "250k",
+                                      "--vocab-size", "256", "--n-heads", "2", "--out", str(mhc_path)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    mhc_cell = json.loads(mhc_path.read_text())["cells"][0]
+    hand["cells"][0] = {**mhc_cell, "model": {**mhc_cell["model"], "norm_eps": 1e-5, "options": {}}}
+    loaded = load_spec(hand)
+    assert loaded["train"]["warmup_fraction"] == 0.05 and loaded["train"]["decay_groups"] == "depthbench"
+    assert all(c.model["norm_eps"] == 1e-6 for c in loaded["cells"])
+    assert loaded["cells"][0].model["options"]["mhc_init"] == "uniform"
+    plain = {**spec, "train": {"tokens": 1000}}
+    assert load_spec(plain)["train"] == {"tokens": 1000}  # no profile: untouched
+    with pytest.raises(DepthToolsError, match="unknown profile 'olmo'"):
+        load_spec({**spec, "train": {"profile": "olmo"}})

@@ -171,3 +171,19 @@ def test_tiny_preset_with_two_seeds_plans_trains_resolves_and_aggregates(tmp_pat
     html = report.read_text()
     assert "2 training seeds per cell (seeds 0,1)" in html and "training seeds 0, 1" in html
     assert "table-seed-means" in html and "table-depth-effects" in html
+
+
+def test_welch_combination_is_contrast_for_two_and_a_closed_form_for_four():
+    from depthtools.analysis.seeds import welch_combination
+
+    a, b, c, d = [1.0, 1.2, 0.9], [0.5, 0.4, 0.7], [2.0, 2.5, 2.2, 2.1], [0.1, 0.3]
+    two, ref = welch_combination([a, b], [1, -1]), contrast(a, b)
+    assert (two.mean, two.lo, two.hi) == pytest.approx((ref.mean, ref.lo, ref.hi), rel=1e-12)
+    four = welch_combination([a, b, c, d], [1, -1, -1, 1])
+    # by hand: the Welch-Satterthwaite interval of (mean a - mean b) - (mean c - mean d)
+    v = [np.var(x, ddof=1) / len(x) for x in (a, b, c, d)]
+    dof = sum(v) ** 2 / sum(vi**2 / (len(x) - 1) for vi, x in zip(v, (a, b, c, d)))
+    value = (np.mean(a) - np.mean(b)) - (np.mean(c) - np.mean(d))
+    half = stats.t.ppf(0.975, dof) * math.sqrt(sum(v))
+    assert (four.mean, four.lo, four.hi) == pytest.approx((value, value - half, value + half), rel=1e-12)
+    assert four.n == 2 and math.isnan(welch_combination([a, [1.0]], [1, -1]).lo)

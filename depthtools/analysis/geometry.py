@@ -25,7 +25,7 @@ table schema), `model_inputs`, `check_positions`.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import pandas as pd
 import torch

@@ -98,6 +98,29 @@ def contrast(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> In
     return Interval(diff, diff - half, diff + half, n, se * math.sqrt(n), level)
 
 
+def welch_combination(samples: Sequence[Sequence[float]], weights: Sequence[float], level: float = LEVEL) -> Interval:
+    """Σ_k w_k mean(sample_k) with a Welch-Satterthwaite t-interval, the samples being independent sets of
+    training seeds: var = Σ w_k² s_k²/n_k, dof = var² / Σ (w_k² s_k²/n_k)² / (n_k − 1). With weights
+    (1, −1) it is `contrast`; with (1, −1, −1, 1) a difference of differences (an interaction: how much
+    a contrast changes between two recipes). n is the smallest sample size; < 2 gives NaN bounds."""
+    if len(samples) != len(weights):
+        raise ValueError(f"{len(samples)} samples but {len(weights)} weights")
+    xs = [np.array([v for v in s if math.isfinite(v)], dtype=np.float64) for s in samples]
+    if any(not len(x) for x in xs):
+        return Interval(math.nan, math.nan, math.nan, 0, math.nan, level)
+    value = float(sum(w * x.mean() for w, x in zip(weights, xs)))
+    n = min(len(x) for x in xs)
+    if n < 2:
+        return Interval(value, math.nan, math.nan, n, math.nan, level)
+    parts = [w * w * x.var(ddof=1) / len(x) for w, x in zip(weights, xs)]
+    var = float(sum(parts))
+    if var == 0:
+        return Interval(value, value, value, n, 0.0, level)
+    dof = var**2 / sum(p**2 / (len(x) - 1) for p, x in zip(parts, xs))
+    half = float(stats.t.ppf((1 + level) / 2, dof)) * math.sqrt(var)
+    return Interval(value, value - half, value + half, n, math.sqrt(var * n), level)
+
+
 def interval_columns(prefix: str, iv: Interval) -> dict[str, Any]:
     """Table columns of an interval: <prefix>, <prefix>_lo, <prefix>_hi, <prefix>_sd and n_seeds."""
     return {prefix: iv.mean, f"{prefix}_lo": iv.lo, f"{prefix}_hi": iv.hi, f"{prefix}_sd": iv.sd, "n_seeds": iv.n}

@@ -45,8 +45,12 @@ mHC (Xie et al. 2025, DeepSeek): coefficients from the flattened, RMS-normalised
   H_res = Sinkhorn(exp I) (not the identity; lucidrains also computes coefficients per stream,
   which we do not).
 
-Readout (one collapse for logits and lens): Σ_s H_s, then the model's ln_final and unembedding.
-DepthBench's Liger mHC uses the mean; FinalNorm makes sum ≡ mean up to its eps. Option
+Readout (one collapse for logits and lens; option "readout"): "sum" (default) Σ_s H_s, then the
+model's ln_final and unembedding; "mean" (1/n) Σ_s H_s, then ln_final (DepthBench's Liger mHC,
+collapse "mean"; the final RMSNorm makes it ≡ "sum" with eps·n², i.e. up to the norm's eps);
+"normed_sum" Σ_s ln_final(H_s), then the unembedding (DepthBench's HC and PyTorch mHC head: the final
+norm on each folded stream, then the sum) -- a different function: it has no single vector before the
+final norm, so `readout` (the lens, task probes) refuses it and `model.head` is the way to logits. Option
 "head_mixer" (DeepSeek-V4 `hc_head`): y = Σ_s p_s H_s, p = sigmoid(head_scale·(x' head_fn^T) +
 head_base) + 1e-6, x' as for mHC; init head_fn = 0, head_base = 0, head_scale = 1 (≡ sum at init).
 
@@ -125,7 +129,9 @@ LEGACY_SINKHORN_ORDER = "cols_last"  # what an mhc config saved without the key 
 HEAD_EPS = 1e-6  # DeepSeek-V4 hc_eps: keeps every head-mixer weight strictly positive
 GAP = 8.0  # |bias| of the hc_like mHC init (DepthBench "gap8")
 
-_COMMON_OPTIONS = {"n_streams": 4, "scale_output_init_by_sqrt_n": True, "head_mixer": False, "fused": True}
+_COMMON_OPTIONS = {"n_streams": 4, "scale_output_init_by_sqrt_n": True, "head_mixer": False, "fused": True,
+                   "readout": "sum"}
+READOUTS = ("sum", "mean", "normed_sum")  # option "readout" (see the module docstring)
 _DEFAULTS = {
     "hc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-8, "connector_norm_gain": False},
     "mhc": {**_COMMON_OPTIONS, "connector_norm_eps": 1e-6, "mhc_init": "hc_like", "sinkhorn_iters": 20,
@@ -796,12 +802,15 @@ class HyperScheme(ResidualScheme):
     def option_schema(cls, arch: str) -> dict[str, Option]:
         """The options of the module docstring, with `_DEFAULTS` (n_streams, sinkhorn_iters: positive
         integers; connector_norm_eps > 0; mhc_init, sinkhorn_order: their listed values)."""
-        choices = {"mhc_init": MHC_INITS, "sinkhorn_order": SINKHORN_ORDERS}
+        choices = {"mhc_init": MHC_INITS, "sinkhorn_order": SINKHORN_ORDERS, "readout": READOUTS}
         return {name: _option(default, choices.get(name, ())) for name, default in _DEFAULTS[arch].items()}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)  # sets self.opts (validated, defaults filled in)
         self.n = self.opts["n_streams"]
+        if self.opts["head_mixer"] and self.opts["readout"] != "sum":
+            raise DepthToolsError(f"{cfg.arch}: head_mixer weights the streams itself; it needs readout='sum', "
+                                  f"got readout={self.opts['readout']!r}")
         self._blocks: list[nn.Module] = []  # plain list (not registered): for the "branch" skip
         if self.opts["head_mixer"]:
             nd = self.n * cfg.d_model
@@ -860,6 +869,17 @@ class HyperScheme(ResidualScheme):
             "bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res")
         return routing + ("head_base", "head_scale")
 
+    def static_routing_names(self) -> tuple[str, ...]:
+        """DepthBench's `HyperConnectionsConfig.static_parameter_patterns`, in our names: HC static_alpha,
+        static_beta (its scales and dynamic projections decay); mHC with the Liger init ("uniform", its
+        `liger_mhc` backend) the biases b and the gates alpha_pre/post/res = bias_*, gate_* (φ decays);
+        mHC with another init (its PyTorch `mhc` backend) the biases pre/post/residual_bias = bias_* only.
+        The head mixer is not DepthBench's, so it decays like any other parameter there."""
+        if self.cfg.arch == "hc":
+            return ("static_alpha", "static_beta")
+        biases = ("bias_pre", "bias_post", "bias_res")
+        return biases + (("gate_pre", "gate_post", "gate_res") if self.opts["mhc_init"] == "uniform" else ())
+
     # -- the depth-state contract -------------------------------------------------------------
     def embed_state(self, x0: torch.Tensor) -> torch.Tensor:
         """n copies of the embedding: [B,T,d] -> [B,T,n,d]."""
@@ -890,11 +910,25 @@ class HyperScheme(ResidualScheme):
         return state
 
     def readout(self, state: torch.Tensor) -> torch.Tensor:
-        """[B,T,d]: Σ_s H_s, or the learned head mixer Σ_s p_s H_s when enabled."""
+        """[B,T,d]: Σ_s H_s (readout "sum"), the mean (readout "mean"), or the learned head mixer
+        Σ_s p_s H_s when enabled. readout "normed_sum" has no vector before the final norm: an error."""
         if self.head_fn is None:
-            return state.sum(-2)
+            mode = self.opts["readout"]
+            if mode == "normed_sum":
+                raise DepthToolsError(
+                    f"{self.cfg.arch} with readout='normed_sum' norms each stream before summing, so there is no "
+                    "single vector before the final norm for this analysis to read; use model.head(state) for logits, "
+                    "or a model with readout='sum'")
+            return state.mean(-2) if mode == "mean" else state.sum(-2)
         p = self.readout_weights(state)  # [B,T,n]
         return (p.to(state.dtype).unsqueeze(-1) * state).sum(-2)
+
+    def final_hidden(self, state: torch.Tensor, final_norm: nn.Module) -> torch.Tensor:
+        """[B,T,d] the unembedding reads: final_norm(readout), or for readout "normed_sum" (DepthBench's
+        HC head, `Transformer.forward`: lm_head.norm on every folded stream, then the sum) Σ_s final_norm(H_s)."""
+        if self.head_fn is None and self.opts["readout"] == "normed_sum":
+            return final_norm(state).sum(-2)
+        return final_norm(self.readout(state))
 
     def readout_weights(self, state: torch.Tensor) -> torch.Tensor:
         """[B,T,n] weight of each stream in the readout: ones, or the head mixer's p (in float32 or wider)."""

@@ -63,7 +63,6 @@ import math
 from typing import NamedTuple, TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 

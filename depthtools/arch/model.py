@@ -240,8 +240,9 @@ class DepthModel(HookedRootModule):
 
     def head(self, state: State) -> torch.Tensor:
         """Logits [B,T,V] = unembed(ln_final(readout(state))) — the lens at any depth (soft-capped where
-        the model's own logits are, Gemma-2's final_softcap)."""
-        return self.readout_logits(self.readout(state))
+        the model's own logits are, Gemma-2's final_softcap; a scheme may norm before it collapses:
+        `ResidualScheme.final_hidden`)."""
+        return softcap(self.unembed(self.scheme.final_hidden(state, self.ln_final)), self.backbone.final_softcap)
 
     def readout_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] of readout vectors x [..., d]: unembed(ln_final(x)), soft-capped where the model's

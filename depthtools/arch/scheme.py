@@ -238,6 +238,11 @@ class ResidualScheme(nn.Module):
         """[B,T,d]: what the final norm + unembedding read if the network stopped here."""
         return state
 
+    def final_hidden(self, state: State, final_norm: nn.Module) -> torch.Tensor:
+        """[B,T,d]: what the unembedding reads, final_norm(readout(state)). A scheme whose readout norms
+        before it collapses (HC/mHC readout="normed_sum") overrides this and has no `readout`."""
+        return final_norm(self.readout(state))
+
     def geometry(self, state: State) -> torch.Tensor:
         """[B,T,k]: the vector used for similarity/angle metrics."""
         return state
@@ -271,6 +276,11 @@ class ResidualScheme(nn.Module):
         """Substrings of parameter names excluded from weight decay beyond norms/gains (routing)."""
         return ()
 
+    def static_routing_names(self) -> tuple[str, ...]:
+        """Parameter names (the last part of the dotted name) that DepthBench exempts from weight decay
+        (its `static_parameter_patterns`, HC/mHC only); every other parameter is decayed under
+        TrainConfig.decay_groups="depthbench". Default: none."""
+        return ()
 
 # -- registration (depthtools.arch.registry) ------------------------------------------------------
 

@@ -209,6 +209,7 @@ class Run:
     dist: Dist = field(default_factory=Dist)
     parallel: Any = None  # under torchrun: the DDP/FSDP-wrapped LossModule
     compile: dict[str, Any] = field(default_factory=dict)  # TrainConfig.compile resolved (config.json)
+    profile_notes: list[str] = field(default_factory=list)  # what TrainConfig.profile does not reproduce (config.json)
 
     @property
     def tokens_per_step(self) -> int:
@@ -312,6 +313,10 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
                                   "do not allow; train curriculum cells with DDP or on one device")
         batches.mixer.set_levels(info.get("task_levels") if info else None)
     peak = train_cfg.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
+    notes = profile_notes(model_cfg, train_cfg, device)
+    if dist.is_main:
+        for line in notes:
+            logger.warning("%s: %s", out_dir.name, line)
     return Run(
         model_cfg=model_cfg, train_cfg=train_cfg, out_dir=out_dir, data_dir=data_dir, meta=meta, device=device,
         dtype=resolve_dtype(train_cfg, device), model=model, optimizer=optimizer,
@@ -324,7 +329,19 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
         start_step=start, progress=progress if dist.is_main else None, dist=dist, parallel=parallel,
         compile={"setting": train_cfg.compile, "resolved": compile_on, "why": compile_why,
                  "region": model.scheme.compile_region if compile_on == "on" else None},
+        profile_notes=notes,
     )
+
+
+def profile_notes(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device) -> list[str]:
+    """The lines a run under a recipe profile prints (and records in config.json): what the profile
+    does not reproduce for this architecture, and what it does instead of bf16 weights on this device."""
+    from depthtools import profiles
+
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    weights = profiles.weights_note(train_cfg.profile, device.type, str(resolve_dtype(train_cfg, device)).replace(
+        "torch.", ""), bf16)
+    return profiles.notes(train_cfg.profile, model_cfg.arch) + ([weights] if weights else [])
 
 
 def set_lr(run: Run, step: int) -> float:
@@ -608,6 +625,7 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
             "flops_per_token": run.flops_per_token, "elapsed_s": elapsed, "world_size": run.dist.world_size,
             "compile": run.compile,
             **({"lr_changes": run.lr_changes} if run.lr_changes else {}),
+            **({"profile_notes": run.profile_notes} if run.profile_notes else {}),
             **({"task_levels": dict(run.batches.mixer.levels)} if _has_curriculum(run) else {}),
         },
         "tokenizer": meta["tokenizer"],

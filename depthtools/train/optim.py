@@ -1,8 +1,11 @@
 """AdamW with the recipe's parameter groups, depth-μP/CompleteP rules, and pickle-free state.
 
-Groups: weight decay on matrices only. 1-D tensors (norm gains, ReZero/LayerScale gains, biases)
-and names matching the scheme's `no_decay_names()` (HC/mHC routing, AttnRes queries, DWA weights)
-get weight_decay 0. For depthmup/completep the parameters inside blocks additionally get
+Groups (TrainConfig.decay_groups): "depthtools" (default) decays matrices only; 1-D tensors (norm
+gains, ReZero/LayerScale gains, biases) and names matching the scheme's `no_decay_names()` (HC/mHC
+routing, AttnRes queries, DWA weights) get weight_decay 0. "depthbench" is DepthBench's grouping
+(one OLMo-core AdamW group, wd on every parameter, plus a wd-0 override group for HC/mHC static
+routing, `examples/hyper_connections_common.py`): every parameter decays except the names in the
+scheme's `static_routing_names()`. For depthmup/completep the parameters inside blocks additionally get
 LR × (L/L_base)^(a−1) and eps × (L/L_base)^(−a) (docs/reference/architectures.md §2.8; a and L_base
 come from the model's options `depth_exponent` / `base_layers`, defaults as the architecture).
 
@@ -38,16 +41,30 @@ def is_decayed(name: str, param: torch.Tensor, no_decay_names: tuple[str, ...]) 
     return param.dim() >= 2 and not any(part in name for part in no_decay_names)
 
 
+def is_decayed_depthbench(name: str, static_routing: tuple[str, ...]) -> bool:
+    """DepthBench: every parameter decays except HC/mHC static routing (matched on the name's last part)."""
+    return name.rsplit(".", 1)[-1] not in static_routing
+
+
+def decay_rule(model: nn.Module, train_cfg: TrainConfig):
+    """(name, param) -> whether AdamW decays it, under train_cfg.decay_groups."""
+    if train_cfg.decay_groups == "depthbench":
+        static = tuple(model.scheme.static_routing_names())
+        return lambda name, param: is_decayed_depthbench(name, static)
+    no_decay = tuple(model.scheme.no_decay_names())
+    return lambda name, param: is_decayed(name, param, no_decay)
+
+
 def param_groups(model: nn.Module, train_cfg: TrainConfig) -> tuple[list[dict[str, Any]], list[str]]:
     """AdamW parameter groups and the parameter names in optimizer order (for state flattening)."""
-    no_decay = tuple(model.scheme.no_decay_names())
+    decayed_by = decay_rule(model, train_cfg)
     scaling = depth_scaling(model.config)
     buckets: dict[tuple[bool, bool], list[tuple[str, nn.Parameter]]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         in_block = scaling is not None and name.startswith("blocks.")
-        buckets.setdefault((is_decayed(name, param, no_decay), in_block), []).append((name, param))
+        buckets.setdefault((decayed_by(name, param), in_block), []).append((name, param))
     groups, names = [], []
     for (decayed, in_block), members in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1])):
         lr_scale, eps_scale = scaling if in_block else (1.0, 1.0)

@@ -33,11 +33,14 @@ DEFAULT_DATA = {"corpus": "default", "tokenizer": "byte"}
 
 
 def load_spec(grid: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """A checked grid spec with `Cell` objects (`depthtools.grid.check_spec`), from a path or an
-    in-memory spec (cells as dicts or Cells): nothing is created for a spec that is refused."""
+    """A checked grid spec with `Cell` objects (`depthtools.grid.check_spec`), from a path or an in-memory
+    spec (cells as dicts or Cells), under the recipe profile its train section names ("profile":
+    depthtools.profiles.apply_to_spec): nothing is created for a spec that is refused."""
+    from depthtools.profiles import apply_to_spec
+
     if isinstance(grid, (str, Path)):
-        return load_grid(grid)
-    return check_spec(grid)
+        return apply_to_spec(load_grid(grid))
+    return apply_to_spec(check_spec(grid))
 
 
 def select_cells(spec: dict[str, Any], names: list[str] | None) -> dict[str, Any]:

@@ -1,0 +1,165 @@
+"""Issue 37 part 4: does Full AttnRes's depth trend change under DepthBench's recipe?
+
+Pre-LN and Full AttnRes at L4 and L32 with the afternoon preset's shapes and recipe (~0.42M parameters,
+2.5M tokens per cell, lr 3e-3), 3 training seeds, trained twice: with depthtools' default recipe and with
+the `depthbench` profile (depthtools.profiles: DepthBench's weight-decay groups, norm eps 1e-6, its
+scale-free AdamW/schedule choices; the afternoon LR stays). Then, per recipe:
+
+  * the val-loss slope per doubling of L, fitted per seed on log2(n_layer) (with the two depths L4 and
+    L32: (loss(L32) - loss(L4)) / 3), as a mean with its 95% t-interval over seeds;
+  * the AttnRes - Pre-LN slope difference, Welch over the two sets of seeds (positive: AttnRes loses
+    more with depth than Pre-LN; the README's afternoon grid: +0.014 [+0.010, +0.018] at L4..L32);
+  * and, across recipes, how much each slope and that difference change from the default recipe to the
+    profile (a Welch-Satterthwaite interval over the independent seed samples).
+
+Run (24 cells; on 2 CPU cores about 1.5-2 h, an estimate scaled from the afternoon grid's measured
+2 h 02 min for 36 cells, not measured here):
+  python benchmarks/depthbench_attnres.py plan --out-dir runs
+  depthtools grid train runs/attnres-depthtools.json --workers 2 --threads 1
+  depthtools grid train runs/attnres-depthbench.json --workers 2 --threads 1
+  python benchmarks/depthbench_attnres.py table --root checkpoints
+
+A toy end-to-end check (seconds): plan --prefix toy --layers 2,4 --seeds 0 --tokens 8192, train both
+specs, then table --prefix toy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # grid_table.py, beside this file
+
+from grid_table import fmt_interval, loss_slopes  # noqa: E402
+
+from depthtools.analysis.seeds import seed_means, welch_combination  # noqa: E402
+from depthtools.grid import parse_seeds, save_grid  # noqa: E402
+from depthtools.presets import get_preset  # noqa: E402
+from depthtools.profiles import apply_to_spec  # noqa: E402
+
+RECIPES = ("depthtools", "depthbench")  # depthtools' default recipe, then the profile
+ARCHS = ("preln", "attnres")
+
+
+def grid_name(prefix: str, recipe: str) -> str:
+    return f"{prefix}-{recipe}"
+
+
+def plan_specs(prefix: str, layers: list[int], seeds: list[int], tokens: int | None) -> dict[str, dict]:
+    """The two grid specs: the afternoon preset's Pre-LN and Full AttnRes at `layers`, the second under
+    the depthbench profile (depthtools.profiles.apply_to_spec, as `grid plan --profile` does)."""
+    preset = get_preset("afternoon")
+    plan = {**preset.plan, "arch": list(ARCHS), "layers": layers, "seeds": seeds}
+    from depthtools.grid import grid_spec, plan_grid
+
+    cells = plan_grid(**plan)
+    train = dict(preset.train)
+    if tokens is not None:
+        train["tokens"] = tokens
+    specs = {}
+    for recipe in RECIPES:
+        spec = grid_spec(cells, name=grid_name(prefix, recipe), train=train, data=preset.data, plan=plan)
+        specs[recipe] = apply_to_spec(spec, recipe) if recipe != "depthtools" else spec
+    return specs
+
+
+def read_cells(root: Path, prefix: str) -> pd.DataFrame:
+    """Finished cells of both grids, one row each, with a `recipe` column."""
+    from depthtools.report.data import read_grid
+    from depthtools.report.frames import cells_frame
+
+    frames = []
+    for recipe in RECIPES:
+        grid = root / grid_name(prefix, recipe)
+        if not grid.is_dir():
+            raise SystemExit(f"{grid}: no such grid folder; train it first (see this script's docstring)")
+        cells = cells_frame(read_grid(grid).cells).dropna(subset=["val_loss"])
+        frames.append(cells.assign(recipe=recipe))
+    return pd.concat(frames, ignore_index=True)
+
+
+def slopes_by(cells: pd.DataFrame) -> dict[tuple[str, str], list[float]]:
+    """{(recipe, arch): per-seed slopes of val loss per doubling of L}."""
+    out = {}
+    for recipe, sub in cells.groupby("recipe"):
+        s = loss_slopes(sub)
+        for arch in ARCHS:
+            out[(recipe, arch)] = s[s["arch"] == arch]["slope"].tolist()
+    return out
+
+
+def fmt_combination(samples, weights, digits: int = 3) -> str:
+    iv = welch_combination(samples, weights)
+    if iv.n == 0:
+        return "–"
+    if not iv.has_noise:
+        return f"{iv.mean:+.{digits}f} ({iv.n} seed: no interval)"
+    verdict = "covers 0" if iv.lo <= 0 <= iv.hi else "excludes 0"
+    return f"{iv.mean:+.{digits}f} [{iv.lo:+.{digits}f}, {iv.hi:+.{digits}f}] ({verdict})"
+
+
+def markdown(cells: pd.DataFrame) -> str:
+    depths = sorted({int(n) for n in cells["n_layer"]})
+    means = seed_means(cells, value="val_loss", keys=("recipe", "arch", "n_layer"))
+    lines = ["| recipe | arch | " + " | ".join(f"L{n} val loss" for n in depths) + " |",
+             "|---" * (len(depths) + 2) + "|"]
+    for recipe in RECIPES:
+        for arch in ARCHS:
+            row = [recipe, arch]
+            for n in depths:
+                hit = means[(means["recipe"] == recipe) & (means["arch"] == arch) & (means["n_layer"] == n)]
+                if hit.empty:
+                    row.append("–")
+                    continue
+                r = hit.iloc[0]
+                half = (r["val_loss_hi"] - r["val_loss_lo"]) / 2
+                row.append(f"{r['val_loss']:.4f} ± {half:.4f}" if math.isfinite(half) else f"{r['val_loss']:.4f}")
+            lines.append("| " + " | ".join(row) + " |")
+    s = slopes_by(cells)
+    lines += ["", "| recipe | Pre-LN slope per doubling of L | Full AttnRes slope | AttnRes − Pre-LN (Welch) |",
+              "|---|---|---|---|"]
+    for recipe in RECIPES:
+        lines.append(f"| {recipe} | {fmt_interval(s[(recipe, 'preln')])} | {fmt_interval(s[(recipe, 'attnres')])} | "
+                     f"{fmt_combination([s[(recipe, 'attnres')], s[(recipe, 'preln')]], [1, -1])} |")
+    d, b = RECIPES
+    lines.append(f"| {b} − {d} | {fmt_combination([s[(b, 'preln')], s[(d, 'preln')]], [1, -1])} | "
+                 f"{fmt_combination([s[(b, 'attnres')], s[(d, 'attnres')]], [1, -1])} | "
+                 f"{fmt_combination([s[(b, 'attnres')], s[(b, 'preln')], s[(d, 'attnres')], s[(d, 'preln')]], [1, -1, -1, 1])} |")
+    n_seeds = cells.groupby(["recipe", "arch", "n_layer"])["seed"].nunique()
+    lines += ["", f"Depths {', '.join(f'L{n}' for n in depths)}; seeds per cell group: {int(n_seeds.min())}–"
+              f"{int(n_seeds.max())}. Intervals are 95% Student-t over training seeds (slopes fitted per seed); "
+              "differences are Welch(-Satterthwaite) over independent seed samples."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="write the two grid specs")
+    plan.add_argument("--out-dir", type=Path, default=Path("."))
+    plan.add_argument("--prefix", default="attnres", help="grid names are PREFIX-depthtools and PREFIX-depthbench")
+    plan.add_argument("--layers", default="4,32")
+    plan.add_argument("--seeds", default="0,1,2")
+    plan.add_argument("--tokens", type=int, default=None, help="token budget per cell (default: the afternoon preset's)")
+    table = sub.add_parser("table", help="print the slopes and differences of the trained grids")
+    table.add_argument("--root", type=Path, default=Path("checkpoints"))
+    table.add_argument("--prefix", default="attnres")
+    args = parser.parse_args()
+    if args.command == "plan":
+        layers = [int(v) for v in args.layers.split(",")]
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        for recipe, spec in plan_specs(args.prefix, layers, parse_seeds(args.seeds), args.tokens).items():
+            path = save_grid(spec, args.out_dir / f"{grid_name(args.prefix, recipe)}.json")
+            print(f"wrote {path} ({len(spec['cells'])} cells)")
+        return
+    cells = read_cells(args.root, args.prefix)
+    print(f"{len(cells)} finished cells under {args.root}\n")
+    print(markdown(cells))
+
+
+if __name__ == "__main__":
+    main()
