@@ -8,6 +8,9 @@
     near uniform) and `sinkhorn_log`'s order, rows then columns each of 20 iterations (`sinkhorn_order=
     "cols_last"`: the columns are normalised last);
   * MoDA: depth scores with the RoPE-rotated query (`moda_depth_rope="query"`);
+  * DeepNorm: LayerNorm without bias as the blocks' post-norms (`norm="layernorm"`), at the profile's
+    eps 1e-6 (`examples/pretrain_deepnorm.py` renames the blocks' `llama_like` norm config, bias=False, to
+    `LayerNormType.default`; the LM head's own norm config stays RMSNorm, as our final norm does);
   * the HC/mHC head as DepthBench's `Transformer.forward` computes it: HC each stream normed by the
     final norm, then summed (`readout="normed_sum"`); mHC with the Liger init the mean of the streams,
     then the final norm (`readout="mean"`; with another mhc_init, DepthBench's PyTorch mHC: normed_sum);
@@ -26,7 +29,7 @@ models at 512 x 2,048 tokens per step, and the best LR shifts with width and bat
 a preset keeps the preset's LR (e.g. 3e-3 for the ~0.4M-parameter afternoon grid, tuned at that scale).
 
 Not reproduced yet (each needs an architecture or trainer option that does not exist; `NOT_REPRODUCED`
-lists them, `notes` gives the lines for one architecture): DeepNorm with LayerNorm. bf16 weights and optimizer state are not implemented: a run
+lists them, `notes` gives the lines for one architecture): nothing at present. bf16 weights and optimizer state are not implemented: a run
 under the profile prints one line (`weights_note`) saying it keeps float32 weights and AdamW state (on
 CPU, where bf16 weights would also be far slower, computing in float32; on CUDA under bf16 autocast).
 Our defaults are unchanged: a profile only applies when named.
@@ -51,15 +54,14 @@ DEPTHBENCH_OPTIONS: dict[str, dict[str, Any]] = {
     "hc": {"readout": "normed_sum"},
     "mhc": {"mhc_init": "uniform", "sinkhorn_iters": 20, "sinkhorn_order": "cols_last"},
     "moda": {"moda_depth_rope": "query"},
+    "deepnorm": {"norm": "layernorm"},
 }
 # DepthBench's head per mHC backend (`Transformer.forward`, collapse "auto"): Liger (our "uniform" init)
 # takes the mean of the streams, then the final norm; its PyTorch mHC norms each stream, then sums.
 MHC_READOUT = {"uniform": "mean"}
 DEPTHBENCH_NORM_EPS = 1e-6
 # What the profile cannot reproduce yet: (architectures it concerns, None = all; the line a run prints).
-NOT_REPRODUCED: dict[str, tuple[tuple[str, ...] | None, str]] = {
-    "deepnorm_norm": (("deepnorm",), "DeepNorm: DepthBench uses LayerNorm; depthtools uses RMSNorm"),
-}
+NOT_REPRODUCED: dict[str, tuple[tuple[str, ...] | None, str]] = {}
 # The scale-free recipe of examples/pretrain_llama_base.py + pretrain_400m.sh (TrainConfig fields).
 DEPTHBENCH_TRAIN: dict[str, Any] = {
     "weight_decay": 0.1, "decay_groups": "depthbench", "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,

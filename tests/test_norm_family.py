@@ -59,6 +59,35 @@ def test_deepnorm_block_equation():
     assert torch.allclose(model.block_step(1, x), h, atol=1e-12)
 
 
+def layer_norm_ref(x, w, eps):
+    """LayerNorm without bias written out: (x - mean) / sqrt(biased variance + eps) * w."""
+    c = x - x.mean(-1, keepdim=True)
+    return c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_deepnorm_layernorm_option_matches_formula_and_default_is_unchanged():
+    """DepthBench's DeepNorm: LN(a·h + f(h)) with LayerNorm (no bias) as both post-norms, at the model's eps;
+    the final norm stays RMSNorm. The default `norm="rmsnorm"` model is bit-identical to one without the option."""
+    eps = 1e-6
+    model = build("deepnorm", n_layer=3, norm_eps=eps, options={"norm": "layernorm"})
+    blk = model.blocks[1]
+    assert blk.attn_post_norm.bias is None and blk.mlp_post_norm.eps == eps
+    with torch.no_grad():  # non-trivial gains so the reference must apply them
+        for norm in (blk.attn_post_norm, blk.mlp_post_norm, model.ln_final):
+            norm.weight.copy_(torch.rand(32, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5)
+    x = 3.0 + torch.randn(2, 10, 32, dtype=torch.float64)  # a non-zero mean, which LayerNorm removes
+    alpha, rope = (2 * 3) ** 0.25, (model.rope_cos, model.rope_sin)
+    h = layer_norm_ref(alpha * x + blk.attn(x, *rope), blk.attn_post_norm.weight, eps)
+    h = layer_norm_ref(alpha * h + blk.mlp(h), blk.mlp_post_norm.weight, eps)
+    assert torch.allclose(model.block_step(1, x), h, atol=1e-12, rtol=0)
+    assert not torch.allclose(h, rms(alpha * x + blk.attn(x, *rope), blk.attn_post_norm.weight, eps), atol=1e-3)
+    assert torch.allclose(model.ln_final(h), rms(h, model.ln_final.weight, eps), atol=1e-12, rtol=0)
+    t = toks()
+    plain, explicit = build("deepnorm", n_layer=3), build("deepnorm", n_layer=3, options={"norm": "rmsnorm"})
+    assert torch.equal(plain(t), explicit(t))
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in explicit.named_parameters()]
+
+
 def test_lns_scales_normalised_input_by_inverse_sqrt_block_index():
     model = build("lns", n_layer=4)
     x = torch.randn(2, 10, 32, dtype=torch.float64)

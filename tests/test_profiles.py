@@ -30,6 +30,11 @@ def test_depthbench_profile_switches_options_and_keeps_defaults():
     assert "not implemented" in profiles.weights_note("depthbench", "cuda", "bfloat16", True)
     assert profiles.weights_note(None, "cpu", "float32", False) is None
     assert profiles.apply("depthtools", base)[0] == base and base.norm_eps == 1e-5  # defaults unchanged
+    deepnorm, _, deepnorm_notes = profiles.apply("depthbench", ModelConfig(arch="deepnorm", **SMALL))
+    assert deepnorm.options == {"norm": "layernorm"} and deepnorm.norm_eps == 1e-6 and deepnorm_notes == []
+    from depthtools.arch import DepthModel
+    post = DepthModel(deepnorm, seed=0).blocks[0].attn_post_norm  # the profile's eps reaches the LayerNorm
+    assert (post.kind, post.eps, post.bias) == ("layer", 1e-6, None)
     moda = profiles.apply("depthbench", ModelConfig(arch="moda", **SMALL, options={"moda_depth_rope": "none"}))[0]
     assert moda.options["moda_depth_rope"] == "none"  # an explicit option wins
     with pytest.raises(DepthToolsError, match="unknown profile 'olmo'; valid"):

@@ -116,13 +116,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def make_norm(cfg: ModelConfig, dim: int | None = None, hooked: bool = False) -> nn.Module:
+def make_norm(cfg: ModelConfig, dim: int | None = None, hooked: bool = False, kind: str | None = None) -> nn.Module:
     """The configured norm over `dim` features (default d_model): `RMSNorm` (or `HookedRMSNorm`) for the
-    default options, so every existing model is unchanged; else a `backbone.Norm` of the configured kind."""
+    default options, so every existing model is unchanged; else a `backbone.Norm` of the configured kind.
+    `kind` ("rms" | "layer") overrides the backbone's kind for a scheme's own choice (DeepNorm's `norm`),
+    keeping the backbone's gain and bias settings and the model's `norm_eps`."""
     bb, dim = backbone(cfg), dim or cfg.d_model
-    if bb.default_norm:
+    kind = kind or bb.norm
+    if bb.default_norm and kind == "rms":
         return HookedRMSNorm(dim, cfg.norm_eps) if hooked else RMSNorm(dim, cfg.norm_eps)
-    return (HookedNorm if hooked else Norm)(dim, cfg.norm_eps, bb.norm, bb.norm_gain, bb.norm_bias)
+    return (HookedNorm if hooked else Norm)(dim, cfg.norm_eps, kind, bb.norm_gain, bb.norm_bias)
 
 
 class Attention(nn.Module):

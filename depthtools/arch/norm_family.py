@@ -75,6 +75,21 @@ def depth_multiplier(n_layer: int, exponent: float, base_layers: int = 24) -> fl
     return (n_layer / base_layers) ** (-exponent)
 
 
+DEEPNORM_NORMS = {"rmsnorm": "rms", "layernorm": "layer"}  # option value -> backbone.Norm kind
+
+
+def block_norm_kind(cfg: ModelConfig) -> str | None:
+    """The norm kind a scheme's block norms use instead of the backbone's (None: the backbone's).
+
+    DeepNorm's `norm="layernorm"` is DepthBench's choice (`examples/pretrain_deepnorm.py` sets the
+    blocks' `layer_norm.name = LayerNormType.default` of `llama_like`'s `bias=False` config): the two
+    post-norms of every block become LayerNorm without bias, eps `norm_eps`; the final norm stays RMSNorm
+    (DepthBench's LM head has its own norm config, which the launcher leaves as RMSNorm)."""
+    if cfg.arch != "deepnorm":
+        return None
+    return DEEPNORM_NORMS[cfg.options.get("norm", "rmsnorm")]
+
+
 def sublayer_specs(cfg: ModelConfig, position: int) -> tuple[SublayerSpec, SublayerSpec]:
     """(attention, MLP) specs of the block at `position` for the architecture `cfg.arch`."""
     arch, L, opts = cfg.arch, cfg.n_layer, cfg.options
@@ -112,6 +127,8 @@ def sublayer_specs(cfg: ModelConfig, position: int) -> tuple[SublayerSpec, Subla
 _DEPTH_SCALED = {"depthmup": 0.5, "completep": 1.0}  # default exponent a of (L/L_base)^-a
 _OPTIONS = {  # read by sublayer_specs (same defaults)
     "preln": BACKBONE_OPTIONS,  # the pretrained families' block options (depthtools.arch.backbone)
+    "deepnorm": {"norm": Option("str", "rmsnorm", choices=tuple(DEEPNORM_NORMS),
+                                doc="the post-norms: RMSNorm, or LayerNorm without bias (DepthBench)")},
     "keel": {"keel_alpha": Option("number", lambda c: 2 * c.n_layer, doc="residual weight alpha (default 2L)")},
     "mixln": {"post_fraction": Option("number", 0.25, low=0, high=1, doc="share of leading Post-LN blocks")},
     "layerscale": {"layerscale_init": Option("number", lambda c: layerscale_init(c.n_layer), doc="initial λ")},
@@ -136,14 +153,14 @@ class NormFamilyScheme(ResidualScheme):
         return _OPTIONS.get(arch, {})
 
     def build_block(self, block: nn.Module) -> None:
-        d = self.cfg.d_model
+        d, kind = self.cfg.d_model, block_norm_kind(self.cfg)
         for name, spec in zip(SUBLAYERS, sublayer_specs(self.cfg, block.index)):
             if spec.pre_norm:
-                setattr(block, f"{name}_norm", make_norm(self.cfg))
+                setattr(block, f"{name}_norm", make_norm(self.cfg, kind=kind))
             if spec.out_norm:
-                setattr(block, f"{name}_out_norm", make_norm(self.cfg))
+                setattr(block, f"{name}_out_norm", make_norm(self.cfg, kind=kind))
             if spec.post_norm:
-                setattr(block, f"{name}_post_norm", make_norm(self.cfg))
+                setattr(block, f"{name}_post_norm", make_norm(self.cfg, kind=kind))
             if spec.gain is not None:
                 shape = (1,) if spec.gain == "scalar" else (d,)
                 setattr(block, f"{name}_gain", nn.Parameter(torch.full(shape, spec.gain_init)))
