@@ -26,6 +26,7 @@ from rich.markup import escape
 from typer.core import TyperCommand
 
 from cli.main import app, console, err_console, fmt, parse_list, print_json, table
+from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, run_probe as run_depthbench_probe
 from depthtools.analysis.suite import N_TOKENS, SEQ_LEN, check_sizes
 from depthtools.errors import DepthToolsError
 
@@ -211,7 +212,7 @@ def ablate_command(
     max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the greedy prune curve."),
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
-    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE, protocol: str = PROTOCOL_OPT,
 ):
     """Ablate blocks (skip, swap, prune, linear replacement, mean) and compare with the intact model.
 
@@ -225,6 +226,9 @@ def ablate_command(
     """
     from depthtools.analysis.suite import ablate_analysis
 
+    if check_protocol(protocol):  # skip: layer_pruning, swap: permutation_score (all pairs), linear: usefulness
+        return run_depthbench_probe("ablate", mode, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size,
+                                    device, as_json, out, save)
     name = ablate_analysis(mode, pairs)
     done = probe([name], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
                  rules=rule or None, tau=tau, max_prune_steps=max_prune_steps)
@@ -241,7 +245,7 @@ def lens_command(
     lens_lr: float = typer.Option(1e-3, "--lens-lr", help="Tuned-lens AdamW learning rate."),
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
-    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+    as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE, protocol: str = PROTOCOL_OPT,
 ):
     """Logit lens (and --tuned lens) at every depth: CE, KL both ways, entropy, agreement, target rank.
 
@@ -254,6 +258,9 @@ def lens_command(
       depthtools lens --ckpt preln_L4
       depthtools lens --grid checkpoints/tiny --tuned --out lens.parquet
     """
+    if check_protocol(protocol):  # DepthBench's logit_lens; it has no tuned lens
+        return run_depthbench_probe("lens", "tuned" if tuned else None, ckpt, grid, data, n_tokens, seq_len, split,
+                                    seed, batch_size, device, as_json, out, save)
     names = ["lens_logit"] + (["lens_tuned"] if tuned else [])
     done = probe(names, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
                  lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr)
@@ -315,11 +322,18 @@ def causal_command(
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+    protocol: str = PROTOCOL_OPT,
 ):
     """Causal score C(s,l) of skipping block s on every later update (DepthBench), + future effect.
 
     Example: depthtools causal --ckpt preln_L8 --n-tokens 2048 --seq-len 64
     """
+    if check_protocol(protocol):  # DepthBench's causal_score with its skip rule, + mean/max/top-10
+        if rule is not None:
+            raise DepthToolsError("--rule does not apply to --protocol depthbench (DepthBench's skip rule is fixed "
+                                  "per family: identity, MoDA zero, AttnRes next-output)")
+        return run_depthbench_probe("causal", None, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size,
+                                    device, as_json, out, save)
     cut_list = parse_list(cuts, "int", "--cuts", "8,16")
     done = probe(["causal"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
                  exclude_first=exclude_first, rule=rule, future=future, cuts=cut_list)
@@ -344,11 +358,15 @@ def similarity_command(
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+    protocol: str = PROTOCOL_OPT,
 ):
     """Angular distance, minibatch CKA (debiased/biased/zscore), effective rank and token collapse per depth.
 
     Example: depthtools similarity --ckpt hc_L8 --exclude-first 16 --json
     """
+    if check_protocol(protocol):  # DepthBench's angular_distance (all pairs) and token_collapse
+        return run_depthbench_probe("similarity", None, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size,
+                                    device, as_json, out, save)
     done = probe(["similarity"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
                  exclude_first=exclude_first, cka_batch=cka_batch, outlier_k=outlier_k)
 
@@ -369,11 +387,15 @@ def contrib_command(
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+    protocol: str = PROTOCOL_OPT,
 ):
     """Relative contribution and residual cosine per block (attention/MLP split where additive), Jacobian deviation.
 
     Example: depthtools contrib --ckpt preln_L8 --probes 4
     """
+    if check_protocol(protocol):  # DepthBench's jacobian_norm
+        return run_depthbench_probe("contrib", None if jacobian else "no-jacobian", ckpt, grid, data, n_tokens,
+                                    seq_len, split, seed, batch_size, device, as_json, out, save)
     done = probe(["contrib"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
                  exclude_first=exclude_first, jacobian=jacobian, probes=probes)
 
@@ -393,11 +415,15 @@ def routing_command(
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
+    protocol: str = PROTOCOL_OPT,
 ):
     """Native depth-routing statistics (HC/mHC unfolded weights, AttnRes maps, DenseFormer DWA).
 
     Example: depthtools routing --ckpt hc_L8 --json
     """
+    if check_protocol(protocol):  # DepthBench has none: a one-line error
+        return run_depthbench_probe("routing", None, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size,
+                                    device, as_json, out, save)
     done = probe(["routing"], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
                  exclude_first=exclude_first, long_range_k=long_range_k)
 

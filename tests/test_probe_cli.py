@@ -172,3 +172,63 @@ def test_analyze_grid_old_argument_names_warn_and_still_apply(cell):
         assert analyze_grid(cell.parent, force=True, **sizes).ran == 1  # recomputed, not silently reused
     with pytest.raises(Exception, match="unknown analysis option"):
         analyze_grid(cell.parent, tua=0.1, **sizes)
+
+
+# -- --protocol depthbench on the single probes (issue 37) -----------------------------------------------
+
+PROBE_DEPTHBENCH = [  # (probe command line, the DepthBench metrics it maps to)
+    (["causal"], "causal_score"),
+    (["ablate", "--mode", "skip"], "layer_pruning"),
+    (["ablate", "--mode", "swap"], "permutation_score"),
+    (["ablate", "--mode", "linear"], "usefulness_score"),
+    (["similarity"], "angular_distance,token_collapse"),
+    (["lens"], "logit_lens"),
+    (["contrib"], "jacobian"),
+]
+
+
+@pytest.mark.parametrize("command,metrics", PROBE_DEPTHBENCH, ids=[" ".join(c) for c, _ in PROBE_DEPTHBENCH])
+def test_probe_protocol_depthbench_equals_the_depthbench_command(cell, command, metrics):
+    """Each probe's DepthBench counterpart: the same rows, same values, as `depthtools depthbench --metrics`."""
+    common = ["--ckpt", "preln_L2", *EVAL, "--batch-size", "4", "--json", "--no-save"]
+    probe = json.loads(ok(*command, "--protocol", "depthbench", *common).stdout)
+    direct = json.loads(ok("depthbench", "--metrics", metrics, *common).stdout)
+    got, want = pd.DataFrame(probe["table"]), pd.DataFrame(direct["table"])
+    assert len(got) and set(got["protocol"]) == {"depthbench"}
+    pd.testing.assert_frame_equal(got, want)
+    own = {"causal": "causal_score", "skip": "layer_pruning_delta", "swap": "mean_permutation_score",
+           "linear": "global_usefulness_score", "similarity": "angular_distance", "lens": "early_exit_ce",
+           "contrib": "jacobian_norm"}[command[-1]]
+    assert own in set(got["metric"])
+
+
+def test_probe_protocol_depthbench_prints_a_table(cell):
+    result = ok("causal", "--ckpt", "preln_L2", *EVAL, "--protocol", "depthbench", "--no-save")
+    assert "mean_causal_score" in result.stdout and "pairwise rows (causal_score" in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["ablate", "--mode", "prune"], "ablate --mode prune has no DepthBench metric: DepthBench prunes one block"),
+    (["ablate", "--mode", "mean"], "ablate --mode mean has no DepthBench metric"),
+    (["routing"], "routing has no DepthBench metric"),
+    (["lens", "--tuned"], "lens --tuned has no DepthBench metric"),
+    (["contrib", "--no-jacobian"], "contrib --no-jacobian has no DepthBench metric"),
+    (["causal", "--rule", "mask"], "--rule does not apply to --protocol depthbench"),
+])
+def test_probe_protocol_depthbench_without_a_counterpart_is_one_line(cell, args, message):
+    result = runner.invoke(app, [*args, "--ckpt", "preln_L2", *EVAL, "--protocol", "depthbench"])
+    assert result.exit_code == 2 and message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    bad = runner.invoke(app, ["causal", "--ckpt", "preln_L2", *EVAL, "--protocol", "olmo"])
+    assert bad.exit_code == 2 and "unknown --protocol 'olmo'; valid: depthtools, depthbench" in bad.output
+
+
+def test_probe_protocol_depthbench_names_metric_and_architecture(tmp_path, data_dir, monkeypatch):
+    """A DepthBench metric undefined for the architecture: one line naming both (usefulness on AttnRes)."""
+    model = DepthModel(ModelConfig(arch="attnres", vocab_size=256, d_model=32, n_layer=2, n_heads=4, max_seq_len=32),
+                       seed=0)
+    ck.save(model, tmp_path / "grid" / "attnres_L2", extra={"data": {"path": str(data_dir)}})
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "grid"))
+    result = runner.invoke(app, ["ablate", "--mode", "linear", "--ckpt", "attnres_L2", *EVAL, "--protocol", "depthbench"])
+    assert result.exit_code == 2 and "DepthBench's usefulness_score is undefined for attnres" in result.output
+    assert len(result.output.strip().splitlines()) == 1
