@@ -248,7 +248,7 @@ def test_skip_rules_differ_and_are_finite(arch, options):
     model = build(arch, **options)
     perturb(model)
     toks = tokens()
-    assert model.scheme.skip_rules == ("mask", "next-output")
+    assert model.scheme.skip_rules == ("mask", "next-output", "depthbench")
     for l in range(1, model.n_layer):  # (skipping block 0 leaves one source: both rules agree)
         mask = model.run(toks, plan=Plan.skipping(l, rule="mask"))
         nxt = model.run(toks, plan=Plan.skipping(l, rule="next-output"))
@@ -437,3 +437,67 @@ def _plain_copy(model):
     plain = DepthModel(cfg, seed=0).to(next(model.parameters()).dtype)
     plain.load_state_dict(model.state_dict())
     return plain
+
+
+# -- DepthBench's skip (the "depthbench" rule) --------------------------------------------------------
+def _db_mix(mixer, residuals, eps):
+    """DepthBench's fused_attnres without the output norm: softmax_i(w · RMSNorm_γ(v_i)) Σ α_i v_i."""
+    V = torch.stack(residuals, dim=-2)  # [B,T,n,d]
+    keys = V / torch.sqrt(V.pow(2).mean(-1, keepdim=True) + eps) * mixer.key_norm.weight
+    alpha = (keys @ mixer.query).softmax(-1)  # [B,T,n]
+    return (alpha.unsqueeze(-1) * V).sum(-2)
+
+
+@torch.no_grad()
+def _depthbench_skipped_logits(model, toks, skip):
+    """DepthBench's AttnRes blocks (block.py, the AttnRes block's forward: a (states, prefix_sum) pair, a
+    sublayer at global index s a boundary iff s mod S == 0) with `depth_probes.skip_block(skip)`: the block
+    returns (x, states) unchanged — block 0 (states None) returns (x, [x]) — and the next consuming mix, when
+    it is a boundary mix (the next block's attention, or the final mix), returns its newest residual."""
+    S, L, eps = model.scheme.block_size, model.n_layer, model.config.norm_eps
+    cos, sin = model.rope_cos, model.rope_sin
+    x0 = model.embed(toks).sources[0]
+    states, prefix = None, x0
+    for b in range(L):
+        if b == skip:
+            if states is None:
+                states = [prefix]
+            continue
+        blk = model.blocks[b]
+        if states is None:
+            h, states, prefix = prefix, [prefix], None
+        else:
+            residuals = [*states, prefix]
+            if (2 * b) % S == 0:
+                states, prefix = residuals, None
+            identity = skip is not None and b == skip + 1 and (2 * b) % S == 0
+            h = residuals[-1] if identity else _db_mix(model.scheme.attn_res[b - 1], residuals, eps)
+        out = blk.attn(blk.attn_norm(h), cos, sin)
+        prefix = out if prefix is None else prefix + out
+        residuals = [*states, prefix]
+        if (2 * b + 1) % S == 0:
+            states, prefix = residuals, None
+        out = blk.mlp(blk.mlp_norm(_db_mix(blk.mlp_res, residuals, eps)))
+        prefix = out if prefix is None else prefix + out
+    residuals = [*states, prefix]
+    h = residuals[-1] if skip == L - 1 else _db_mix(model.scheme.final_res, residuals, eps)
+    return model.unembed(model.ln_final(h))
+
+
+@pytest.mark.parametrize("arch,options", [("attnres", {}), ("blockattnres", {"attnres_block_size": 2}),
+                                          ("blockattnres", {"attnres_block_size": 4}),
+                                          ("blockattnres", {"attnres_block_size": 6})])
+def test_depthbench_skip_rule_equals_depthbench_skip_block(arch, options):
+    """The "depthbench" rule = DepthBench's skip_block written out from its block code, in float64, every block."""
+    model = build(arch, **options).double()
+    perturb(model)
+    toks = tokens()
+    reference_intact = _depthbench_skipped_logits(model, toks, skip=None)
+    torch.testing.assert_close(model(toks), reference_intact, atol=1e-10, rtol=0)  # the reference's blocks are ours
+    differs = []
+    for s in range(model.n_layer):
+        got = model.run(toks, plan=Plan.skipping(s, rule="depthbench"))
+        torch.testing.assert_close(got, _depthbench_skipped_logits(model, toks, skip=s), atol=1e-10, rtol=0)
+        differs.append(not torch.allclose(got, model.run(toks, plan=Plan.skipping(s, rule="next-output")), atol=1e-6))
+    # Full AttnRes: the rules differ only when block 0 is skipped (DepthBench banks the embedding twice)
+    assert differs[0] and (arch == "blockattnres" or not any(differs[1:]))

@@ -22,9 +22,10 @@ from depthtools.analysis import depthbench as db
 
 N_LAYER = 3
 TOL = 1e-6
-FAMILY_ARCHS = ("preln", "lns", "hc", "mhc", "attnres", "moda")  # residual x2, hyper x2, attnres, moda
+FAMILY_ARCHS = ("preln", "lns", "hc", "mhc", "attnres", "blockattnres", "moda")  # residual x2, hyper x2, attnres x2, moda
+ATTNRES_ARCHS = ("attnres", "blockattnres")  # blockattnres at L=3: S = 2 by default, every attention a boundary
 RULE = {"preln": "identity", "lns": "identity", "deepnorm": "identity", "hc": "identity", "mhc": "identity",
-        "attnres": "next-output", "moda": "zero"}
+        "attnres": "depthbench", "blockattnres": "depthbench", "moda": "zero"}
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,8 @@ def probe_states_ref(model, ids, skip=None):
     """DepthBench's forward_depth_states z_0..z_L: block outputs (HC: streams concatenated to n·d);
     AttnRes: the embedding, block l's mixed attention input (hook_attn_in) and the final norm's input."""
     arch, L = model.config.arch, model.n_layer
-    if arch == "attnres":
+    if arch in ATTNRES_ARCHS:
+        assert model.scheme.block_size <= 2  # every attention a boundary: z_l = block l's input mix
         names = [f"blocks.{l}.hook_attn_in" for l in range(L)] + ["hook_embed"]
         _, got = hooked(model, lambda: model.head(manual_run(model, ids, skip=skip)[-1]), names)
         z = [got["hook_embed"]] + [got.get(f"blocks.{l}.hook_attn_in") for l in range(1, L)] + [got["ln_final_in"]]
@@ -122,7 +124,7 @@ def weight_swapped(model, i, j):
                 tj.copy_(tmp)
         if model.config.arch == "lns":
             bi.index, bj.index = bj.index, bi.index
-        if model.config.arch == "attnres":
+        if model.config.arch in ATTNRES_ARCHS:
             L = model.n_layer
             mixer = lambda b: twin.scheme.final_res if b == L - 1 else twin.scheme.attn_res[b]  # noqa: E731
             for pi, pj in zip(mixer(i).parameters(), mixer(j).parameters()):
@@ -272,6 +274,11 @@ def block_outputs_ref(model, ids):
     stream a sequence of its own; AttnRes: the MLP output the block returns)."""
     arch, L = model.config.arch, model.n_layer
     name = {"hc": "hook_streams_post", "mhc": "hook_streams_post", "attnres": "hook_mlp_out"}.get(arch, "hook_resid_post")
+    if arch == "blockattnres":  # S = 2: the running sum a block returns is its attention + MLP outputs
+        assert model.scheme.block_size == 2
+        attn = [f"blocks.{l}.hook_attn_out" for l in range(L)]
+        _, got = hooked(model, lambda: model.run(ids), ["hook_embed", *attn, *(a.replace("attn", "mlp") for a in attn)])
+        return [got["hook_embed"]] + [got[a] + got[a.replace("attn", "mlp")] for a in attn]
     names = ["hook_embed"] + [f"blocks.{l}.{name}" for l in range(L)]
     _, got = hooked(model, lambda: model.run(ids), names)
     outs = [got[n] for n in names]
@@ -300,7 +307,7 @@ def test_token_collapse(models, ids, arch):
 
 
 # -- Jacobian ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["preln", "hc", "attnres"])
+@pytest.mark.parametrize("arch", ["preln", "hc", "attnres", "blockattnres"])
 def test_jacobian_norm(models, ids, arch):
     model = models[arch]
     small = ids[:2, :5]
@@ -308,10 +315,10 @@ def test_jacobian_norm(models, ids, arch):
     got = db.jacobian_norms(model, small, micro_batch_size=2)
     for l in range(N_LAYER):
         state = manual_run(model, small)[l]
-        if arch == "attnres":
+        if arch in ATTNRES_ARCHS:
             # the reference differentiates the plain-autograd path (option fused=False, same weights): the
             # fused bank's gradients are wrong on a second backward through a retained graph
-            plain = tiny("attnres", n_layer=N_LAYER, fused=False)
+            plain = tiny(arch, n_layer=N_LAYER, fused=False)
             plain.load_state_dict(model.state_dict())
             state = manual_run(plain, small)[l]
             x0 = state.partial if state.partial is not None else state.sources[-1]
@@ -359,6 +366,18 @@ def test_logit_lens(models, ids, arch):
     assert got[-1]["kl_to_final"] == pytest.approx(0.0, abs=1e-9) and got[-1]["top5_overlap"] == 1.0
 
 
+def test_block_attnres_states_inside_a_block_are_the_running_sum():
+    """Block AttnRes with S = 4 (boundaries at blocks 0 and 2): z_1 is not a boundary, so DepthBench's probe
+    state is the block's returned running sum (attention + MLP outputs of block 0); z_2 is block 2's input mix."""
+    model = tiny("blockattnres", n_layer=3, attnres_block_size=4)
+    ids = windows(2, 6)
+    names = ["blocks.0.hook_attn_out", "blocks.0.hook_mlp_out", "blocks.2.hook_attn_in"]
+    _, got = hooked(model, lambda: model.run(ids), names)
+    z = db.probe_states(model, ids)
+    torch.testing.assert_close(z[1], got["blocks.0.hook_attn_out"] + got["blocks.0.hook_mlp_out"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(z[2], got["blocks.2.hook_attn_in"], atol=1e-12, rtol=0)
+
+
 def test_attnres_lens_reads_the_next_mix(models, ids):
     """DepthBench's AttnRes lens decodes the next consumer's mix: z_l's logits = final norm + head of block l's
     hook_attn_in."""
@@ -371,14 +390,14 @@ def test_attnres_lens_reads_the_next_mix(models, ids):
 # -- undefined combinations and the tidy table -----------------------------------------------------
 @pytest.mark.parametrize("arch,metric,words", [
     ("attnres", "usefulness_score", "attnres"), ("moda", "usefulness_score", "moda"), ("moda", "jacobian", "moda"),
-    ("denseformer", "causal_score", "denseformer"), ("blockattnres", "angular_distance", "blockattnres")])
+    ("denseformer", "causal_score", "denseformer"), ("blockattnres", "usefulness_score", "blockattnres")])
 def test_undefined_is_one_line_error(arch, metric, words):
     model = tiny(arch, n_layer=2)
     with pytest.raises(DepthToolsError) as err:
         db.check_defined(model, metric)
     message = str(err.value)
     assert "\n" not in message and words in message and ("depthbench" in message.lower() or metric in message)
-    if arch in ("attnres", "moda"):
+    if arch in ("attnres", "blockattnres", "moda"):
         assert metric in message
 
 

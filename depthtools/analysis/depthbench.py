@@ -10,7 +10,8 @@ Conventions that follow DepthBench and differ from depthtools' defaults:
   * token windows are `input_ids` [N, T] and every position counts: geometry metrics use all N·T
     positions (position 0 included), losses all N·(T-1) next-token targets inside the window;
   * skip rule per family: residual blocks are the identity, MoDA's skipped slots stay zero ("zero"),
-    Full AttnRes uses "next-output" (the next mix becomes the identity on the newest source);
+    Full and Block AttnRes use "depthbench" (DepthBench's skip_block: the block passes its input on, the
+    next boundary mix becomes the identity on the newest source; depthtools.arch.attnres);
   * swap exchanges the two blocks' weights (depthtools' `Plan.swapping` follows the same rule);
   * states per script: `depth_probes.forward_depth_states` (angular distance, causal score: HC streams
     concatenated to n·d, AttnRes the next-consumer mix) or the block outputs of the older scripts
@@ -57,7 +58,7 @@ _UNDEFINED = {
 def family(model) -> str:
     """DepthBench's family of `model`: residual, moda, hyper-connections or attnres; a one-line error for
     an architecture DepthBench's probes do not cover (or that depthtools does not reproduce)."""
-    from depthtools.arch.attnres import FullAttnResScheme
+    from depthtools.arch.attnres import AttnResScheme
     from depthtools.arch.hyper import HyperScheme
     from depthtools.arch.moda import MoDAScheme
     from depthtools.arch.norm_family import NormFamilyScheme
@@ -69,13 +70,8 @@ def family(model) -> str:
         return MODA
     if isinstance(scheme, HyperScheme):
         return HYPER
-    if isinstance(scheme, FullAttnResScheme):
+    if isinstance(scheme, AttnResScheme):  # Full and Block AttnRes
         return ATTNRES
-    if arch == "blockattnres":
-        raise DepthToolsError(
-            "--protocol depthbench is not reproduced for blockattnres: DepthBench's Block AttnRes skip neither pushes "
-            "the running sum at a skipped boundary nor replaces a non-boundary mix (depthtools' next-output rule "
-            "does both); use --protocol depthtools")
     raise DepthToolsError(f"--protocol depthbench is undefined for {arch}: DepthBench's depth probes cover the "
                           "residual family, MoDA, HC/mHC and AttnRes only; use --protocol depthtools")
 
@@ -92,8 +88,9 @@ def check_defined(model, metric: str) -> str:
 
 
 def skip_rule(model) -> str:
-    """DepthBench's skip rule in depthtools' names: identity (residual, HC), zero (MoDA), next-output (AttnRes)."""
-    return {RESIDUAL: "identity", HYPER: "identity", MODA: "zero", ATTNRES: "next-output"}[family(model)]
+    """DepthBench's skip rule in depthtools' names: identity (residual, HC), zero (MoDA), depthbench (Full and
+    Block AttnRes: `depth_probes.skip_block`, see depthtools.arch.attnres)."""
+    return {RESIDUAL: "identity", HYPER: "identity", MODA: "zero", ATTNRES: "depthbench"}[family(model)]
 
 
 def skip_plan(model, position: int) -> Plan:
@@ -121,12 +118,17 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 # -- depth states -----------------------------------------------------------------------------
 def probe_state(model, state) -> torch.Tensor:
     """[B,T,k]: `depth_probes.forward_depth_states`' z_l (HC: the n streams concatenated, n·d; AttnRes:
-    the raw mix the next consumer computes; residual/MoDA: the block output)."""
+    the raw mix the next consumer computes at a true boundary — every depth for Full AttnRes; Block AttnRes:
+    depth 0, L and l whose attention closes a block, 2l mod S = 0 — else the running sum the block returns;
+    residual/MoDA: the block output)."""
     fam = family(model)
     if fam == HYPER:
         return state.flatten(-2)
     if fam == ATTNRES:
-        return model.readout(state)
+        l, S = state.depth, model.scheme.block_size
+        if l in (0, model.n_layer) or (2 * l) % S == 0:
+            return model.readout(state)
+        return block_output(model, state)
     return state.h if fam == MODA else state
 
 

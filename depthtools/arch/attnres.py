@@ -48,9 +48,16 @@ Skip rules (`skip_rules`, first = default):
     remaining sources); the next mix uses the mixer the intact model would use there. With zero
     queries this is exactly Pre-LN's identity-skip (uniform average, RMSNorm is scale invariant),
     so it is the faithful analogue of "remove the block" — hence the default.
-  * "next-output" (DepthBench): block l contributes no sources AND the next mix (block l+1's
+  * "next-output": block l contributes no sources AND the next mix (block l+1's
     attention-side mix, or the final mix) is replaced by the identity on the newest source.
 In both, block-boundary bookkeeping (pushing the partial) is positional and still happens.
+  * "depthbench" (DepthBench's `depth_probes.skip_block`, what `--protocol depthbench` uses): the block
+    returns its input unchanged, running sum included, so a boundary it would close pushes nothing (the
+    next boundary pushes the running sum); block 0 returns (embedding, [embedding]), making the embedding
+    the running sum too (a second copy of it enters the bank at the next boundary); the next mix is the
+    identity on the newest source only if it is a boundary mix (next block's attention closes a block,
+    or the final mix), else the intact model's mixer. For Full AttnRes it equals "next-output" except
+    when block 0 is skipped (the duplicated embedding source).
 
 Hooks (not a single residual stream: `hook_resid_*` are not used): per block
 `hook_attnres_weights_attn|mlp` [B,T,n_sources] (depth-attention maps, editable),
@@ -137,7 +144,7 @@ class AttnResScheme(ResidualScheme):
     single_stream = False
     compile_region = "sublayer"  # the depth mixes keep their fused bank (its source count grows with depth)
     kernel_libraries = ("bank",)
-    skip_rules = ("mask", "next-output")
+    skip_rules = ("mask", "next-output", "depthbench")
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:
@@ -202,9 +209,21 @@ class AttnResScheme(ResidualScheme):
 
     def skip(self, position: int, state: SourceBank, rule: str | None = None) -> SourceBank:
         rule = self._check_rule(rule)
+        if rule == "depthbench":
+            return self._skip_depthbench(position, state)
         for sublayer in (2 * position, 2 * position + 1):  # boundaries are structure: still close blocks
             state = self._close_block(sublayer, state)
         return replace(state, depth=position + 1, consumer=None if rule == "next-output" else position)
+
+    def _skip_depthbench(self, position: int, state: SourceBank) -> SourceBank:
+        """DepthBench's `depth_probes.skip_block` in our state: the skipped block returns its input (running sum,
+        bank) unchanged, so nothing is pushed even at a boundary the block would have closed (the next boundary
+        pushes the running sum instead); block 0 returns (embedding, [embedding]), so the embedding also becomes
+        the running sum. The next mix is the identity on its newest source when it is a boundary mix (the next
+        block's attention closes a block, or the final mix), else the mixer the intact model uses there."""
+        partial = state.sources[0] if position == 0 and state.partial is None else state.partial
+        boundary = position == self.cfg.n_layer - 1 or (2 * position + 2) % self.block_size == 0
+        return replace(state, partial=partial, depth=position + 1, consumer=None if boundary else position)
 
     def readout(self, state: SourceBank) -> torch.Tensor:
         """Next-consumer mix [B,T,d]; at depth L the final mix the logits use."""
