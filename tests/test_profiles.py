@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 from depthtools.presets import DEPTHBENCH_TEN
@@ -179,3 +180,53 @@ def test_grid_plan_profile_and_a_spec_naming_one(tmp_path):
     assert load_spec(plain)["train"] == {"tokens": 1000}  # no profile: untouched
     with pytest.raises(DepthToolsError, match="unknown profile 'olmo'"):
         load_spec({**spec, "train": {"profile": "olmo"}})
+
+
+def _sinkhorn_log(logits, num_iters=20):
+    """DepthBench's `hyper_connections.sinkhorn_log` (tau 1) written out: log-domain potentials with marginals
+    1/n, each round the row potential u first, then the column potential v; exp(z + u + v) · n."""
+    n = logits.shape[-1]
+    u = torch.zeros(logits.shape[:-1], dtype=logits.dtype)
+    v = torch.zeros(logits.shape[:-2] + logits.shape[-1:], dtype=logits.dtype)
+    for _ in range(num_iters):
+        u = -math.log(n) - torch.logsumexp(logits + v.unsqueeze(-2), dim=-1)
+        v = -math.log(n) - torch.logsumexp(logits + u.unsqueeze(-1), dim=-2)
+    return torch.exp(logits + u.unsqueeze(-1) + v.unsqueeze(-2)) * n
+
+
+def test_depthbench_profile_mhc_sinkhorn_is_depthbench_sinkhorn_log():
+    """mHC under the profile (cols_last, 20 rounds): every connector's H_res equals DepthBench's sinkhorn_log of
+    the connector's logits (gate · x'φ_res + bias, x' = the RMS-normed flattened streams), float64."""
+    from depthtools.arch import DepthModel
+    from depthtools.arch.hyper import sinkhorn_knopp
+
+    cfg = profiles.apply_model("depthbench", ModelConfig(arch="mhc", **SMALL))
+    assert (cfg.options["sinkhorn_order"], cfg.options["sinkhorn_iters"]) == ("cols_last", 20)
+    model = DepthModel(cfg, seed=0).double().eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # strong, asymmetric logits: the Sinkhorn order matters at these
+        for block in model.blocks:
+            for conn in (block.attn_hc, block.mlp_hc):
+                conn.gate_res.fill_(2.0)
+                conn.phi_res.add_(0.5 * torch.randn(conn.phi_res.shape, generator=gen, dtype=torch.float64))
+                conn.bias_res.add_(2.0 * torch.randn(conn.bias_res.shape, generator=gen, dtype=torch.float64))
+    names = [f"blocks.{l}.{hook}" for l in range(model.n_layer)
+             for hook in ("hook_streams_pre", "hook_streams_mid", "attn_hc.hook_res_weights", "mlp_hc.hook_res_weights")]
+    got = {}
+
+    def store(t, hook):
+        got[hook.name] = t.detach().clone()
+
+    toks = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=gen)
+    with torch.no_grad(), model.hooks(fwd_hooks=[(name, store) for name in names]):
+        model(toks)
+    n = model.scheme.n
+    for l, block in enumerate(model.blocks):
+        for conn, streams, res in ((block.attn_hc, "hook_streams_pre", "attn_hc.hook_res_weights"),
+                                   (block.mlp_hc, "hook_streams_mid", "mlp_hc.hook_res_weights")):
+            x = got[f"blocks.{l}.{streams}"].flatten(-2)  # [B,T,n·d]
+            x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + conn.eps)
+            logits = conn.gate_res * (x @ conn.phi_res).unflatten(-1, (n, n)) + conn.bias_res
+            want = _sinkhorn_log(logits.detach())
+            torch.testing.assert_close(got[f"blocks.{l}.{res}"], want, atol=1e-10, rtol=0)
+            assert not torch.allclose(want, sinkhorn_knopp(logits.detach(), 20, "rows_last"), atol=1e-4)
