@@ -34,7 +34,8 @@ def zero_branches(model: DepthModel, block: int) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_mode_gives_tidy_rows_or_a_clear_refusal(arch):
     model, toks = tiny(arch), windows()
-    L, rules = model.n_layer, list(model.scheme.skip_rules)
+    L = model.n_layer
+    rules = [r for r in model.scheme.skip_rules if r not in model.scheme.on_request_skip_rules]  # the default sweep
     skip = ablate(model, toks, mode="skip", batch_size=2)
     assert len(skip) == L * len(rules) and sorted(set(skip["rule"])) == sorted(rules)
     assert list(skip["layer"][: L]) == list(range(L)) and list(skip["rel_depth"][:L]) == [l / L for l in range(L)]
@@ -215,3 +216,13 @@ def test_cli_bad_inputs_are_one_line_errors(saved, monkeypatch):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
     assert "unknown checkpoint" in proc.stderr
+
+
+def test_an_on_request_skip_rule_runs_only_when_named():
+    """AttnRes' "depthbench" rule (DepthBench's skip_block) is valid but not part of the default skip sweep,
+    so a default `ablate --mode skip` keeps its two rules (and its cost)."""
+    model, toks = tiny("attnres"), windows()
+    default = ablate(model, toks, mode="skip", batch_size=2)
+    named = ablate(model, toks, mode="skip", batch_size=2, rules=["depthbench"])
+    assert set(default["rule"]) == {"mask", "next-output"}
+    assert set(named["rule"]) == {"depthbench"} and len(named) == model.n_layer

@@ -96,7 +96,8 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
 # -- plan families -------------------------------------------------------------------------------
 def _rules(model, rules: Sequence[str] | None) -> list[str]:
     valid = list(model.scheme.skip_rules)
-    chosen = valid if rules is None else list(rules)
+    default = [r for r in valid if r not in model.scheme.on_request_skip_rules]
+    chosen = default if rules is None else list(rules)
     bad = [r for r in chosen if r not in valid]
     if bad or not chosen:
         raise DepthToolsError(f"unknown skip rule(s) {bad} for {model.config.arch}; valid: {', '.join(valid)}")
@@ -374,8 +375,8 @@ def ablate(
 ) -> pd.DataFrame:
     """One tidy row per model × plan for an ablation `mode` (see the module docstring).
 
-    `rules`: skip rules to run (default every rule in `model.scheme.skip_rules`, rows labelled by
-    rule). `tau`: pruning tolerance in nats. `fit_tokens`: tokens for the linear/mean fits.
+    `rules`: skip rules to run (default every rule in `model.scheme.skip_rules` but its
+    `on_request_skip_rules`; rows labelled by rule). `tau`: pruning tolerance in nats. `fit_tokens`: tokens for the linear/mean fits.
     """
     check_mode(mode)
     if mode == "swap":

@@ -145,6 +145,7 @@ class AttnResScheme(ResidualScheme):
     compile_region = "sublayer"  # the depth mixes keep their fused bank (its source count grows with depth)
     kernel_libraries = ("bank",)
     skip_rules = ("mask", "next-output", "depthbench")
+    on_request_skip_rules = ("depthbench",)  # run by a skip sweep only when named (its default stays mask + next-output)
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:

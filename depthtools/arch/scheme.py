@@ -152,6 +152,9 @@ class ResidualScheme(nn.Module):
 
     single_stream: bool = True
     skip_rules: tuple[str, ...] = ("identity",)
+    # the rules a skip sweep runs when none is named (`ablate --mode skip`, `analyze`); the others only on request
+    # (AttnRes' "depthbench" rule is what `--protocol depthbench` uses, not a third default sweep)
+    on_request_skip_rules: tuple[str, ...] = ()
     compile_region: str = "none"  # what depthtools.arch.compiled compiles: "step" | "sublayer" | "none"
 
     # cpu_kernels libraries its fused path uses: built on the first CPU call that needs them, never when a model is
