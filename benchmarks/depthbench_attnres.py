@@ -30,7 +30,9 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # grid_table.py, beside this file
 
@@ -43,6 +45,13 @@ from depthtools.profiles import apply_to_spec  # noqa: E402
 
 RECIPES = ("depthtools", "depthbench")  # depthtools' default recipe, then the profile
 ARCHS = ("preln", "attnres")
+
+# The default recipe's L4 -> L32 loss change per architecture as recorded from the `afternoon` grid (the same
+# cells: preset shapes, data, recipe and seeds 0-2; trained 2026-12-04 with `depthtools grid train --preset
+# afternoon --workers 2`, table by `python benchmarks/grid_table.py checkpoints/afternoon --baseline preln`,
+# README/docs/seeds.md): mean and 95% t-interval over 3 seeds, rounded to 3 decimals. `table --default recorded`
+# compares the profile's grid against these when the default-recipe grid was not retrained.
+RECORDED_DEFAULT_L4_L32 = {"preln": (0.074, 0.058, 0.089, 3), "attnres": (0.119, 0.102, 0.135, 3)}
 
 
 def grid_name(prefix: str, recipe: str) -> str:
@@ -67,13 +76,13 @@ def plan_specs(prefix: str, layers: list[int], seeds: list[int], tokens: int | N
     return specs
 
 
-def read_cells(root: Path, prefix: str) -> pd.DataFrame:
-    """Finished cells of both grids, one row each, with a `recipe` column."""
+def read_cells(root: Path, prefix: str, recipes: tuple[str, ...] = RECIPES) -> pd.DataFrame:
+    """Finished cells of the recipes' grids, one row each, with a `recipe` column."""
     from depthtools.report.data import read_grid
     from depthtools.report.frames import cells_frame
 
     frames = []
-    for recipe in RECIPES:
+    for recipe in recipes:
         grid = root / grid_name(prefix, recipe)
         if not grid.is_dir():
             raise SystemExit(f"{grid}: no such grid folder; train it first (see this script's docstring)")
@@ -136,6 +145,46 @@ def markdown(cells: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def _stats_from_interval(mean: float, lo: float, hi: float, n: int, per: float) -> tuple[float, float, int]:
+    """(mean, standard error, n) of a recorded 95% t-interval over n seeds, scaled by 1/per."""
+    half = (hi - lo) / 2
+    return mean / per, half / stats.t.ppf(0.975, n - 1) / per, n
+
+
+def welch_from_stats(parts: list[tuple[float, float, int]], weights: list[float]) -> tuple[float, float, float]:
+    """Σ w_k m_k with its 95% Welch-Satterthwaite interval from summary statistics (mean, se, n) of
+    independent seed samples (what `seeds.welch_combination` computes from the samples themselves)."""
+    value = sum(w * m for w, (m, _, _) in zip(weights, parts))
+    v = [w * w * se * se for w, (_, se, _) in zip(weights, parts)]
+    dof = sum(v) ** 2 / sum(vk * vk / (n - 1) for vk, (_, _, n) in zip(v, parts))
+    half = stats.t.ppf(0.975, dof) * math.sqrt(sum(v))
+    return value, value - half, value + half
+
+
+def recorded_comparison(cells: pd.DataFrame) -> str:
+    """The profile's per-seed slopes (L4, L32 only) against the recorded default recipe (RECORDED_DEFAULT_L4_L32)."""
+    s = slopes_by(cells)
+    doublings = math.log2(32 / 4)
+    rec = {a: _stats_from_interval(*RECORDED_DEFAULT_L4_L32[a][:3], RECORDED_DEFAULT_L4_L32[a][3], doublings)
+           for a in ARCHS}
+    prof = {a: (float(np.mean(s[("depthbench", a)])),
+                float(np.std(s[("depthbench", a)], ddof=1) / math.sqrt(len(s[("depthbench", a)]))),
+                len(s[("depthbench", a)])) for a in ARCHS}
+
+    def show(v):
+        m, lo, hi = v
+        return f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}] ({'covers 0' if lo <= 0 <= hi else 'excludes 0'})"
+
+    lines = ["| recipe | Pre-LN slope per doubling (L4->L32) | Full AttnRes slope | AttnRes - Pre-LN (Welch) |",
+             "|---|---|---|---|"]
+    for name, src in (("depthtools (recorded)", rec), ("depthbench profile", prof)):
+        lines.append(f"| {name} | " + " | ".join(show(welch_from_stats([src[a]], [1])) for a in ARCHS)
+                     + f" | {show(welch_from_stats([src['attnres'], src['preln']], [1, -1]))} |")
+    lines.append("| profile - default | " + " | ".join(show(welch_from_stats([prof[a], rec[a]], [1, -1])) for a in ARCHS)
+                 + f" | {show(welch_from_stats([prof['attnres'], prof['preln'], rec['attnres'], rec['preln']], [1, -1, -1, 1]))} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,6 +197,9 @@ def main() -> None:
     table = sub.add_parser("table", help="print the slopes and differences of the trained grids")
     table.add_argument("--root", type=Path, default=Path("checkpoints"))
     table.add_argument("--prefix", default="attnres")
+    table.add_argument("--default", choices=("trained", "recorded"), default="trained",
+                       help="recorded: compare the profile's grid with the afternoon grid's recorded default-recipe "
+                            "intervals (RECORDED_DEFAULT_L4_L32) instead of a retrained default grid")
     args = parser.parse_args()
     if args.command == "plan":
         layers = [int(v) for v in args.layers.split(",")]
@@ -155,6 +207,11 @@ def main() -> None:
         for recipe, spec in plan_specs(args.prefix, layers, parse_seeds(args.seeds), args.tokens).items():
             path = save_grid(spec, args.out_dir / f"{grid_name(args.prefix, recipe)}.json")
             print(f"wrote {path} ({len(spec['cells'])} cells)")
+        return
+    if args.default == "recorded":
+        cells = read_cells(args.root, args.prefix, recipes=("depthbench",))
+        print(f"{len(cells)} finished cells of the profile's grid under {args.root}\n")
+        print(recorded_comparison(cells))
         return
     cells = read_cells(args.root, args.prefix)
     print(f"{len(cells)} finished cells under {args.root}\n")
