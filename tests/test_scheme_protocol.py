@@ -55,7 +55,7 @@ class ToyScheme(ResidualScheme):
 def toy():
     register(ArchSpec("toy", "baseline", "toy", "1", lambda c: 1, "none", ToyScheme))
     yield "toy"
-    registry._REGISTRY.pop("toy")
+    registry.unregister("toy")
 
 
 def test_a_registered_scheme_gets_options_flops_routing_and_the_probe(toy, monkeypatch):

@@ -6,7 +6,7 @@ block is bypassed. `DepthModel` owns the shared backbone (embedding, blocks' att
 final norm, unembedding) and drives the scheme. Analyses only see `DepthModel`'s contract.
 
 Everything the rest of the package needs to know about an architecture is asked of its scheme, so
-adding one is a scheme file (a subclass plus its `ARCH_SPECS`) and its module in registry.ARCH_MODULES:
+adding one is a scheme file (a subclass) and one `depthtools.arch.register(ArchSpec(...))` call:
 
     option_schema(arch)   {name: Option}: the options ModelConfig accepts (kind, default, valid values)
     extra_flops()         forward FLOPs per token added to Pre-LN (depthtools.train.flops)
