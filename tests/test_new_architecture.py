@@ -53,8 +53,8 @@ SCHEME_FILE = textwrap.dedent('''
 
         def build_block(self, block):
             block.attn_norm, block.mlp_norm = make_norm(self.cfg), make_norm(self.cfg)
-            block.attn_gate = nn.Parameter(torch.full((1,), float(self.opts["gate_init"])))
-            block.mlp_gate = nn.Parameter(torch.full((1,), float(self.opts["gate_init"])))
+            block.attn_gate = nn.Parameter(torch.full((1,), float(self.opts.gate_init)))
+            block.mlp_gate = nn.Parameter(torch.full((1,), float(self.opts.gate_init)))
 
         def step(self, position, block, h, home, rope):
             h = block.hook_resid_pre(h)

@@ -30,7 +30,7 @@ class ToyScheme(ResidualScheme):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.mix = torch.nn.Parameter(torch.tensor(float(self.opts["toy_init"])))
+        self.mix = torch.nn.Parameter(torch.tensor(float(self.opts.toy_init)))
 
     def build_block(self, block):
         block.attn_norm, block.mlp_norm = RMSNorm(self.cfg.d_model), RMSNorm(self.cfg.d_model)

@@ -807,12 +807,12 @@ class HyperScheme(ResidualScheme):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)  # sets self.opts (validated, defaults filled in)
-        self.n = self.opts["n_streams"]
-        if self.opts["head_mixer"] and self.opts["readout"] != "sum":
+        self.n = self.opts.n_streams
+        if self.opts.head_mixer and self.opts.readout != "sum":
             raise DepthToolsError(f"{cfg.arch}: head_mixer weights the streams itself; it needs readout='sum', "
-                                  f"got readout={self.opts['readout']!r}")
+                                  f"got readout={self.opts.readout!r}")
         self._blocks: list[nn.Module] = []  # plain list (not registered): for the "branch" skip
-        if self.opts["head_mixer"]:
+        if self.opts.head_mixer:
             nd = self.n * cfg.d_model
             self.head_fn = nn.Parameter(torch.zeros(self.n, nd))  # [n, n·d]
             self.head_base = nn.Parameter(torch.zeros(self.n))
@@ -837,11 +837,11 @@ class HyperScheme(ResidualScheme):
     def _connector(self, sublayer_index: int) -> _Connector:
         opts, d = self.opts, self.cfg.d_model
         if self.cfg.arch == "hc":
-            return HyperConnection(self.n, d, sublayer_index, opts["connector_norm_eps"], opts["connector_norm_gain"],
-                                   opts["fused"])
+            return HyperConnection(self.n, d, sublayer_index, opts.connector_norm_eps, opts.connector_norm_gain,
+                                   opts.fused)
         return ManifoldHyperConnection(
-            self.n, d, sublayer_index, opts["connector_norm_eps"], opts["mhc_init"], opts["sinkhorn_iters"],
-            opts["sinkhorn_order"], opts["fused"],
+            self.n, d, sublayer_index, opts.connector_norm_eps, opts.mhc_init, opts.sinkhorn_iters,
+            opts.sinkhorn_order, opts.fused,
         )
 
     def build_block(self, block: nn.Module) -> None:
@@ -856,10 +856,10 @@ class HyperScheme(ResidualScheme):
         """DepthBench: w_o and w2 / √n; mhc_init="uniform": φ ~ N(0, 0.02)."""
         with torch.no_grad():
             for block in model.blocks:
-                if self.opts["scale_output_init_by_sqrt_n"]:
+                if self.opts.scale_output_init_by_sqrt_n:
                     block.attn.w_o.weight.div_(math.sqrt(self.n))
                     block.mlp.w2.weight.div_(math.sqrt(self.n))
-                if self.cfg.arch == "mhc" and self.opts["mhc_init"] == "uniform":
+                if self.cfg.arch == "mhc" and self.opts.mhc_init == "uniform":
                     for conn in (block.attn_hc, block.mlp_hc):
                         for phi in (conn.phi_pre, conn.phi_post, conn.phi_res):
                             nn.init.normal_(phi, std=0.02)
@@ -878,7 +878,7 @@ class HyperScheme(ResidualScheme):
         if self.cfg.arch == "hc":
             return ("static_alpha", "static_beta")
         biases = ("bias_pre", "bias_post", "bias_res")
-        return biases + (("gate_pre", "gate_post", "gate_res") if self.opts["mhc_init"] == "uniform" else ())
+        return biases + (("gate_pre", "gate_post", "gate_res") if self.opts.mhc_init == "uniform" else ())
 
     # -- the depth-state contract -------------------------------------------------------------
     def embed_state(self, x0: torch.Tensor) -> torch.Tensor:
@@ -897,7 +897,7 @@ class HyperScheme(ResidualScheme):
         u, mixed, depth = connector(H)  # [B,T,d], [B,T,n,d], [B,T,n]
         y = hook_out(fn(norm(u)))  # [B,T,d]
         dtype = torch.promote_types(mixed.dtype, y.dtype)
-        update = _Update.apply if self.opts["fused"] and not compiling() else reference.stream_update
+        update = _Update.apply if self.opts.fused and not compiling() else reference.stream_update
         return update(mixed.to(dtype), depth.to(dtype), y.to(dtype))
 
     def skip(self, position, state, rule=None):
@@ -913,7 +913,7 @@ class HyperScheme(ResidualScheme):
         """[B,T,d]: Σ_s H_s (readout "sum"), the mean (readout "mean"), or the learned head mixer
         Σ_s p_s H_s when enabled. readout "normed_sum" has no vector before the final norm: an error."""
         if self.head_fn is None:
-            mode = self.opts["readout"]
+            mode = self.opts.readout
             if mode == "normed_sum":
                 raise DepthToolsError(
                     f"{self.cfg.arch} with readout='normed_sum' norms each stream before summing, so there is no "
@@ -926,7 +926,7 @@ class HyperScheme(ResidualScheme):
     def final_hidden(self, state: torch.Tensor, final_norm: nn.Module) -> torch.Tensor:
         """[B,T,d] the unembedding reads: final_norm(readout), or for readout "normed_sum" (DepthBench's
         HC head, `Transformer.forward`: lm_head.norm on every folded stream, then the sum) Σ_s final_norm(H_s)."""
-        if self.head_fn is None and self.opts["readout"] == "normed_sum":
+        if self.head_fn is None and self.opts.readout == "normed_sum":
             return final_norm(state).sum(-2)
         return final_norm(self.readout(state))
 
@@ -937,7 +937,7 @@ class HyperScheme(ResidualScheme):
         with _full_precision(state):
             dtype = _compute_dtype(state)
             x = state.flatten(-2).to(dtype)  # [B,T,n·d]
-            mix = (x @ self.head_fn.to(dtype).T) * _inverse_rms(x, self.opts["connector_norm_eps"])  # x' W^T
+            mix = (x @ self.head_fn.to(dtype).T) * _inverse_rms(x, self.opts.connector_norm_eps)  # x' W^T
             logits = self.head_scale.to(dtype) * mix + self.head_base.to(dtype)  # [B,T,n]
             return torch.sigmoid(logits) + HEAD_EPS
 
@@ -1006,18 +1006,18 @@ class HyperScheme(ResidualScheme):
 # -- registry ---------------------------------------------------------------------------------
 
 def _n(cfg: ModelConfig) -> int:
-    return int(cfg.options.get("n_streams", 4))
+    return HyperScheme.options_for(cfg).n_streams
 
 
 def _head_mixer_params(cfg: ModelConfig) -> int:
     n = _n(cfg)
-    return n * n * cfg.d_model + n + 1 if cfg.options.get("head_mixer", False) else 0
+    return n * n * cfg.d_model + n + 1 if HyperScheme.options_for(cfg).head_mixer else 0
 
 
 def hc_extra_params(cfg: ModelConfig) -> int:
     """2L·(n² + 2n + 2 + d(n+2)) (+ 2L·d connector norm gains, + n²d + n + 1 with the head mixer)."""
     n, d, L = _n(cfg), cfg.d_model, cfg.n_layer
-    gains = 2 * L * d if cfg.options.get("connector_norm_gain", False) else 0
+    gains = 2 * L * d if HyperScheme.options_for(cfg).connector_norm_gain else 0
     return 2 * L * (n * n + 2 * n + 2 + d * (n + 2)) + gains + _head_mixer_params(cfg)
 
 
