@@ -108,7 +108,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch import reference
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
-from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme, resolve_options
+from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
 from depthtools.arch import compiled, cpu_kernels
 from depthtools.arch.compiled import compiling, sinkhorn_op
 from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
@@ -164,11 +164,6 @@ def legacy_options(model: dict) -> dict:
         return model
     missing = {k: v for k, v in _LEGACY_DEFAULTS[model["arch"]].items() if k not in options}
     return {**model, "options": {**options, **missing}} if missing else model
-
-
-def hyper_options(cfg: ModelConfig) -> dict:
-    """cfg.options merged over this architecture's defaults, validated (one-line errors)."""
-    return resolve_options(HyperScheme.option_schema(cfg.arch), cfg)
 
 
 def _option(default, choices: tuple = ()) -> Option:
@@ -797,6 +792,9 @@ class HyperScheme(ResidualScheme):
     skip_rules = ("identity", "branch")
     compile_region = "step"  # under torch.compile the connectors take their plain-autograd references
     kernel_libraries = ("connector",)
+    # the one structural difference of mHC (MHCScheme) from HC (HCScheme): sigmoid pre/post and a Sinkhorn
+    # doubly stochastic stream mixer (ManifoldHyperConnection) instead of tanh-dynamic width/depth connections
+    manifold: bool = False
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:
@@ -829,14 +827,14 @@ class HyperScheme(ResidualScheme):
         vec H [nd] @ [nd, n²+2n]) and [w; R] @ H ([n+1, n] @ [n, d]); the head mixer's vec H @ head_fnᵀ.
         The update R H + β ⊗ y, the norms, tanh/sigmoid and Sinkhorn are elementwise (not counted)."""
         n, d, L = self.n, self.cfg.d_model, self.cfg.n_layer
-        projection = n * d * (n + 2) if self.cfg.arch == "hc" else n * d * (n * n + 2 * n)
+        projection = n * d * (n * n + 2 * n) if self.manifold else n * d * (n + 2)
         head = n * n * d if self.head_fn is not None else 0
         return 2.0 * (2 * L * (projection + (n + 1) * n * d) + head)
 
     # -- construction -------------------------------------------------------------------------
     def _connector(self, sublayer_index: int) -> _Connector:
         opts, d = self.opts, self.cfg.d_model
-        if self.cfg.arch == "hc":
+        if not self.manifold:
             return HyperConnection(self.n, d, sublayer_index, opts.connector_norm_eps, opts.connector_norm_gain,
                                    opts.fused)
         return ManifoldHyperConnection(
@@ -859,14 +857,14 @@ class HyperScheme(ResidualScheme):
                 if self.opts.scale_output_init_by_sqrt_n:
                     block.attn.w_o.weight.div_(math.sqrt(self.n))
                     block.mlp.w2.weight.div_(math.sqrt(self.n))
-                if self.cfg.arch == "mhc" and self.opts.mhc_init == "uniform":
+                if self.manifold and self.opts.mhc_init == "uniform":
                     for conn in (block.attn_hc, block.mlp_hc):
                         for phi in (conn.phi_pre, conn.phi_post, conn.phi_res):
                             nn.init.normal_(phi, std=0.02)
 
     def no_decay_names(self) -> tuple[str, ...]:
-        routing = ("static_alpha", "static_beta", "alpha_scale", "beta_scale") if self.cfg.arch == "hc" else (
-            "bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res")
+        routing = ("bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res") if self.manifold else (
+            "static_alpha", "static_beta", "alpha_scale", "beta_scale")
         return routing + ("head_base", "head_scale")
 
     def static_routing_names(self) -> tuple[str, ...]:
@@ -875,7 +873,7 @@ class HyperScheme(ResidualScheme):
         `liger_mhc` backend) the biases b and the gates alpha_pre/post/res = bias_*, gate_* (φ decays);
         mHC with another init (its PyTorch `mhc` backend) the biases pre/post/residual_bias = bias_* only.
         The head mixer is not DepthBench's, so it decays like any other parameter there."""
-        if self.cfg.arch == "hc":
+        if not self.manifold:
             return ("static_alpha", "static_beta")
         biases = ("bias_pre", "bias_post", "bias_res")
         return biases + (("gate_pre", "gate_post", "gate_res") if self.opts.mhc_init == "uniform" else ())
@@ -959,7 +957,7 @@ class HyperScheme(ResidualScheme):
 
         def store(tensor, hook):
             key = names[hook.name]
-            if key[1] == "res" and self.cfg.arch == "mhc":
+            if key[1] == "res" and self.manifold:
                 residuals[key[0]] = sinkhorn_residuals(tensor.detach().to(F64))  # exact sums of the stored entries
             cache[key] = tensor.detach()[:, exclude_first:].to(F64).flatten(0, 1)  # [N, ...]
 
@@ -1003,6 +1001,18 @@ class HyperScheme(ResidualScheme):
         return state.flatten(-2)
 
 
+class HCScheme(HyperScheme):
+    """HC: tanh-dynamic width/depth connections per sublayer (HyperConnection)."""
+
+    manifold = False
+
+
+class MHCScheme(HyperScheme):
+    """mHC: sigmoid pre/post and a Sinkhorn doubly stochastic stream mixer (ManifoldHyperConnection)."""
+
+    manifold = True
+
+
 # -- registry ---------------------------------------------------------------------------------
 
 def _n(cfg: ModelConfig) -> int:
@@ -1034,7 +1044,7 @@ ARCH_SPECS = [
         extra_formula="2L·(n² + 2n + 2 + d(n+2)) [+ 2Ld connector norm gains] [+ n²d + n + 1 head mixer]",
         extra_params=hc_extra_params,
         paper="Zhu et al. 2024, Hyper-Connections, arXiv 2409.19606",
-        scheme=HyperScheme, in_depthbench=True,
+        scheme=HCScheme, in_depthbench=True,
     ),
     ArchSpec(
         name="mhc", family="multi-stream",
@@ -1042,6 +1052,6 @@ ARCH_SPECS = [
         extra_formula="2L·(nd(n² + 2n) + n² + 2n + 3) [+ n²d + n + 1 head mixer]",
         extra_params=mhc_extra_params,
         paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections, arXiv 2512.24880",
-        scheme=HyperScheme, in_depthbench=True,
+        scheme=MHCScheme, in_depthbench=True,
     ),
 ]
