@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from depthtools.arch import DepthModel, Plan, bankops, cpu_kernels, hyper, moda, reference
+from depthtools.arch import DepthModel, Plan, list_archs, bankops, cpu_kernels, hyper, moda, reference
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 
 F64 = torch.float64
-FUSED_ARCHS = ["hc", "mhc", "attnres", "blockattnres", "denseformer", "moda"]
+# every architecture with a fused path (the option `fused` selects it), read from the registry
+FUSED_ARCHS = [spec.name for spec in list_archs() if "fused" in spec.option_schema()]
 
 
 def randn(*shape, seed, scale=1.0, grad=True):

@@ -230,3 +230,22 @@ def test_transformer_lens_logit_lens_accepts_single_stream_models(arch):
     states = model.run_states(t[:, :-1])
     mid = model.head(states[2]).log_softmax(-1).gather(-1, t[:, 1:, None]).squeeze(-1)
     assert torch.allclose(result.values[2, ..., 0].double(), mid, atol=1e-6)
+
+
+def test_every_member_is_a_recipe_row_and_its_options_not_its_name_choose_the_switches():
+    """Behaviour is data (norm_family.RECIPES) plus options: every registered member has a row, and a config
+    whose options equal another member's defaults-made-explicit gets the same switches at every position."""
+    from depthtools.arch import list_archs
+    from depthtools.arch.norm_family import RECIPES, NormFamilyScheme
+    from depthtools.errors import DepthToolsError
+
+    members = {s.name for s in list_archs() if issubclass(s.scheme, NormFamilyScheme)}
+    assert members == set(RECIPES)
+    shape = dict(vocab_size=V, d_model=32, n_layer=8, n_heads=4, max_seq_len=32)
+    depthmup = ModelConfig(arch="depthmup", **shape)
+    as_completep = ModelConfig(arch="completep", options={"depth_exponent": 0.5}, **shape)
+    assert [sublayer_specs(depthmup, p) for p in range(8)] == [sublayer_specs(as_completep, p) for p in range(8)]
+    keel = ModelConfig(arch="keel", options={"keel_alpha": 3}, **shape)
+    assert {sublayer_specs(keel, p)[0].alpha for p in range(1, 8)} == {3.0} and sublayer_specs(keel, 0)[0].alpha == 1.0
+    with pytest.raises(DepthToolsError, match="'hc' is not a normalisation-family architecture"):
+        sublayer_specs(ModelConfig(arch="hc", **shape), 0)

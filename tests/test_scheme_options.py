@@ -1,6 +1,8 @@
 """Architecture options (issue 19): every scheme declares its options (kind, default, valid values),
 and ModelConfig / DepthModel refuse an unknown key or a bad value for every architecture."""
 
+import dataclasses
+
 import pytest
 
 from depthtools.arch import DepthModel, get_arch, list_archs
@@ -43,11 +45,27 @@ def test_declared_options_build_with_their_defaults_and_refuse_bad_values(arch):
     for name, option in schema.items():
         cfg = ModelConfig(arch=arch, options={name: option.default_for(ModelConfig(arch=arch, **SHAPE))}, **SHAPE)
         model = DepthModel(cfg)
-        assert model.scheme.opts[name] == cfg.options[name]
+        assert getattr(model.scheme.opts, name) == cfg.options[name]
         with pytest.raises(DepthToolsError, match=f"{arch} option {name} must be") as err:
             ModelConfig(arch=arch, options={name: bad_value(option)}, **SHAPE)
         assert "\n" not in str(err.value)
-    assert set(DepthModel(ModelConfig(arch=arch, **SHAPE)).scheme.opts) == set(schema)  # defaults filled in
+    opts = DepthModel(ModelConfig(arch=arch, **SHAPE)).scheme.opts
+    assert set(opts.as_dict()) == set(schema)  # defaults filled in
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_scheme_reads_one_frozen_typed_options_object(arch):
+    """The options are resolved once, into a frozen dataclass whose fields are the schema's (typed by kind);
+    the registry's spec builds the same object, and a scheme cannot change an option after the build."""
+    cfg = ModelConfig(arch=arch, **SHAPE)
+    schema, opts = get_arch(arch).option_schema(), DepthModel(cfg).scheme.opts
+    assert dataclasses.is_dataclass(opts) and get_arch(arch).options(cfg) == opts
+    kinds = {"bool": bool, "int": int, "number": float, "str": str}
+    assert {f.name: f.type for f in dataclasses.fields(opts)} == {n: kinds[o.kind] for n, o in schema.items()}
+    assert opts.as_dict() == {n: o.default_for(cfg) for n, o in schema.items()}
+    for name in schema:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(opts, name, None)
 
 
 def test_option_schemas_of_the_architectures_with_options():

@@ -30,7 +30,7 @@ class ToyScheme(ResidualScheme):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.mix = torch.nn.Parameter(torch.tensor(float(self.opts["toy_init"])))
+        self.mix = torch.nn.Parameter(torch.tensor(float(self.opts.toy_init)))
 
     def build_block(self, block):
         block.attn_norm, block.mlp_norm = RMSNorm(self.cfg.d_model), RMSNorm(self.cfg.d_model)
@@ -55,7 +55,7 @@ class ToyScheme(ResidualScheme):
 def toy():
     register(ArchSpec("toy", "baseline", "toy", "1", lambda c: 1, "none", ToyScheme))
     yield "toy"
-    registry._REGISTRY.pop("toy")
+    registry.unregister("toy")
 
 
 def test_a_registered_scheme_gets_options_flops_routing_and_the_probe(toy, monkeypatch):

@@ -160,7 +160,7 @@ class AttnResScheme(ResidualScheme):
         if not isinstance(block_size, int) or block_size < 1:
             raise DepthToolsError(f"attnres_block_size must be a positive integer (sublayers), got {block_size!r}")
         self.block_size = block_size
-        self.fused = self.opts["fused"]  # False: no DepthBank, plain-autograd references throughout
+        self.fused = self.opts.fused  # False: no DepthBank, plain-autograd references throughout
         d, eps, L = cfg.d_model, cfg.norm_eps, cfg.n_layer
         self.attn_res = nn.ModuleList(DepthMixer(d, eps) for _ in range(L - 1))  # consumes block b's output
         self.final_res = DepthMixer(d, eps)  # consumes block L-1's output
@@ -387,8 +387,7 @@ class BlockAttnResScheme(AttnResScheme):
     """Block AttnRes: sources are block sums of S sublayers (option `attnres_block_size`)."""
 
     def __init__(self, cfg: ModelConfig):
-        size = cfg.options.get("attnres_block_size", default_block_size(cfg.n_layer))
-        super().__init__(cfg, block_size=size)
+        super().__init__(cfg, block_size=self.options_for(cfg).attnres_block_size)
 
 
 def _attnres_extra(cfg: ModelConfig) -> int:

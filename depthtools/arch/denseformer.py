@@ -38,7 +38,6 @@ from depthtools.arch import reference
 from depthtools.arch.bankops import weighted_sum
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
-from depthtools.errors import DepthToolsError
 
 if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
     from depthtools.config import ModelConfig
@@ -53,12 +52,9 @@ class DenseState:
 
 
 def dwa_settings(cfg: ModelConfig) -> tuple[int, int]:
-    """(dilation k, period p) from the options, validated."""
-    k, p = cfg.options.get("dwa_dilation", 1), cfg.options.get("dwa_period", 1)
-    for name, value in (("dwa_dilation", k), ("dwa_period", p)):
-        if not isinstance(value, int) or value < 1:
-            raise DepthToolsError(f"{name} must be a positive integer, got {value!r}")
-    return k, p
+    """(dilation k, period p) from the options (validated, with their defaults, by the scheme's schema)."""
+    opts = DenseFormerScheme.options_for(cfg)
+    return opts.dwa_dilation, opts.dwa_period
 
 
 def dwa_sizes(n_layer: int, dilation: int, period: int) -> dict[int, int]:
@@ -87,7 +83,7 @@ class DenseFormerScheme(ResidualScheme):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.dilation, self.period = dwa_settings(cfg)
-        self.fused = self.opts["fused"]  # False: the DWA as reference.weighted_sum (plain autograd)
+        self.fused = self.opts.fused  # False: the DWA as reference.weighted_sum (plain autograd)
         sizes = dwa_sizes(cfg.n_layer, self.dilation, self.period)
         self.dwa = nn.ParameterDict({str(b): nn.Parameter(self._dwa_init(n)) for b, n in sizes.items()})
 

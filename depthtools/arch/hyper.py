@@ -108,7 +108,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch import reference
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
-from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme, resolve_options
+from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
 from depthtools.arch import compiled, cpu_kernels
 from depthtools.arch.compiled import compiling, sinkhorn_op
 from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
@@ -164,11 +164,6 @@ def legacy_options(model: dict) -> dict:
         return model
     missing = {k: v for k, v in _LEGACY_DEFAULTS[model["arch"]].items() if k not in options}
     return {**model, "options": {**options, **missing}} if missing else model
-
-
-def hyper_options(cfg: ModelConfig) -> dict:
-    """cfg.options merged over this architecture's defaults, validated (one-line errors)."""
-    return resolve_options(HyperScheme.option_schema(cfg.arch), cfg)
 
 
 def _option(default, choices: tuple = ()) -> Option:
@@ -797,6 +792,9 @@ class HyperScheme(ResidualScheme):
     skip_rules = ("identity", "branch")
     compile_region = "step"  # under torch.compile the connectors take their plain-autograd references
     kernel_libraries = ("connector",)
+    # the one structural difference of mHC (MHCScheme) from HC (HCScheme): sigmoid pre/post and a Sinkhorn
+    # doubly stochastic stream mixer (ManifoldHyperConnection) instead of tanh-dynamic width/depth connections
+    manifold: bool = False
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:
@@ -807,12 +805,12 @@ class HyperScheme(ResidualScheme):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)  # sets self.opts (validated, defaults filled in)
-        self.n = self.opts["n_streams"]
-        if self.opts["head_mixer"] and self.opts["readout"] != "sum":
+        self.n = self.opts.n_streams
+        if self.opts.head_mixer and self.opts.readout != "sum":
             raise DepthToolsError(f"{cfg.arch}: head_mixer weights the streams itself; it needs readout='sum', "
-                                  f"got readout={self.opts['readout']!r}")
+                                  f"got readout={self.opts.readout!r}")
         self._blocks: list[nn.Module] = []  # plain list (not registered): for the "branch" skip
-        if self.opts["head_mixer"]:
+        if self.opts.head_mixer:
             nd = self.n * cfg.d_model
             self.head_fn = nn.Parameter(torch.zeros(self.n, nd))  # [n, n·d]
             self.head_base = nn.Parameter(torch.zeros(self.n))
@@ -829,19 +827,19 @@ class HyperScheme(ResidualScheme):
         vec H [nd] @ [nd, n²+2n]) and [w; R] @ H ([n+1, n] @ [n, d]); the head mixer's vec H @ head_fnᵀ.
         The update R H + β ⊗ y, the norms, tanh/sigmoid and Sinkhorn are elementwise (not counted)."""
         n, d, L = self.n, self.cfg.d_model, self.cfg.n_layer
-        projection = n * d * (n + 2) if self.cfg.arch == "hc" else n * d * (n * n + 2 * n)
+        projection = n * d * (n * n + 2 * n) if self.manifold else n * d * (n + 2)
         head = n * n * d if self.head_fn is not None else 0
         return 2.0 * (2 * L * (projection + (n + 1) * n * d) + head)
 
     # -- construction -------------------------------------------------------------------------
     def _connector(self, sublayer_index: int) -> _Connector:
         opts, d = self.opts, self.cfg.d_model
-        if self.cfg.arch == "hc":
-            return HyperConnection(self.n, d, sublayer_index, opts["connector_norm_eps"], opts["connector_norm_gain"],
-                                   opts["fused"])
+        if not self.manifold:
+            return HyperConnection(self.n, d, sublayer_index, opts.connector_norm_eps, opts.connector_norm_gain,
+                                   opts.fused)
         return ManifoldHyperConnection(
-            self.n, d, sublayer_index, opts["connector_norm_eps"], opts["mhc_init"], opts["sinkhorn_iters"],
-            opts["sinkhorn_order"], opts["fused"],
+            self.n, d, sublayer_index, opts.connector_norm_eps, opts.mhc_init, opts.sinkhorn_iters,
+            opts.sinkhorn_order, opts.fused,
         )
 
     def build_block(self, block: nn.Module) -> None:
@@ -856,17 +854,17 @@ class HyperScheme(ResidualScheme):
         """DepthBench: w_o and w2 / √n; mhc_init="uniform": φ ~ N(0, 0.02)."""
         with torch.no_grad():
             for block in model.blocks:
-                if self.opts["scale_output_init_by_sqrt_n"]:
+                if self.opts.scale_output_init_by_sqrt_n:
                     block.attn.w_o.weight.div_(math.sqrt(self.n))
                     block.mlp.w2.weight.div_(math.sqrt(self.n))
-                if self.cfg.arch == "mhc" and self.opts["mhc_init"] == "uniform":
+                if self.manifold and self.opts.mhc_init == "uniform":
                     for conn in (block.attn_hc, block.mlp_hc):
                         for phi in (conn.phi_pre, conn.phi_post, conn.phi_res):
                             nn.init.normal_(phi, std=0.02)
 
     def no_decay_names(self) -> tuple[str, ...]:
-        routing = ("static_alpha", "static_beta", "alpha_scale", "beta_scale") if self.cfg.arch == "hc" else (
-            "bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res")
+        routing = ("bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res") if self.manifold else (
+            "static_alpha", "static_beta", "alpha_scale", "beta_scale")
         return routing + ("head_base", "head_scale")
 
     def static_routing_names(self) -> tuple[str, ...]:
@@ -875,10 +873,10 @@ class HyperScheme(ResidualScheme):
         `liger_mhc` backend) the biases b and the gates alpha_pre/post/res = bias_*, gate_* (φ decays);
         mHC with another init (its PyTorch `mhc` backend) the biases pre/post/residual_bias = bias_* only.
         The head mixer is not DepthBench's, so it decays like any other parameter there."""
-        if self.cfg.arch == "hc":
+        if not self.manifold:
             return ("static_alpha", "static_beta")
         biases = ("bias_pre", "bias_post", "bias_res")
-        return biases + (("gate_pre", "gate_post", "gate_res") if self.opts["mhc_init"] == "uniform" else ())
+        return biases + (("gate_pre", "gate_post", "gate_res") if self.opts.mhc_init == "uniform" else ())
 
     # -- the depth-state contract -------------------------------------------------------------
     def embed_state(self, x0: torch.Tensor) -> torch.Tensor:
@@ -897,7 +895,7 @@ class HyperScheme(ResidualScheme):
         u, mixed, depth = connector(H)  # [B,T,d], [B,T,n,d], [B,T,n]
         y = hook_out(fn(norm(u)))  # [B,T,d]
         dtype = torch.promote_types(mixed.dtype, y.dtype)
-        update = _Update.apply if self.opts["fused"] and not compiling() else reference.stream_update
+        update = _Update.apply if self.opts.fused and not compiling() else reference.stream_update
         return update(mixed.to(dtype), depth.to(dtype), y.to(dtype))
 
     def skip(self, position, state, rule=None):
@@ -913,7 +911,7 @@ class HyperScheme(ResidualScheme):
         """[B,T,d]: Σ_s H_s (readout "sum"), the mean (readout "mean"), or the learned head mixer
         Σ_s p_s H_s when enabled. readout "normed_sum" has no vector before the final norm: an error."""
         if self.head_fn is None:
-            mode = self.opts["readout"]
+            mode = self.opts.readout
             if mode == "normed_sum":
                 raise DepthToolsError(
                     f"{self.cfg.arch} with readout='normed_sum' norms each stream before summing, so there is no "
@@ -926,7 +924,7 @@ class HyperScheme(ResidualScheme):
     def final_hidden(self, state: torch.Tensor, final_norm: nn.Module) -> torch.Tensor:
         """[B,T,d] the unembedding reads: final_norm(readout), or for readout "normed_sum" (DepthBench's
         HC head, `Transformer.forward`: lm_head.norm on every folded stream, then the sum) Σ_s final_norm(H_s)."""
-        if self.head_fn is None and self.opts["readout"] == "normed_sum":
+        if self.head_fn is None and self.opts.readout == "normed_sum":
             return final_norm(state).sum(-2)
         return final_norm(self.readout(state))
 
@@ -937,7 +935,7 @@ class HyperScheme(ResidualScheme):
         with _full_precision(state):
             dtype = _compute_dtype(state)
             x = state.flatten(-2).to(dtype)  # [B,T,n·d]
-            mix = (x @ self.head_fn.to(dtype).T) * _inverse_rms(x, self.opts["connector_norm_eps"])  # x' W^T
+            mix = (x @ self.head_fn.to(dtype).T) * _inverse_rms(x, self.opts.connector_norm_eps)  # x' W^T
             logits = self.head_scale.to(dtype) * mix + self.head_base.to(dtype)  # [B,T,n]
             return torch.sigmoid(logits) + HEAD_EPS
 
@@ -959,7 +957,7 @@ class HyperScheme(ResidualScheme):
 
         def store(tensor, hook):
             key = names[hook.name]
-            if key[1] == "res" and self.cfg.arch == "mhc":
+            if key[1] == "res" and self.manifold:
                 residuals[key[0]] = sinkhorn_residuals(tensor.detach().to(F64))  # exact sums of the stored entries
             cache[key] = tensor.detach()[:, exclude_first:].to(F64).flatten(0, 1)  # [N, ...]
 
@@ -1003,21 +1001,33 @@ class HyperScheme(ResidualScheme):
         return state.flatten(-2)
 
 
+class HCScheme(HyperScheme):
+    """HC: tanh-dynamic width/depth connections per sublayer (HyperConnection)."""
+
+    manifold = False
+
+
+class MHCScheme(HyperScheme):
+    """mHC: sigmoid pre/post and a Sinkhorn doubly stochastic stream mixer (ManifoldHyperConnection)."""
+
+    manifold = True
+
+
 # -- registry ---------------------------------------------------------------------------------
 
 def _n(cfg: ModelConfig) -> int:
-    return int(cfg.options.get("n_streams", 4))
+    return HyperScheme.options_for(cfg).n_streams
 
 
 def _head_mixer_params(cfg: ModelConfig) -> int:
     n = _n(cfg)
-    return n * n * cfg.d_model + n + 1 if cfg.options.get("head_mixer", False) else 0
+    return n * n * cfg.d_model + n + 1 if HyperScheme.options_for(cfg).head_mixer else 0
 
 
 def hc_extra_params(cfg: ModelConfig) -> int:
     """2L·(n² + 2n + 2 + d(n+2)) (+ 2L·d connector norm gains, + n²d + n + 1 with the head mixer)."""
     n, d, L = _n(cfg), cfg.d_model, cfg.n_layer
-    gains = 2 * L * d if cfg.options.get("connector_norm_gain", False) else 0
+    gains = 2 * L * d if HyperScheme.options_for(cfg).connector_norm_gain else 0
     return 2 * L * (n * n + 2 * n + 2 + d * (n + 2)) + gains + _head_mixer_params(cfg)
 
 
@@ -1034,7 +1044,7 @@ ARCH_SPECS = [
         extra_formula="2L·(n² + 2n + 2 + d(n+2)) [+ 2Ld connector norm gains] [+ n²d + n + 1 head mixer]",
         extra_params=hc_extra_params,
         paper="Zhu et al. 2024, Hyper-Connections, arXiv 2409.19606",
-        scheme=HyperScheme, in_depthbench=True,
+        scheme=HCScheme, in_depthbench=True,
     ),
     ArchSpec(
         name="mhc", family="multi-stream",
@@ -1042,6 +1052,6 @@ ARCH_SPECS = [
         extra_formula="2L·(nd(n² + 2n) + n² + 2n + 3) [+ n²d + n + 1 head mixer]",
         extra_params=mhc_extra_params,
         paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections, arXiv 2512.24880",
-        scheme=HyperScheme, in_depthbench=True,
+        scheme=MHCScheme, in_depthbench=True,
     ),
 ]

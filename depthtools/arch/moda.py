@@ -71,7 +71,6 @@ from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
 from depthtools.arch.torch_private import (cpu_flash_attention, cpu_flash_attention_backward, cpu_flash_attention_ok,
                                            is_hooked, set_tensor_tag, tensor_tag, untracked, view_base)
-from depthtools.errors import DepthToolsError
 
 if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
     from depthtools.config import ModelConfig
@@ -100,14 +99,9 @@ def moda_extra_params(cfg: ModelConfig) -> int:
 
 
 def moda_options(cfg: ModelConfig) -> tuple[str, str]:
-    """(norm placement, depth-RoPE mode), validated with a one-line error."""
-    norm = cfg.options.get("moda_norm", "pre")
-    depth_rope = cfg.options.get("moda_depth_rope", "none")
-    if norm not in NORMS:
-        raise DepthToolsError(f"option moda_norm={norm!r} is not valid; use one of {list(NORMS)}")
-    if depth_rope not in DEPTH_ROPE:
-        raise DepthToolsError(f"option moda_depth_rope={depth_rope!r} is not valid; use one of {list(DEPTH_ROPE)}")
-    return norm, depth_rope
+    """(norm placement, depth-RoPE mode), validated (one-line errors) with their defaults by the scheme's schema."""
+    opts = MoDAScheme.options_for(cfg)
+    return opts.moda_norm, opts.moda_depth_rope
 
 
 # -- the append-only depth K/V buffer ----------------------------------------------------------
@@ -354,8 +348,8 @@ class MoDAScheme(ResidualScheme):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.norm, self.depth_rope = moda_options(cfg)
-        self.fused = self.opts["fused"]  # False: the plain-autograd references throughout
-        self.kv_dtype = torch.bfloat16 if self.opts["moda_kv_dtype"] == "bfloat16" else None  # None: the model's
+        self.fused = self.opts.fused  # False: the plain-autograd references throughout
+        self.kv_dtype = torch.bfloat16 if self.opts.moda_kv_dtype == "bfloat16" else None  # None: the model's
         self.capacity = 2 * (cfg.n_layer - 1)  # slots of a full run: the preallocated buffer size
         self._slot_pool = BufferPool()  # slot and slot-gradient buffers, reused from step to step
 

@@ -24,7 +24,7 @@ taken from the position's own block (DepthBench leaves mismatched tensors in pla
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,57 +75,81 @@ def depth_multiplier(n_layer: int, exponent: float, base_layers: int = 24) -> fl
     return (n_layer / base_layers) ** (-exponent)
 
 
-DEEPNORM_NORMS = {"rmsnorm": "rms", "layernorm": "layer"}  # option value -> backbone.Norm kind
+# DeepNorm's option `norm` -> backbone.Norm kind of its blocks' norms. "layernorm" is DepthBench's choice
+# (`examples/pretrain_deepnorm.py` sets the blocks' `layer_norm.name = LayerNormType.default` of `llama_like`'s
+# `bias=False` config): the two post-norms of every block become LayerNorm without bias, eps `norm_eps`; the
+# final norm stays RMSNorm (DepthBench's LM head has its own norm config, which the launcher leaves as RMSNorm).
+DEEPNORM_NORMS = {"rmsnorm": "rms", "layernorm": "layer"}
 
 
-def block_norm_kind(cfg: ModelConfig) -> str | None:
-    """The norm kind a scheme's block norms use instead of the backbone's (None: the backbone's).
+@dataclass(frozen=True)
+class Recipe:
+    """What makes one normalisation-family architecture: data, read by `sublayer_specs` (no test of its name).
 
-    DeepNorm's `norm="layernorm"` is DepthBench's choice (`examples/pretrain_deepnorm.py` sets the
-    blocks' `layer_norm.name = LayerNormType.default` of `llama_like`'s `bias=False` config): the two
-    post-norms of every block become LayerNorm without bias, eps `norm_eps`; the final norm stays RMSNorm
-    (DepthBench's LM head has its own norm config, which the launcher leaves as RMSNorm)."""
-    if cfg.arch != "deepnorm":
-        return None
-    return DEEPNORM_NORMS[cfg.options.get("norm", "rmsnorm")]
+    block:       the switches of every block's two sublayers;
+    first_block: (attention, MLP) switches of block 0 instead, or None (KEEL: plain Pre-LN attention, Post-LN MLP
+                 without alpha);
+    prefix:      the switches of the leading floor(post_fraction·L) blocks (option `post_fraction`), or None (Mix-LN);
+    deepnorm:    alpha = (2L)^¼ and init beta = (8L)^-¼ on w1/w2/w3/w_v/w_o (DeepNorm).
+    Options, where the architecture declares them, set the rest: `keel_alpha` (alpha), `layerscale_init` (gain
+    init), `depth_exponent`/`base_layers` (branch multiplier), the backbone's `pre_norm`/`out_norm` (Pre-LN).
+    """
+
+    block: SublayerSpec = SublayerSpec()
+    first_block: tuple[SublayerSpec, SublayerSpec] | None = None
+    prefix: SublayerSpec | None = None
+    deepnorm: bool = False
+
+
+_POST = SublayerSpec(pre_norm=False, post_norm=True)
+RECIPES = {
+    "preln": Recipe(),
+    "postln": Recipe(_POST),
+    "periln": Recipe(SublayerSpec(out_norm=True)),
+    "lns": Recipe(SublayerSpec(lns_scale=True)),
+    "deepnorm": Recipe(_POST, deepnorm=True),
+    "keel": Recipe(SublayerSpec(post_norm=True), first_block=(SublayerSpec(), SublayerSpec(post_norm=True))),
+    "mixln": Recipe(SublayerSpec(), prefix=_POST),
+    "rezero": Recipe(SublayerSpec(pre_norm=False, gain="scalar", gain_init=0.0)),
+    "layerscale": Recipe(SublayerSpec(gain="vector")),
+    "depthmup": Recipe(),
+    "completep": Recipe(),
+}
+
+
+def recipe(cfg: ModelConfig) -> Recipe:
+    if cfg.arch not in RECIPES:
+        raise DepthToolsError(f"{cfg.arch!r} is not a normalisation-family architecture; valid: {', '.join(RECIPES)}")
+    return RECIPES[cfg.arch]
 
 
 def sublayer_specs(cfg: ModelConfig, position: int) -> tuple[SublayerSpec, SublayerSpec]:
-    """(attention, MLP) specs of the block at `position` for the architecture `cfg.arch`."""
-    arch, L, opts = cfg.arch, cfg.n_layer, cfg.options
-    if arch in ("preln",):  # the configurable Pre-LN block (backbone.py): OLMo-2 has no pre-norm, Gemma-2/3 and
+    """(attention, MLP) specs of the block at `position`: the architecture's `Recipe` and its options."""
+    rec, L = recipe(cfg), cfg.n_layer
+    opts = NormFamilyScheme.options_for(cfg).as_dict()
+    if rec.first_block is not None and position == 0:
+        return rec.first_block
+    spec = rec.block
+    if rec.prefix is not None and position < mixln_post_blocks(L, float(opts["post_fraction"])):
+        spec = rec.prefix
+    changes = {}
+    if "pre_norm" in opts:  # the configurable Pre-LN block (backbone.py): OLMo-2 has no pre-norm, Gemma-2/3 and
         bb = backbone(cfg)  # OLMo-2 norm each sublayer's output
-        spec = SublayerSpec(pre_norm=bb.pre_norm, out_norm=bb.out_norm)
-    elif arch == "postln":
-        spec = SublayerSpec(pre_norm=False, post_norm=True)
-    elif arch == "periln":
-        spec = SublayerSpec(out_norm=True)
-    elif arch == "lns":
-        spec = SublayerSpec(lns_scale=True)
-    elif arch == "deepnorm":
-        spec = SublayerSpec(pre_norm=False, post_norm=True, alpha=deepnorm_constants(L)[0])
-    elif arch == "keel":
-        alpha = float(opts.get("keel_alpha", 2 * L))
-        if position == 0:  # block 0: plain Pre-LN attention, Post-LN MLP without alpha
-            return SublayerSpec(), SublayerSpec(post_norm=True)
-        spec = SublayerSpec(post_norm=True, alpha=alpha)
-    elif arch == "mixln":
-        post = position < mixln_post_blocks(L, float(opts.get("post_fraction", 0.25)))
-        spec = SublayerSpec(pre_norm=False, post_norm=True) if post else SublayerSpec()
-    elif arch == "rezero":
-        spec = SublayerSpec(pre_norm=False, gain="scalar", gain_init=0.0)
-    elif arch == "layerscale":
-        spec = SublayerSpec(gain="vector", gain_init=float(opts.get("layerscale_init", layerscale_init(L))))
-    elif arch in ("depthmup", "completep"):
-        exponent = float(opts.get("depth_exponent", 0.5 if arch == "depthmup" else 1.0))
-        spec = SublayerSpec(branch_mult=depth_multiplier(L, exponent, int(opts.get("base_layers", 24))))
-    else:
-        raise DepthToolsError(f"{arch!r} is not a normalisation-family architecture")
+        changes.update(pre_norm=bb.pre_norm, out_norm=bb.out_norm)
+    if rec.deepnorm:
+        changes["alpha"] = deepnorm_constants(L)[0]
+    if "keel_alpha" in opts:
+        changes["alpha"] = float(opts["keel_alpha"])
+    if "layerscale_init" in opts:
+        changes["gain_init"] = float(opts["layerscale_init"])
+    if "depth_exponent" in opts:
+        changes["branch_mult"] = depth_multiplier(L, float(opts["depth_exponent"]), int(opts["base_layers"]))
+    spec = replace(spec, **changes) if changes else spec
     return spec, spec
 
 
 _DEPTH_SCALED = {"depthmup": 0.5, "completep": 1.0}  # default exponent a of (L/L_base)^-a
-_OPTIONS = {  # read by sublayer_specs (same defaults)
+_OPTIONS = {  # read by sublayer_specs
     "preln": BACKBONE_OPTIONS,  # the pretrained families' block options (depthtools.arch.backbone)
     "deepnorm": {"norm": Option("str", "rmsnorm", choices=tuple(DEEPNORM_NORMS),
                                 doc="the post-norms: RMSNorm, or LayerNorm without bias (DepthBench)")},
@@ -143,9 +167,14 @@ class NormFamilyScheme(ResidualScheme):
     single_stream = True
     compile_region = "step"
 
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        # (attention, MLP) switches per position, worked out once (a step reads them on every forward)
+        self.specs = tuple(sublayer_specs(cfg, p) for p in range(cfg.n_layer))
+
     def compile_key(self, position: int):
         """Blocks with the same sublayer switches compute the same step (LNS' scale reads the index)."""
-        specs, bb = sublayer_specs(self.cfg, position), backbone(self.cfg)
+        specs, bb = self.specs[position], backbone(self.cfg)
         return specs, position if any(spec.lns_scale for spec in specs) else None, bb.window(position)
 
     @classmethod
@@ -153,8 +182,9 @@ class NormFamilyScheme(ResidualScheme):
         return _OPTIONS.get(arch, {})
 
     def build_block(self, block: nn.Module) -> None:
-        d, kind = self.cfg.d_model, block_norm_kind(self.cfg)
-        for name, spec in zip(SUBLAYERS, sublayer_specs(self.cfg, block.index)):
+        d = self.cfg.d_model
+        kind = DEEPNORM_NORMS.get(getattr(self.opts, "norm", None))  # DeepNorm's option; others: the backbone's
+        for name, spec in zip(SUBLAYERS, self.specs[block.index]):
             if spec.pre_norm:
                 setattr(block, f"{name}_norm", make_norm(self.cfg, kind=kind))
             if spec.out_norm:
@@ -166,8 +196,8 @@ class NormFamilyScheme(ResidualScheme):
                 setattr(block, f"{name}_gain", nn.Parameter(torch.full(shape, spec.gain_init)))
 
     def init_weights(self, model: nn.Module) -> None:
-        """DeepNorm: scale SwiGLU w1/w2/w3 and attention v/o by beta = (8L)^(-1/4)."""
-        if self.cfg.arch != "deepnorm":
+        """DeepNorm (`Recipe.deepnorm`): scale SwiGLU w1/w2/w3 and attention v/o by beta = (8L)^(-1/4)."""
+        if not recipe(self.cfg).deepnorm:
             return
         beta = deepnorm_constants(self.cfg.n_layer)[1]
         with torch.no_grad():
@@ -179,7 +209,7 @@ class NormFamilyScheme(ResidualScheme):
         return ("_gain",)
 
     def step(self, position, block, state, home, rope):
-        attn_spec, mlp_spec = sublayer_specs(self.cfg, position)
+        attn_spec, mlp_spec = self.specs[position]
         h = block.hook_resid_pre(state)
         attn = lambda x: block.attn(x, *rope)  # noqa: E731
         if self.parallel:  # GPT-NeoX: h + (attn(N1 h) + mlp(N2 h)); resid_mid = h + attn (the MLP reads h)
@@ -223,7 +253,7 @@ class NormFamilyScheme(ResidualScheme):
         output nonlinear in its heads / neurons."""
         arch, limits = backbone(self.cfg).name(self.cfg.arch), {}
         specs = [(p, name, spec) for p in range(self.cfg.n_layer)
-                 for name, spec in zip(SUBLAYERS, sublayer_specs(self.cfg, p))]
+                 for name, spec in zip(SUBLAYERS, self.specs[p])]
         for p, name, spec in specs:
             if spec.post_norm or spec.alpha != 1.0:
                 how = ("renormalises the stream after the residual add (post-norm)" if spec.post_norm
@@ -243,7 +273,7 @@ class NormFamilyScheme(ResidualScheme):
         return limits
 
     def tl_norm_site(self, block, sublayer: str):
-        spec = sublayer_specs(self.cfg, block.index)[SUBLAYERS.index(sublayer)]
+        spec = self.specs[block.index][SUBLAYERS.index(sublayer)]
         if not spec.pre_norm:
             return (f"{backbone(self.cfg).name(self.cfg.arch)} block {block.index}'s {sublayer} sublayer reads "
                     "the stream without a pre-norm, so there is no norm scale to apply at its input")
@@ -253,7 +283,7 @@ class NormFamilyScheme(ResidualScheme):
                         1.0 / math.sqrt(block.index + 1) if spec.lns_scale else 1.0)
 
     def tl_branch_scale(self, block, sublayer: str):
-        spec = sublayer_specs(self.cfg, block.index)[SUBLAYERS.index(sublayer)]
+        spec = self.specs[block.index][SUBLAYERS.index(sublayer)]
         scale = spec.branch_mult
         return scale if spec.gain is None else getattr(block, f"{sublayer}_gain") * scale
 

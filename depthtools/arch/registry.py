@@ -1,9 +1,14 @@
 """Architecture registry: name -> scheme factory, one-line description, family, extra parameters.
 
 `extra_params(cfg)` is the closed-form count of parameters this architecture adds to (or removes
-from) a Pre-LN model of the same shape; tests check it against the built model. Adding an
-architecture: a scheme file (a `ResidualScheme` subclass and its `ARCH_SPECS` of `scheme.ArchSpec`) and its
-module in `ARCH_MODULES` (the scheme files import `scheme`, never this module, so the registry sits above them).
+from) a Pre-LN model of the same shape; tests check it against the built model.
+
+Adding an architecture is one scheme file (a `ResidualScheme` subclass) and one call,
+`depthtools.arch.register(ArchSpec(...))`: the CLI (`depthtools archs`), the grid planner, the trainer,
+the probes, the tests that enumerate architectures (they read `list_archs()`) and the generated docs
+table (`depthtools.arch.doc_table`) all read this registry. `unregister(name)` removes one again (a test's
+temporary architecture). The built-in architectures' scheme files list theirs in `ARCH_SPECS` and are
+registered below (the scheme files import `scheme`, never this module, so the registry sits above them).
 """
 
 from __future__ import annotations
@@ -24,10 +29,25 @@ _ALIASES: dict[str, str] = {}
 
 
 def register(spec: ArchSpec) -> ArchSpec:
-    """Add an architecture (and its aliases) to the registry."""
+    """Add an architecture (and its aliases) to the registry; a name or alias already taken is a one-line
+    DepthToolsError (unregister the old one first). Returns `spec`."""
+    if not isinstance(spec, ArchSpec):
+        raise DepthToolsError(f"register takes a depthtools.arch.ArchSpec, got {type(spec).__name__}")
+    taken = set(_REGISTRY) | set(_ALIASES)
+    for name in (spec.name, *spec.aliases):
+        if name in taken:
+            raise DepthToolsError(f"architecture name {name!r} is already registered; unregister({name!r}) first")
     _REGISTRY[spec.name] = spec
     for alias in spec.aliases:
         _ALIASES[alias] = spec.name
+    return spec
+
+
+def unregister(name: str) -> ArchSpec:
+    """Remove a registered architecture (by name or alias) and its aliases; returns its spec."""
+    spec = _REGISTRY.pop(canonical_name(name))
+    for alias in spec.aliases:
+        _ALIASES.pop(alias, None)
     return spec
 
 

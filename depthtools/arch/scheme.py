@@ -6,7 +6,7 @@ block is bypassed. `DepthModel` owns the shared backbone (embedding, blocks' att
 final norm, unembedding) and drives the scheme. Analyses only see `DepthModel`'s contract.
 
 Everything the rest of the package needs to know about an architecture is asked of its scheme, so
-adding one is a scheme file (a subclass plus its `ARCH_SPECS`) and its module in registry.ARCH_MODULES:
+adding one is a scheme file (a subclass) and one `depthtools.arch.register(ArchSpec(...))` call:
 
     option_schema(arch)   {name: Option}: the options ModelConfig accepts (kind, default, valid values)
     extra_flops()         forward FLOPs per token added to Pre-LN (depthtools.train.flops)
@@ -25,7 +25,7 @@ from `home`, as DepthBench's swap leaves mismatched tensors in place.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import Any, Callable, NamedTuple, TYPE_CHECKING
 
 import torch
@@ -115,6 +115,29 @@ def resolve_options(schema: dict[str, Option], cfg: ModelConfig) -> dict[str, An
     return {name: cfg.options[name] if name in cfg.options else opt.default_for(cfg) for name, opt in schema.items()}
 
 
+_KIND_TYPES = {"bool": bool, "int": int, "number": float, "str": str}  # the annotation of each Option kind
+_OPTION_TYPES: dict[tuple, type] = {}
+
+
+def options_type(arch: str, schema: dict[str, Option]) -> type:
+    """The frozen dataclass of `arch`'s options (one typed field per Option, made once per schema shape):
+    schemes read `self.opts.n_streams`, not a dict, and cannot change an option after the build."""
+    key = (arch, tuple((name, opt.kind) for name, opt in schema.items()))
+    if key not in _OPTION_TYPES:
+        camel = "".join(part.capitalize() for part in arch.replace("-", "_").split("_"))
+        fields = [(name, _KIND_TYPES[opt.kind]) for name, opt in schema.items()]
+        cls = make_dataclass(f"{camel}Options", fields, frozen=True, namespace={"as_dict": lambda self: asdict(self)})
+        cls.__doc__ = f"The options of architecture {arch!r} (validated, defaults filled in; frozen)."
+        _OPTION_TYPES[key] = cls
+    return _OPTION_TYPES[key]
+
+
+def build_options(schema: dict[str, Option], cfg: ModelConfig):
+    """cfg.options validated against the schema (see `resolve_options`) as the architecture's frozen,
+    typed options object: the one place an option's default is applied."""
+    return options_type(cfg.arch, schema)(**resolve_options(schema, cfg))
+
+
 @dataclass
 class DepthRouting:
     """Native depth routing in the common frame of `depthtools.analysis.routing` (docs/reference/metrics.md §4).
@@ -164,7 +187,7 @@ class ResidualScheme(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.opts = resolve_options(self.option_schema(cfg.arch), cfg)  # every option, defaults filled in
+        self.opts = self.options_for(cfg)  # frozen, typed: every option, defaults filled in, read as attributes
         self.compiled_cores = None  # (attn, mlp) compiled sublayer cores, set only inside a compiled step
 
     # -- compiled training (depthtools.arch.compiled) -------------------------------------------
@@ -191,6 +214,12 @@ class ResidualScheme(nn.Module):
         """{name: Option} of the options architecture `arch` accepts (ModelConfig validates against
         it; any other key is refused). Default: none."""
         return {}
+
+    @classmethod
+    def options_for(cls, cfg: ModelConfig):
+        """cfg's options for this scheme as its frozen, typed options object (`build_options`); functions of a
+        config (closed-form parameter counts, ...) read defaults through it rather than writing them again."""
+        return build_options(cls.option_schema(cfg.arch), cfg)
 
     def extra_flops(self) -> float:
         """Forward FLOPs per token this architecture adds to a Pre-LN model of the same shape, counted
@@ -308,3 +337,7 @@ class ArchSpec:
     def option_schema(self) -> dict:
         """{name: depthtools.arch.scheme.Option} of the options this architecture accepts."""
         return self.scheme.option_schema(self.name)
+
+    def options(self, cfg: ModelConfig):
+        """cfg's options, validated once, as this architecture's frozen, typed options object."""
+        return build_options(self.option_schema(), cfg)

@@ -21,19 +21,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from depthtools.arch.registry import get_arch
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import CheckpointError
 
-DEPTH_SCALED = {"depthmup": 0.5, "completep": 1.0}  # default exponent a per architecture
-
-
 def depth_scaling(cfg: ModelConfig) -> tuple[float, float] | None:
-    """(block LR factor, block eps factor) = ((L/L_base)^(a−1), (L/L_base)^(−a)) for depth-μP/CompleteP."""
-    if cfg.arch not in DEPTH_SCALED:
+    """(block LR factor, block eps factor) = ((L/L_base)^(a−1), (L/L_base)^(−a)) for the architectures with the
+    options depth_exponent a and base_layers L_base (depth-μP, CompleteP; their defaults live in the schema)."""
+    spec = get_arch(cfg.arch)
+    if "depth_exponent" not in spec.option_schema():
         return None
-    exponent = float(cfg.options.get("depth_exponent", DEPTH_SCALED[cfg.arch]))
-    ratio = cfg.n_layer / int(cfg.options.get("base_layers", 24))
-    return ratio ** (exponent - 1.0), ratio ** (-exponent)
+    opts = spec.options(cfg)
+    ratio = cfg.n_layer / int(opts.base_layers)
+    return ratio ** (float(opts.depth_exponent) - 1.0), ratio ** (-float(opts.depth_exponent))
 
 
 def is_decayed(name: str, param: torch.Tensor, no_decay_names: tuple[str, ...]) -> bool:
