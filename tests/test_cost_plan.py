@@ -113,3 +113,71 @@ def test_plan_line_is_one_line_with_forwards_and_an_eta():
     assert "\n" not in line and "lens_logit" in line and "≤" in line and "ETA" in line
     total = sum(c.forwards for c in costs)
     assert f"total {total:.0f}" in line
+
+
+# -- the command line: the plan line, --swap-pairs-max, --dtype, --device ---------------------------------
+
+@pytest.fixture
+def cell(tmp_path, data_dir, monkeypatch):
+    """A tiny 4-layer checkpoint recording the fixture corpus."""
+    from depthtools import checkpoint as ck
+    from depthtools.arch import DepthModel
+    from depthtools.config import ModelConfig
+
+    model = DepthModel(ModelConfig(arch="preln", vocab_size=256, d_model=32, n_layer=4, n_heads=4, max_seq_len=32),
+                       seed=0)
+    directory = tmp_path / "grid" / "preln_L4"
+    ck.save(model, directory, extra={"data": {"path": str(data_dir)}})
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "grid"))
+    return directory
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+EVAL = ["--n-tokens", "64", "--seq-len", "16"]
+
+
+def test_probe_and_analyze_print_one_plan_line_and_record_the_swap_bound(cell):
+    from depthtools.analysis.tables import load_settings
+
+    result = cli("ablate", "--ckpt", "preln_L4", "--mode", "swap", "--pairs", "all", "--swap-pairs-max", "3", *EVAL)
+    assert result.exit_code == 0, result.output
+    plans = [line for line in result.stderr.splitlines() if line.startswith("plan ")]
+    assert len(plans) == 1 and "ablate_swap" in plans[0] and "ETA" in plans[0]
+    assert load_settings(cell, "ablate_swap")["swap_pairs_max"] == 3
+    assert result.stdout.count("preln_L4") >= 3
+    result = cli("analyze", "--grid", cell.parent, *EVAL, "--only", "ablate_swap,lens_logit", "--swap-pairs-max", "3")
+    assert result.exit_code == 0, result.output
+    line = [line for line in result.stdout.splitlines() if line.startswith("plan ")]
+    assert len(line) == 1 and "lens_logit" in line[0] and "1 saved table(s) reused" in line[0]
+
+
+def test_dtype_bfloat16_runs_close_to_float32_and_bad_values_are_refused(cell):
+    from depthtools.analysis.tables import load_settings, load_table
+
+    for dtype in ("float32", "bfloat16"):
+        result = cli("lens", "--ckpt", "preln_L4", *EVAL, "--dtype", dtype, "--out", cell.parent / f"{dtype}.csv")
+        assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    f32, bf16 = (pd.read_csv(cell.parent / f"{d}.csv") for d in ("float32", "bfloat16"))
+    assert load_settings(cell, "lens_logit")["dtype"] == "bfloat16"  # the last run's table says its dtype
+    assert (f32["ce"] - bf16["ce"]).abs().max() < 0.05 * f32["ce"].abs().max()
+    assert not f32["ce"].equals(bf16["ce"])  # it really ran in bfloat16
+    bad = cli("lens", "--ckpt", "preln_L4", *EVAL, "--dtype", "float16")
+    assert bad.exit_code == 2 and "--dtype" in bad.output and "bfloat16" in bad.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+@pytest.mark.parametrize("command", ["lens", "ablate", "causal", "similarity", "contrib", "routing", "analyze",
+                                     "depthbench"])
+def test_device_cuda_is_refused_in_one_line_without_cuda(cell, command):
+    result = cli(command, "--ckpt", "preln_L4", *EVAL, "--device", "cuda")
+    assert result.exit_code == 2 and "no CUDA device" in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1

@@ -145,7 +145,8 @@ def plan_cost(model, analyses: list[str], n_seqs: int, seq_len: int, batch_size:
     """Each analysis' cost with its arguments (the suite's defaults overridden by `options`)."""
     from depthtools.analysis.suite import analysis_args
 
-    return [analysis_cost(name, model, analysis_args(name, **options), n_seqs, seq_len, batch_size)
+    return [analysis_cost(name, model, analysis_args(name, batch_size=batch_size, **options), n_seqs, seq_len,
+                          batch_size)
             for name in analyses]
 
 
