@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from depthtools.analysis.cost import analysis_cost  # noqa: E402
+from depthtools.analysis.cost import analysis_cost, head_ratio, time_parts  # noqa: E402
 from depthtools.analysis.lens import lens_analysis  # noqa: E402
 from depthtools.analysis.suite import analysis_args  # noqa: E402
 from depthtools.analysis.sweep import sweep  # noqa: E402
@@ -113,17 +113,23 @@ def main() -> None:
     done("skip sweep, naive re-runs (30 plans)", t_naive)
 
     n_seqs, T = args.seqs, args.seq_len
-    predicted = {name: analysis_cost(name, model, analysis_args(name, batch_size=args.batch), n_seqs, T,
-                                     args.batch).forwards / math.ceil(n_seqs / args.batch)
-                 for name in ("lens_logit", "sequence_profile")}  # sequence_profile: one skip rule
+    t_block, t_head = time_parts(model, tokens, args.batch)
+    h = t_head / t_block
+
+    def predicted(h_: float) -> dict[str, float]:  # sequence_profile: the cost of one skip rule's sweep
+        return {name: analysis_cost(name, model, analysis_args(name, batch_size=args.batch), n_seqs, T,
+                                    args.batch, h_).forwards / math.ceil(n_seqs / args.batch)
+                for name in ("lens_logit", "sequence_profile")}
     print(f"SmolLM-135M-like Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, d=576, V={V}), "
           f"{n_seqs}x{T} tokens, batch {args.batch}, {args.threads} thread(s), float32, CPU")
     for name, seconds, rss in stages:
         ratio = f"{seconds / t_fwd:7.2f}x forward" if name != stages[0][0] else " " * 16
         print(f"  {name:<42} {seconds:8.2f} s  {ratio}   peak RSS {rss:7.0f} MiB")
     print(f"skip sweep cached / naive = {t_cached / t_naive:.3f}x (target <= 0.6x)")
-    print(f"cost plan's forward-pass equivalents: lens {predicted['lens_logit']:.1f} (measured "
-          f"{t_lens / t_fwd:.1f}), skip sweep {predicted['sequence_profile']:.1f} (measured {t_cached / t_fwd:.1f})")
+    for label, h_ in (("timed head+metrics", h), ("parameter ratio", head_ratio(model))):
+        p = predicted(h_)
+        print(f"cost plan ({label}, h = {h_:.1f} blocks): lens {p['lens_logit']:.1f} forward equivalents "
+              f"(measured {t_lens / t_fwd:.1f}), skip sweep {p['sequence_profile']:.1f} (measured {t_cached / t_fwd:.1f})")
 
 
 if __name__ == "__main__":

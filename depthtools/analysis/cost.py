@@ -8,7 +8,9 @@ two units that dominate it, per batch of `batch_size` sequences:
     head evaluations `head`/`readout_logits` over the whole batch (unembedding to V logits)
 
 and converted to forward-pass equivalents: one plain forward is L block calls + 1 head, and a head
-costs h = V·d / (non-embedding parameters / L) blocks (the ratio of their matmul sizes), so
+costs h blocks — measured before a run (`time_parts`: the head with its metrics' log-softmax, KL and
+argmax, which at a 49k vocabulary cost as much as its matmul), or V·d / (non-embedding parameters / L)
+without timing (`head_ratio`, the ratio of their matmul sizes) — so
 
     forward equivalents = (block calls + h · heads) / (L + h)
 
@@ -27,8 +29,8 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
 
 The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
 against a counter on `block_step`); prune is an upper bound (its greedy curve stops when ΔCE passes
-tau). Attention's T² term and the metric arithmetic are not counted; the ETA scales a timed plain
-forward pass of one batch, so it is an estimate, not a promise.
+tau). Attention's T² term is in the timed block; the ETA scales the timed block and head of one
+batch, so it is an estimate, not a promise.
 """
 
 from __future__ import annotations
@@ -130,24 +132,54 @@ def extra(name: str, model, args: dict[str, Any]) -> tuple[float, float]:
     return 0, 0
 
 
-def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: int, batch_size: int) -> Cost:
-    """The cost of analysis `name` with arguments `args` on n_seqs windows of seq_len model inputs."""
+def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: int, batch_size: int,
+                  h: float | None = None) -> Cost:
+    """The cost of analysis `name` with arguments `args` on n_seqs windows of seq_len model inputs;
+    `h`: a head evaluation in blocks (default `head_ratio`; `time_parts` measures it)."""
     n_batches = math.ceil(n_seqs / batch_size)
     blocks, heads, bound = per_batch(name, model, args, seq_len)
     once_blocks, once_heads = extra(name, model, args)
     blocks, heads = n_batches * blocks + once_blocks, n_batches * heads + once_heads
-    h, L = head_ratio(model), model.n_layer
+    h, L = head_ratio(model) if h is None else h, model.n_layer
     return Cost(name, blocks, heads, (blocks + h * heads) / (L + h), bound)
 
 
-def plan_cost(model, analyses: list[str], n_seqs: int, seq_len: int, batch_size: int,
+def plan_cost(model, analyses: list[str], n_seqs: int, seq_len: int, batch_size: int, h: float | None = None,
               **options) -> list[Cost]:
     """Each analysis' cost with its arguments (the suite's defaults overridden by `options`)."""
     from depthtools.analysis.suite import analysis_args
 
     return [analysis_cost(name, model, analysis_args(name, batch_size=batch_size, **options), n_seqs, seq_len,
-                          batch_size)
+                          batch_size, h)
             for name in analyses]
+
+
+@torch.no_grad()
+def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> tuple[float, float]:
+    """(seconds of one block call, seconds of one head evaluation with its metrics) on one batch.
+
+    The head is timed with what every lens depth and sweep plan does after it (float32 log-softmax,
+    a KL sum, an argmax): at a 49k vocabulary these cost about as much as the head's matmul
+    (benchmarks/RESULTS.md, issue 38), so a parameter ratio alone underestimates the lens and sweeps.
+    """
+    from depthtools.analysis.sweep import scored_logprobs
+
+    inputs = split_inputs(tokens[:batch_size])[0]
+    model.eval()
+    sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
+    t_states = t_head = math.inf
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        states = model.run_states(inputs)
+        sync()
+        t1 = time.perf_counter()
+        lp = scored_logprobs(model.head(states[-1]))
+        float((lp.exp() * (lp - lp.roll(1, 0))).sum())
+        lp.argmax(-1)
+        sync()
+        t_states, t_head = min(t_states, t1 - t0), min(t_head, time.perf_counter() - t1)
+    return t_states / max(model.n_layer, 1), t_head
 
 
 @torch.no_grad()
@@ -179,7 +211,8 @@ def duration(seconds: float) -> str:
 
 
 def plan_line(model, costs: list[Cost], n_batches: int, forward_s: float) -> str:
-    """ONE line: what runs, its forward-pass equivalents, and the ETA from a timed forward pass."""
+    """ONE line: what runs, its forward-pass equivalents, and the ETA from a timed forward pass
+    (`forward_s`: one forward of one batch, L blocks + a head with its metrics)."""
     parts = [f"{c.name} {'≤' if c.upper_bound else ''}{c.forwards:.0f}" for c in costs]
     total = sum(c.forwards for c in costs)
     eta = total * forward_s  # forward equivalents are counted in forwards of one batch
@@ -194,5 +227,8 @@ def plan_line(model, costs: list[Cost], n_batches: int, forward_s: float) -> str
 def describe(model, analyses: list[str], tokens: torch.Tensor, batch_size: int, **options) -> tuple[str, list[Cost]]:
     """The plan line of running `analyses` on `tokens` [N, T+1] (times one forward pass)."""
     n_seqs, seq_len = tokens.shape[0], tokens.shape[1] - 1
-    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, **options)
-    return plan_line(model, costs, math.ceil(n_seqs / batch_size), time_forward(model, tokens, batch_size)), costs
+    t_block, t_head = time_parts(model, tokens, batch_size)
+    h = t_head / t_block if t_block > 0 else None
+    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, **options)
+    forward_s = model.n_layer * t_block + t_head
+    return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs
