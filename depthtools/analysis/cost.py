@@ -144,14 +144,10 @@ def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: 
     return Cost(name, blocks, heads, (blocks + h * heads) / (L + h), bound)
 
 
-def plan_cost(model, analyses: list[str], n_seqs: int, seq_len: int, batch_size: int, h: float | None = None,
-              **options) -> list[Cost]:
-    """Each analysis' cost with its arguments (the suite's defaults overridden by `options`)."""
-    from depthtools.analysis.suite import analysis_args
-
-    return [analysis_cost(name, model, analysis_args(name, batch_size=batch_size, **options), n_seqs, seq_len,
-                          batch_size, h)
-            for name in analyses]
+def plan_cost(model, analyses: dict[str, dict[str, Any]], n_seqs: int, seq_len: int, batch_size: int,
+              h: float | None = None) -> list[Cost]:
+    """Each analysis' cost with its arguments ({name: args}, as `suite.analysis_args` gives them)."""
+    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h) for name, args in analyses.items()]
 
 
 @torch.no_grad()
@@ -224,11 +220,12 @@ def plan_line(model, costs: list[Cost], n_batches: int, forward_s: float) -> str
             f"({forward_s * 1000:.0f} ms per forward of one batch)")
 
 
-def describe(model, analyses: list[str], tokens: torch.Tensor, batch_size: int, **options) -> tuple[str, list[Cost]]:
-    """The plan line of running `analyses` on `tokens` [N, T+1] (times one forward pass)."""
+def describe(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor,
+             batch_size: int) -> tuple[str, list[Cost]]:
+    """The plan line of running `analyses` ({name: args}) on `tokens` [N, T+1] (times one forward pass)."""
     n_seqs, seq_len = tokens.shape[0], tokens.shape[1] - 1
     t_block, t_head = time_parts(model, tokens, batch_size)
     h = t_head / t_block if t_block > 0 else None
-    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, **options)
+    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h)
     forward_s = model.n_layer * t_block + t_head
     return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs

@@ -155,8 +155,8 @@ def plan(names: list[str], model, tokens, recompute: bool = False, **options) ->
     todo = pending(names, model, tokens, recompute, **options)
     if not todo:
         return f"plan {model_columns(model)['model']}: every table is already saved with these settings (reused)"
-    options = dict(options)
-    line, _ = describe(model, todo, tokens, options.pop("batch_size", BATCH_SIZE), **options)
+    batch_size = options.get("batch_size", BATCH_SIZE)
+    line, _ = describe(model, {name: analysis_args(name, **options) for name in todo}, tokens, batch_size)
     reused = len(names) - len(todo)
     return line + (f"; {reused} saved table(s) reused" if reused else "")
 
