@@ -178,24 +178,6 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     return t_states / max(model.n_layer, 1), t_head
 
 
-@torch.no_grad()
-def time_forward(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float:
-    """Seconds of one plain forward pass on one batch (the fastest of `repeats`, after no warm-up:
-    the first call's overhead is what the analyses pay too, once)."""
-    inputs = split_inputs(tokens[:batch_size])[0]
-    model.eval()
-    best = math.inf
-    for _ in range(repeats):
-        if inputs.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.run(inputs)
-        if inputs.device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def duration(seconds: float) -> str:
     """3 s, 4 min 10 s, 2 h 05 min."""
     seconds = max(0, int(round(seconds)))
