@@ -17,6 +17,7 @@ one-line deprecation note.
 
 from __future__ import annotations
 
+import contextvars
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
@@ -34,10 +35,52 @@ from depthtools.errors import DepthToolsError
 DEPRECATED = {"--tokens": "--n-tokens", "--force": "--recompute", "--swap-pairs": "--pairs", "--tuned-lens": "--tuned"}
 
 
+# --dtype of the running probe command (ProbeCommand adds the option to every probe command and sets this).
+ANALYSIS_DTYPE: contextvars.ContextVar[str] = contextvars.ContextVar("analysis_dtype", default="float32")
+
+
 class ProbeCommand(TyperCommand):
-    """A command that accepts the old option spellings (hidden), printing a one-line note for each."""
+    """A command that accepts the old option spellings (hidden), printing a one-line note for each,
+    and takes `--dtype float32|bfloat16` (the analysis dtype; `probe` and `analyze` read ANALYSIS_DTYPE)."""
+
+    DTYPE_HELP = ("--dtype float32|bfloat16: the analysis dtype (default float32; the metrics accumulate "
+                  "in float32/float64 either way).")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epilog = f"{self.epilog}\n\n{self.DTYPE_HELP}" if self.epilog else self.DTYPE_HELP
+
+    @staticmethod
+    def take_dtype(args: list) -> tuple[list, str]:
+        """Remove `--dtype X` / `--dtype=X` from args: (the rest, X or 'float32')."""
+        rest, dtype, i = [], "float32", 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                rest += args[i:]
+                break
+            if isinstance(arg, str) and arg.startswith("--dtype="):
+                dtype = arg.split("=", 1)[1]
+            elif arg == "--dtype":
+                if i + 1 >= len(args):
+                    raise DepthToolsError("--dtype needs a value; valid: float32, bfloat16")
+                dtype, i = str(args[i + 1]), i + 1
+            else:
+                rest.append(arg)
+            i += 1
+        return rest, dtype
+
+    def invoke(self, ctx):
+        from depthtools.analysis.suite import check_dtype
+
+        token = ANALYSIS_DTYPE.set(check_dtype(ctx.meta.get("depthtools.dtype", "float32")))
+        try:
+            return super().invoke(ctx)
+        finally:
+            ANALYSIS_DTYPE.reset(token)
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
+        args, ctx.meta["depthtools.dtype"] = self.take_dtype(list(args))
         known = {opt for param in self.params for opt in getattr(param, "opts", [])}
         rewritten = []
         for i, arg in enumerate(args):
@@ -69,6 +112,8 @@ RECOMPUTE = typer.Option(False, "--recompute", help="Recompute even when tables 
 EXCLUDE = typer.Option(1, "--exclude-first", help="Leading positions excluded from every statistic (>= 1: the sink).")
 JSON = typer.Option(False, "--json", help="Print JSON instead of tables.")
 OUT = typer.Option(None, "--out", help="Also write the table to this .parquet or .csv file.")
+SWAP_PAIRS_MAX_OPT = typer.Option(None, "--swap-pairs-max", help="All-pairs swaps: evaluate at most N pairs spread "
+                                  "evenly (default 64: every pair up to 11 layers); recorded with the table.")
 SAVE = typer.Option(True, "--save/--no-save", help="Save the tables beside each checkpoint (analysis/<name>.parquet).")
 
 
@@ -93,10 +138,11 @@ def out_console():
 
 def progress_bar(description: str, total: Optional[float]):
     """A transient rich progress bar on stderr (stdout stays clean for --json)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=err_console, transient=True)
+                   TextColumn("ETA"), TimeRemainingColumn(), console=err_console, transient=True)
     task = bar.add_task(description, total=total)
     return bar, (lambda advance: bar.advance(task, advance))
 
@@ -108,7 +154,8 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
 
     With several checkpoints, one an analysis does not apply to is skipped with a line on stderr.
     """
-    from depthtools.analysis.suite import checkpoint_dirs, probe_tokens, progress_total, run_analysis, analysis_args
+    from depthtools.analysis.suite import (analysis_args, cast_model, checkpoint_dirs, plan, probe_tokens,
+                                           progress_total, run_analysis)
     from depthtools.checkpoint import load
 
     check_sizes(n_tokens, seq_len, batch_size)
@@ -117,8 +164,10 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
     options = dict(options, batch_size=batch_size, seed=seed)
     done, skipped = [], []
     for ckpt_dir in dirs:
-        model = load(ckpt_dir, device=device)
+        model = cast_model(load(ckpt_dir, device=device), ANALYSIS_DTYPE.get())
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
+        err_console.print(plan(names, model, tokens, recompute, **options), markup=False, highlight=False,
+                          soft_wrap=True)
         results = {}
         try:
             for name in names:
@@ -210,6 +259,7 @@ def ablate_command(
     rule: Optional[List[str]] = typer.Option(None, "--rule", help="Skip rule(s) (default: every rule of the architecture)."),
     tau: float = typer.Option(0.05, "--tau", help="Prune tolerance on ΔCE in nats."),
     max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the greedy prune curve."),
+    swap_pairs_max: Optional[int] = SWAP_PAIRS_MAX_OPT,
     data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
     as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE, protocol: str = PROTOCOL_OPT,
@@ -231,7 +281,8 @@ def ablate_command(
                                     device, as_json, out, save)
     name = ablate_analysis(mode, pairs)
     done = probe([name], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
-                 rules=rule or None, tau=tau, max_prune_steps=max_prune_steps)
+                 rules=rule or None, tau=tau, max_prune_steps=max_prune_steps,
+                 **({} if swap_pairs_max is None else {"swap_pairs_max": swap_pairs_max}))
     df = pd.concat([results[name].table for _, results in done], ignore_index=True)
     emit_records(df, as_json, out, ABLATE_COLUMNS[mode], f"ablate --mode {mode}", ablation_notes(df, mode))
 

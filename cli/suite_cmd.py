@@ -16,8 +16,8 @@ from rich.markup import escape
 from cli.main import app, console, fmt, parse_list, print_json, table
 from cli.plain import PlainLog, is_plain
 from depthtools.errors import DepthToolsError
-from cli.probe_cmd import (BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE, SEED, SEQ_LEN_OPT,
-                           SPLIT, ProbeCommand, check_device)
+from cli.probe_cmd import (ANALYSIS_DTYPE, BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE,
+                           SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, ProbeCommand, check_device)
 
 
 @app.command("analyze", cls=ProbeCommand)
@@ -30,6 +30,7 @@ def analyze_command(
     pairs: str = typer.Option("all", "--pairs", help="Swap pairs of the suite: all (ablate_swap, DepthBench "
                                                      "permutation score) or adjacent (ablate_swap_adjacent)."),
     tau: float = typer.Option(0.05, "--tau", help="Pruning tolerance in nats."),
+    swap_pairs_max: Optional[int] = SWAP_PAIRS_MAX_OPT,
     tuned: bool = typer.Option(False, "--tuned", help="Also fit (train split) and evaluate a tuned lens."),
     lens_steps: int = typer.Option(250, "--lens-steps", help="Tuned-lens training steps."),
     lens_tokens: int = typer.Option(65536, "--lens-tokens", help="Training-split tokens for the tuned lens."),
@@ -49,7 +50,8 @@ def analyze_command(
 
     Example: depthtools analyze --grid checkpoints/tiny --n-tokens 2048 --seq-len 64
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     from depthtools.analysis.suite import analyze_grid
 
@@ -58,16 +60,22 @@ def analyze_command(
     if protocol not in ("depthtools", "depthbench"):
         raise DepthToolsError(f"unknown --protocol {protocol!r}; valid: depthtools, depthbench")
     if protocol == "depthbench":
+        if ANALYSIS_DTYPE.get() != "float32":
+            raise DepthToolsError(f"--dtype {ANALYSIS_DTYPE.get()} is not available with --protocol depthbench "
+                                  "(DepthBench's metrics run in float32); drop --dtype")
         run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch_size, device)
         return
     settings = dict(data=data, n_tokens=n_tokens, seq_len=seq_len, split=split, seed=seed, batch_size=batch_size,
                     exclude_first=exclude_first, only=only, pairs=pairs, tau=tau, tuned=tuned, recompute=recompute,
-                    device=device, ckpts=ckpt, lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr)
+                    device=device, ckpts=ckpt, lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr,
+                    dtype=ANALYSIS_DTYPE.get(), on_plan=lambda line: console.print(line, markup=False, highlight=False,
+                                                                                  soft_wrap=True),
+                    **({} if swap_pairs_max is None else {"swap_pairs_max": swap_pairs_max}))
     if is_plain():  # a log file, nohup, Slurm: rich's bar would print nothing until the end
         report = analyze_grid(grid, progress=_plain_progress(), **settings)
     else:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=False) as progress:
+                      TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=False) as progress:
             task = progress.add_task("analyze", total=None)
 
             def show(description: str, done: int, total: int) -> None:
@@ -100,16 +108,25 @@ def run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch
 def _plain_progress():
     """analyze_grid's progress as plain lines: one per checkpoint done, and a line at most every minute
     within a long one (naming the analysis running)."""
+    import time
+
+    from depthtools.analysis.cost import duration
+
     log, current = PlainLog(), [None]
+
+    def eta(done: int, total: int) -> str:
+        """The remaining time at the rate so far (analyses of unequal cost: a rough figure)."""
+        spent = time.monotonic() - log.t0
+        return f", ETA ~{duration(spent / done * (total - done))}" if 0 < done < total else ""
 
     def show(description: str, done: int, total: int) -> None:
         cell = description.split(":")[0]
         if current[0] is None:
             log(f"analyze: {total} analyses to run or reuse (output is not a terminal: one line per checkpoint)")
         elif cell != current[0]:
-            log(f"analyze: {current[0]} done ({done}/{total})")
+            log(f"analyze: {current[0]} done ({done}/{total}){eta(done, total)}")
         else:
-            log.every(f"analyze: {description} ({done}/{total})")
+            log.every(f"analyze: {description} ({done}/{total}){eta(done, total)}")
         current[0] = cell
     return show
 

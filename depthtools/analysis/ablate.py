@@ -113,6 +113,22 @@ def swap_pairs(n_layer: int, pairs: str = "adjacent") -> list[tuple[int, int]]:
     return [(i, j) for i in range(n_layer) for j in range(i + 1, n_layer)]
 
 
+def chosen_pairs(n_layer: int, pairs: str = "adjacent", max_pairs: int | None = None) -> list[tuple[int, int]]:
+    """The swap pairs evaluated: `swap_pairs`, or at most `max_pairs` of them spread evenly over that
+    list (i-major order, first and last kept), so a 30-layer model's 435 all-pairs swaps can be bounded.
+    Each evaluated pair's row means what it always means; the permutation score's mean becomes a
+    mean over the evenly spread sample (recorded as `swap_pairs_max` in the table's settings)."""
+    every = swap_pairs(n_layer, pairs)
+    if max_pairs is None or max_pairs >= len(every):
+        return every
+    if max_pairs < 1:
+        raise DepthToolsError(f"--swap-pairs-max must be >= 1, got {max_pairs}")
+    if max_pairs == 1:
+        return every[:1]
+    picks = sorted({round(k * (len(every) - 1) / (max_pairs - 1)) for k in range(max_pairs)})
+    return [every[i] for i in picks]
+
+
 def _run(model, tokens, plans, batch_size, progress) -> SweepResult:
     return sweep(model, tokens, plans, batch_size=batch_size, progress=progress)
 
@@ -126,10 +142,12 @@ def ablate_skip(model, tokens, rules=None, batch_size=8, progress: Progress | No
     return _add_n_skip(_frame(rows))
 
 
-def ablate_swap(model, tokens, pairs="adjacent", batch_size=8, progress: Progress | None = None) -> pd.DataFrame:
-    """Exchange blocks i and j; perm_score = |L_swap - L| / L (DepthBench permutation score)."""
+def ablate_swap(model, tokens, pairs="adjacent", batch_size=8, progress: Progress | None = None,
+                swap_pairs_max: int | None = None) -> pd.DataFrame:
+    """Exchange blocks i and j; perm_score = |L_swap - L| / L (DepthBench permutation score).
+    `swap_pairs_max` bounds the pairs evaluated (`chosen_pairs`)."""
     L = model.n_layer
-    chosen = swap_pairs(L, pairs)
+    chosen = chosen_pairs(L, pairs, swap_pairs_max)
     result = _run(model, tokens, [Plan.swapping(i, j, L) for i, j in chosen], batch_size, progress)
     rows = [
         _row(model, "swap", NO_RULE, [i, j], s, result.intact, pairs=pairs,
@@ -343,13 +361,14 @@ def ablate_mean(model, tokens, batch_size=8, fit_tokens=None, progress: Progress
 
 
 # -- the entry point -----------------------------------------------------------------------------
-def n_plans(model, mode: str, pairs: str = "adjacent", rules: Sequence[str] | None = None) -> int | None:
+def n_plans(model, mode: str, pairs: str = "adjacent", rules: Sequence[str] | None = None,
+            swap_pairs_max: int | None = None) -> int | None:
     """How many plans `ablate` evaluates (for progress bars); None when data-dependent (prune)."""
     L = model.n_layer
     if mode == "skip":
         return L * len(_rules(model, rules))
     if mode == "swap":
-        return len(swap_pairs(L, pairs))
+        return len(chosen_pairs(L, pairs, swap_pairs_max))
     if mode in ("linear", "mean"):
         return L
     return None
@@ -372,6 +391,7 @@ def ablate(
     fit_tokens: torch.Tensor | None = None,
     max_prune_steps: int | None = None,
     progress: Progress | None = None,
+    swap_pairs_max: int | None = None,
 ) -> pd.DataFrame:
     """One tidy row per model × plan for an ablation `mode` (see the module docstring).
 
@@ -380,12 +400,12 @@ def ablate(
     """
     check_mode(mode)
     if mode == "swap":
-        swap_pairs(model.n_layer, pairs)
+        chosen_pairs(model.n_layer, pairs, swap_pairs_max)
     tokens = check_tokens(model, tokens)
     if mode == "skip":
         return ablate_skip(model, tokens, rules, batch_size, progress)
     if mode == "swap":
-        return ablate_swap(model, tokens, pairs, batch_size, progress)
+        return ablate_swap(model, tokens, pairs, batch_size, progress, swap_pairs_max)
     if mode == "prune":
         return ablate_prune(model, tokens, rules, tau, batch_size, max_prune_steps, progress)
     if mode == "linear":

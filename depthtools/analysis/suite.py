@@ -40,6 +40,9 @@ from depthtools.errors import DepthToolsError
 N_TOKENS = 4096
 SEQ_LEN = 128
 BATCH_SIZE = 8
+# The all-pairs swap suite evaluates at most this many pairs, spread evenly (all of them up to L = 11;
+# 64 of a 30-layer model's 435): the suite's default stays minutes on CPU (ablate.chosen_pairs).
+SWAP_PAIRS_MAX = 64
 
 
 # -- the evaluation token set and what a saved table depends on ------------------------------------
@@ -89,12 +92,73 @@ def probe_tokens(model, data: str | Path | None = None, n_tokens: int = N_TOKENS
 
 
 def table_settings(name: str, args: dict[str, Any], model, tokens) -> dict[str, Any]:
-    """What a saved table depends on: the analysis, its arguments, the token set and the weights."""
+    """What a saved table depends on: the analysis, its arguments, the token set and the weights
+    (and the analysis dtype when it is not float32: the weight hash changes with it too)."""
     from depthtools.analysis.lens import model_fingerprint
     from depthtools.analysis.tokens import token_fingerprint
 
+    dtype = model_dtype(model)
     return {"analysis": name, **args, "tokens": token_fingerprint(tokens), "tokens_shape": list(tokens.shape),
-            "model": model_fingerprint(model)}
+            "model": model_fingerprint(model), **({"dtype": dtype} if dtype != "float32" else {})}
+
+
+# The dtypes an analysis may run in. float32 is the default (on CPU bfloat16 matmuls are not faster
+# everywhere, and every metric is exact to float32); bfloat16 halves the weights' memory. Whatever
+# the dtype, log-softmax runs in float32 and the metric sums accumulate in float64.
+DTYPES = ("float32", "bfloat16")
+
+
+def model_dtype(model) -> str:
+    """The dtype of the model's floating-point parameters ('float32', 'bfloat16', ...)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return str(p.dtype).replace("torch.", "")
+    return "float32"
+
+
+def check_dtype(dtype: str | None) -> str | None:
+    """`dtype` if it is an analysis dtype (or None: as loaded); else a one-line error."""
+    if dtype is not None and dtype not in DTYPES:
+        raise DepthToolsError(f"unknown --dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    return dtype
+
+
+def cast_model(model, dtype: str | None):
+    """The model in analysis dtype `dtype` (None: as loaded)."""
+    import torch
+
+    if check_dtype(dtype) is None:
+        return model
+    return model.to(getattr(torch, dtype))
+
+
+def pending(names: list[str], model, tokens, recompute: bool = False, **options) -> list[str]:
+    """The analyses of `names` whose tables are not saved with the settings they would run with."""
+    from depthtools.analysis.tables import load_table
+
+    if recompute:
+        return list(names)
+    todo = []
+    for name in names:
+        settings = table_settings(name, analysis_args(name, **options), model, tokens)
+        if any(load_table(model.checkpoint_dir, out, settings) is None for out in ANALYSES[name].outputs):
+            todo.append(name)
+    return todo
+
+
+def plan(names: list[str], model, tokens, recompute: bool = False, **options) -> str:
+    """ONE line before a run: what will run (saved tables excluded), its cost in forward-pass
+    equivalents and an ETA from one timed forward pass (`depthtools.analysis.cost`)."""
+    from depthtools.analysis.cost import describe
+    from depthtools.analysis.tables import model_columns
+
+    todo = pending(names, model, tokens, recompute, **options)
+    if not todo:
+        return f"plan {model_columns(model)['model']}: every table is already saved with these settings (reused)"
+    batch_size = options.get("batch_size", BATCH_SIZE)
+    line, _ = describe(model, {name: analysis_args(name, **options) for name in todo}, tokens, batch_size)
+    reused = len(names) - len(todo)
+    return line + (f"; {reused} saved table(s) reused" if reused else "")
 
 
 # -- the single analyses (thin, keyword-complete wrappers so the suite can record their arguments) ---
@@ -200,7 +264,7 @@ ANALYSES: dict[str, Analysis] = {a.name: a for a in (
              ("lens_tuned", "lens_tuned_summary", "prediction_depth_tuned")),
     Analysis("ablate_skip", dict(batch_size=B, rules=None), _ablate("skip")),
     Analysis("ablate_prune", dict(batch_size=B, rules=None, tau=0.05, max_prune_steps=None), _ablate("prune")),
-    Analysis("ablate_swap", dict(batch_size=B, pairs="all"), _ablate("swap")),
+    Analysis("ablate_swap", dict(batch_size=B, pairs="all", swap_pairs_max=SWAP_PAIRS_MAX), _ablate("swap")),
     Analysis("ablate_swap_adjacent", dict(batch_size=B, pairs="adjacent"), _ablate("swap")),
     Analysis("ablate_mean", dict(batch_size=B), _ablate("mean")),
     Analysis("ablate_linear", dict(batch_size=B), _ablate("linear")),
@@ -245,7 +309,7 @@ def progress_total(name: str, model, args: dict[str, Any]) -> float | None:
         from depthtools.analysis.ablate import n_plans
 
         mode = name.split("_")[1]
-        return n_plans(model, mode, args.get("pairs", "adjacent"), args.get("rules"))
+        return n_plans(model, mode, args.get("pairs", "adjacent"), args.get("rules"), args.get("swap_pairs_max"))
     if name == "lens_tuned":
         return args["lens_steps"]
     return 1
@@ -340,13 +404,16 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
                  exclude_first: int = 1, only: str | list[str] | None = None, pairs: str = "all", tau: float = 0.05,
                  tuned: bool = False, recompute: bool = False, device: str = "cpu",
                  ckpts: list[str | Path] | None = None,
-                 progress: Callable[[str, int, int], None] | None = None, **options) -> AnalyzeReport:
+                 progress: Callable[[str, int, int], None] | None = None, dtype: str | None = None,
+                 on_plan: Callable[[str], None] | None = None, **options) -> AnalyzeReport:
     """Run the suite over every checkpoint of a grid directory (and/or `ckpts`); tables saved with
     identical settings are reused.
 
     `progress(description, done, total)` is called before each analysis and once at the end.
     An analysis that does not apply to an architecture (e.g. linear ablation of a bank state) is
     recorded in `not_applicable`, not raised. `options` are further analysis arguments (lens_steps, ...).
+    `dtype` casts each model for the analyses (`cast_model`); `on_plan(line)` receives each checkpoint's
+    one-line cost plan (`plan`) before its analyses run.
     """
     import warnings
 
@@ -358,6 +425,7 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     given = {new: options.pop(old) for old, new in renamed.items()}
     pairs, tuned, recompute = given.get("pairs", pairs), given.get("tuned", tuned), given.get("recompute", recompute)
     check_sizes(n_tokens, seq_len, batch_size)
+    check_dtype(dtype)
     chosen = choose(only, pairs, tuned)
     dirs = checkpoint_dirs(ckpts, grid)
     report = AnalyzeReport(checkpoints=len(dirs))
@@ -367,8 +435,10 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     for name in chosen:  # a bad option is an error here, not a "not applicable" line per checkpoint
         analysis_args(name, **options)
     for ckpt_dir in dirs:
-        model = load(ckpt_dir, device=device)
+        model = cast_model(load(ckpt_dir, device=device), dtype)
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
+        if on_plan is not None:
+            on_plan(plan(chosen, model, tokens, recompute, **options))
         for name in chosen:
             if progress is not None:
                 progress(f"{ckpt_dir.name}: {name}", step, total)

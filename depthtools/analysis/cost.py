@@ -1,0 +1,213 @@
+"""What a probe costs before it runs: block calls, head evaluations, forward-pass equivalents and an ETA.
+
+A real model (30 layers, a 49k vocabulary) makes the suite's cost matter: the skip sweep, the
+all-pairs swaps and the lens are each many forward passes. Every analysis is counted here in the
+two units that dominate it, per batch of `batch_size` sequences:
+
+    block calls      `model.block_step` calls (each one block over the whole batch)
+    head evaluations `head`/`readout_logits` over the whole batch (unembedding to V logits)
+
+and converted to forward-pass equivalents: one plain forward is L block calls + 1 head, and a head
+costs h blocks — measured before a run (`time_parts`: the head with its metrics' log-softmax, KL and
+argmax, which at a 49k vocabulary cost as much as its matmul), or V·d / (non-embedding parameters / L)
+without timing (`head_ratio`, the ratio of their matmul sizes) — so
+
+    forward equivalents = (block calls + h · heads) / (L + h)
+
+Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
+
+    lens_logit          L blocks, L + 1 heads (one per depth)
+    ablate_skip         per rule: L + Σ_l (L − l − 1) blocks, 1 + L heads
+    ablate_swap         L + Σ_(i,j) (L − i) blocks over the chosen pairs, 1 + pairs heads
+    ablate_mean/linear  2L + Σ_l (L − l − 1) blocks (statistics pass + sweep), 1 + L heads
+    ablate_prune        at most, per rule: greedy Σ_k [L + (L − k)(L − k)] + Gromov 2L + Σ_n (L − n) blocks
+    causal              L + Σ_s [(L − s − 1) + cuts · (L − s)] blocks (cuts only with future=True)
+    sequence_profile    as one skip rule
+    similarity, routing L blocks
+    contrib             L blocks, + 3 · probes · L block-equivalents with the Jacobian (a JVP ≈ 3 blocks)
+    lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
+
+The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
+against a counter on `block_step`); prune is an upper bound (its greedy curve stops when ΔCE passes
+tau). Attention's T² term is in the timed block; the ETA scales the timed block and head of one
+batch, so it is an estimate, not a promise.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from depthtools.analysis.tokens import split_inputs
+
+FULL_JVP_BLOCKS = 3  # a forward-mode JVP through a block ≈ 3 block forwards
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One analysis' cost on the whole token set."""
+
+    name: str
+    blocks: float     # block calls (each over one batch)
+    heads: float      # head evaluations (each over one batch)
+    forwards: float   # forward-pass equivalents
+    upper_bound: bool = False
+
+
+def head_ratio(model) -> float:
+    """h: the cost of one head evaluation in blocks (V·d over the parameters of one block)."""
+    counts = model.param_counts()
+    per_block = max(counts["non_embedding"] / max(model.n_layer, 1), 1.0)
+    return model.config.vocab_size * model.config.d_model / per_block
+
+
+def _skip_blocks(L: int) -> int:
+    return L + sum(L - l - 1 for l in range(L))
+
+
+def _n_rules(model, args: dict[str, Any]) -> int:
+    rules = args.get("rules")
+    return len(rules) if rules else len(model.scheme.skip_rules)
+
+
+def _n_cuts(model, args: dict[str, Any], seq_len: int) -> int:
+    if not args.get("future", True):
+        return 0
+    if args.get("cuts") is not None:
+        return len(args["cuts"])
+    from depthtools.analysis.causal import default_cuts
+
+    return len(default_cuts(seq_len))
+
+
+def per_batch(name: str, model, args: dict[str, Any], seq_len: int) -> tuple[float, float, bool]:
+    """(block calls, head evaluations, upper_bound) of analysis `name` on one batch of windows of
+    `seq_len` model inputs (fits and fixed passes that do not repeat per batch are in `extra`)."""
+    L = model.n_layer
+    if name == "lens_logit":
+        return L, L + 1, False
+    if name in ("ablate_skip", "sequence_profile"):
+        rules = _n_rules(model, args) if name == "ablate_skip" else 1
+        return rules * _skip_blocks(L), rules * (1 + L), False
+    if name in ("ablate_swap", "ablate_swap_adjacent"):
+        from depthtools.analysis.ablate import chosen_pairs
+
+        pairs = chosen_pairs(L, args.get("pairs", "adjacent"), args.get("swap_pairs_max"))
+        return L + sum(L - i for i, _ in pairs), 1 + len(pairs), False
+    if name in ("ablate_mean", "ablate_linear"):
+        return L + _skip_blocks(L), 1 + L, False
+    if name == "ablate_prune":
+        steps = L if args.get("max_prune_steps") is None else min(L, args["max_prune_steps"])
+        greedy = sum(L + (L - k) * (L - k) for k in range(steps))
+        gromov = 2 * L + sum(L - n for n in range(1, L))
+        heads = sum(1 + L - k for k in range(steps)) + L
+        rules = _n_rules(model, args)
+        return rules * (greedy + gromov), rules * heads, True
+    if name == "causal":
+        cuts = _n_cuts(model, args, seq_len)
+        return L + sum((L - s - 1) + cuts * (L - s) for s in range(L)), 0, False
+    if name == "contrib":
+        jac = L + FULL_JVP_BLOCKS * args.get("probes", 2) * L if args.get("jacobian", True) else 0
+        return L + jac, 0, False
+    if name in ("similarity", "routing"):
+        return L, 0, False
+    if name == "lens_tuned":
+        return L, L + 1, False
+    return L, 1, True  # an analysis not modelled here: at least one forward
+
+
+def extra(name: str, model, args: dict[str, Any]) -> tuple[float, float]:
+    """(block calls, heads) done once, not per evaluation batch: the tuned lens' fit steps, and the
+    first-sequence probe of the mean/linear statistics."""
+    L = model.n_layer
+    if name == "lens_tuned":
+        steps = args.get("lens_steps", 250)
+        return steps * L, steps * (L + 1 + 2 * L)
+    if name in ("ablate_mean", "ablate_linear"):
+        return L, 0
+    return 0, 0
+
+
+def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: int, batch_size: int,
+                  h: float | None = None) -> Cost:
+    """The cost of analysis `name` with arguments `args` on n_seqs windows of seq_len model inputs;
+    `h`: a head evaluation in blocks (default `head_ratio`; `time_parts` measures it)."""
+    n_batches = math.ceil(n_seqs / batch_size)
+    blocks, heads, bound = per_batch(name, model, args, seq_len)
+    once_blocks, once_heads = extra(name, model, args)
+    blocks, heads = n_batches * blocks + once_blocks, n_batches * heads + once_heads
+    h, L = head_ratio(model) if h is None else h, model.n_layer
+    return Cost(name, blocks, heads, (blocks + h * heads) / (L + h), bound)
+
+
+def plan_cost(model, analyses: dict[str, dict[str, Any]], n_seqs: int, seq_len: int, batch_size: int,
+              h: float | None = None) -> list[Cost]:
+    """Each analysis' cost with its arguments ({name: args}, as `suite.analysis_args` gives them)."""
+    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h) for name, args in analyses.items()]
+
+
+@torch.no_grad()
+def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> tuple[float, float]:
+    """(seconds of one block call, seconds of one head evaluation with its metrics) on one batch.
+
+    The head is timed with what every lens depth and sweep plan does after it (float32 log-softmax,
+    a KL sum, an argmax): at a 49k vocabulary these cost about as much as the head's matmul
+    (benchmarks/RESULTS.md, issue 38), so a parameter ratio alone underestimates the lens and sweeps.
+    """
+    from depthtools.analysis.sweep import scored_logprobs
+
+    inputs = split_inputs(tokens[:batch_size])[0]
+    model.eval()
+    sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
+    t_states = t_head = math.inf
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        states = model.run_states(inputs)
+        sync()
+        t1 = time.perf_counter()
+        lp = scored_logprobs(model.head(states[-1]))
+        float((lp.exp() * (lp - lp.roll(1, 0))).sum())
+        lp.argmax(-1)
+        sync()
+        t_states, t_head = min(t_states, t1 - t0), min(t_head, time.perf_counter() - t1)
+    return t_states / max(model.n_layer, 1), t_head
+
+
+def duration(seconds: float) -> str:
+    """3 s, 4 min 10 s, 2 h 05 min."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def plan_line(model, costs: list[Cost], n_batches: int, forward_s: float) -> str:
+    """ONE line: what runs, its forward-pass equivalents, and the ETA from a timed forward pass
+    (`forward_s`: one forward of one batch, L blocks + a head with its metrics)."""
+    parts = [f"{c.name} {'≤' if c.upper_bound else ''}{c.forwards:.0f}" for c in costs]
+    total = sum(c.forwards for c in costs)
+    eta = total * forward_s  # forward equivalents are counted in forwards of one batch
+    bound = "≤" if any(c.upper_bound for c in costs) else "~"
+    from depthtools.analysis.tables import model_columns
+
+    return (f"plan {model_columns(model)['model']} (L={model.n_layer}, {n_batches} batch(es)): "
+            f"{', '.join(parts)} forward-pass equivalents; total {total:.0f}, ETA {bound}{duration(eta)} "
+            f"({forward_s * 1000:.0f} ms per forward of one batch)")
+
+
+def describe(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor,
+             batch_size: int) -> tuple[str, list[Cost]]:
+    """The plan line of running `analyses` ({name: args}) on `tokens` [N, T+1] (times one forward pass)."""
+    n_seqs, seq_len = tokens.shape[0], tokens.shape[1] - 1
+    t_block, t_head = time_parts(model, tokens, batch_size)
+    h = t_head / t_block if t_block > 0 else None
+    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h)
+    forward_s = model.n_layer * t_block + t_head
+    return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs

@@ -1,0 +1,183 @@
+"""The cost plan (depthtools.analysis.cost) against counted block calls and head evaluations on a
+tiny model, the swap-pair bound, and the plan line the probe commands print."""
+
+import math
+
+import pytest
+import torch
+
+from depthtools.analysis.ablate import ablate, chosen_pairs, swap_pairs
+from depthtools.analysis.cost import analysis_cost, head_ratio, plan_line
+from depthtools.analysis.suite import analysis_args
+from depthtools.errors import DepthToolsError
+from tiny_models import one_thread, tiny, windows  # noqa: F401 (fixture)
+
+
+class Counter:
+    """Wraps model.block_step and model.head / model.readout_logits on the instance, counting block
+    calls and head work in whole-batch units (rows evaluated / rows of one batch)."""
+
+    def __init__(self, model, rows_per_batch: int):
+        self.blocks, self.head_rows, self.rows = 0, 0, rows_per_batch
+        block_step, head, readout_logits = model.block_step, model.head, model.readout_logits
+
+        def count_block(*a, **k):
+            self.blocks += 1
+            return block_step(*a, **k)
+
+        def count_head(state):
+            self.head_rows += state.shape[0] * state.shape[1]
+            return head(state)
+
+        def count_readout(x):
+            self.head_rows += x.shape[:-1].numel()
+            return readout_logits(x)
+
+        model.block_step, model.head, model.readout_logits = count_block, count_head, count_readout
+
+    @property
+    def heads(self) -> float:
+        return self.head_rows / self.rows
+
+
+def run_counted(name, model, tokens, bs, **options):
+    from depthtools.analysis import suite
+
+    args = analysis_args(name, batch_size=bs, **options)
+    scored = tokens.shape[1] - 2 if name.startswith("lens") else tokens.shape[1] - 1  # the lens reads scored rows
+    counter = Counter(model, bs * scored)
+    suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args)
+    return counter, analysis_cost(name, model, args, tokens.shape[0], tokens.shape[1] - 1, bs)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("lens_logit", {}),
+    ("ablate_skip", {}),
+    ("ablate_swap", {}),
+    ("ablate_swap", {"swap_pairs_max": 4}),
+    ("ablate_swap_adjacent", {}),
+    ("ablate_mean", {}),
+    ("sequence_profile", {}),
+    ("causal", {}),
+    ("causal", {"future": False}),
+    ("similarity", {}),
+])
+def test_cost_formula_equals_counted_block_calls(name, options):
+    model = tiny("preln", n_layer=5)
+    tokens = windows(n=4, length=13)  # 2 batches of 2: per-batch costs are multiplied, not assumed
+    counter, cost = run_counted(name, model, tokens, 2, **options)
+    assert counter.blocks == cost.blocks
+    if name not in ("causal", "similarity"):
+        assert counter.heads == pytest.approx(cost.heads)
+    h, L = head_ratio(model), model.n_layer
+    assert cost.forwards == pytest.approx((cost.blocks + h * cost.heads) / (L + h))
+
+
+def test_prune_cost_is_an_upper_bound():
+    model = tiny("preln", n_layer=4)
+    tokens = windows(n=2, length=13)
+    counter, cost = run_counted("ablate_prune", model, tokens, 2, tau=0.0)
+    assert cost.upper_bound and counter.blocks <= cost.blocks and counter.blocks > cost.blocks / 4
+
+
+def test_skip_sweep_cost_is_about_half_of_naive_reruns():
+    """Σ_l (L-l-1)/L suffix passes: the cost plan states the prefix reuse, ~0.5 L forwards, not L."""
+    model = tiny("preln", n_layer=30, vocab=61)
+    cost = analysis_cost("ablate_skip", model, analysis_args("ablate_skip"), 8, 12, 8)
+    naive = model.n_layer * len(model.scheme.skip_rules) + 1
+    assert cost.forwards < 0.6 * naive
+
+
+def test_swap_pairs_max_spreads_pairs_evenly_and_records_the_bound():
+    every = swap_pairs(30, "all")
+    assert len(every) == 435
+    some = chosen_pairs(30, "all", 64)
+    assert len(some) == 64 and some[0] == every[0] and some[-1] == every[-1] and set(some) <= set(every)
+    assert chosen_pairs(4, "all", 64) == swap_pairs(4, "all")  # small models: every pair, nothing changes
+    with pytest.raises(DepthToolsError, match="swap-pairs-max"):
+        chosen_pairs(30, "all", 0)
+    args = analysis_args("ablate_swap", swap_pairs_max=10)
+    assert args["swap_pairs_max"] == 10  # what table_settings records with the table
+    model = tiny("preln", n_layer=6)
+    df = ablate(model, windows(n=2, length=9), mode="swap", pairs="all", swap_pairs_max=5)
+    assert len(df) == 5
+    full = ablate(model, windows(n=2, length=9), mode="swap", pairs="all").set_index(["layer", "layer2"])
+    for row in df.itertuples():  # a bounded row means what the unbounded one means
+        assert row.delta_ce == pytest.approx(full.loc[(row.layer, row.layer2), "delta_ce"])
+
+
+def test_plan_line_is_one_line_with_forwards_and_an_eta():
+    model = tiny("preln", n_layer=3)
+    costs = [analysis_cost(n, model, analysis_args(n), 8, 12, 4) for n in ("lens_logit", "ablate_prune")]
+    line = plan_line(model, costs, 2, 0.5)
+    assert "\n" not in line and "lens_logit" in line and "≤" in line and "ETA" in line
+    total = sum(c.forwards for c in costs)
+    assert f"total {total:.0f}" in line
+
+
+# -- the command line: the plan line, --swap-pairs-max, --dtype, --device ---------------------------------
+
+@pytest.fixture
+def cell(tmp_path, data_dir, monkeypatch):
+    """A tiny 4-layer checkpoint recording the fixture corpus."""
+    from depthtools import checkpoint as ck
+    from depthtools.arch import DepthModel
+    from depthtools.config import ModelConfig
+
+    model = DepthModel(ModelConfig(arch="preln", vocab_size=256, d_model=32, n_layer=4, n_heads=4, max_seq_len=32),
+                       seed=0)
+    directory = tmp_path / "grid" / "preln_L4"
+    ck.save(model, directory, extra={"data": {"path": str(data_dir)}})
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "grid"))
+    return directory
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+EVAL = ["--n-tokens", "64", "--seq-len", "16"]
+
+
+def test_probe_and_analyze_print_one_plan_line_and_record_the_swap_bound(cell):
+    from depthtools.analysis.tables import load_settings
+
+    result = cli("ablate", "--ckpt", "preln_L4", "--mode", "swap", "--pairs", "all", "--swap-pairs-max", "3", *EVAL)
+    assert result.exit_code == 0, result.output
+    plans = [line for line in result.stderr.splitlines() if line.startswith("plan ")]
+    assert len(plans) == 1 and "ablate_swap" in plans[0] and "ETA" in plans[0]
+    assert load_settings(cell, "ablate_swap")["swap_pairs_max"] == 3
+    assert result.stdout.count("preln_L4") >= 3
+    result = cli("analyze", "--grid", cell.parent, *EVAL, "--only", "ablate_swap,lens_logit", "--swap-pairs-max", "3")
+    assert result.exit_code == 0, result.output
+    line = [line for line in result.stdout.splitlines() if line.startswith("plan ")]
+    assert len(line) == 1 and "lens_logit" in line[0] and "1 saved table(s) reused" in line[0]
+
+
+def test_dtype_bfloat16_runs_close_to_float32_and_bad_values_are_refused(cell):
+    from depthtools.analysis.tables import load_settings, load_table
+
+    for dtype in ("float32", "bfloat16"):
+        result = cli("lens", "--ckpt", "preln_L4", *EVAL, "--dtype", dtype, "--out", cell.parent / f"{dtype}.csv")
+        assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    f32, bf16 = (pd.read_csv(cell.parent / f"{d}.csv") for d in ("float32", "bfloat16"))
+    assert load_settings(cell, "lens_logit")["dtype"] == "bfloat16"  # the last run's table says its dtype
+    assert (f32["ce"] - bf16["ce"]).abs().max() < 0.05 * f32["ce"].abs().max()
+    assert not f32["ce"].equals(bf16["ce"])  # it really ran in bfloat16
+    bad = cli("lens", "--ckpt", "preln_L4", *EVAL, "--dtype", "float16")
+    assert bad.exit_code == 2 and "--dtype" in bad.output and "bfloat16" in bad.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+@pytest.mark.parametrize("command", ["lens", "ablate", "causal", "similarity", "contrib", "routing", "analyze",
+                                     "depthbench"])
+def test_device_cuda_is_refused_in_one_line_without_cuda(cell, command):
+    result = cli(command, "--ckpt", "preln_L4", *EVAL, "--device", "cuda")
+    assert result.exit_code == 2 and "no CUDA device" in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1
