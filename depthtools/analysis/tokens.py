@@ -168,6 +168,17 @@ def _tokenizer_label(record: dict) -> str:
     return f"{record.get('name')!r}" + (f" ({str(fingerprint)[:12]})" if fingerprint else "")
 
 
+def _carried_fingerprint(ckpt_dir: Path, record: dict) -> str | None:
+    """The data-prepare fingerprint of the tokenizer.json an imported checkpoint carries: checkpoints
+    imported before import and data prepare shared one fingerprint recorded the file's raw sha256."""
+    if record.get("format") != "huggingface" or record.get("file") != "tokenizer.json":
+        return None
+    from depthtools.data.tokenizer import tokenizer_file_fingerprint
+
+    file = Path(ckpt_dir) / "tokenizer.json"
+    return tokenizer_file_fingerprint(file) if file.is_file() else None
+
+
 def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) -> Path:
     """The prepared data directory a checkpoint is evaluated on — `data`, else the one its config.json
     records — after checking that it fits the checkpoint (one-line DepthToolsError otherwise):
@@ -202,7 +213,7 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
     trained, given = config.get("tokenizer"), meta.get("tokenizer") or {}
     if isinstance(trained, dict) and trained.get("name") is not None:
         if trained.get("fingerprint") and given.get("fingerprint"):
-            same = trained["fingerprint"] == given["fingerprint"]
+            same = given["fingerprint"] in (trained["fingerprint"], _carried_fingerprint(ckpt_dir, trained))
         else:
             same = trained.get("name") == given.get("name")
         if not same:
