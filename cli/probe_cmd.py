@@ -4,6 +4,7 @@ Every probe command (and `analyze`, cli/suite_cmd.py) takes the same options for
 
     --ckpt NAME (repeatable) / --grid DIR   which checkpoints
     --data DIR                              prepared data (default: the one each checkpoint records)
+    --text FILE                             or a text file, tokenized with the model's own tokenizer
     --n-tokens N --seq-len T --split S      the evaluation windows: ceil(N/T) seeded windows of split S
     --seed K --batch-size B --device D      window seed, sequences per batch, cpu or cuda
     --recompute                             ignore tables saved with the same settings
@@ -54,10 +55,23 @@ class ProbeCommand(TyperCommand):
             rewritten.append(arg)
         return super().parse_args(ctx, rewritten)
 
+    def invoke(self, ctx):
+        """--text FILE travels as the data argument (a file there means text to tokenize: suite.eval_tokens)."""
+        text = ctx.params.get("text")
+        if text is not None:
+            if ctx.params.get("data") is not None:
+                raise DepthToolsError("give --data DIR or --text FILE, not both")
+            if not Path(text).is_file():
+                raise DepthToolsError(f"--text {text} is not a file (expected a UTF-8 text file)")
+            ctx.params["data"], ctx.params["text"] = Path(text), None
+        return super().invoke(ctx)
+
 
 CKPT = typer.Option(None, "--ckpt", help="Checkpoint path or cell name (repeatable), e.g. preln_L4.")
 GRID = typer.Option(None, "--grid", help="Every checkpoint found under this directory.")
 DATA = typer.Option(None, "--data", help="Prepared data directory (default: the one recorded in each checkpoint).")
+TEXT = typer.Option(None, "--text", help="A UTF-8 text file to evaluate on instead of --data: tokenized with the "
+                                          "checkpoint's own tokenizer into the evaluation windows (no dataset needed).")
 N_TOKENS_OPT = typer.Option(N_TOKENS, "--n-tokens", help="Evaluation tokens: ceil(n-tokens/seq-len) windows.")
 SEQ_LEN_OPT = typer.Option(None, "--seq-len", help=f"Window length (default min({SEQ_LEN}, context)).")
 SPLIT = typer.Option("val", "--split", help="Data split the evaluation windows are sampled from.")
@@ -209,7 +223,7 @@ def ablate_command(
     rule: Optional[List[str]] = typer.Option(None, "--rule", help="Skip rule(s) (default: every rule of the architecture)."),
     tau: float = typer.Option(0.05, "--tau", help="Prune tolerance on ΔCE in nats."),
     max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the greedy prune curve."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
     as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
 ):
@@ -239,7 +253,7 @@ def lens_command(
     lens_steps: int = typer.Option(250, "--lens-steps", help="Tuned-lens training steps."),
     lens_tokens: int = typer.Option(65536, "--lens-tokens", help="Training-split tokens for the tuned lens."),
     lens_lr: float = typer.Option(1e-3, "--lens-lr", help="Tuned-lens AdamW learning rate."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
     as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
 ):
@@ -312,7 +326,7 @@ def causal_command(
     rule: Optional[str] = typer.Option(None, "--rule", help="Skip rule (default: the architecture's first)."),
     future: bool = typer.Option(True, "--future/--no-future", help="Also the Csordás future-effect matrix."),
     cuts: Optional[str] = typer.Option(None, "--cuts", help="Future cut points, e.g. 8,16 (default: up to 4 of 8,16,…)."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
 ):
@@ -341,7 +355,7 @@ def similarity_command(
     ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
     cka_batch: int = typer.Option(256, "--cka-batch", help="Tokens per CKA minibatch."),
     outlier_k: int = typer.Option(1, "--outlier-k", help="Massive dims removed for the *_no_outlier ranks."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
 ):
@@ -366,7 +380,7 @@ def contrib_command(
     ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
     jacobian: bool = typer.Option(True, "--jacobian/--no-jacobian", help="Block Jacobian identity deviation (JVPs)."),
     probes: int = typer.Option(2, "--probes", help="Rademacher probes per batch and block."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
 ):
@@ -390,7 +404,7 @@ def contrib_command(
 def routing_command(
     ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
     long_range_k: int = typer.Option(4, "--long-range-k", help="Long-range mass: sources more than k sublayers back."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
 ):
@@ -418,7 +432,7 @@ def depthbench_command(
                                           "every one it defines for the architecture): angular_distance, causal_score, "
                                           "permutation_score, layer_pruning, usefulness_score, token_collapse, "
                                           "jacobian, logit_lens."),
-    data: Optional[Path] = DATA, n_tokens: int = typer.Option(8192, "--n-tokens", help="Evaluation tokens."),
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = typer.Option(8192, "--n-tokens", help="Evaluation tokens."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Window length (default min(512, context))."),
     split: str = SPLIT, seed: int = SEED,
     batch_size: int = typer.Option(4, "--batch-size", help="DepthBench's micro-batch size."),

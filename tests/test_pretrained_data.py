@@ -82,3 +82,34 @@ def test_old_import_records_are_accepted(tmp_path, monkeypatch):
     result = runner.invoke(app, ["lens", "--ckpt", "tiny", "--data", str(tmp_path / "data" / "d"), "--n-tokens", "64",
                                  "--seq-len", "32", "--no-save"])
     assert result.exit_code == 0, result.output
+
+
+def test_text_option_tokenizes_with_the_models_tokenizer(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from depthtools.analysis.suite import probe_tokens
+    from depthtools.checkpoint import load
+
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    folder = hf_folder(tmp_path)
+    assert runner.invoke(app, ["import-hf", str(folder), "--name", "tiny"]).exit_code == 0
+    text = tmp_path / "eval.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    expected = [0] + tok.encode(TEXT, add_special_tokens=False).ids  # separator first, as data prepare writes it
+    windows = probe_tokens(load(tmp_path / "ckpts" / "tiny"), text, n_tokens=96, seq_len=32, seed=1)
+    assert windows.shape == (3, 33)
+    joined = " ".join(map(str, expected))
+    for row in windows.tolist():  # each window is a contiguous run of the file's tokens
+        assert " ".join(map(str, row)) in joined
+    for command in (["lens"], ["ablate", "--mode", "skip"], ["causal"], ["similarity"], ["contrib"]):
+        result = runner.invoke(app, [*command, "--ckpt", "tiny", "--text", str(text), "--n-tokens", "64",
+                                     "--seq-len", "32"])
+        assert result.exit_code == 0, (command, result.output)
+    record = json.loads((tmp_path / "ckpts" / "tiny" / "analysis" / "lens_logit.json").read_text())
+    assert record["source"] == {"text": str(text.resolve())}  # where the tokens came from, beside the settings
+    both = runner.invoke(app, ["lens", "--ckpt", "tiny", "--text", str(text), "--data", str(tmp_path)])
+    assert both.exit_code == 2 and "not both" in both.output
+    tuned = runner.invoke(app, ["lens", "--ckpt", "tiny", "--text", str(text), "--tuned", "--seq-len", "32",
+                                "--n-tokens", "64"])
+    assert tuned.exit_code == 2 and "pass --data DIR" in tuned.output, tuned.output

@@ -50,6 +50,50 @@ def sample_windows(
     return torch.from_numpy(windows)
 
 
+def text_windows(ckpt_dir: Path, text_file: Path, n_tokens: int, seq_len: int, seed: int = 0) -> torch.LongTensor:
+    """Evaluation windows from a UTF-8 text file tokenized with the checkpoint's own tokenizer (the byte
+    tokenizer, or the tokenizer.json it carries), the document separator first as `data prepare` writes it;
+    windows at seeded offsets as `sample_windows`. A checkpoint without a tokenizer is refused."""
+    from depthtools.checkpoint import CONFIG, read_json
+
+    config = read_json(ckpt_dir / CONFIG) if (ckpt_dir / CONFIG).is_file() else {}
+    record = config.get("tokenizer") if isinstance(config.get("tokenizer"), dict) else {}
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DepthToolsError(f"--text {text_file}: not a readable UTF-8 text file ({exc})") from None
+    sep = record.get("sep_id")
+    if record.get("name") == "byte":
+        ids = list(text.replace("\0", "").encode("utf-8"))
+    else:
+        file = ckpt_dir / str(record.get("file") or "tokenizer.json")
+        if file.name != "tokenizer.json" or not file.is_file():
+            raise DepthToolsError(f"checkpoint {ckpt_dir.name} carries no tokenizer.json to tokenize --text with; "
+                                  "pass --data DIR prepared with its tokenizer")
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise DepthToolsError(f"{file}: not a valid tokenizer file ({str(exc).splitlines()[0]})") from None
+        tok.encode_special_tokens = True  # special tokens written in the text are text, as in data prepare
+        ids = tok.encode(text, add_special_tokens=False).ids
+    if isinstance(sep, int) and not isinstance(sep, bool):
+        ids = [sep, *ids]
+    return _windows(np.asarray(ids, dtype=np.int64), n_tokens, seq_len, seed, f"--text {text_file}")
+
+
+def _windows(ids, n_tokens: int, seq_len: int, seed: int, where: str) -> torch.LongTensor:
+    """ceil(n_tokens / seq_len) windows [N, seq_len+1] of `ids` at sorted seeded offsets."""
+    n_windows = math.ceil(n_tokens / seq_len)
+    span = seq_len + 1
+    if len(ids) < span:
+        raise DepthToolsError(f"empty token set: {where} has {len(ids)} tokens, fewer than one window of {span}")
+    rng = np.random.default_rng(seed)
+    offsets = np.sort(rng.integers(0, len(ids) - span + 1, size=n_windows))
+    return torch.from_numpy(np.stack([np.asarray(ids[o:o + span], dtype=np.int64) for o in offsets]))
+
+
 def check_tokens(model, tokens: torch.Tensor) -> torch.LongTensor:
     """Validate a token set for `model` and return it as int64 on the model's device."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
