@@ -85,6 +85,16 @@ OUT = typer.Option(None, "--out", help="Also write the table to this .parquet or
 SAVE = typer.Option(True, "--save/--no-save", help="Save the tables beside each checkpoint (analysis/<name>.parquet).")
 
 
+CELL_WIDTH = 11  # a fmt() number ("-0.0001234", 10 characters) plus a column separator
+
+
+def column_blocks(columns: list, width: int, first: int = 6) -> list[list]:
+    """`columns` cut into consecutive blocks whose table fits `width` characters (a wide matrix, e.g. the
+    causal matrix of a 30-layer model, is printed as several tables instead of truncating every cell)."""
+    per = max(1, (max(width, 40) - first - 4) // (CELL_WIDTH + 3))
+    return [columns[i:i + per] for i in range(0, len(columns), per)] or [columns]
+
+
 def check_device(device: str) -> str:
     import torch
 
@@ -342,9 +352,12 @@ def causal_command(
         L = model.n_layer
         sub = df[df["metric"] == "causal_score"]
         M = {(int(s), int(l)): v for s, l, v in zip(sub["layer"], sub["layer_j"], sub["value"])}
-        console.print(table(f"causal score C(s,l) — {Path(model.checkpoint_dir).name} (rows: skipped s)",
-                            ["s", *(str(l) for l in range(1, L))],
-                            [[str(s), *(fmt(M.get((s, l))) if l > s else "" for l in range(1, L))] for s in range(L - 1)]))
+        title = f"causal score C(s,l) — {Path(model.checkpoint_dir).name} (rows: skipped s)"
+        for block in column_blocks(list(range(1, L)), console.width):  # never squeezed into "2…" cells
+            part = f" — columns l={block[0]}..{block[-1]}" if len(block) < L - 1 else ""
+            console.print(table(title + part, ["s", *(str(l) for l in block)],
+                                [[str(s), *(fmt(M.get((s, l))) if l > s else "" for l in block)]
+                                 for s in range(min(L - 1, block[-1]))]))
         console.print(table("summary", ["metric", "value"], model_rows(df)))
 
     emit_long("causal", done, as_json, out, show)

@@ -267,8 +267,11 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
             spec = (record.get("settings") or {}).get("tokenizer") if isinstance(record.get("settings"), dict) else None
             spec = spec if spec in TOKENIZER_SPECS else trained.get("name") if trained.get("name") in TOKENIZER_SPECS else None
             hint = f" (depthtools data prepare --tokenizer {spec})" if spec else ""
+            from depthtools.checkpoint import imported_from
+
+            how = "was imported with" if imported_from(config) else "was trained with"
             raise DepthToolsError(
-                f"checkpoint {ckpt_dir.name} was trained with tokenizer {_tokenizer_label(trained)} but {data_dir} "
+                f"checkpoint {ckpt_dir.name} {how} tokenizer {_tokenizer_label(trained)} but {data_dir} "
                 f"is tokenized with {_tokenizer_label(given)}; pass --data a folder prepared with the checkpoint's "
                 f"tokenizer{hint}"
             )
