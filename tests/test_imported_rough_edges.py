@@ -93,3 +93,20 @@ def test_not_iso_parameter_models_are_said_to_be():
     grid = pd.DataFrame({"arch": ["preln"] * 3, "params": [1.00e6, 1.02e6, 0.99e6]})
     pythia = pd.DataFrame({"arch": ["preln"] * 3, "params": [70e6, 160e6, 410e6]})
     assert parameter_spread(grid) < 1.1 and parameter_spread(pythia) > 5
+
+
+def test_comparison_of_different_sizes_says_not_iso_parameter(tmp_path):
+    from depthtools import checkpoint as ck
+    from depthtools.report.build import model_report
+    from tiny_models import tiny
+
+    for L in (2, 3, 8):  # same width, so more layers = more parameters (like a family of real model sizes)
+        ck.save(tiny("preln", L, vocab=40, context=32, seed=0, at_init=True), tmp_path / f"m{L}")
+    small = ck.read_json(tmp_path / "m2" / ck.CONFIG)["params"]["total"]
+    big = ck.read_json(tmp_path / "m8" / ck.CONFIG)["params"]["total"]
+    assert big / small > 2
+    html = model_report([tmp_path / "m2", tmp_path / "m8"], tmp_path / "r.html").read_text()
+    assert "not iso-parameter" in html
+    close = model_report([tmp_path / "m2", tmp_path / "m3"], tmp_path / "r2.html").read_text()
+    ratio = ck.read_json(tmp_path / "m3" / ck.CONFIG)["params"]["total"] / small
+    assert ("not iso-parameter" in close) == (ratio > 1.1)

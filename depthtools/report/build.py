@@ -184,8 +184,9 @@ def _loss_sections(cells_df: pd.DataFrame, cells: list[CellData]) -> list[Sectio
         headline.add(NoteBlock("No cell has an eval.json yet (training unfinished).", level="missing"))
     else:
         headline.add(figure_block(
-            "fig-loss-vs-shape", "Final val loss vs d_model/n_layer", "Each line is one architecture at a fixed "
-            "parameter budget; points are labelled with their depth. Left = deep and narrow, right = shallow and "
+            "fig-loss-vs-shape", "Final val loss vs d_model/n_layer", "Each line is one architecture "
+            + ("at a fixed parameter budget" if iso else "(NOT at a fixed parameter budget: sizes differ)")
+            + "; points are labelled with their depth. Left = deep and narrow, right = shallow and "
             "wide (log x). Lower is better: a line that falls to the left means extra depth pays for its lost "
             "width. " + _seed_caption(finished), figures.plot_loss_vs_shape, finished))
         headline.add(_left_out(sorted(set(cells_df["model"]) - set(finished["model"])), "eval.json"))
@@ -626,6 +627,11 @@ def model_report(ckpts: list[str | Path], out_path: str | Path, title: str | Non
         default, subtitle = f"Model report — {names[0]}", "Every depth probe of one checkpoint"
     else:
         default, subtitle = "Compare — " + " vs ".join(names), "Depth probes side by side"
+        sizes = [((c.config.get("params") or {}).get("total")) for c in cells]
+        sizes = [float(n) for n in sizes if isinstance(n, (int, float)) and n > 0]
+        if len(sizes) > 1 and max(sizes) / min(sizes) > ISO_TOLERANCE:  # e.g. the Pythia sizes
+            subtitle += (f"; not iso-parameter ({int(min(sizes)):,}–{int(max(sizes)):,} parameters), so depth "
+                         "differences mix with size")
     meta = {"checkpoints": ", ".join(str(c.directory) for c in cells)}
     return write(render(title or default, subtitle, model_sections(cells), meta), out_path)
 
