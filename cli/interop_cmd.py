@@ -23,7 +23,7 @@ def _show(title: str, summary: dict) -> None:
 
 @app.command("import-hf")
 def import_hf_command(
-    directory: Path = typer.Argument(..., help="Local transformers model directory (config.json + safetensors) of a supported family."),
+    directory: Path = typer.Argument(..., help="Local transformers model directory (config.json + safetensors) of a supported family, or a .gguf file (llama, qwen2, qwen3)."),
     name: Optional[str] = typer.Option(None, "--name", help="Checkpoint name under $DEPTHTOOLS_CHECKPOINTS."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint to this directory instead."),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: max_position_embeddings)."),
@@ -36,11 +36,21 @@ def import_hf_command(
     (Pythia), phi3, imported exactly (docs/pretrained.md). Tokenizer files are carried along.
     Unsupported configs (scaled RoPE, unknown activations, ...) are refused, naming the field.
 
+    A .gguf file (llama.cpp) of a llama, qwen2 or qwen3 model is dequantized with the gguf package
+    (pip install -e ".[gguf]") and imported the same way; its tokenizer is rebuilt from the file's
+    metadata where that is exact, otherwise a note says none was carried.
+
     Example: depthtools import-hf ./TinyLlama --name tinyllama
+    Example: depthtools import-hf ./tiny-q8_0.gguf --name tiny-gguf
     """
     from depthtools.interop import import_hf
 
-    summary = import_hf(directory, name=name, out=out, force=force, max_seq_len=max_seq_len)
+    if directory.suffix.lower() == ".gguf":
+        from depthtools.interop.gguf_import import import_gguf
+
+        summary = import_gguf(directory, name=name, out=out, force=force, max_seq_len=max_seq_len)
+    else:
+        summary = import_hf(directory, name=name, out=out, force=force, max_seq_len=max_seq_len)
     if as_json:
         print_json(summary)
         return

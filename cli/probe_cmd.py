@@ -4,6 +4,7 @@ Every probe command (and `analyze`, cli/suite_cmd.py) takes the same options for
 
     --ckpt NAME (repeatable) / --grid DIR   which checkpoints
     --data DIR                              prepared data (default: the one each checkpoint records)
+    --text FILE                             or a text file, tokenized with the model's own tokenizer
     --n-tokens N --seq-len T --split S      the evaluation windows: ceil(N/T) seeded windows of split S
     --seed K --batch-size B --device D      window seed, sequences per batch, cpu or cuda
     --recompute                             ignore tables saved with the same settings
@@ -70,15 +71,6 @@ class ProbeCommand(TyperCommand):
             i += 1
         return rest, dtype
 
-    def invoke(self, ctx):
-        from depthtools.analysis.suite import check_dtype
-
-        token = ANALYSIS_DTYPE.set(check_dtype(ctx.meta.get("depthtools.dtype", "float32")))
-        try:
-            return super().invoke(ctx)
-        finally:
-            ANALYSIS_DTYPE.reset(token)
-
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         args, ctx.meta["depthtools.dtype"] = self.take_dtype(list(args))
         known = {opt for param in self.params for opt in getattr(param, "opts", [])}
@@ -98,10 +90,30 @@ class ProbeCommand(TyperCommand):
             rewritten.append(arg)
         return super().parse_args(ctx, rewritten)
 
+    def invoke(self, ctx):
+        """Run the command under the analysis dtype (--dtype) with --text FILE travelling as the data argument
+        (a file there means text to tokenize with the checkpoint's own tokenizer: suite.eval_tokens)."""
+        from depthtools.analysis.suite import check_dtype
+
+        text = ctx.params.get("text")
+        if text is not None:
+            if ctx.params.get("data") is not None:
+                raise DepthToolsError("give --data DIR or --text FILE, not both")
+            if not Path(text).is_file():
+                raise DepthToolsError(f"--text {text} is not a file (expected a UTF-8 text file)")
+            ctx.params["data"], ctx.params["text"] = Path(text), None
+        token = ANALYSIS_DTYPE.set(check_dtype(ctx.meta.get("depthtools.dtype", "float32")))
+        try:
+            return super().invoke(ctx)
+        finally:
+            ANALYSIS_DTYPE.reset(token)
+
 
 CKPT = typer.Option(None, "--ckpt", help="Checkpoint path or cell name (repeatable), e.g. preln_L4.")
 GRID = typer.Option(None, "--grid", help="Every checkpoint found under this directory.")
 DATA = typer.Option(None, "--data", help="Prepared data directory (default: the one recorded in each checkpoint).")
+TEXT = typer.Option(None, "--text", help="A UTF-8 text file to evaluate on instead of --data: tokenized with the "
+                                          "checkpoint's own tokenizer into the evaluation windows (no dataset needed).")
 N_TOKENS_OPT = typer.Option(N_TOKENS, "--n-tokens", help="Evaluation tokens: ceil(n-tokens/seq-len) windows.")
 SEQ_LEN_OPT = typer.Option(None, "--seq-len", help=f"Window length (default min({SEQ_LEN}, context)).")
 SPLIT = typer.Option("val", "--split", help="Data split the evaluation windows are sampled from.")
@@ -115,6 +127,16 @@ OUT = typer.Option(None, "--out", help="Also write the table to this .parquet or
 SWAP_PAIRS_MAX_OPT = typer.Option(None, "--swap-pairs-max", help="All-pairs swaps: evaluate at most N pairs spread "
                                   "evenly (default 64: every pair up to 11 layers); recorded with the table.")
 SAVE = typer.Option(True, "--save/--no-save", help="Save the tables beside each checkpoint (analysis/<name>.parquet).")
+
+
+CELL_WIDTH = 11  # a fmt() number ("-0.0001234", 10 characters) plus a column separator
+
+
+def column_blocks(columns: list, width: int, first: int = 6) -> list[list]:
+    """`columns` cut into consecutive blocks whose table fits `width` characters (a wide matrix, e.g. the
+    causal matrix of a 30-layer model, is printed as several tables instead of truncating every cell)."""
+    per = max(1, (max(width, 40) - first - 4) // (CELL_WIDTH + 3))
+    return [columns[i:i + per] for i in range(0, len(columns), per)] or [columns]
 
 
 def check_device(device: str) -> str:
@@ -260,7 +282,7 @@ def ablate_command(
     tau: float = typer.Option(0.05, "--tau", help="Prune tolerance on ΔCE in nats."),
     max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the greedy prune curve."),
     swap_pairs_max: Optional[int] = SWAP_PAIRS_MAX_OPT,
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
     as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE, protocol: str = PROTOCOL_OPT,
 ):
@@ -294,7 +316,7 @@ def lens_command(
     lens_steps: int = typer.Option(250, "--lens-steps", help="Tuned-lens training steps."),
     lens_tokens: int = typer.Option(65536, "--lens-tokens", help="Training-split tokens for the tuned lens."),
     lens_lr: float = typer.Option(1e-3, "--lens-lr", help="Tuned-lens AdamW learning rate."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
     as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE, protocol: str = PROTOCOL_OPT,
 ):
@@ -370,7 +392,7 @@ def causal_command(
     rule: Optional[str] = typer.Option(None, "--rule", help="Skip rule (default: the architecture's first)."),
     future: bool = typer.Option(True, "--future/--no-future", help="Also the Csordás future-effect matrix."),
     cuts: Optional[str] = typer.Option(None, "--cuts", help="Future cut points, e.g. 8,16 (default: up to 4 of 8,16,…)."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
     protocol: str = PROTOCOL_OPT,
@@ -393,9 +415,12 @@ def causal_command(
         L = model.n_layer
         sub = df[df["metric"] == "causal_score"]
         M = {(int(s), int(l)): v for s, l, v in zip(sub["layer"], sub["layer_j"], sub["value"])}
-        console.print(table(f"causal score C(s,l) — {Path(model.checkpoint_dir).name} (rows: skipped s)",
-                            ["s", *(str(l) for l in range(1, L))],
-                            [[str(s), *(fmt(M.get((s, l))) if l > s else "" for l in range(1, L))] for s in range(L - 1)]))
+        title = f"causal score C(s,l) — {Path(model.checkpoint_dir).name} (rows: skipped s)"
+        for block in column_blocks(list(range(1, L)), console.width):  # never squeezed into "2…" cells
+            part = f" — columns l={block[0]}..{block[-1]}" if len(block) < L - 1 else ""
+            console.print(table(title + part, ["s", *(str(l) for l in block)],
+                                [[str(s), *(fmt(M.get((s, l))) if l > s else "" for l in block)]
+                                 for s in range(min(L - 1, block[-1]))]))
         console.print(table("summary", ["metric", "value"], model_rows(df)))
 
     emit_long("causal", done, as_json, out, show)
@@ -406,7 +431,7 @@ def similarity_command(
     ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
     cka_batch: int = typer.Option(256, "--cka-batch", help="Tokens per CKA minibatch."),
     outlier_k: int = typer.Option(1, "--outlier-k", help="Massive dims removed for the *_no_outlier ranks."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
     protocol: str = PROTOCOL_OPT,
@@ -435,7 +460,7 @@ def contrib_command(
     ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
     jacobian: bool = typer.Option(True, "--jacobian/--no-jacobian", help="Block Jacobian identity deviation (JVPs)."),
     probes: int = typer.Option(2, "--probes", help="Rademacher probes per batch and block."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
     protocol: str = PROTOCOL_OPT,
@@ -463,7 +488,7 @@ def contrib_command(
 def routing_command(
     ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
     long_range_k: int = typer.Option(4, "--long-range-k", help="Long-range mass: sources more than k sublayers back."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
     protocol: str = PROTOCOL_OPT,
@@ -495,7 +520,7 @@ def depthbench_command(
                                           "every one it defines for the architecture): angular_distance, causal_score, "
                                           "permutation_score, layer_pruning, usefulness_score, token_collapse, "
                                           "jacobian, logit_lens."),
-    data: Optional[Path] = DATA, n_tokens: int = typer.Option(8192, "--n-tokens", help="Evaluation tokens."),
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = typer.Option(8192, "--n-tokens", help="Evaluation tokens."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Window length (default min(512, context))."),
     split: str = SPLIT, seed: int = SEED,
     batch_size: int = typer.Option(4, "--batch-size", help="DepthBench's micro-batch size."),

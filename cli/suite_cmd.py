@@ -17,7 +17,7 @@ from cli.main import app, console, fmt, parse_list, print_json, table
 from cli.plain import PlainLog, is_plain
 from depthtools.errors import DepthToolsError
 from cli.probe_cmd import (ANALYSIS_DTYPE, BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE,
-                           SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, ProbeCommand, check_device)
+                           SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, TEXT, ProbeCommand, check_device)
 
 
 @app.command("analyze", cls=ProbeCommand)
@@ -35,7 +35,7 @@ def analyze_command(
     lens_steps: int = typer.Option(250, "--lens-steps", help="Tuned-lens training steps."),
     lens_tokens: int = typer.Option(65536, "--lens-tokens", help="Training-split tokens for the tuned lens."),
     lens_lr: float = typer.Option(1e-3, "--lens-lr", help="Tuned-lens AdamW learning rate."),
-    data: Optional[Path] = DATA, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
+    data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, exclude_first: int = EXCLUDE, device: str = DEVICE,
     recompute: bool = RECOMPUTE,
     protocol: str = typer.Option("depthtools", "--protocol", help="depthtools (this suite) or depthbench: "

@@ -352,6 +352,15 @@ def read_metrics(directory: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def imported_from(config: dict[str, Any]) -> str | None:
+    """'imported from <format> <path>' for a checkpoint `import-hf` wrote (its config.json "source"), else
+    None. An imported model is finished as it is: it has no training run, eval.json or loss curve."""
+    source = config.get("source") if isinstance(config, dict) else None
+    if not isinstance(source, dict) or not source.get("path"):
+        return None
+    return f"imported from {source.get('format') or 'an external model'} {source['path']}"
+
+
 def checkpoint_summary(name: str | Path) -> dict[str, Any]:
     """Config, sizes and training/eval summary of a checkpoint, without loading its weights.
 
@@ -365,14 +374,19 @@ def checkpoint_summary(name: str | Path) -> dict[str, Any]:
     eval_path = directory / "eval.json"
     last = metrics[-1] if metrics else {}
     damaged = weights_problem(directory / WEIGHTS)
-    return {
+    provenance = imported_from(config)
+    summary = {
         "name": directory.name,
         "path": str(directory),
         "arch": model.get("arch"),
-        "finished": eval_path.is_file() and damaged is None,  # a run whose weights are gone is not usable
+        # a run whose weights are gone is not usable; an imported model is finished as imported
+        "finished": (eval_path.is_file() or provenance is not None) and damaged is None,
         "weights": damaged or "ok",
         "model": model,
         "params": params,
         "training": {k: last[k] for k in ("step", "tokens", "train_loss", "val_loss") if k in last},
         "eval": read_json(eval_path) if eval_path.is_file() else {},
     }
+    if provenance is not None:
+        summary["provenance"] = provenance
+    return summary

@@ -53,6 +53,13 @@ def eval_tokens(ckpt_dir: str | Path, data: str | Path | None, n_tokens: int, se
     checked against the checkpoint's tokenizer and data fingerprint: `tokens.checkpoint_data_dir`)."""
     from depthtools.analysis.tokens import checkpoint_data_dir, sample_windows
 
+    if data is not None and Path(data).is_file():  # --text FILE: the model's own tokenizer, no dataset
+        from depthtools.analysis.tokens import text_windows
+
+        if split == "train":
+            raise DepthToolsError(f"--text {data} gives evaluation windows only; the tuned lens (and --split train) "
+                                  "need a prepared dataset's train split: pass --data DIR")
+        return text_windows(Path(ckpt_dir), Path(data), n_tokens, seq_len, seed=seed)
     data_dir = checkpoint_data_dir(Path(ckpt_dir), data)
     return sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed)
 
@@ -88,7 +95,20 @@ def probe_tokens(model, data: str | Path | None = None, n_tokens: int = N_TOKENS
     ckpt_dir = getattr(model, "checkpoint_dir", None)
     if ckpt_dir is None:
         raise DepthToolsError("the model was not loaded from a checkpoint; load it with depthtools.checkpoint.load")
-    return check_tokens(model, eval_tokens(ckpt_dir, data, n_tokens, window_length(model, seq_len), split, seed))
+    tokens = check_tokens(model, eval_tokens(ckpt_dir, data, n_tokens, window_length(model, seq_len), split, seed))
+    tokens.source = token_source(ckpt_dir, data, split)  # read by run_analysis: recorded beside saved tables
+    return tokens
+
+
+def token_source(ckpt_dir, data: str | Path | None, split: str) -> dict[str, Any]:
+    """Where evaluation tokens came from, for a saved table's record: the text file, or the data folder
+    (given or the checkpoint's recorded one) and split."""
+    from depthtools.analysis.tokens import recorded_data_dir
+
+    if data is not None and Path(data).is_file():
+        return {"text": str(Path(data).resolve())}
+    folder = Path(data) if data is not None else recorded_data_dir(Path(ckpt_dir))
+    return {"data": str(folder.resolve()) if folder is not None else None, "split": split}
 
 
 def table_settings(name: str, args: dict[str, Any], model, tokens) -> dict[str, Any]:
@@ -347,7 +367,8 @@ def run_analysis(name: str, model, tokens, data: str | Path | None = None, recom
         out = analysis.run(model, tokens, Probe(data=data, progress=progress), **args)
         return out if isinstance(out, dict) else {name: out}
 
-    tables, reused = cached(model.checkpoint_dir, analysis.outputs, settings, compute, recompute=recompute, save=save)
+    tables, reused = cached(model.checkpoint_dir, analysis.outputs, settings, compute, recompute=recompute, save=save,
+                            source=getattr(tokens, "source", None))
     return Result(name, tables, settings, reused)
 
 

@@ -49,6 +49,14 @@ SUMMARY_FIELDS = ("n_skip_over_L", "f_tau", "n_lens_over_L", "kl_depth_over_L", 
                   "cka_block_fraction", "causal_pair_fraction", "perm_pair_fraction")
 
 
+
+def _nanmean(a: np.ndarray) -> np.ndarray:
+    """Column means ignoring NaN, NaN for an all-NaN column -- without numpy's "Mean of empty slice"
+    RuntimeWarning (one model has no slope: every bootstrap column is NaN, which is the answer, not a fault)."""
+    a = np.asarray(a, dtype=np.float64)
+    counts = (~np.isnan(a)).sum(axis=0)
+    return np.where(counts > 0, np.nansum(a, axis=0) / np.maximum(counts, 1), np.nan)
+
 def _profile_arrays(profile: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     """(ce [N], skip_kl [N, L]) of one model's sequence profile."""
     ce = profile[profile["metric"] == "ce_intact"].sort_values("seq")["value"].to_numpy()
@@ -230,10 +238,9 @@ def grid_slopes(profiles: Sequence[tuple], n_boot: int = 1000, seed: int = 0, ci
     for _ in range(n_boot):
         if paired:
             idx = rng.integers(0, next(iter(n_seqs)), next(iter(n_seqs)))
-            boots.append(np.nanmean(per_seed(lambda arrays: [idx] * len(arrays)), axis=0))
+            boots.append(_nanmean(per_seed(lambda arrays: [idx] * len(arrays))))
         else:
-            boots.append(np.nanmean(per_seed(lambda arrays: [rng.integers(0, len(ce), len(ce)) for ce, _ in arrays]),
-                                    axis=0))
+            boots.append(_nanmean(per_seed(lambda arrays: [rng.integers(0, len(ce), len(ce)) for ce, _ in arrays])))
     boots_arr = np.array(boots, dtype=np.float64) if boots else np.full((1, 2), np.nan)
     lo_q, hi_q = (1 - ci) / 2 * 100, (1 + ci) / 2 * 100
 

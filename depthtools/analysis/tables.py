@@ -56,12 +56,17 @@ def write_frame(df: pd.DataFrame, path: str | Path) -> Path:
     return path
 
 
-def save_table(df: pd.DataFrame, ckpt_dir: str | Path, name: str, settings: dict[str, Any]) -> Path:
-    """Save `df` as `<ckpt>/analysis/<name>.parquet` with `<name>.json` holding the settings."""
+def save_table(df: pd.DataFrame, ckpt_dir: str | Path, name: str, settings: dict[str, Any],
+               source: dict[str, Any] | None = None) -> Path:
+    """Save `df` as `<ckpt>/analysis/<name>.parquet` with `<name>.json` holding the settings and, under
+    "source", where the evaluation tokens came from (data folder or text file, split): recorded for the
+    reader, not compared (the token hash in the settings already decides reuse)."""
     table_path, settings_path = table_paths(ckpt_dir, name)
     write_frame(df, table_path)
-    atomic_write_json(settings_path, {"settings": normalise_settings(settings), "rows": len(df),
-                                      "columns": list(map(str, df.columns))})
+    record = {"settings": normalise_settings(settings), "rows": len(df), "columns": list(map(str, df.columns))}
+    if source:
+        record["source"] = normalise_settings(source)
+    atomic_write_json(settings_path, record)
     return table_path
 
 
@@ -95,7 +100,7 @@ def load_settings(ckpt_dir: str | Path, name: str) -> dict[str, Any] | None:
 
 def cached(ckpt_dir: str | Path, names: Sequence[str], settings: dict[str, Any],
            compute: Callable[[], dict[str, pd.DataFrame]], recompute: bool = False,
-           save: bool = True) -> tuple[dict[str, pd.DataFrame], bool]:
+           save: bool = True, source: dict[str, Any] | None = None) -> tuple[dict[str, pd.DataFrame], bool]:
     """The one cache rule of every probe: ({name: table}, reused).
 
     When every table in `names` is saved with exactly `settings` (and not `recompute`), the saved tables
@@ -109,7 +114,7 @@ def cached(ckpt_dir: str | Path, names: Sequence[str], settings: dict[str, Any],
     tables = compute()
     if save:
         for name, df in tables.items():
-            save_table(df, ckpt_dir, name, settings)
+            save_table(df, ckpt_dir, name, settings, source)
     return tables, False
 
 

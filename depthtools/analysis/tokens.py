@@ -50,6 +50,50 @@ def sample_windows(
     return torch.from_numpy(windows)
 
 
+def text_windows(ckpt_dir: Path, text_file: Path, n_tokens: int, seq_len: int, seed: int = 0) -> torch.LongTensor:
+    """Evaluation windows from a UTF-8 text file tokenized with the checkpoint's own tokenizer (the byte
+    tokenizer, or the tokenizer.json it carries), the document separator first as `data prepare` writes it;
+    windows at seeded offsets as `sample_windows`. A checkpoint without a tokenizer is refused."""
+    from depthtools.checkpoint import CONFIG, read_json
+
+    config = read_json(ckpt_dir / CONFIG) if (ckpt_dir / CONFIG).is_file() else {}
+    record = config.get("tokenizer") if isinstance(config.get("tokenizer"), dict) else {}
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DepthToolsError(f"--text {text_file}: not a readable UTF-8 text file ({exc})") from None
+    sep = record.get("sep_id")
+    if record.get("name") == "byte":
+        ids = list(text.replace("\0", "").encode("utf-8"))
+    else:
+        file = ckpt_dir / str(record.get("file") or "tokenizer.json")
+        if file.name != "tokenizer.json" or not file.is_file():
+            raise DepthToolsError(f"checkpoint {ckpt_dir.name} carries no tokenizer.json to tokenize --text with; "
+                                  "pass --data DIR prepared with its tokenizer")
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises plain Exception subclasses
+            raise DepthToolsError(f"{file}: not a valid tokenizer file ({str(exc).splitlines()[0]})") from None
+        tok.encode_special_tokens = True  # special tokens written in the text are text, as in data prepare
+        ids = tok.encode(text, add_special_tokens=False).ids
+    if isinstance(sep, int) and not isinstance(sep, bool):
+        ids = [sep, *ids]
+    return _windows(np.asarray(ids, dtype=np.int64), n_tokens, seq_len, seed, f"--text {text_file}")
+
+
+def _windows(ids, n_tokens: int, seq_len: int, seed: int, where: str) -> torch.LongTensor:
+    """ceil(n_tokens / seq_len) windows [N, seq_len+1] of `ids` at sorted seeded offsets."""
+    n_windows = math.ceil(n_tokens / seq_len)
+    span = seq_len + 1
+    if len(ids) < span:
+        raise DepthToolsError(f"empty token set: {where} has {len(ids)} tokens, fewer than one window of {span}")
+    rng = np.random.default_rng(seed)
+    offsets = np.sort(rng.integers(0, len(ids) - span + 1, size=n_windows))
+    return torch.from_numpy(np.stack([np.asarray(ids[o:o + span], dtype=np.int64) for o in offsets]))
+
+
 def check_tokens(model, tokens: torch.Tensor) -> torch.LongTensor:
     """Validate a token set for `model` and return it as int64 on the model's device."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
@@ -168,6 +212,17 @@ def _tokenizer_label(record: dict) -> str:
     return f"{record.get('name')!r}" + (f" ({str(fingerprint)[:12]})" if fingerprint else "")
 
 
+def _carried_fingerprint(ckpt_dir: Path, record: dict) -> str | None:
+    """The data-prepare fingerprint of the tokenizer.json an imported checkpoint carries: checkpoints
+    imported before import and data prepare shared one fingerprint recorded the file's raw sha256."""
+    if record.get("format") != "huggingface" or record.get("file") != "tokenizer.json":
+        return None
+    from depthtools.data.tokenizer import tokenizer_file_fingerprint
+
+    file = Path(ckpt_dir) / "tokenizer.json"
+    return tokenizer_file_fingerprint(file) if file.is_file() else None
+
+
 def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) -> Path:
     """The prepared data directory a checkpoint is evaluated on — `data`, else the one its config.json
     records — after checking that it fits the checkpoint (one-line DepthToolsError otherwise):
@@ -202,7 +257,7 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
     trained, given = config.get("tokenizer"), meta.get("tokenizer") or {}
     if isinstance(trained, dict) and trained.get("name") is not None:
         if trained.get("fingerprint") and given.get("fingerprint"):
-            same = trained["fingerprint"] == given["fingerprint"]
+            same = given["fingerprint"] in (trained["fingerprint"], _carried_fingerprint(ckpt_dir, trained))
         else:
             same = trained.get("name") == given.get("name")
         if not same:
@@ -212,8 +267,11 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
             spec = (record.get("settings") or {}).get("tokenizer") if isinstance(record.get("settings"), dict) else None
             spec = spec if spec in TOKENIZER_SPECS else trained.get("name") if trained.get("name") in TOKENIZER_SPECS else None
             hint = f" (depthtools data prepare --tokenizer {spec})" if spec else ""
+            from depthtools.checkpoint import imported_from
+
+            how = "was imported with" if imported_from(config) else "was trained with"
             raise DepthToolsError(
-                f"checkpoint {ckpt_dir.name} was trained with tokenizer {_tokenizer_label(trained)} but {data_dir} "
+                f"checkpoint {ckpt_dir.name} {how} tokenizer {_tokenizer_label(trained)} but {data_dir} "
                 f"is tokenized with {_tokenizer_label(given)}; pass --data a folder prepared with the checkpoint's "
                 f"tokenizer{hint}"
             )

@@ -329,6 +329,9 @@ def _prepare_in(partial: Path, target: Path, units: list[Unit], sources, tok, se
     out.mkdir()
     meta = _assemble(out, work, [records[i] for i in range(len(units))], tok, settings, shard_tokens, target.name,
                      sources)
+    if meta.get("val_from_tail"):
+        log(f"note: no whole document fell in val (one long text?), so its last {meta['val_from_tail']['tokens']:,} "
+            "tokens are held out as the validation split")
     tok.save(out)
     _atomic_json(out / "meta.json", meta)
     replace_dir(out, target)
@@ -488,10 +491,19 @@ def _assemble(out: Path, work: Path, records: list[dict], tok, settings: dict, s
               sources) -> dict:
     dtype = tok.dtype
     splits: dict[str, dict] = {}
+    total_train = sum(r["parts"]["train"]["tokens"] for r in records)
+    moved = held_out_tail(records, settings)
     for split in ("train", "val"):
         writer = _ShardWriter(out / split, split, dtype, shard_tokens)
+        if split == "val" and moved:
+            _write_tail(writer, work, records, dtype, total_train - moved, tok.sep_id)
+        offset = 0
         for r in records:
             tokens, starts, _doms = _part(work, r["unit"], split, dtype, r["parts"][split]["documents"])
+            if split == "train" and moved:  # the train stream stops where the held-out tail begins
+                keep = max(0, min(len(tokens), total_train - moved - offset))
+                offset += len(tokens)
+                tokens, starts = tokens[:keep], starts[starts < np.uint64(keep)]
             for lo in range(0, len(tokens), CHUNK_TOKENS):
                 hi = min(lo + CHUNK_TOKENS, len(tokens))
                 inside = starts[(starts >= lo) & (starts < hi)] - np.uint64(lo)
@@ -534,7 +546,40 @@ def _assemble(out: Path, work: Path, records: list[dict], tok, settings: dict, s
         "domains": domain_names,
         "splits": splits,
         "val_domain_files": {s["domain"]: s["shards"][0]["file"] for s in splits.values() if "domain" in s},
+        "val_from_tail": ({"tokens": moved, "why": "no whole document fell in val (e.g. one long text file): the "
+                           "last tokens of the train stream were held out as one validation document"}
+                          if moved else None),
     }
+
+
+TAIL_MIN_TOKENS = 4096  # a document cut for validation gives val at least this many tokens (or a tenth of it)
+
+
+def held_out_tail(records: list[dict], settings: dict) -> int:
+    """Tokens to cut from the end of the train stream into val when no whole document was held out (one long
+    text file is one document, so val would be empty and every probe's default --split val would fail):
+    max(val_fraction x train tokens, min(TAIL_MIN_TOKENS, a tenth of them)); 0 when val has documents,
+    val_fraction is 0, domains are split (val_<domain> needs whole documents) or the text is tiny."""
+    if settings.get("val_fraction", 0) <= 0 or settings.get("domain_field"):
+        return 0
+    if any(r["parts"]["val"]["documents"] for r in records):
+        return 0
+    total = sum(r["parts"]["train"]["tokens"] for r in records)
+    if total < 20:
+        return 0
+    return max(int(round(settings["val_fraction"] * total)), min(TAIL_MIN_TOKENS, total // 10))
+
+
+def _write_tail(writer: "_ShardWriter", work: Path, records: list[dict], dtype, start: int, sep_id: int) -> None:
+    """Write the train stream's tokens from global position `start` on as one document (a separator first)."""
+    writer.write(np.array([sep_id], dtype=dtype), np.zeros(1, dtype=np.uint64))
+    offset = 0
+    for r in records:
+        tokens, _starts, _doms = _part(work, r["unit"], "train", dtype, r["parts"]["train"]["documents"])
+        lo = max(0, start - offset)
+        offset += len(tokens)
+        for a in range(lo, len(tokens), CHUNK_TOKENS):
+            writer.write(tokens[a:min(a + CHUNK_TOKENS, len(tokens))], np.zeros(0, dtype=np.uint64))
 
 
 def _val_domains(record: dict) -> list[str]:

@@ -145,8 +145,7 @@ class BPETokenizer:
         return self._tok.to_str()
 
     def fingerprint(self) -> str:
-        canonical = json.dumps(json.loads(self.to_json()), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return tokenizers_fingerprint(self._tok)
 
     def save(self, directory: Path) -> Path:
         return _atomic_write_text(Path(directory) / TOKENIZER_FILE, self.to_json())
@@ -173,6 +172,26 @@ class BPETokenizer:
         except Exception as err:  # tokenizers raises plain Exception subclasses on bad JSON
             raise DepthToolsError(f"{path}: not a valid tokenizer file ({str(err).splitlines()[0]})") from None
         return cls(tok, name=name, sep_token=sep_token)
+
+
+def tokenizers_fingerprint(tok) -> str:
+    """The one fingerprint of a `tokenizers` Tokenizer: sha256 of its canonical JSON (keys sorted, no
+    spaces), taken as data preparation uses it (special tokens in text encoded as text). `data prepare`,
+    `import-hf` and the checks between them all call this, so one tokenizer has one fingerprint whatever
+    file layout or whitespace it was saved with."""
+    tok.encode_special_tokens = True
+    canonical = json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def tokenizer_file_fingerprint(path: str | os.PathLike) -> str | None:
+    """`tokenizers_fingerprint` of a tokenizer.json file (None when it cannot be read as one)."""
+    try:
+        from tokenizers import Tokenizer
+
+        return tokenizers_fingerprint(Tokenizer.from_file(str(path)))
+    except Exception:  # tokenizers raises plain Exception subclasses on bad files
+        return None
 
 
 def file_tokenizer_name(path: str | os.PathLike, vocab_size: int) -> str:

@@ -259,6 +259,15 @@ def _tokenizer_size(file: Path) -> int | None:
         return None
 
 
+def _tokenizer_fingerprint(file: Path) -> str:
+    """A tokenizer.json's fingerprint as `data prepare` computes it (one tokenizer, one fingerprint), so data
+    prepared with the imported folder's tokenizer.json is accepted for the imported checkpoint; a
+    tokenizer.model (SentencePiece, not read by data prepare) is fingerprinted by its bytes."""
+    from depthtools.data.tokenizer import tokenizer_file_fingerprint
+
+    return (tokenizer_file_fingerprint(file) if file.name == "tokenizer.json" else None) or _sha256(file)
+
+
 def import_hf(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
               max_seq_len: int | None = None) -> dict[str, Any]:
     """Convert a local HF Llama directory into a depthtools checkpoint; returns a summary dict.
@@ -299,7 +308,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
         main = "tokenizer.json" if (path / "tokenizer.json").is_file() else "tokenizer.model"
         size = _tokenizer_size(path / main) if main == "tokenizer.json" else None
         tokenizer = {"name": "huggingface", "format": "huggingface", "file": main, "files": [
-            f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _sha256(path / main),
+            f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _tokenizer_fingerprint(path / main),
             "vocab_size": size, "sep_id": hf.get("eos_token_id")}
     source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
               "weights_sha256": {f.name: _sha256(f) for f in sorted(path.glob("*.safetensors"))}}

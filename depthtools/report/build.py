@@ -134,6 +134,23 @@ def _table_figures(section: Section, cells: list[CellData], table: str, names: l
 
 # -- grid report ------------------------------------------------------------------------------------
 
+ISO_TOLERANCE = 1.10  # the grids depthtools plans stay within a few percent of their budget
+
+
+def parameter_spread(cells_df: pd.DataFrame) -> float:
+    """The largest max/min parameter count within one architecture (1.0: iso-parameter; a set of real
+    models such as the Pythia sizes gives far more)."""
+    params = pd.to_numeric(cells_df.get("params"), errors="coerce") if "params" in cells_df else None
+    if params is None:
+        return 1.0
+    spread = 1.0
+    for _arch, group in params.groupby(cells_df["arch"].astype(str)):
+        group = group.dropna()
+        if len(group) > 1 and group.min() > 0:
+            spread = max(spread, float(group.max() / group.min()))
+    return spread
+
+
 def _overview(grid: GridData, cells_df: pd.DataFrame) -> Section:
     archs = sorted(cells_df["arch"].astype(str).unique())
     depths = sorted({int(n) for n in cells_df["n_layer"]})
@@ -142,9 +159,13 @@ def _overview(grid: GridData, cells_df: pd.DataFrame) -> Section:
     seeds = sorted({int(s) for s in cells_df["seed"]}) if "seed" in cells_df else [0]
     seeding = (f"training seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else
                f"one training seed ({seeds[0]}), so no seed-noise estimate exists")
+    ratio = parameter_spread(cells_df)
+    sizes = ("Every model of one architecture has about the same parameter count, so moving along depth trades "
+             "width for layers." if ratio <= ISO_TOLERANCE else
+             f"These models are not iso-parameter: within one architecture parameter counts differ by up to "
+             f"{ratio:.1f}x, so this is not a grid of equal size and a change with depth mixes depth with size.")
     intro = (f"{len(cells_df)} checkpoint(s) in {grid.directory}: architectures {', '.join(archs)}; depths "
-             f"{', '.join(f'L{d}' for d in depths)}; {seeding}; {span}. Every model of one architecture has about "
-             "the same parameter count, so moving along depth trades width for layers.")
+             f"{', '.join(f'L{d}' for d in depths)}; {seeding}; {span}. {sizes}")
     section = Section("overview", "Overview", intro)
     section.add(_weights_note(grid.cells, grid.missing))
     return section.add(table_block(
@@ -153,15 +174,19 @@ def _overview(grid: GridData, cells_df: pd.DataFrame) -> Section:
 
 
 def _loss_sections(cells_df: pd.DataFrame, cells: list[CellData]) -> list[Section]:
+    iso = parameter_spread(cells_df) <= ISO_TOLERANCE
     headline = Section("loss-vs-shape", "Final loss vs shape",
-                       "The headline: does trading width for depth at a fixed parameter count help?")
+                       "The headline: does trading width for depth at a fixed parameter count help?" if iso else
+                       "Final loss against shape. The models are not iso-parameter, so this compares models of "
+                       "different sizes, not width against depth at a fixed budget.")
     finished = cells_df.dropna(subset=["val_loss"])
     if finished.empty:
         headline.add(NoteBlock("No cell has an eval.json yet (training unfinished).", level="missing"))
     else:
         headline.add(figure_block(
-            "fig-loss-vs-shape", "Final val loss vs d_model/n_layer", "Each line is one architecture at a fixed "
-            "parameter budget; points are labelled with their depth. Left = deep and narrow, right = shallow and "
+            "fig-loss-vs-shape", "Final val loss vs d_model/n_layer", "Each line is one architecture "
+            + ("at a fixed parameter budget" if iso else "(NOT at a fixed parameter budget: sizes differ)")
+            + "; points are labelled with their depth. Left = deep and narrow, right = shallow and "
             "wide (log x). Lower is better: a line that falls to the left means extra depth pays for its lost "
             "width. " + _seed_caption(finished), figures.plot_loss_vs_shape, finished))
         headline.add(_left_out(sorted(set(cells_df["model"]) - set(finished["model"])), "eval.json"))
@@ -602,6 +627,11 @@ def model_report(ckpts: list[str | Path], out_path: str | Path, title: str | Non
         default, subtitle = f"Model report — {names[0]}", "Every depth probe of one checkpoint"
     else:
         default, subtitle = "Compare — " + " vs ".join(names), "Depth probes side by side"
+        sizes = [((c.config.get("params") or {}).get("total")) for c in cells]
+        sizes = [float(n) for n in sizes if isinstance(n, (int, float)) and n > 0]
+        if len(sizes) > 1 and max(sizes) / min(sizes) > ISO_TOLERANCE:  # e.g. the Pythia sizes
+            subtitle += (f"; not iso-parameter ({int(min(sizes)):,}–{int(max(sizes)):,} parameters), so depth "
+                         "differences mix with size")
     meta = {"checkpoints": ", ".join(str(c.directory) for c in cells)}
     return write(render(title or default, subtitle, model_sections(cells), meta), out_path)
 

@@ -117,13 +117,17 @@ def read_cell(directory: str | Path, name: str | None = None, grid: str | Path |
         cell.missing.append((WEIGHTS, f"{cell.weights_problem}: its losses and tables predate the damage and it "
                                       "cannot be probed again; restore the file, or retrain it "
                                       f"(`depthtools grid train SPEC --cells {directory.name} --force`)"))
+    from depthtools.checkpoint import imported_from
+
+    imported = imported_from(config)  # no training run: no eval.json or curve to miss
     try:
         cell.eval = read_json(directory / EVAL)
     except DepthToolsError as exc:
-        how = (f"unreadable ({exc})" if (directory / EVAL).is_file()
-               else "training has not finished: rerun `depthtools grid train` (it resumes)")
-        cell.missing.append((EVAL, how))
-    if metrics.empty:
+        if (directory / EVAL).is_file() or imported is None:
+            how = (f"unreadable ({exc})" if (directory / EVAL).is_file()
+                   else "training has not finished: rerun `depthtools grid train` (it resumes)")
+            cell.missing.append((EVAL, how))
+    if metrics.empty and imported is None:
         cell.missing.append((METRICS, "no training curve was logged"))
     for table in (*SUITE_TABLES, *OPTIONAL_TABLES):
         df = _read_table(directory, table)

@@ -349,8 +349,12 @@ def _model_hue(df: pd.DataFrame, models: Sequence[str], *more_labels: str):
 
 
 def _model_lines(data: pd.DataFrame, panels: Sequence[tuple[str, str]], x: str, xlabel: str, models: Sequence[str],
-                 style: str | None = None, width: float = PANEL_W) -> Figure:
-    """Shared layout: one panel per (column, label), one line per model (hue), optional dash style."""
+                 style: str | None = None, width: float = PANEL_W, robust: Sequence[str] = ()) -> Figure:
+    """Shared layout: one panel per (column, label), one line per model (hue), optional dash style.
+
+    `robust`: columns whose y-range is set by the points after the first x (depth 0 of a lens: the
+    embedding read through the unembedding, ~100 nats with tied embeddings, would flatten the rest);
+    a first point above that range is clipped and its value written on the panel."""
     import seaborn as sns
 
     data, order, palette = _model_hue(data, models)
@@ -362,8 +366,27 @@ def _model_lines(data: pd.DataFrame, panels: Sequence[tuple[str, str]], x: str, 
                      legend=i == len(panels) - 1, errorbar=None)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
+        if column in robust:
+            _clip_first(ax, sub, x, column)
     _legend_outside(axes[-1])
     return fig
+
+
+def _clip_first(ax, sub: pd.DataFrame, x: str, column: str) -> None:
+    """Y-range from the points after the smallest x; note the clipped first points' largest value."""
+    if sub.empty:
+        return
+    first = sub[x] == sub[x].min()
+    rest, head = sub.loc[~first, column].astype(float), sub.loc[first, column].astype(float)
+    if rest.empty or not np.isfinite(rest).any():
+        return
+    lo, hi = float(np.nanmin(rest)), float(np.nanmax(rest))
+    if head.max() <= hi + 0.5 * max(hi - lo, 1e-9):
+        return  # the first point does not dominate the range
+    pad = 0.08 * max(hi - lo, 1e-6)
+    ax.set_ylim(min(lo, float(head.min())) - pad if head.min() < lo else lo - pad, hi + 3 * pad)
+    ax.annotate(f"depth 0 off scale: {head.max():.3g}", xy=(0.02, 0.97), xycoords="axes fraction", va="top",
+                fontsize=7, color="0.3")
 
 
 @styled
@@ -385,7 +408,8 @@ def plot_lens_curves(lens: pd.DataFrame, models: Sequence[str]) -> Figure:
     _require(lens, ["model", "rel_depth", "kl_final_lens"], "lens curves")
     panels = [(c, l) for c, l in (("kl_final_lens", "KL(p_L ‖ p_l) (nats)"), ("ce", "lens CE (nats)"),
                                   ("top1_agree", "top-1 agreement with p_L")) if c in lens.columns]
-    return _model_lines(lens, panels, "rel_depth", "relative depth l/L", models, style="lens")
+    return _model_lines(lens, panels, "rel_depth", "relative depth l/L", models, style="lens",
+                        robust=("kl_final_lens", "ce"))
 
 
 @styled
