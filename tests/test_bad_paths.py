@@ -27,10 +27,11 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 def refused(args: list, *words: str) -> str:
-    """Run the CLI; assert exit 2 with one line on stderr holding every word; return that line."""
+    """Run the CLI; assert exit 2 with one error line on stderr holding every word; return that line. A probe's
+    one-line cost plan ("plan <ckpt> ...", printed before it runs) may precede it."""
     result = runner.invoke(app, [str(a) for a in args])
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip() and not line.startswith("plan ")]
     assert len(lines) == 1, result.stderr
     for word in words:
         assert word in lines[0], (word, lines[0])

@@ -113,8 +113,11 @@ def _sources_key() -> str:
 
 def _target(name: str, cc: str, flags: list[str], folder: Path) -> Path:
     """The cached shared object of library `name` built by `cc` with `flags`: its build folder is keyed by the
-    sources, compiler, flags and CPU (-march=native), so a changed source or another machine builds afresh."""
-    key = hashlib.sha256("\0".join([_sources_key(), name, cc, *flags, _cpu_key()]).encode()).hexdigest()[:20]
+    sources, compiler, flags and CPU (-march=native), so a changed source or another machine builds afresh, and by
+    the folder: cpp_extension skips building a name it already loaded in this process, so two folders must not
+    share a library name."""
+    parts = [_sources_key(), name, cc, *flags, _cpu_key(), str(Path(folder).resolve())]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     return folder / f"{name}-{key}" / f"depthtools_{name}_{key}.so"
 
 
