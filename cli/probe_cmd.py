@@ -533,24 +533,11 @@ def depthbench_command(
 
     Example: depthtools depthbench --ckpt attnres_L8 --metrics causal_score,layer_pruning --n-tokens 4096
     """
-    import json
-
+    from cli.probe_depthbench import emit_depthbench
     from depthtools.analysis.depthbench import depthbench_checkpoint
     from depthtools.analysis.suite import checkpoint_dirs
 
     check_sizes(n_tokens, seq_len, batch_size)
     check_device(device)
-    frames = [depthbench_checkpoint(d, data, n_tokens, seq_len, split, seed, metrics, batch_size, device, save)
-              for d in checkpoint_dirs(ckpt, grid)]
-    df = pd.concat(frames, ignore_index=True)
-    write_out(df, out)
-    if as_json:
-        print_json({"table": json.loads(df.to_json(orient="records")),
-                    "notes": [str(n) for f in frames for n in f.attrs.get("notes", [])]})
-        return
-    for frame in frames:
-        scalars = frame[frame["layer"].isna()]
-        console.print(table(f"DepthBench metrics — {frame['model'].iloc[0]}", ["metric", "value"],
-                            [[m, fmt(v)] for m, v in zip(scalars["metric"], scalars["value"])]))
-        for note in frame.attrs.get("notes", []):
-            console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
+    emit_depthbench([depthbench_checkpoint(d, data, n_tokens, seq_len, split, seed, metrics, batch_size, device, save)
+                     for d in checkpoint_dirs(ckpt, grid)], as_json, out)
