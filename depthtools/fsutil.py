@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -351,3 +352,10 @@ class exclusive_lock:  # noqa: N801 - used as a context manager
     def __exit__(self, *exc) -> None:
         if self.lock is not None:
             self.lock.release()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in blocks (checkpoint provenance, GGUF sources, shard manifests)."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+

@@ -44,7 +44,7 @@ from depthtools.data.inputs import UNIT_BYTES, FieldReader, Unit, expand_inputs,
 from depthtools.data.prepare import FORMAT_SHARDS, check_overwrite, dataset_lock, is_prepared, read_meta
 from depthtools.data.sharded_tokens import ShardedTokens, load_sharded  # noqa: F401  (re-exported)
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, check_name, replace_dir
+from depthtools.fsutil import check_dir_target, check_name, file_sha256, replace_dir
 
 SHARD_TOKENS = 100_000_000  # as nanoGPT's FineWeb script: 200 MB per uint16 shard
 MAX_DOMAINS = 256
@@ -655,10 +655,6 @@ def verify(data_dir: str | os.PathLike) -> list[str]:
     bad = []
     for split in meta["splits"].values():
         for shard in split.get("shards", []):
-            h = hashlib.sha256()
-            with open(data_dir / shard["file"], "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    h.update(block)
-            if h.hexdigest() != shard["sha256"]:
+            if file_sha256(data_dir / shard["file"]) != shard["sha256"]:
                 bad.append(shard["file"])
     return bad

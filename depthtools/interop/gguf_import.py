@@ -15,7 +15,6 @@ GGUF layout differs further (Gemma's norms stored as 1 + w, fused tensors, ...) 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import file_sha256
 
 GGUF_EXTRA = 'pip install -e ".[gguf]"'
 # GGUF general.architecture -> HF model_type, and whether llama.cpp permuted q/k rows.
@@ -204,14 +204,6 @@ def gguf_tokenizer(meta: dict[str, Any], vocab_size: int):
     return tok, None
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """(HF config dict, HF-named float32 tensors, metadata) of a GGUF file."""
     path = Path(path)
@@ -254,7 +246,7 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
     target = Path(summary["checkpoint"])
     config = read_json(target / CONFIG)
     config["source"] = {"format": f"gguf-{meta.get('general.architecture')}", "path": str(path.resolve()),
-                        "hf_config": hf, "gguf_sha256": _sha256(path),
+                        "hf_config": hf, "gguf_sha256": file_sha256(path),
                         "quantization": sorted({t.tensor_type.name for t in open_gguf(path).tensors})}
     atomic_write_json(target / CONFIG, config)
     summary["source"] = str(path)

@@ -21,7 +21,6 @@ benchmarks/import_accuracy.py and benchmarks/RESULTS.md). With float32 tables th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,7 +32,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, check_name, dir_mode, replace_dir
+from depthtools.fsutil import check_dir_target, check_name, dir_mode, file_sha256, replace_dir
 from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, resolve_tokenizer
 
 HF_CONFIG = "config.json"
@@ -241,14 +240,6 @@ def from_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype
     return model.to(dtype).eval()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _tokenizer_size(file: Path) -> int | None:
     """Vocabulary size of a tokenizers JSON file (None if it cannot be read)."""
     try:
@@ -265,7 +256,7 @@ def _tokenizer_fingerprint(file: Path) -> str:
     tokenizer.model (SentencePiece, not read by data prepare) is fingerprinted by its bytes."""
     from depthtools.data.tokenizer import tokenizer_file_fingerprint
 
-    return (tokenizer_file_fingerprint(file) if file.name == "tokenizer.json" else None) or _sha256(file)
+    return (tokenizer_file_fingerprint(file) if file.name == "tokenizer.json" else None) or file_sha256(file)
 
 
 def import_hf(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
@@ -311,7 +302,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
             f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _tokenizer_fingerprint(path / main),
             "vocab_size": size, "sep_id": hf.get("eos_token_id")}
     source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
-              "weights_sha256": {f.name: _sha256(f) for f in sorted(path.glob("*.safetensors"))}}
+              "weights_sha256": {f.name: file_sha256(f) for f in sorted(path.glob("*.safetensors"))}}
     save(model, target, extra={"source": source, "tokenizer": tokenizer, "train": None})
     return {"checkpoint": str(target), "model": model.config.to_dict(), "params": model.param_counts(),
             "tokenizer_files": [f for f in carried if f in HF_TOKENIZER_FILES], "carried": carried}
@@ -388,7 +379,7 @@ def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = 
         atomic_write_json(staging / SOURCE_FILE, {
             "checkpoint": str(directory.resolve()), "arch": model.config.arch, "model": model.config.to_dict(),
             "depthtools_version": config.get("depthtools_version"), "tokenizer": plan.describe(),
-            "weights_sha256": _sha256(directory / "model.safetensors")})
+            "weights_sha256": file_sha256(directory / "model.safetensors")})
         replace_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
