@@ -36,7 +36,7 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # grid_table.py, beside this file
 
-from grid_table import fmt_interval, loss_slopes  # noqa: E402
+from grid_table import fmt_interval, loss_cell, loss_slopes  # noqa: E402
 
 from depthtools.analysis.seeds import seed_means, welch_combination  # noqa: E402
 from depthtools.grid import parse_seeds, save_grid  # noqa: E402
@@ -120,13 +120,7 @@ def markdown(cells: pd.DataFrame) -> str:
         for arch in ARCHS:
             row = [recipe, arch]
             for n in depths:
-                hit = means[(means["recipe"] == recipe) & (means["arch"] == arch) & (means["n_layer"] == n)]
-                if hit.empty:
-                    row.append("–")
-                    continue
-                r = hit.iloc[0]
-                half = (r["val_loss_hi"] - r["val_loss_lo"]) / 2
-                row.append(f"{r['val_loss']:.4f} ± {half:.4f}" if math.isfinite(half) else f"{r['val_loss']:.4f}")
+                row.append(loss_cell(means[(means["recipe"] == recipe) & (means["arch"] == arch) & (means["n_layer"] == n)]))
             lines.append("| " + " | ".join(row) + " |")
     s = slopes_by(cells)
     lines += ["", "| recipe | Pre-LN slope per doubling of L | Full AttnRes slope | AttnRes − Pre-LN (Welch) |",

@@ -56,6 +56,16 @@ def fmt_interval(values: list[float], digits: int = 3) -> str:
     return f"{iv.mean:+.{digits}f} [{iv.lo:+.{digits}f}, {iv.hi:+.{digits}f}]"
 
 
+def loss_cell(hit: pd.DataFrame) -> str:
+    """A table cell for one (arch, depth) row of `seed_means`: mean ± half-width of the seed interval, the mean
+    alone with one seed, "–" when the cell was not trained."""
+    if hit.empty:
+        return "–"
+    r = hit.iloc[0]
+    half = (r["val_loss_hi"] - r["val_loss_lo"]) / 2
+    return f"{r['val_loss']:.4f} ± {half:.4f}" if math.isfinite(half) else f"{r['val_loss']:.4f}"
+
+
 def markdown(cells: pd.DataFrame, baseline: str) -> str:
     means = seed_means(cells, value="val_loss", keys=("arch", "n_layer"))
     depths = sorted({int(n) for n in cells["n_layer"]})
@@ -64,13 +74,7 @@ def markdown(cells: pd.DataFrame, baseline: str) -> str:
     for arch in archs:
         row = [arch]
         for n in depths:
-            hit = means[(means["arch"] == arch) & (means["n_layer"] == n)]
-            if hit.empty:
-                row.append("–")
-                continue
-            r = hit.iloc[0]
-            half = (r["val_loss_hi"] - r["val_loss_lo"]) / 2
-            row.append(f"{r['val_loss']:.4f} ± {half:.4f}" if math.isfinite(half) else f"{r['val_loss']:.4f}")
+            row.append(loss_cell(means[(means["arch"] == arch) & (means["n_layer"] == n)]))
         lines.append("| " + " | ".join(row) + " |")
     d_models = cells.groupby(["arch", "n_layer"])["d_model"].first()
     lines += ["", "d_model per depth: " + "; ".join(
