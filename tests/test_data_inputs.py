@@ -186,6 +186,26 @@ def test_local_tokenizer_json_round_trips_and_is_recorded(tmp_path):
     assert tok.sep_id not in tok.encode("a literal </s> here")
 
 
+def test_meta_naming_a_tokenizer_file_outside_its_folder_is_refused(tmp_path):
+    """A run copies meta.json's tokenizer.file into its cell: '../x' or 'a/b' would read and write outside."""
+    import json
+
+    texts = _texts(40, seed=3)
+    _write_inputs(tmp_path / "in", texts)
+    path = _tiny_tokenizer(tmp_path / "tok", texts)
+    out = prepare_inputs(_inputs(tmp_path / "in"), out_dir=tmp_path / "data", tokenizer=str(path), val_fraction=0.25,
+                         shard_tokens=1024, unit_bytes=3000, workers=1)
+    meta_path = out / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert read_meta(out)["tokenizer"]["file"] == meta["tokenizer"]["file"]  # the real name passes
+    for bad in ("../x.json", "sub/tokenizer.json", "/etc/passwd", ".hidden", 7):
+        meta["tokenizer"]["file"] = bad
+        meta_path.write_text(json.dumps(meta))
+        with pytest.raises(DepthToolsError, match="tokenizer.file") as err:
+            read_meta(out)
+        assert "\n" not in str(err.value)
+
+
 def test_large_vocabulary_is_stored_as_uint32(tmp_path):
     texts = [" ".join(WORDS[i % len(WORDS):] + WORDS[:i % len(WORDS)]) for i in range(40)]
     folder = tmp_path / "in"

@@ -402,6 +402,8 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
     if not isinstance(tokenizer.get("vocab_size"), int) or isinstance(tokenizer.get("vocab_size"), bool):
         raise DepthToolsError(f"{path}: tokenizer.vocab_size must be an integer, got {tokenizer.get('vocab_size')!r}; "
                               "prepare it again")
+    if tokenizer.get("file") is not None:  # a run copies it into its cell: it must stay a name inside the folder
+        check_name(tokenizer["file"], f"{path}: tokenizer.file")
     return meta
 
 
