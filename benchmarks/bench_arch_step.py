@@ -23,8 +23,13 @@ Pre-LN included, in one of two ways:
               the step's working set (activations, grads, AdamW state, temporaries)
     mem x     peak MiB ÷ Pre-LN's
 
+Same-run A/B of two checkouts (`--old-tree PATH`, with --processes one): every architecture also runs as
+"ARCH@old", a worker whose `depthtools` is imported from PATH (e.g. a `git worktree` of an earlier commit), in the
+same shuffled rounds; the table then adds "new/old", the median per-round ratio of this checkout's step time to
+the old checkout's (wall clock and CPU time), the figure that isolates a code change from machine drift.
+
 Usage: python benchmarks/bench_arch_step.py [--threads 1] [--reps 9] [--warmup 2] [--arch hc mhc ...]
-       [--processes one|shared] [--no-memory] [--markdown]
+       [--processes one|shared] [--no-memory] [--markdown] [--old-tree PATH]
 """
 
 from __future__ import annotations
@@ -104,7 +109,11 @@ def timed(step) -> tuple[float, float]:
 
 
 def run_worker(arch: str, args) -> None:
-    """Worker process: build one model, warm up, then time one step per "step" line on stdin."""
+    """Worker process: build one model, warm up, then time one step per "step" line on stdin. "ARCH@old": the
+    model of the checkout at --old-tree (its `depthtools` first on sys.path)."""
+    arch, _, old = arch.partition("@")
+    if old:
+        sys.path.insert(0, str(Path(args.old_tree).resolve()))
     import torch
 
     torch.set_num_threads(args.threads)
@@ -173,6 +182,7 @@ def measure_times(names: list[str], args) -> dict[str, dict[str, float]]:
         "cpu_x": statistics.median(c / b for c, b in zip(cpu[name], cpu[base])),
         "params": params[name],
         "warm_s": [1000 * w for w in wall[name]],  # every timed step (ms)
+        "cpu_s": [1000 * c for c in cpu[name]],  # every timed step's process CPU time (ms)
         **({"warmup_s": warmups[name]} if args.processes == "one" else {}),
     } for name in names}
 
@@ -193,6 +203,8 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     parser.add_argument("--processes", choices=("one", "shared"), default="one",
                         help="one worker process per model (default, as in training) or all models in one process")
+    parser.add_argument("--old-tree", dest="old_tree", help="a checkout to A/B against in the same rounds "
+                        "(adds ARCH@old workers; needs --processes one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -220,6 +232,12 @@ def main() -> None:
             print(f"{name:14s} FAILED: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
             continue
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    if args.old_tree:
+        if args.processes != "one":
+            raise SystemExit("--old-tree needs --processes one (each checkout's model in its own process)")
+        times = measure_times([name for row in rows for name in (row["arch"], row["arch"] + "@old")], args)
+        _print_ab(rows, times)
+        return
     times = measure_times([row["arch"] for row in rows], args)
     for row in rows:
         row.update(times[row["arch"]])
@@ -249,6 +267,20 @@ def _strip_arch_values(argv: list[str]) -> list[str]:
         if a not in ("--markdown", "--no-memory"):
             out.append(a)
     return out
+
+
+def _print_ab(rows: list[dict], times: dict) -> None:
+    """The --old-tree table: per architecture ms/step of both checkouts and the median per-round new/old ratios."""
+    print(f"{'arch':14s} {'new ms':>8s} {'old ms':>8s} {'new/old':>8s} {'cpu n/o':>8s} {'x preln new':>12s} {'x preln old':>12s}")
+    base_new, base_old = times["preln"], times["preln@old"]
+    for row in rows:
+        new, old = times[row["arch"]], times[row["arch"] + "@old"]
+        ratio = statistics.median(a / b for a, b in zip(new["warm_s"], old["warm_s"]))
+        cpu = statistics.median(a / b for a, b in zip(new["cpu_s"], old["cpu_s"]))
+        x_new = statistics.median(a / b for a, b in zip(new["warm_s"], base_new["warm_s"]))
+        x_old = statistics.median(a / b for a, b in zip(old["warm_s"], base_old["warm_s"]))
+        print(f"{row['arch']:14s} {new['ms']:8.1f} {old['ms']:8.1f} {ratio:8.3f} {cpu:8.3f} {x_new:12.2f} {x_old:12.2f}",
+              flush=True)
 
 
 _HEADER_PRINTED = False
