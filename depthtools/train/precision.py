@@ -12,8 +12,8 @@ writes its output in the residuals' dtype, the loss is float32. torch's AdamW th
 exp_avg_sq like the parameters (bf16), and no float32 master copy exists.
 
 `cast_params` reproduces that cast here: every floating-point parameter (so every norm gain and every
-AttnRes mixer query / key-norm gain too) becomes bf16; buffers (the RoPE tables) stay float32, as
-OLMo-core's RoPE keeps its tables out of the cast. depthtools' norms compute through F.rms_norm /
+AttnRes mixer query / key-norm gain too) becomes bf16; buffers (the RoPE tables) stay float32 (OLMo-core's
+RoPE tables live in its BufferCache, outside the module cast, and its RoPE rotates in full precision). depthtools' norms compute through F.rms_norm /
 F.layer_norm, which accumulate bf16 inputs in float32; the model's logits are bf16 and `forward_loss`
 takes the cross-entropy of their float32 upcast, so losses and evaluations stay float32.
 
