@@ -209,3 +209,18 @@ def test_default_recipe_and_cli_flag(data_dir, tmp_path):
     result = CliRunner().invoke(app, base + ["--out", str(tmp_path / "bad"), "--param-dtype", "half"])
     assert result.exit_code != 0 and "unknown param_dtype 'half'; valid: float32, bfloat16, auto" in result.output
     assert not (tmp_path / "bad" / "model.safetensors").exists()
+
+
+def test_grid_spec_takes_param_dtype_and_the_profile_fills_auto():
+    from depthtools.grid import grid_spec, plan_grid
+    from depthtools.train.sweep import load_spec
+
+    cells = plan_grid("preln", 60_000, vocab_size=256, layers=[2], n_heads=2, max_seq_len=32)
+    spec = grid_spec(cells, "g", TrainConfig(param_dtype="bfloat16").to_dict())
+    assert spec["train"]["param_dtype"] == "bfloat16" and load_spec(spec)["train"]["param_dtype"] == "bfloat16"
+    with pytest.raises(DepthToolsError, match="unknown param_dtype 'int8'"):
+        load_spec({**spec, "train": {**spec["train"], "param_dtype": "int8"}})
+    named = {**spec, "train": {k: v for k, v in spec["train"].items() if k != "param_dtype"} | {"profile": "depthbench"}}
+    assert load_spec(named)["train"]["param_dtype"] == "auto"  # filled in by the profile
+    explicit = {**spec, "train": {**spec["train"], "profile": "depthbench"}}
+    assert load_spec(explicit)["train"]["param_dtype"] == "bfloat16"  # an explicit choice wins
