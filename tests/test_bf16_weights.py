@@ -18,7 +18,7 @@ from depthtools.arch import DepthModel
 from depthtools.arch.attnres import DepthMixer
 from depthtools.checkpoint import load, read_tensors
 from depthtools.config import ModelConfig, TrainConfig
-from depthtools.errors import DepthToolsError
+from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.train import loop as train_loop
 from depthtools.train import precision, train_cell
 from depthtools.train.optim import build_optimizer
@@ -152,6 +152,11 @@ def test_interrupted_bf16_run_resumes_bit_identical(data_dir, tmp_path, monkeypa
         train_cell(model_cfg, recipe, data_dir, killed)
     monkeypatch.setattr(train_loop, "train_step", real)
     assert not (killed / "eval.json").exists()
+    with monkeypatch.context() as patch:  # the bf16 state never resumes into float32 weights ("auto" elsewhere)
+        patch.setattr(precision, "bf16_weights_supported", lambda device: False)
+        with pytest.raises(CheckpointError, match="holds bfloat16 weights, but this run's param_dtype='bfloat16' "
+                                                  "trains float32 on cpu"):
+            train_cell(model_cfg, recipe, data_dir, killed)
     resumed = train_cell(model_cfg, recipe, data_dir, killed)
     reference = train_cell(model_cfg, recipe, data_dir, tmp_path / "reference")
     assert resumed["resumed_from"] == 3

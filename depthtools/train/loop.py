@@ -48,14 +48,14 @@ from depthtools.arch import DepthModel, compiled
 from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, read_metrics, save
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
-from depthtools.errors import DepthToolsError
+from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, write_error
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
 from depthtools.train.distributed import Dist
 from depthtools.train.flops import flops_per_token, peak_flops
 from depthtools.train.optim import build_optimizer, depth_scaling
-from depthtools.train.precision import cast_params, resolve_param_dtype
+from depthtools.train.precision import NAMES, cast_params, resolve_param_dtype
 from depthtools.train.probe import DepthProbe
 from depthtools.train.schedule import lr_multiplier
 from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state,
@@ -279,6 +279,11 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
     fingerprint = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"])
     lr_free = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"], without_lr=True)
     info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint, lr_free, allow_lr_change)
+    saved_dtype = info.get("param_dtype", "float32") if info else None  # states before param_dtype: float32
+    if saved_dtype is not None and saved_dtype != NAMES[param_dtype]:  # "auto" on another device
+        raise CheckpointError(f"{out_dir / STATE_DIR} holds {saved_dtype} weights, but this run's param_dtype="
+                              f"{train_cfg.param_dtype!r} trains {NAMES[param_dtype]} on {device.type}; resume it "
+                              "where it trained that dtype, or pass force=True (--force) to start over")
     start = int(info["step"]) if info else 0
     lr_changes = list(info.get("lr_changes") or []) if info else []
     peak_lr = train_cfg.lr_for(model_cfg.arch)
@@ -462,6 +467,7 @@ def _checkpoint(run: Run, step: int, keep: int | None = None) -> None:
             "fingerprint_without_lr": run.lr_free_fingerprint, "peak_lr": run.peak_lr,
             "lr_overrides": dict(run.train_cfg.lr_overrides), "lr_changes": run.lr_changes,
             "min_train_loss": run.min_train_loss if math.isfinite(run.min_train_loss) else None,
+            **({"param_dtype": NAMES[run.param_dtype]} if run.param_dtype != torch.float32 else {}),
             "data": {"seed": run.train_cfg.seed, "next_step": step, "rule": "offsets = default_rng([seed, step])"}}
     if _has_curriculum(run):
         info["task_levels"] = dict(run.batches.mixer.levels)
