@@ -187,7 +187,8 @@ def train_command(
     schedule: Optional[str] = typer.Option(None, "--schedule", help="cosine or wsd."),
     seed: Optional[int] = typer.Option(None, "--seed"),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="auto, float32 or bfloat16."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Autocast dtype of the computation: auto, float32 or bfloat16."),
+    param_dtype: Optional[str] = typer.Option(None, "--param-dtype", help="Dtype of the weights and AdamW state: float32 (default), bfloat16 (every parameter and its AdamW state, CPU too; float32 with a note on a device without bf16) or auto (bfloat16 on CUDA with bf16, else float32: the depthbench profile's choice)."),
     compile: Optional[str] = typer.Option(None, "--compile", help="auto (default: when the run is long enough to repay it), on or off: regional torch.compile of the training step (CPU and CUDA)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads."),
     parallel: Optional[str] = typer.Option(None, "--parallel", help="Under torchrun: ddp (default) or fsdp (FSDP2 sharding)."),
@@ -220,7 +221,8 @@ def train_command(
 
     recipe = _recipe(preset_recipe, dict(
         tokens=tokens, tokens_per_param=tokens_per_param, batch_size=batch_size, micro_batch_size=micro_batch_size,
-        seq_len=seq_len, lr=lr, schedule=schedule, seed=seed, device=device, dtype=dtype, compile=compile,
+        seq_len=seq_len, lr=lr, schedule=schedule, seed=seed, device=device, dtype=dtype, param_dtype=param_dtype,
+        compile=compile,
         threads=threads, eval_every=eval_every, checkpoint_every=checkpoint_every, log_every=log_every,
         parallel=parallel, divergence_margin=divergence_margin,
     ), task_mix, profile)

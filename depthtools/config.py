@@ -185,6 +185,7 @@ class ModelConfig:
 SCHEDULES = ("cosine", "wsd")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
+PARAM_DTYPES = ("float32", "bfloat16", "auto")  # TrainConfig.param_dtype (issue 37): depthtools.train.precision
 PARALLEL = ("ddp", "fsdp")
 COMPILE = ("auto", "on", "off")  # TrainConfig.compile (issue 20)
 DECAY_GROUPS = ("depthtools", "depthbench")  # TrainConfig.decay_groups (issue 37)
@@ -221,6 +222,11 @@ class TrainConfig:
     sharding, for models whose weights + AdamW state do not fit one device); one process ignores it.
     `profile` records the recipe profile the config was built with (`depthtools.profiles`: the fields
     it sets are already in this config; the trainer prints what the profile does not reproduce).
+    `param_dtype` is the dtype the weights and AdamW state are stored in (`depthtools.train.precision`):
+    "float32" (default), "bfloat16" (every parameter and its AdamW state bf16, no float32 master copy, as
+    DepthBench's OLMo-core DDP cast; CPU too; a device without bf16 trains float32 and says so in one
+    line), or "auto" (bfloat16 on a CUDA device with bf16, else float32: the `depthbench` profile's choice).
+    `dtype` stays the autocast dtype of the computation.
     """
 
     tokens: int | None = None
@@ -257,6 +263,7 @@ class TrainConfig:
     max_epochs: float | None = None  # refuse a budget above this many passes over the train split (None: warn above 1)
     decay_groups: str = "depthtools"  # which parameters AdamW decays: "depthtools" | "depthbench" (depthtools.train.optim)
     profile: str | None = None  # the recipe profile this config was built with (depthtools.profiles); a record
+    param_dtype: str = "float32"  # weights + AdamW state: "float32" | "bfloat16" | "auto" (depthtools.train.precision)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lr_overrides", {str(k): float(v) for k, v in dict(self.lr_overrides).items()})
@@ -320,6 +327,8 @@ class TrainConfig:
             raise DepthToolsError(f"unknown compile {self.compile!r}; valid: {', '.join(COMPILE)}")
         if self.decay_groups not in DECAY_GROUPS:
             raise DepthToolsError(f"unknown decay_groups {self.decay_groups!r}; valid: {', '.join(DECAY_GROUPS)}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise DepthToolsError(f"unknown param_dtype {self.param_dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
         if self.profile is not None and self.profile not in PROFILES:
             raise DepthToolsError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
 
@@ -349,6 +358,8 @@ class TrainConfig:
             del data["decay_groups"]
         if self.profile is None:
             del data["profile"]
+        if self.param_dtype == "float32":  # the default: config.json and the run fingerprint stay as before
+            del data["param_dtype"]
         if self.task_mix is None:  # runs without a task mix keep their config.json and run fingerprint
             del data["task_mix"]
         else:

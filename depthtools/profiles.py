@@ -22,16 +22,24 @@
     profile sets them whatever preset it is applied to. (OLMo-core evaluates the cosine at step s+1 of
     T-W, ours at s of T-W-1: the multipliers differ by < 1.5/(T-W) of the peak, e.g. 0.0013 at the
     afternoon preset's 1,221 steps.)
-  * the run length as a number of optimizer steps when asked (`steps_to_tokens`).
+  * the run length as a number of optimizer steps when asked (`steps_to_tokens`);
+  * bf16 weights and bf16 AdamW state where the device does bf16 (`param_dtype="auto"`: CUDA with
+    `torch.cuda.is_bf16_supported()`). DepthBench's DDP train module (`param_dtype=DType.bfloat16`)
+    makes OLMo-core's `Transformer.apply_ddp` cast the whole model, `self.to(dtype=bf16)`: no parameter
+    is exempt (norm gains, AttnRes projections and norms, HC/mHC routing are bf16 too; float32 is only
+    computation inside the norms, the AttnRes kernel and the loss), and torch's AdamW keeps its state like
+    the parameters, with no float32 master weights. `depthtools.train.precision` does the same cast.
 
 The peak learning rate is NOT taken from DepthBench: its 2e-3 (1e-2 for LNS) is tuned for 400M-parameter
 models at 512 x 2,048 tokens per step, and the best LR shifts with width and batch; a profile applied to
 a preset keeps the preset's LR (e.g. 3e-3 for the ~0.4M-parameter afternoon grid, tuned at that scale).
 
 Not reproduced yet (each needs an architecture or trainer option that does not exist; `NOT_REPRODUCED`
-lists them, `notes` gives the lines for one architecture): nothing at present. bf16 weights and optimizer state are not implemented: a run
-under the profile prints one line (`weights_note`) saying it keeps float32 weights and AdamW state (on
-CPU, where bf16 weights would also be far slower, computing in float32; on CUDA under bf16 autocast).
+lists them, `notes` gives the lines for one architecture): nothing at present. A run under the profile
+prints one line (`weights_note`) saying which weights it trains: bf16 weights and AdamW state on a CUDA
+device with bf16; on CPU it keeps float32 weights and AdamW state and computes in float32 (bf16 weights
+are far slower there and depthtools' C kernels take only float32/float64; `param_dtype="bfloat16"`
+given explicitly trains bf16 on CPU too); on a CUDA device without bf16, float32.
 Our defaults are unchanged: a profile only applies when named.
 
 Where it is selected (one name, recorded in config.json as `train.profile`):
@@ -66,6 +74,7 @@ NOT_REPRODUCED: dict[str, tuple[tuple[str, ...] | None, str]] = {}
 DEPTHBENCH_TRAIN: dict[str, Any] = {
     "weight_decay": 0.1, "decay_groups": "depthbench", "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
     "grad_clip": 1.0, "schedule": "cosine", "warmup_fraction": 0.1, "final_lr_fraction": 0.1,
+    "param_dtype": "auto",  # bf16 weights + AdamW state where the device does bf16 (depthtools.train.precision)
 }
 
 
@@ -108,18 +117,24 @@ def notes(profile: str | None, arch: str) -> list[str]:
             if archs is None or arch in archs]
 
 
-def weights_note(profile: str | None, device_type: str, compute_dtype: str, bf16_supported: bool) -> str | None:
+def weights_note(profile: str | None, device_type: str, compute_dtype: str, bf16_supported: bool,
+                 param_dtype: str = "float32") -> str | None:
     """The one line a run under `profile` prints about DepthBench's bf16 weights and optimizer state
-    (OLMo-core casts the model to bf16 under DDP), saying what it does instead: depthtools keeps float32
-    weights and AdamW state everywhere; on CPU bf16 weights would also be far slower than float32."""
+    (OLMo-core casts the whole model to bf16 under DDP): the weights dtype this run trains
+    (`param_dtype`, resolved by `depthtools.train.precision`), and why when it is not bf16."""
     if profile in (None, "depthtools"):
         return None
+    if param_dtype == "bfloat16":
+        return (f"{profile} profile: bf16 weights and AdamW state as DepthBench trains them (every parameter, "
+                f"norms and AttnRes projections included; no float32 master copy) on {device_type}, computing "
+                f"in {compute_dtype}")
     if device_type == "cpu":
-        where = "on CPU (where bf16 weights would be far slower)"
+        where = ("on CPU (bf16 weights are far slower there and the C kernels take only float32/float64; "
+                 "param_dtype='bfloat16' forces them),")
     elif not bf16_supported:
-        where = f"on this {device_type} device, which has no bf16"
+        where = f"on this {device_type} device, which has no bf16,"
     else:
-        where = f"on {device_type} (bf16 weights are not implemented)"
+        where = f"on {device_type} with param_dtype={param_dtype!r},"
     return (f"{profile} profile: DepthBench trains bf16 weights and optimizer state; {where} this run keeps "
             f"float32 weights and AdamW state and computes in {compute_dtype}")
 

@@ -28,7 +28,9 @@ def test_depthbench_profile_switches_options_and_keeps_defaults():
     # bf16 weights: one line per run, saying what it does instead on this device (depthtools.train.loop)
     assert "on CPU" in profiles.weights_note("depthbench", "cpu", "float32", False)
     assert "has no bf16" in profiles.weights_note("depthbench", "cuda", "float32", False)
-    assert "not implemented" in profiles.weights_note("depthbench", "cuda", "bfloat16", True)
+    assert "bf16 weights and AdamW state as DepthBench" in profiles.weights_note("depthbench", "cuda", "bfloat16", True,
+                                                                                 "bfloat16")  # implemented (param_dtype)
+    assert train.param_dtype == "auto"  # bf16 where the device does bf16 (depthtools.train.precision)
     assert profiles.weights_note(None, "cpu", "float32", False) is None
     assert profiles.apply("depthtools", base)[0] == base and base.norm_eps == 1e-5  # defaults unchanged
     deepnorm, _, deepnorm_notes = profiles.apply("depthbench", ModelConfig(arch="deepnorm", **SMALL))

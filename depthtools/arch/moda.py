@@ -476,7 +476,10 @@ def moda_attend(block, q, k, v, q_depth, state: MoDAState, fused: bool = True) -
     if H != Hkv:  # GQA: one K/V head per query head
         k, v = k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2)
     keys, values = state.keys, state.values
-    if not fused or is_hooked(attn.hook_pattern, block.hook_moda_depth_pattern) or not fused_kernel_for(q.device):
+    # _DepthAttention merges in the flash op's float32 log-sum-exp: float32/float64 queries only (bf16 weights,
+    # TrainConfig.param_dtype, take the explicit softmax, as on CUDA)
+    explicit = not fused or q.dtype not in (torch.float32, torch.float64) or not fused_kernel_for(q.device)
+    if explicit or is_hooked(attn.hook_pattern, block.hook_moda_depth_pattern):
         if keys.dtype != q.dtype:  # (bfloat16 slots: their gradients are rounded to bfloat16 on this path)
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         return attn.hook_z(reference.depth_attention(q, k, v, q_depth, keys, values, invalid,

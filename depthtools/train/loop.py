@@ -48,13 +48,14 @@ from depthtools.arch import DepthModel, compiled
 from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, read_metrics, save
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
-from depthtools.errors import DepthToolsError
+from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, write_error
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
 from depthtools.train.distributed import Dist
 from depthtools.train.flops import flops_per_token, peak_flops
 from depthtools.train.optim import build_optimizer, depth_scaling
+from depthtools.train.precision import NAMES, cast_params, resolve_param_dtype
 from depthtools.train.probe import DepthProbe
 from depthtools.train.schedule import lr_multiplier
 from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state,
@@ -188,7 +189,7 @@ class Run:
     data_dir: Path
     meta: dict[str, Any]
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # autocast dtype
     model: DepthModel  # compiled regions, when on, live in it (depthtools.arch.compiled)
     optimizer: torch.optim.AdamW
     param_names: list[str]
@@ -210,6 +211,8 @@ class Run:
     parallel: Any = None  # under torchrun: the DDP/FSDP-wrapped LossModule
     compile: dict[str, Any] = field(default_factory=dict)  # TrainConfig.compile resolved (config.json)
     profile_notes: list[str] = field(default_factory=list)  # what TrainConfig.profile does not reproduce (config.json)
+    param_dtype: torch.dtype = torch.float32  # weights + AdamW state (TrainConfig.param_dtype resolved)
+    param_dtype_note: str | None = None  # the line an explicit "bfloat16" without bf16 printed (config.json)
 
     @property
     def tokens_per_step(self) -> int:
@@ -269,11 +272,18 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
     distributed.rows_per_rank(train_cfg.batch_size, train_cfg.micro_batch_size, dist)  # fail early
     device = distributed.local_device(resolve_device(train_cfg), dist)
     model = DepthModel(model_cfg, seed=train_cfg.seed).to(device)
+    param_dtype, dtype_note = resolve_param_dtype(train_cfg, device)
+    cast_params(model, param_dtype)  # before the optimizer: AdamW's state is created like the weights
     optimizer, names = build_optimizer(model, train_cfg, device)
     params_total = model.param_counts()["total"]
     fingerprint = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"])
     lr_free = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"], without_lr=True)
     info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint, lr_free, allow_lr_change)
+    saved_dtype = info.get("param_dtype", "float32") if info else None  # states before param_dtype: float32
+    if saved_dtype is not None and saved_dtype != NAMES[param_dtype]:  # "auto" on another device
+        raise CheckpointError(f"{out_dir / STATE_DIR} holds {saved_dtype} weights, but this run's param_dtype="
+                              f"{train_cfg.param_dtype!r} trains {NAMES[param_dtype]} on {device.type}; resume it "
+                              "where it trained that dtype, or pass force=True (--force) to start over")
     start = int(info["step"]) if info else 0
     lr_changes = list(info.get("lr_changes") or []) if info else []
     peak_lr = train_cfg.lr_for(model_cfg.arch)
@@ -313,9 +323,11 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
                                   "do not allow; train curriculum cells with DDP or on one device")
         batches.mixer.set_levels(info.get("task_levels") if info else None)
     peak = train_cfg.peak_flops or (peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None)
-    notes = profile_notes(model_cfg, train_cfg, device)
+    notes = profile_notes(model_cfg, train_cfg, device)  # under a profile, its weights line covers dtype_note
+    if train_cfg.profile not in (None, "depthtools"):
+        dtype_note = None
     if dist.is_main:
-        for line in notes:
+        for line in notes + ([dtype_note] if dtype_note else []):
             logger.warning("%s: %s", out_dir.name, line)
     return Run(
         model_cfg=model_cfg, train_cfg=train_cfg, out_dir=out_dir, data_dir=data_dir, meta=meta, device=device,
@@ -329,18 +341,20 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
         start_step=start, progress=progress if dist.is_main else None, dist=dist, parallel=parallel,
         compile={"setting": train_cfg.compile, "resolved": compile_on, "why": compile_why,
                  "region": model.scheme.compile_region if compile_on == "on" else None},
-        profile_notes=notes,
+        profile_notes=notes, param_dtype=param_dtype, param_dtype_note=dtype_note,
     )
 
 
 def profile_notes(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device) -> list[str]:
     """The lines a run under a recipe profile prints (and records in config.json): what the profile
-    does not reproduce for this architecture, and what it does instead of bf16 weights on this device."""
+    does not reproduce for this architecture, and which weights dtype it trains on this device."""
     from depthtools import profiles
+    from depthtools.train.precision import NAMES, bf16_weights_supported
 
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    weights = profiles.weights_note(train_cfg.profile, device.type, str(resolve_dtype(train_cfg, device)).replace(
-        "torch.", ""), bf16)
+    param_dtype = NAMES[resolve_param_dtype(train_cfg, device)[0]]
+    compute = "bfloat16" if param_dtype == "bfloat16" else str(resolve_dtype(train_cfg, device)).replace("torch.", "")
+    weights = profiles.weights_note(train_cfg.profile, device.type, compute, bf16_weights_supported(device),
+                                    param_dtype)
     return profiles.notes(train_cfg.profile, model_cfg.arch) + ([weights] if weights else [])
 
 
@@ -453,6 +467,7 @@ def _checkpoint(run: Run, step: int, keep: int | None = None) -> None:
             "fingerprint_without_lr": run.lr_free_fingerprint, "peak_lr": run.peak_lr,
             "lr_overrides": dict(run.train_cfg.lr_overrides), "lr_changes": run.lr_changes,
             "min_train_loss": run.min_train_loss if math.isfinite(run.min_train_loss) else None,
+            **({"param_dtype": NAMES[run.param_dtype]} if run.param_dtype != torch.float32 else {}),
             "data": {"seed": run.train_cfg.seed, "next_step": step, "rule": "offsets = default_rng([seed, step])"}}
     if _has_curriculum(run):
         info["task_levels"] = dict(run.batches.mixer.levels)
@@ -626,6 +641,8 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
             "compile": run.compile,
             **({"lr_changes": run.lr_changes} if run.lr_changes else {}),
             **({"profile_notes": run.profile_notes} if run.profile_notes else {}),
+            **({"param_dtype": str(run.param_dtype).replace("torch.", "")} if cfg.param_dtype != "float32" else {}),
+            **({"param_dtype_note": run.param_dtype_note} if run.param_dtype_note else {}),
             **({"task_levels": dict(run.batches.mixer.levels)} if _has_curriculum(run) else {}),
         },
         "tokenizer": meta["tokenizer"],
