@@ -82,17 +82,18 @@ the dynamic projections (dynamic_alpha/beta, φ, head_fn) decay like other matri
 
 Computation (performance; same function either way). At d = 64 a connector is many small
 operations on a 1 MB stream state, so its cost is call overhead and extra passes. Unless a
-weights hook (width/res/depth) is attached, each connector runs as ONE autograd node
-(`_HCConnect` with forward-mode jvp, so torch.func.jvp works; `_MHCConnect`, whose Sinkhorn has
-no jvp, like `sinkhorn_knopp`) with a hand-written backward, and the update H ← R H + β ⊗ y is
-`_Update`. On CPU (float32/float64, the C library built) `_HCConnect` and `_MHCConnect` run their
-forward and backward on the fused C kernels of cpu_kernels.py -- one pass over the stream state per
-direction; an eager step at L32 d64 went from ~1.9x / ~2.3x eager Pre-LN to ~1.6x / ~1.7x
-(benchmarks/RESULTS.md, "Third pass") -- and their torch ops elsewhere; _HCConnect's jvp is the same
-either way. With a weights hook the connector is formed step by step (`weights`) so the hooked
-tensors can be read and edited. Option fused (True): False runs every one of these Functions'
-plain-autograd reference instead (depthtools/arch/reference.py; the same function, slower), for
-checking the hand-written backwards and for debugging.
+weights hook (width/res/depth) is attached, each connector runs as ONE autograd node, the torch custom
+op `depthtools::hc_connect` / `depthtools::mhc_connect` (depthtools/arch/ops/connector.py, through
+`hc_connect` / `mhc_connect` here), with a hand-written backward; the update H ← R H + β ⊗ y is `_Update`.
+The op runs its fused C kernel on CPU (float32/float64, the library built) -- one pass over the stream state per
+direction; an eager step at L32 d64 went from ~1.9x / ~2.3x eager Pre-LN to ~1.6x / ~1.7x (benchmarks/RESULTS.md,
+"Third pass") -- and its plain-PyTorch twin elsewhere; the compiled CPU step calls the same op. Custom ops have no
+forward-mode derivative, so under forward AD or a torch.func transform (analysis.contrib's torch.func.jvp) a
+connector takes its plain-autograd reference (`torch_private.forward_ad_active`), for HC and mHC alike. With a
+weights hook the connector is formed step by step (`weights`: the reference's `hc_coefficients` /
+`mhc_coefficients`, with `_ProjRms` and the Sinkhorn op) so the hooked tensors can be read and edited. Option fused
+(True): False runs every one of these pieces' plain-autograd reference instead (depthtools/arch/reference.py; the
+same function, slower), for checking the hand-written backwards and for debugging.
 """
 
 from __future__ import annotations
@@ -185,8 +186,10 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _full_precision(t: torch.Tensor):
     """A context that switches autocast off (routing weights are computed in float32 or wider)."""
-    device = t.device.type
-    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else nullcontext()
+    device = t.device.type  # (the meta device has no autocast)
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return nullcontext()
 
 
 def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20, order: str = "rows_last", fused: bool = True) -> torch.Tensor:

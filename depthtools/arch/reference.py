@@ -2,9 +2,9 @@
 
 The fast paths of HC/mHC (hyper.py), AttnRes/DenseFormer (bankops.py) and MoDA (moda.py) are
 custom autograd Functions or torch custom ops (depthtools/arch/ops) with hand-written backward (and,
-for the three Functions listed with a jvp in tests/test_fused_reference.py, forward-mode jvp) passes. Each has its reference here: the same function written in ordinary torch ops, so autograd
-derives the gradients and jvps. Read these to see what a fused Function computes; select them for
-a whole model with option `fused: False` (hc, mhc, attnres, blockattnres, denseformer and moda
+for three of the Functions, forward-mode jvp) passes. Each has its reference here: the same function
+written in ordinary torch ops, so autograd derives the gradients and jvps. Read these to see what a
+fused Function computes; select them for a whole model with option `fused: False` (hc, mhc, attnres, blockattnres, denseformer and moda
 declare it in their option schemas);
 tests/test_fused_reference.py checks every Function against its reference (outputs, gradients
 and jvps, and torch.autograd.gradcheck in float64) and fused against reference models.
