@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from depthtools.arch import cpu_kernels as ck  # noqa: E402
+from depthtools.arch.ops import connector as connector_ops, sinkhorn as sinkhorn_ops  # noqa: E402
 
 
 def load(name: str, old: Path | None):
@@ -52,12 +53,12 @@ def workloads() -> dict:
     lse_seq = torch.randn(8, 128, 4, generator=gen)
 
     def sinkhorn():
-        ck.sinkhorn_forward(z, 20, 1)
-        ck.sinkhorn_backward(z, g, 20, 1)
+        sinkhorn_ops.kernel_forward(z, 20, 1)
+        sinkhorn_ops.kernel_backward(z, g, 20, 1)
 
     def hc():
-        _, _, raw, inv, t = ck.hc_connect_forward(H, Pt, S, scale, 1e-8)
-        ck.hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth)
+        _, _, raw, inv, t = connector_ops.hc_kernel_forward(H, Pt, S, scale, 1e-8)
+        connector_ops.hc_kernel_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth)
 
     def bank():
         for sources in range(1, 33, 4):

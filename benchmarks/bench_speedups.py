@@ -11,9 +11,9 @@
                 rows are whole 64-byte lines) and by plain stores (cpu_kernels.MODA_STREAM_STORES)
     tanh        the HC connector's tanh on its [4096, 6] coefficient block vs 2·sigmoid(2x) - 1
     sinkhorn    mHC's Sinkhorn (n = 4, t_max = 20) forward + backward at 1024 tokens: the torch-op
-                tokens-last kernel vs the C kernel of arch/cpu_kernels.py (the compiled path's op)
-    connector   HC's and mHC's connector Functions (_HCConnect, _MHCConnect) forward + backward at
-                1024 tokens, n = 4, d = 64: their torch ops vs the fused C kernels of arch/cpu_kernels.py
+                tokens-last kernel vs the C kernel (arch/ops/sinkhorn.py's op)
+    connector   HC's and mHC's connector ops (depthtools::hc_connect, mhc_connect; arch/ops/connector.py)
+                forward + backward at 1024 tokens, n = 4, d = 64: their torch twins vs their fused C kernels
 
 The A/B modes time Pre-LN, the model as shipped ("on") and the same model with the feature
 switched off ("off") in one process, in shuffled rounds, and print the median per-round ratios
@@ -134,6 +134,7 @@ def tanh_ab(args) -> None:
 
 def sinkhorn_ab(args) -> None:
     from depthtools.arch import cpu_kernels
+    from depthtools.arch.ops import sinkhorn as sinkhorn_ops
     from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
 
     z, g = torch.randn(4, 4, 1024), torch.randn(4, 4, 1024)
@@ -146,8 +147,8 @@ def sinkhorn_ab(args) -> None:
         return sinkhorn_backward(saved, g)
 
     def c_kernel():
-        cpu_kernels.sinkhorn_forward(z, 20, 1)
-        return cpu_kernels.sinkhorn_backward(z, g, 20, 1)
+        sinkhorn_ops.kernel_forward(z, 20, 1)
+        return sinkhorn_ops.kernel_backward(z, g, 20, 1)
 
     diff = (torch_ops() - c_kernel()).abs().max().item()
     ops_ms, c_ms = mean_ms(torch_ops, 200), mean_ms(c_kernel, 200)
@@ -156,7 +157,8 @@ def sinkhorn_ab(args) -> None:
 
 
 def connector_ab(args) -> None:
-    from depthtools.arch import cpu_kernels, hyper
+    from depthtools.arch import cpu_kernels
+    from depthtools.arch.ops import connector as connector_ops
 
     if cpu_kernels.library("connector") is None:
         print("connector  the C kernels are unavailable here (no C compiler, or the build failed): nothing to compare")
@@ -172,17 +174,17 @@ def connector_ab(args) -> None:
                 torch.tensor(0.5), torch.tensor(0.5), torch.randn(n, generator=gen), torch.randn(n, generator=gen),
                 torch.randn(n, n, generator=gen)],
     }
-    calls = {"hc": lambda xs: hyper._HCConnect.apply(*xs, 1e-8)[:3],
-             "mhc": lambda xs: hyper._MHCConnect.apply(*xs, 1e-6, 20, 0)}
-    kernel_applies = hyper._connector_kernel_applies
+    calls = {"hc": lambda xs: connector_ops.hc_connect(*xs, 1e-8),
+             "mhc": lambda xs: connector_ops.mhc_connect(*xs, 1e-6, 20, 0)}
+    kernel_usable = cpu_kernels.connector_usable
 
     def run(arch: str, kernel: bool):
-        hyper._connector_kernel_applies = kernel_applies if kernel else (lambda *tensors: False)
+        cpu_kernels.connector_usable = kernel_usable if kernel else (lambda *tensors: False)
         try:
             xs = [t.clone().requires_grad_(True) for t in leaves[arch]]
             return torch.autograd.grad(calls[arch](xs), xs, grads)
         finally:
-            hyper._connector_kernel_applies = kernel_applies
+            cpu_kernels.connector_usable = kernel_usable
 
     for arch in ("hc", "mhc"):
         diff = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)

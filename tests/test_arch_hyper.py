@@ -310,8 +310,8 @@ def test_default_sinkhorn_is_eq9_row_stochastic_and_differs_from_the_old_order()
 
 @pytest.mark.parametrize("order", ["rows_last", "cols_last"])
 def test_fused_mhc_connector_gradients_match_plain_autograd(order):
-    """The fused connector (_MHCConnect, one autograd node with its own Sinkhorn backward) against the
-    connector written in plain torch ops with the T_r/T_c loop: outputs and every gradient."""
+    """The fused connector (the op depthtools::mhc_connect, one autograd node with its own Sinkhorn backward)
+    against the connector written in plain torch ops with the T_r/T_c loop: outputs and every gradient."""
     from depthtools.arch.hyper import ManifoldHyperConnection
 
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from depthtools.arch import DepthModel, compiled
+from depthtools.arch.ops import connector as connector_ops
 from depthtools.arch.moda import fused_kernel_for
 from depthtools.arch.torch_private import cpu_flash_attention_ok
 from depthtools.config import ModelConfig, TrainConfig
@@ -182,9 +183,10 @@ def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     from depthtools.arch import cpu_kernels, hyper
 
     meta = torch.empty(8, 4, 16, device="meta")
-    assert not cpu_kernels.connector_usable(meta) and not hyper._connector_kernel_applies(meta)
-    monkeypatch.setattr(compiled, "compiling", lambda: True)
-    assert not compiled.connector_op(meta) and compiled.connector_op(torch.empty(8, 4, 16))
+    assert not cpu_kernels.connector_usable(meta)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not connector_ops.uses_op(meta) and connector_ops.uses_op(torch.empty(8, 4, 16))
     # AttnRes' bank kernels: a bank on a non-CPU device takes torch ops
     from depthtools.arch.bankops import DepthBank
 
@@ -200,17 +202,24 @@ def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     assert not cpu_kernels.moda_usable(torch.empty(2, dtype=torch.float64), torch.bfloat16)
 
 
-def test_sinkhorn_op_matches_the_fused_function():
-    """The opaque op the compiled mHC step uses: forward and gradient equal to hyper._SinkhornKnopp."""
-    from depthtools.arch.hyper import _SinkhornKnopp
+def test_sinkhorn_op_kernel_matches_its_twin(monkeypatch):
+    """The op the compiled and eager mHC paths use (depthtools::sinkhorn_tokens_last): forward and gradient on its
+    C kernel equal those of its plain-PyTorch twin (forced), and hyper.sinkhorn_knopp calls it."""
+    from depthtools.arch import cpu_kernels, hyper
+    from depthtools.arch.ops import sinkhorn as sinkhorn_ops
 
+    if cpu_kernels.library("sinkhorn") is None:
+        pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
     logits = torch.randn(3, 5, 4, 4, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(3, 5, 4, 4, dtype=torch.float64)
-    for first in (0, 1):
-        a = compiled.sinkhorn_op(logits, 7, first)
+    for first, order in ((0, "rows_last"), (1, "cols_last")):
+        a = sinkhorn_ops.sinkhorn(logits, 7, first)
         (ga,) = torch.autograd.grad(a, logits, grad)
-        b = _SinkhornKnopp.apply(logits, 7, first)
-        (gb,) = torch.autograd.grad(b, logits, grad)
+        assert torch.equal(a, hyper.sinkhorn_knopp(logits, 7, order))
+        with monkeypatch.context() as m:
+            m.setattr(cpu_kernels, "usable", lambda *tensors: False)
+            b = sinkhorn_ops.sinkhorn(logits, 7, first)
+            (gb,) = torch.autograd.grad(b, logits, grad)
         assert torch.allclose(a, b, atol=1e-12) and torch.allclose(ga, gb, atol=1e-12)
 
 
@@ -254,6 +263,7 @@ def test_sinkhorn_cpu_kernel_matches_the_reference(dtype, tol):
     """The C kernel behind the compiled path's Sinkhorn op (cpu_kernels) against the plain-autograd
     reference: values and gradients, both orders, token counts around its block size, several t_max."""
     from depthtools.arch import cpu_kernels, reference
+    from depthtools.arch.ops import sinkhorn as sinkhorn_ops
 
     if cpu_kernels.library() is None:
         pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
@@ -265,8 +275,8 @@ def test_sinkhorn_cpu_kernel_matches_the_reference(dtype, tol):
             want = reference.sinkhorn(logits, t_max, first)
             (want_grad,) = torch.autograd.grad(want, logits, grad)
             z = logits.detach().permute(1, 2, 0).contiguous()
-            got = cpu_kernels.sinkhorn_forward(z, t_max, first).permute(2, 0, 1)
-            got_grad = cpu_kernels.sinkhorn_backward(z, grad.permute(1, 2, 0).contiguous(), t_max, first).permute(2, 0, 1)
+            got = sinkhorn_ops.kernel_forward(z, t_max, first).permute(2, 0, 1)
+            got_grad = sinkhorn_ops.kernel_backward(z, grad.permute(1, 2, 0).contiguous(), t_max, first).permute(2, 0, 1)
             assert float((got - want.detach()).abs().max()) <= tol, (tokens, t_max, first)
             assert float((got_grad - want_grad).abs().max()) <= tol * float(want_grad.abs().max()), (tokens, t_max, first)
     assert not cpu_kernels.usable(torch.zeros(4, 4, 3, dtype=torch.float16))
@@ -328,7 +338,7 @@ def test_hc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
     for tokens, n, d in ((1, 4, 64), (63, 4, 16), (200, 2, 7), (33, 5, 33)):
         params, grads = _hc_inputs(tokens, n, d, dtype)
         exact = _hc_forward_backward(reference.hc_connect, [p.double() for p in params], [g.double() for g in grads])
-        got = _hc_forward_backward(compiled.hc_connect_op, params, grads)
+        got = _hc_forward_backward(connector_ops.hc_connect, params, grads)
         same_dtype = _hc_forward_backward(reference.hc_connect, params, grads)
         for name, a, b, c in zip(names, got, exact, same_dtype):
             scale = max(float(b.abs().max()), 1e-30)
@@ -351,7 +361,7 @@ def _mhc_inputs(tokens: int, n: int, d: int, dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_mhc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
     """The compiled mHC step's opaque connector (`depthtools::mhc_connect`: the fused C kernel with the
-    Sinkhorn inside, or the reference's vjp where the kernel does not apply) against the float64
+    Sinkhorn inside, or its plain-PyTorch twin where the kernel does not apply) against the float64
     reference: outputs and the gradients of the streams and all nine parameters, both Sinkhorn orders,
     token counts around the kernel's block of 64. Bounds as for HC (the kernel's exp is within 2 ulp)."""
     from depthtools.arch import cpu_kernels, reference
@@ -368,7 +378,7 @@ def test_mhc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
 
         exact = _hc_forward_backward(connect(reference.mhc_connect), [p.double() for p in params],
                                      [g.double() for g in grads])
-        got = _hc_forward_backward(connect(compiled.mhc_connect_op), params, grads)
+        got = _hc_forward_backward(connect(connector_ops.mhc_connect), params, grads)
         same_dtype = _hc_forward_backward(connect(reference.mhc_connect), params, grads)
         for i, (a, b, c) in enumerate(zip(got, exact, same_dtype)):
             scale = max(float(b.abs().max()), 1e-30)
@@ -377,19 +387,52 @@ def test_mhc_connector_op_matches_the_reference(kernel, dtype, monkeypatch):
             assert err <= bound, f"{kernel} {dtype} tokens={tokens} n={n} d={d}: output/grad {i} off by {err:.1e} (> {bound:.1e})"
 
 
-def test_connector_op_registration():
-    """Fake (meta) kernels, schema and autograd registration of the HC and mHC ops, as torch.compile relies on them."""
-    params, _ = _hc_inputs(5, 4, 8, torch.float32)
-    H, Wa, wb, Sa, sb, sa, sbeta = params
-    args = (H, torch.cat([Wa, wb[:, None]], 1).t().contiguous(), torch.cat([Sa, sb[:, None]], 1),
-            torch.cat([sa.expand(5), sbeta[None]]).requires_grad_(True), 1e-8)
-    torch.library.opcheck(torch.ops.depthtools.hc_connect.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    H, pp, po, pr, gp, gq, gr, bp, bq, br = _mhc_inputs(5, 4, 8, torch.float32)[0]
-    args = (H, torch.cat([pp, po, pr], 1).t().contiguous().requires_grad_(True), torch.stack([gp, gq, gr]), bp, bq,
-            br.reshape(-1), 1e-6, 4, 0)
-    torch.library.opcheck(torch.ops.depthtools.mhc_connect.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+@pytest.mark.parametrize("path", ["c kernel", "twin"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_op_registration(path, dtype, monkeypatch):
+    """torch.library.opcheck of every op in depthtools/arch/ops (schema, fake vs real, autograd registration, AOT
+    dispatch) on small CPU inputs, on the C kernels and with the plain-PyTorch twins forced: the forward ops with
+    inputs that require grad, the backward ops (no autograd of their own) with inputs that do not."""
+    from depthtools.arch import cpu_kernels
+    from depthtools.arch.ops import sinkhorn as sinkhorn_ops  # noqa: F401  (registers the Sinkhorn ops)
+
+    if path == "twin":
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors: False)
+        monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
+    elif cpu_kernels.library("connector") is None or cpu_kernels.library("sinkhorn") is None:
+        pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
+    ops = torch.ops.depthtools
+    grad = lambda xs: [x.detach().clone().requires_grad_(True) for x in xs]  # noqa: E731
+    plain = lambda xs: [x.detach().clone() for x in xs]  # noqa: E731
+    params, (gu, gm, gd) = _hc_inputs(5, 4, 8, dtype)
+    g_out = torch.cat([gu[:, None], gm], 1)
+    torch.library.opcheck(ops.hc_connect.default, (*grad(params), 1e-8))
+    _, _, raw, inv, t = ops.hc_connect(*params, 1e-8)
+    torch.library.opcheck(ops.hc_connect_backward.default, (*plain(params), raw, inv, t, g_out, gd))
+    params, (gu, gm, gd) = _mhc_inputs(5, 4, 8, dtype)
+    g_out = torch.cat([gu[:, None], gm], 1)
+    for first in (0, 1):
+        torch.library.opcheck(ops.mhc_connect.default, (*grad(params), 1e-6, 4, first))
+        _, _, raw, inv = ops.mhc_connect(*params, 1e-6, 4, first)
+        torch.library.opcheck(ops.mhc_connect_backward.default, (*plain(params), raw, inv, g_out, gd, 4, first))
+        z = torch.randn(4, 4, 70, dtype=dtype, generator=torch.Generator().manual_seed(first))
+        torch.library.opcheck(ops.sinkhorn_tokens_last.default, (z.clone().requires_grad_(True), 5, first))
+        torch.library.opcheck(ops.sinkhorn_tokens_last_backward.default, (torch.randn_like(z), z, 5, first))
+
+
+def test_ops_run_on_the_meta_device_through_their_fake_implementations():
+    """A forward of HC and mHC models on `meta` runs through the ops (their fake implementations) and builds no
+    kernel library (nothing is attempted: cpu_kernels never sees a CPU tensor)."""
+    from depthtools.arch import DepthModel, cpu_kernels
+
+    attempted = set(cpu_kernels._libs)
+    for arch in ("hc", "mhc"):
+        cfg = ModelConfig(arch=arch, vocab_size=32, d_model=16, n_layer=2, n_heads=2, max_seq_len=8)
+        with torch.device("meta"):
+            model = DepthModel(cfg, seed=0)
+        logits = model(torch.zeros(2, 8, dtype=torch.long, device="meta"))
+        assert logits.device.type == "meta" and logits.shape == (2, 8, 32)
+    assert set(cpu_kernels._libs) == attempted
 
 
 def test_connector_kernel_tanh_and_exp_are_accurate():
@@ -401,15 +444,15 @@ def test_connector_kernel_tanh_and_exp_are_accurate():
     if cpu_kernels.library("connector") is None:
         pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
     x = torch.linspace(-12, 12, 400_001)
-    got, want = cpu_kernels.tanh_f32(x).double(), torch.tanh(x.double())
+    got, want = connector_ops.tanh_f32(x).double(), torch.tanh(x.double())
     rel = (got - want).abs() / want.abs().clamp_min(torch.finfo(torch.float32).tiny)
     assert float(rel[want != 0].max()) <= 4 * torch.finfo(torch.float32).eps
-    special = cpu_kernels.tanh_f32(torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30]))
+    special = connector_ops.tanh_f32(torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-30]))
     assert special[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and torch.isnan(special[4]) and special[5] == 1e-30
     x = torch.linspace(-87, 88, 400_001)
-    got, want = cpu_kernels.exp_f32(x).double(), torch.exp(x.double())
+    got, want = connector_ops.exp_f32(x).double(), torch.exp(x.double())
     assert float(((got - want).abs() / want).max()) <= 2 * torch.finfo(torch.float32).eps
-    assert torch.isnan(cpu_kernels.exp_f32(torch.tensor([float("nan")]))).all()
+    assert torch.isnan(connector_ops.exp_f32(torch.tensor([float("nan")]))).all()
 
 
 def test_connector_kernels_do_not_depend_on_the_thread_count():
@@ -429,11 +472,11 @@ def test_connector_kernels_do_not_depend_on_the_thread_count():
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
-            hc = cpu_kernels.hc_connect_forward(H, Pt, S, scale, 1e-8)
-            hc_grads = cpu_kernels.hc_connect_backward(H, Pt, S, scale, *hc[2:], g_out, gd)
-            mhc = cpu_kernels.mhc_connect_forward(H, PhiT, gates, bp, bq, br.reshape(-1), 1e-6, 20, 0)
-            mhc_grads = cpu_kernels.mhc_connect_backward(H, PhiT, gates, bp, bq, br.reshape(-1), mhc[2], mhc[3], g_out,
-                                                         gd, 20, 0)
+            hc = connector_ops.hc_kernel_forward(H, Pt, S, scale, 1e-8)
+            hc_grads = connector_ops.hc_kernel_backward(H, Pt, S, scale, *hc[2:], g_out, gd)
+            mhc = connector_ops.mhc_kernel_forward(H, PhiT, gates, bp, bq, br.reshape(-1), 1e-6, 20, 0)
+            mhc_grads = connector_ops.mhc_kernel_backward(H, PhiT, gates, bp, bq, br.reshape(-1), mhc[2], mhc[3],
+                                                          g_out, gd, 20, 0)
             results.append([*hc, *hc_grads, *mhc, *mhc_grads])
     finally:
         torch.set_num_threads(before)

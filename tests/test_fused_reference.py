@@ -81,56 +81,105 @@ def mhc_inputs(first, seed=0):
             1e-6, 3, first)
 
 
-JVP_CASES = {  # the four Functions with a hand-written jvp
+JVP_CASES = {  # the three Functions with a hand-written jvp, and the connectors' entry points (forward AD: the reference)
     "_ProjRms": (hyper._ProjRms.apply, reference.proj_rms,
                  lambda: (randn(5, d, seed=0), randn(d, 6, seed=1), 1e-6)),
     "hyper._Mix": (hyper._Mix.apply, reference.stream_mix,
                    lambda: (randn(N, n + 1, n, seed=0), randn(N, n, d, seed=1))),
     "_Update": (hyper._Update.apply, reference.stream_update,
                 lambda: (randn(2, N, n, d, seed=0), randn(2, N, n, seed=1), randn(2, N, d, seed=2))),
-    "_HCConnect": (lambda *a: hyper._HCConnect.apply(*a)[:3], reference.hc_connect, hc_inputs),
+    "hyper.hc_connect": (hyper.hc_connect, reference.hc_connect, hc_inputs),
+    "hyper.mhc_connect": (hyper.mhc_connect, reference.mhc_connect, lambda: mhc_inputs(0)),
 }
 
 
-@pytest.mark.parametrize("name", [*JVP_CASES, "_HCConnect (torch ops)"])
+@pytest.mark.parametrize("name", [*JVP_CASES, "hyper.hc_connect (twin)", "hyper.mhc_connect (twin)"])
 def test_functions_with_jvp_match_reference_and_pass_gradcheck(name, monkeypatch):
-    """Backward and forward mode of _ProjRms, hyper._Mix, _Update and _HCConnect: equal to the
-    reference's autograd, and gradcheck (finite differences) with check_forward_ad. _HCConnect on CPU
-    runs on the fused C kernel where it is built; "(torch ops)" checks its torch-op path too."""
-    if name.endswith("(torch ops)"):
-        monkeypatch.setattr(hyper, "_connector_kernel_applies", lambda *tensors: False)
+    """Backward and forward mode of _ProjRms, hyper._Mix, _Update and the HC/mHC connectors' entry points
+    (hyper.hc_connect / mhc_connect: the op `depthtools::hc_connect` / `mhc_connect`, or, under forward AD, the
+    reference): equal to the reference's autograd, and gradcheck (finite differences) with check_forward_ad. On CPU
+    the ops run on the fused C kernel where it is built; "(twin)" forces their plain-PyTorch twin."""
+    if name.endswith("(twin)"):
+        monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
         name = name.split()[0]
+    elif "connect" in name and cpu_kernels.library("connector") is None:
+        pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
     fused, ref, make = JVP_CASES[name]
     inputs = make()
     assert_same_function(fused, ref, inputs)
     assert_same_jvp(fused, ref, inputs)
-    assert torch.autograd.gradcheck(fused, inputs, check_forward_ad=True)
+    diff = [i for i, t in enumerate(inputs) if torch.is_tensor(t)]
+    fn = lambda *xs: fused(*xs, *inputs[len(diff):])  # noqa: E731  (the tensors first, then eps / t_max / first)
+    assert torch.autograd.gradcheck(fn, inputs[: len(diff)], check_forward_ad=True)
 
 
+def test_connector_entry_points_take_the_op_unless_forward_ad_sees_them(monkeypatch):
+    """hyper.hc_connect / mhc_connect call the op (ops/connector.py) outside forward AD, and the reference inside a
+    dual level with a tangent on an input or inside a torch.func transform (where the op would give a zero tangent)."""
+    from depthtools.arch.ops import connector as connector_ops
+
+    calls = []
+    for name in ("hc_connect", "mhc_connect"):
+        real = getattr(connector_ops, name)
+        monkeypatch.setattr(connector_ops, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    H, *rest = hc_inputs()
+    hyper.hc_connect(H, *rest)
+    hyper.mhc_connect(*mhc_inputs(0))
+    assert calls == ["hc_connect", "mhc_connect"]
+    with fwAD.dual_level():
+        hyper.hc_connect(H, *rest)  # a dual level without a tangent on these inputs: the op
+        hyper.hc_connect(fwAD.make_dual(H.detach(), torch.ones_like(H)), *rest)
+    assert calls == ["hc_connect", "mhc_connect", "hc_connect"]
+    tangent = torch.func.jvp(lambda h: hyper.hc_connect(h, *rest)[1], (H.detach(),), (torch.ones_like(H),))[1]
+    want = torch.func.jvp(lambda h: reference.hc_connect(h, *rest)[1], (H.detach(),), (torch.ones_like(H),))[1]
+    torch.testing.assert_close(tangent, want, rtol=0, atol=1e-12)
+    assert float(tangent.detach().abs().max()) > 0 and len(calls) == 3
+    params = [t.detach() if torch.is_tensor(t) else t for t in mhc_inputs(0)[1:]]
+    g = torch.func.grad(lambda h: hyper.mhc_connect(h, *params)[1].sum())(H.detach())
+    (want,) = torch.autograd.grad(reference.mhc_connect(H, *params)[1].sum(), H)
+    torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("path", ["c kernel", "twin"])
 @pytest.mark.parametrize("first", [0, 1])
-def test_sinkhorn_and_mhc_connector_match_reference(first):
-    """_SinkhornKnopp and _MHCConnect (no jvp; gradcheck in test_arch_hyper.py) against the reference,
-    in both Sinkhorn orders (first = 0: the paper's rows_last; 1: cols_last), with an underflowing
-    line too (the clamp of a sum at the smallest normal number)."""
+def test_sinkhorn_and_mhc_connector_ops_match_reference(first, path, monkeypatch):
+    """The ops depthtools::sinkhorn_tokens_last (ops.sinkhorn.sinkhorn) and depthtools::mhc_connect
+    (ops.connector.mhc_connect) against the reference, in both Sinkhorn orders (first = 0: the paper's rows_last;
+    1: cols_last), with an underflowing line too (the clamp of a sum at the smallest normal number), each on its C
+    kernel and with its plain-PyTorch twin forced; gradcheck of each op's backward."""
+    from depthtools.arch.ops import connector as connector_ops, sinkhorn as sinkhorn_ops
+
+    if path == "twin":
+        monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors: False)
+        monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
+    elif cpu_kernels.library("sinkhorn") is None or cpu_kernels.library("connector") is None:
+        pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
     logits = randn(2, 3, n, n, seed=0, scale=2.0)
-    assert_same_function(lambda z: hyper._SinkhornKnopp.apply(z, 4, first), lambda z: reference.sinkhorn(z, 4, first),
+    assert_same_function(lambda z: sinkhorn_ops.sinkhorn(z, 4, first), lambda z: reference.sinkhorn(z, 4, first),
                          (logits,))
     strong = torch.tensor([[[300.0, -300.0], [0.0, 0.0]]], dtype=F64, requires_grad=True)
-    assert_same_function(lambda z: hyper._SinkhornKnopp.apply(z, 3, first), lambda z: reference.sinkhorn(z, 3, first),
+    assert_same_function(lambda z: sinkhorn_ops.sinkhorn(z, 3, first), lambda z: reference.sinkhorn(z, 3, first),
                          (strong,))
-    assert_same_function(hyper._MHCConnect.apply, reference.mhc_connect, mhc_inputs(first))
-
-
-@pytest.mark.parametrize("path", ["c kernel", "torch ops"])
-@pytest.mark.parametrize("first", [0, 1])
-def test_mhc_connector_both_paths_pass_gradcheck(first, path, monkeypatch):
-    """_MHCConnect on CPU runs on the fused C kernel where it is built, else its torch ops: each path
-    equals the reference (above) and passes gradcheck against finite differences."""
-    if path == "torch ops":
-        monkeypatch.setattr(hyper, "_connector_kernel_applies", lambda *tensors: False)
+    assert torch.autograd.gradcheck(lambda z: sinkhorn_ops.sinkhorn(z, 4, first), (logits,))
     inputs = mhc_inputs(first)
-    assert_same_function(hyper._MHCConnect.apply, reference.mhc_connect, inputs)
-    assert torch.autograd.gradcheck(lambda *a: hyper._MHCConnect.apply(*a, 1e-6, 3, first), inputs[:10])
+    assert_same_function(connector_ops.mhc_connect, reference.mhc_connect, inputs)
+    assert torch.autograd.gradcheck(lambda *a: connector_ops.mhc_connect(*a, 1e-6, 3, first), inputs[:10])
+
+
+@pytest.mark.parametrize("path", ["c kernel", "twin"])
+def test_hc_connector_op_matches_reference_and_passes_gradcheck(path, monkeypatch):
+    """The op depthtools::hc_connect (ops.connector.hc_connect, called directly: no forward-AD dispatch) on its C
+    kernel and with its twin forced: values and gradients equal the reference's, and gradcheck of its backward."""
+    from depthtools.arch.ops import connector as connector_ops
+
+    if path == "twin":
+        monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
+    elif cpu_kernels.library("connector") is None:
+        pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
+    inputs = hc_inputs()
+    assert_same_function(connector_ops.hc_connect, reference.hc_connect, inputs)
+    assert torch.autograd.gradcheck(lambda *a: connector_ops.hc_connect(*a, 1e-8), inputs[:7])
 
 
 def test_connector_modules_take_the_reference_with_fused_false():

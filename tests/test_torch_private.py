@@ -214,3 +214,24 @@ def test_two_branches_backpropagated_together_do_not_share_a_gradient_buffer(mon
     monkeypatch.setattr(layers.BufferPool, "take", fresh_take)
     for a, b in zip(got, gradients()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+# -- forward AD and torch.func transforms (the custom ops' callers take the reference there) -----------------
+
+def test_forward_ad_active_sees_dual_tangents_and_torch_func_transforms():
+    import torch.autograd.forward_ad as fwAD
+
+    x, y = torch.randn(3), torch.randn(3)
+    seen = []
+    probe = lambda *ts: seen.append(torch_private.forward_ad_active(*ts)) or ts[0] * 2  # noqa: E731
+    probe(x, y)
+    with fwAD.dual_level():
+        probe(x, y)  # a dual level, but no tangent on these tensors
+        probe(y, fwAD.make_dual(x, torch.ones(3)))
+    torch.func.jvp(lambda t: probe(t), (x,), (y,))
+    torch.func.grad(lambda t: probe(t).sum())(x)
+    torch.func.vmap(lambda t: probe(t))(x.view(3, 1))
+    torch.func.jacfwd(lambda t: probe(t))(x)
+    assert seen == [False, False, True, True, True, True, True]
+    with torch_private.fallbacks():
+        assert torch_private.forward_ad_active(x)  # the fallback: the plain-autograd reference

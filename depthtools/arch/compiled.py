@@ -23,14 +23,16 @@ Which region, per scheme (`ResidualScheme.compile_region`, chosen by measurement
 Inside a compiled step the hand-written autograd Functions (hyper.py) are replaced by their
 plain-autograd references (reference.py) -- what inductor fuses; the HC/mHC stream mix [w; R] @ H is
 written there as n multiply-adds per row under compile, so it fuses too -- with two exceptions, kept
-opaque as custom ops because inductor's code for them is slower (benchmarks/RESULTS.md):
-  mHC's Sinkhorn (n = 4 reductions), `depthtools::sinkhorn_tokens_last`: on CPU (float32/float64) a
-    small C kernel iterating each token's 4x4 matrix in registers, the torch-op kernel elsewhere;
-  HC's and mHC's whole connectors on CPU, `depthtools::hc_connect` / `depthtools::mhc_connect`: one C
-    kernel per direction that reads each token's streams once (inductor's code for a block is 7 kernels
-    forward and 9 backward, most passing over the stream state, which streams from memory; mHC's kernel runs the
-    Sinkhorn inside, per block of 64 tokens); on other devices the references, which inductor fuses there.
-The kernels' sources are in csrc/ (cpu_kernels.py builds and calls them).
+opaque because inductor's code for them is slower (benchmarks/RESULTS.md). They are the same torch custom
+ops the eager path calls (depthtools/arch/ops/; their fake implementations are what the tracer sees):
+  mHC's Sinkhorn (n = 4 reductions), `depthtools::sinkhorn_tokens_last` (ops/sinkhorn.py): on CPU
+    (float32/float64) a small C kernel iterating each token's 4x4 matrix in registers, its torch twin elsewhere;
+  HC's and mHC's whole connectors on CPU, `depthtools::hc_connect` / `depthtools::mhc_connect`
+    (ops/connector.py, chosen by `connector.uses_op`): one C kernel per direction that reads each token's
+    streams once (inductor's code for a block is 7 kernels forward and 9 backward, most passing over the stream
+    state, which streams from memory; mHC's kernel runs the Sinkhorn inside, per block of 64 tokens); on other
+    devices the references, which inductor fuses there (mHC's Sinkhorn staying the op above).
+The kernels' sources are in csrc/ (cpu_kernels.py builds them).
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is
 found; CUDA with inductor's Triton kernels only when Triton is importable and the device's compute
@@ -54,9 +56,7 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch import cpu_kernels, reference
 from depthtools.arch.compile_cache import CACHE_ENV, cache_dir  # noqa: F401  (CACHE_ENV: this module's interface too)
-from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
 from depthtools.arch.torch_private import is_hooked
 
 logger = logging.getLogger(__name__)
@@ -79,217 +79,6 @@ def backend_for(device: torch.device | str) -> str | None:
         index = device.index if device.index is not None else 0
         return "inductor" if tuple(torch.cuda.get_device_capability(index)) >= (7, 0) else None
     return None
-
-
-# -- mHC's Sinkhorn as an opaque op (the fused tokens-last kernel, device-generic torch ops) -------
-
-@torch.library.custom_op("depthtools::sinkhorn_tokens_last", mutates_args=())
-def _sinkhorn_tl(z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-    """Sinkhorn of tokens-last logits z [n_out, n_in, N] (sinkhorn_torch.sinkhorn_forward); contiguous result.
-    CPU float32/float64: the C kernel (cpu_kernels), else the torch-op kernel."""
-    if cpu_kernels.usable(z):
-        return cpu_kernels.sinkhorn_forward(z, t_max, first)
-    return sinkhorn_forward(z, t_max, first)[0].contiguous()
-
-
-@_sinkhorn_tl.register_fake
-def _(z, t_max, first):
-    return z.new_empty(z.shape)
-
-
-@torch.library.custom_op("depthtools::sinkhorn_tokens_last_backward", mutates_args=())
-def _sinkhorn_tl_backward(grad: torch.Tensor, z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-    """Gradient of `_sinkhorn_tl` w.r.t. z (recomputes the cheap forward for its saved terms)."""
-    grad = grad.contiguous()
-    if cpu_kernels.usable(z, grad):
-        return cpu_kernels.sinkhorn_backward(z, grad, t_max, first)
-    _, saved = sinkhorn_forward(z, t_max, first)
-    return sinkhorn_backward(saved, grad.contiguous()).contiguous()
-
-
-@_sinkhorn_tl_backward.register_fake
-def _(grad, z, t_max, first):
-    return z.new_empty(z.shape)
-
-
-def _sinkhorn_setup(ctx, inputs, output):
-    z, t_max, first = inputs
-    ctx.save_for_backward(z)
-    ctx.t_max, ctx.first = t_max, first
-
-
-def _sinkhorn_grad(ctx, grad):
-    (z,) = ctx.saved_tensors
-    return _sinkhorn_tl_backward(grad, z, ctx.t_max, ctx.first), None, None
-
-
-_sinkhorn_tl.register_autograd(_sinkhorn_grad, setup_context=_sinkhorn_setup)
-
-
-def sinkhorn_op(logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-    """`reference.sinkhorn`'s signature (logits [..., n, n]) on the fused tokens-last kernel, as an op
-    torch.compile does not trace into (the layout change around it is fused into its neighbours)."""
-    n = logits.shape[-1]
-    z = logits.reshape(-1, n, n).permute(1, 2, 0).contiguous()
-    return _sinkhorn_tl(z, t_max, first).permute(2, 0, 1).reshape(logits.shape)
-
-
-# -- the HC / mHC connectors as opaque ops (CPU: the fused C kernels; elsewhere torch ops) ------------
-#
-# Inside a compiled block step on CPU, a connector runs as one of these ops instead of inductor's code for
-# the plain-autograd reference: one pass over the stream state per direction instead of most of the
-# block's 7 forward and 9 backward kernels (cpu_kernels; measured in benchmarks/RESULTS.md, "Third pass"). On other devices the
-# compiled step keeps the references (`connector_op`), so inductor generates those kernels there.
-
-@torch.library.custom_op("depthtools::hc_connect", mutates_args=())
-def _hc_connect(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out = [w; R] @ H [N,n+1,d], β [N,n], raw, inv, t) -- cpu_kernels.hc_connect_forward's contract;
-    the last three are saved for the backward. Torch ops where the C kernel does not apply."""
-    H, Pt, S, scale = H.contiguous(), Pt.contiguous(), S.contiguous(), scale.contiguous()
-    if cpu_kernels.connector_usable(H, Pt, S, scale):
-        return cpu_kernels.hc_connect_forward(H, Pt, S, scale, eps)
-    return _hc_reference(H, Pt, S, scale, eps)
-
-
-def _hc_reference(H, Pt, S, scale, eps):
-    """`_hc_connect`'s outputs by differentiable torch ops: raw = H_s · P_j, inv = 1/rms(H_s),
-    t = tanh(raw · inv), coefficients S + scale ⊙ t, out = [w; R] @ H, β."""
-    N, n, d = H.shape
-    raw = (H.reshape(N * n, d) @ Pt.t()).view(N, n, n + 2)
-    inv = torch.rsqrt(torch.linalg.vecdot(H, H) / d + eps)
-    t = torch.tanh(raw * inv.unsqueeze(-1))
-    coeffs = S + scale * t
-    return torch.bmm(coeffs[..., : n + 1].transpose(1, 2), H), coeffs[..., n + 1].contiguous(), raw, inv, t
-
-
-@_hc_connect.register_fake
-def _(H, Pt, S, scale, eps):
-    N, n, d = H.shape
-    return (H.new_empty(N, n + 1, d), H.new_empty(N, n), H.new_empty(N, n, n + 2), H.new_empty(N, n),
-            H.new_empty(N, n, n + 2))
-
-
-@torch.library.custom_op("depthtools::hc_connect_backward", mutates_args=())
-def _hc_connect_backward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor,
-                         raw: torch.Tensor, inv: torch.Tensor, t: torch.Tensor, g_out: torch.Tensor,
-                         g_depth: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dL/dH, dL/dPt, dL/dS, dL/dscale) of `_hc_connect` (the reference's vjp where the kernel does not apply)."""
-    args = [x.contiguous() for x in (H, Pt, S, scale, raw, inv, t, g_out, g_depth)]
-    if cpu_kernels.connector_usable(*args):
-        return cpu_kernels.hc_connect_backward(*args)
-    _, vjp = torch.func.vjp(lambda *xs: _hc_reference(*xs, eps)[:2], *args[:4])
-    return tuple(g.contiguous() for g in vjp((args[7], args[8])))
-
-
-@_hc_connect_backward.register_fake
-def _(H, Pt, S, scale, raw, inv, t, g_out, g_depth, eps):
-    return tuple(x.new_empty(x.shape) for x in (H, Pt, S, scale))  # contiguous, as the kernel returns them
-
-
-def _hc_connect_setup(ctx, inputs, output):
-    H, Pt, S, scale, ctx.eps = inputs
-    ctx.save_for_backward(H, Pt, S, scale, *output[2:])
-
-
-def _hc_connect_grad(ctx, g_out, g_depth, *_):
-    H, Pt, S, scale, raw, inv, t = ctx.saved_tensors
-    N, n, d = H.shape
-    g_out = H.new_zeros(N, n + 1, d) if g_out is None else g_out
-    g_depth = H.new_zeros(N, n) if g_depth is None else g_depth
-    return (*_hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth, ctx.eps), None)
-
-
-_hc_connect.register_autograd(_hc_connect_grad, setup_context=_hc_connect_setup)
-
-
-@torch.library.custom_op("depthtools::mhc_connect", mutates_args=())
-def _mhc_connect(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre: torch.Tensor, b_post: torch.Tensor,
-                 b_res: torch.Tensor, eps: float, t_max: int, first: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out = [H_pre; H_res] @ H [N,n+1,d], H_post [N,n], raw, inv) -- cpu_kernels.mhc_connect_forward's
-    contract (b_res flattened row-major); raw and inv are saved for the backward. Torch ops (the
-    reference) where the C kernel does not apply."""
-    args = [x.contiguous() for x in (H, PhiT, gates, b_pre, b_post, b_res)]
-    if cpu_kernels.connector_usable(*args):
-        return cpu_kernels.mhc_connect_forward(*args, eps, t_max, first)
-    out, depth = _mhc_reference(*args, eps, t_max, first)
-    x = H.reshape(H.shape[0], -1)
-    return out, depth, x @ PhiT.t(), torch.rsqrt(torch.linalg.vecdot(x, x) / x.shape[1] + eps)
-
-
-def _mhc_reference(H, PhiT, gates, b_pre, b_post, b_res, eps, t_max, first):
-    """(out, H_post) of `_mhc_connect` by `reference.mhc_connect` (differentiable torch ops)."""
-    n = H.shape[1]
-    phi_pre, phi_post, phi_res = PhiT.t().split([n, n, n * n], 1)
-    u, mixed, depth = reference.mhc_connect(H, phi_pre, phi_post, phi_res, gates[0], gates[1], gates[2], b_pre,
-                                            b_post, b_res.view(n, n), eps, t_max, first)
-    return torch.cat([u.unsqueeze(1), mixed], 1), depth
-
-
-@_mhc_connect.register_fake
-def _(H, PhiT, gates, b_pre, b_post, b_res, eps, t_max, first):
-    N, n, d = H.shape
-    return H.new_empty(N, n + 1, d), H.new_empty(N, n), H.new_empty(N, PhiT.shape[0]), H.new_empty(N)
-
-
-@torch.library.custom_op("depthtools::mhc_connect_backward", mutates_args=())
-def _mhc_connect_backward(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre: torch.Tensor,
-                          b_post: torch.Tensor, b_res: torch.Tensor, raw: torch.Tensor, inv: torch.Tensor,
-                          g_out: torch.Tensor, g_depth: torch.Tensor, eps: float, t_max: int, first: int
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of `_mhc_connect`'s six tensor inputs (the reference's vjp where the kernel does not apply)."""
-    args = [x.contiguous() for x in (H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth)]
-    if cpu_kernels.connector_usable(*args):
-        return cpu_kernels.mhc_connect_backward(*args, t_max, first)
-    _, vjp = torch.func.vjp(lambda *xs: _mhc_reference(*xs, eps, t_max, first), *args[:6])
-    return tuple(g.contiguous() for g in vjp((args[8], args[9])))
-
-
-@_mhc_connect_backward.register_fake
-def _(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth, eps, t_max, first):
-    return tuple(x.new_empty(x.shape) for x in (H, PhiT, gates, b_pre, b_post, b_res))
-
-
-def _mhc_connect_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:6], *output[2:])
-    ctx.eps, ctx.t_max, ctx.first = inputs[6:]
-
-
-def _mhc_connect_grad(ctx, g_out, g_depth, *_):
-    H, PhiT, gates, b_pre, b_post, b_res, raw, inv = ctx.saved_tensors
-    N, n, d = H.shape
-    g_out = H.new_zeros(N, n + 1, d) if g_out is None else g_out
-    g_depth = H.new_zeros(N, n) if g_depth is None else g_depth
-    grads = _mhc_connect_backward(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth, ctx.eps,
-                                  ctx.t_max, ctx.first)
-    return (*grads, None, None, None)
-
-
-_mhc_connect.register_autograd(_mhc_connect_grad, setup_context=_mhc_connect_setup)
-
-
-def connector_op(H: torch.Tensor) -> bool:
-    """Whether an HC/mHC connector traced by torch.compile runs as the opaque `depthtools::hc_connect` /
-    `depthtools::mhc_connect`: on CPU (a static property under tracing, guarded by dynamo), where their C
-    kernels beat inductor's code."""
-    return compiling() and H.device.type == "cpu"
-
-
-def hc_connect_op(H, Wa, wb, Sa, sb, sa, sbeta, eps):
-    """`reference.hc_connect` (u, R H, β) as the opaque op; the parameters are packed by traced ops
-    (P = [W_a | w_b], S = [S_a | s_b], scale = [s_a .. s_a, s_b]), whose gradients autograd unpacks."""
-    Pt, S = cpu_kernels.hc_pack(Wa, wb, Sa, sb)
-    scale = torch.cat([sa.expand(H.shape[1] + 1), sbeta.reshape(1)])
-    out, depth, *_ = _hc_connect(H, Pt, S, scale, eps)
-    return out[:, 0], out[:, 1:], depth
-
-
-def mhc_connect_op(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
-    """`reference.mhc_connect` (u, H_res H, H_post) as the opaque op (parameters packed by traced ops)."""
-    packed = cpu_kernels.mhc_pack(phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)
-    out, depth, *_ = _mhc_connect(H, *packed, eps, t_max, first)
-    return out[:, 0], out[:, 1:], depth
 
 
 def compiling() -> bool:

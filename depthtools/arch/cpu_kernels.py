@@ -8,9 +8,10 @@ forward and backward), "bank" (AttnRes' depth bank: a mix, a two-phase prefix, a
 (MoDA's depth attention: forward, backward, slot gradients, slot stores). The kernels are written once per
 scalar type and instantiated per type by including `*_impl.h` with `REAL`/`FN` defined (`csrc/generic.h`).
 
-The Sinkhorn kernel serves the compiled path's opaque op (`compiled.sinkhorn_op`); the connector kernels
-serve both the compiled step's opaque ops (`compiled.hc_connect_op`, `mhc_connect_op`) and the eager
-`hyper._HCConnect` / `_MHCConnect`; the bank kernels serve `bankops.DepthBank` (eager and compiled steps alike);
+The Sinkhorn and connector kernels are called (ctypes wrappers included) by their torch custom ops,
+`ops/sinkhorn.py` (`depthtools::sinkhorn_tokens_last`) and `ops/connector.py` (`depthtools::hc_connect`,
+`depthtools::mhc_connect`), which the eager and the compiled HC/mHC paths both call; this module keeps their build,
+load and `usable` / `connector_usable` checks. The bank kernels serve `bankops.DepthBank` (eager and compiled steps alike);
 the moda kernels serve `moda._DepthAttention` and `_AppendSlots` (MoDA runs eagerly).
 Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`, `moda_usable`; MoDA's
 may read bfloat16 slots); anything else (CUDA, the meta device, other dtypes, no compiler or ninja, a failed build)
@@ -238,112 +239,15 @@ def connector_usable(H: torch.Tensor, *others: torch.Tensor) -> bool:
             and library("connector") is not None)
 
 
-def hc_pack(Wa: torch.Tensor, wb: torch.Tensor, Sa: torch.Tensor, sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """HC's parameters in the kernels' layout: (Pt = [W_a | w_b]ᵀ [n+2,d] contiguous, S = [S_a | s_b] [n,n+2])."""
-    return torch.cat([Wa, wb.unsqueeze(1)], 1).t().contiguous(), torch.cat([Sa, sb.unsqueeze(1)], 1)
-
-
-def mhc_pack(phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res) -> tuple[torch.Tensor, ...]:
-    """mHC's parameters in the kernels' layout: (PhiT = [φ_pre | φ_post | φ_res]ᵀ [2n+n², n·d], gates
-    (g_pre, g_post, g_res) [3], b_pre, b_post, b_res flattened row-major [n²]), all contiguous."""
-    return (torch.cat([phi_pre, phi_post, phi_res], 1).t().contiguous(), torch.stack([g_pre, g_post, g_res]),
-            b_pre.contiguous(), b_post.contiguous(), b_res.reshape(-1).contiguous())
-
-
-def sinkhorn_forward(z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-    """The Sinkhorn result [n, n, N] of tokens-last logits z (contiguous; `usable(z)`)."""
-    n, N = z.shape[0], z.shape[2]
-    out = torch.empty_like(z)
-    fn = getattr(library("sinkhorn"), f"sinkhorn_forward_{_SUFFIX[z.dtype]}")
-    if fn(z.data_ptr(), out.data_ptr(), N, n, t_max, first, torch.finfo(z.dtype).tiny):
-        raise MemoryError("Sinkhorn CPU kernel: out of memory")
-    return out
-
-
-def sinkhorn_backward(z: torch.Tensor, grad: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-    """The gradient of the logits z [n, n, N] from the result's gradient `grad` (same layout)."""
-    n, N = z.shape[0], z.shape[2]
-    out = torch.empty_like(z)
-    fn = getattr(library("sinkhorn"), f"sinkhorn_backward_{_SUFFIX[z.dtype]}")
-    if fn(z.data_ptr(), grad.data_ptr(), out.data_ptr(), N, n, t_max, first, torch.finfo(z.dtype).tiny):
-        raise MemoryError("Sinkhorn CPU kernel: out of memory")
-    return out
+def function(lib: str, name: str, dtype: torch.dtype):
+    """Kernel `name` of the built library `lib` for scalar type `dtype` (float32/float64): the ctypes function the
+    ops in `depthtools.arch.ops` call (check `usable` / `connector_usable` first)."""
+    return getattr(library(lib), f"{name}_{_SUFFIX[dtype]}")
 
 
 def _fn(name: str, t: torch.Tensor, lib: str = "connector"):
     """Kernel `name` of library `lib` for `t`'s scalar type."""
     return getattr(library(lib), f"{name}_{_SUFFIX[t.dtype]}")
-
-
-def hc_connect_forward(H: torch.Tensor, Pt: torch.Tensor, S: torch.Tensor, scale: torch.Tensor, eps: float):
-    """The HC connector on streams H [N,n,d] (all contiguous, `connector_usable`):
-    (out [N,n+1,d] = [w; R] @ H, depth [N,n], raw [N,n,n+2], inv [N,n], t [N,n,n+2]) for the projection
-    Pt = [W_m | W_r | W_b]ᵀ [n+2,d], static S = [S_m | S_r | S_b] [n,n+2] and scale [n+2] (s_a x (n+1), s_b);
-    raw = H_s · P_j, inv = 1/rms(H_s), t = tanh(raw · inv), coefficients S + scale ⊙ t."""
-    N, n, d = H.shape
-    out, depth = H.new_empty(N, n + 1, d), H.new_empty(N, n)
-    raw, inv, t = H.new_empty(N, n, n + 2), H.new_empty(N, n), H.new_empty(N, n, n + 2)
-    _fn("hc_connect_forward", H)(H.data_ptr(), Pt.data_ptr(), S.data_ptr(), scale.data_ptr(), N, n, d, eps,
-                                 out.data_ptr(), depth.data_ptr(), raw.data_ptr(), inv.data_ptr(), t.data_ptr(),
-                                 torch.get_num_threads())
-    return out, depth, raw, inv, t
-
-
-def hc_connect_backward(H, Pt, S, scale, raw, inv, t, g_out, g_depth):
-    """(dL/dH, dL/dPt, dL/dS, dL/dscale) from the gradients g_out [N,n+1,d], g_depth [N,n] of
-    `hc_connect_forward`'s first two outputs (all contiguous); parameter gradients summed in float64."""
-    N, n, d = H.shape
-    gH, gPt, gS, gscale = torch.empty_like(H), torch.empty_like(Pt), torch.empty_like(S), torch.empty_like(scale)
-    if _fn("hc_connect_backward", H)(H.data_ptr(), Pt.data_ptr(), S.data_ptr(), scale.data_ptr(), raw.data_ptr(),
-                                     inv.data_ptr(), t.data_ptr(), g_out.data_ptr(), g_depth.data_ptr(), N, n, d,
-                                     gH.data_ptr(), gPt.data_ptr(), gS.data_ptr(), gscale.data_ptr(),
-                                     torch.get_num_threads()):
-        raise MemoryError("HC connector CPU kernel: out of memory")
-    return gH, gPt, gS, gscale
-
-
-def tanh_f32(x: torch.Tensor) -> torch.Tensor:
-    """The connector kernels' float32 tanh over a contiguous float32 tensor (for tests)."""
-    y = torch.empty_like(x)
-    library("connector").tanh_f32_array(x.data_ptr(), y.data_ptr(), x.numel())
-    return y
-
-
-def exp_f32(x: torch.Tensor) -> torch.Tensor:
-    """The connector kernels' float32 exp over a contiguous float32 tensor (for tests)."""
-    y = torch.empty_like(x)
-    library("connector").exp_f32_array(x.data_ptr(), y.data_ptr(), x.numel())
-    return y
-
-
-def mhc_connect_forward(H: torch.Tensor, PhiT: torch.Tensor, gates: torch.Tensor, b_pre: torch.Tensor,
-                        b_post: torch.Tensor, b_res: torch.Tensor, eps: float, t_max: int, first: int):
-    """The mHC connector on streams H [N,n,d] (all contiguous, `connector_usable`): (out [N,n+1,d]
-    = [H_pre; H_res] @ H, H_post [N,n], raw [N,J], inv [N]) for PhiT = [φ_pre | φ_post | φ_res]ᵀ [J, n·d]
-    (J = 2n + n²), gates = (g_pre, g_post, g_res) [3], biases b_pre [n], b_post [n], b_res [n·n] (row o =
-    output stream); raw = vec(H) · φ_j, inv = 1/rms(vec H); the Sinkhorn as `sinkhorn_forward`."""
-    N, n, d = H.shape
-    J = PhiT.shape[0]
-    out, depth, raw, inv = H.new_empty(N, n + 1, d), H.new_empty(N, n), H.new_empty(N, J), H.new_empty(N)
-    if _fn("mhc_connect_forward", H)(H.data_ptr(), PhiT.data_ptr(), gates.data_ptr(), b_pre.data_ptr(),
-                                     b_post.data_ptr(), b_res.data_ptr(), N, n, d, eps, t_max, first,
-                                     torch.finfo(H.dtype).tiny, out.data_ptr(), depth.data_ptr(), raw.data_ptr(),
-                                     inv.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("mHC connector CPU kernel: out of memory")
-    return out, depth, raw, inv
-
-
-def mhc_connect_backward(H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, g_depth, t_max: int, first: int):
-    """(dL/dH, dL/dPhiT, dL/dgates, dL/db_pre, dL/db_post, dL/db_res) from the gradients g_out [N,n+1,d],
-    g_depth [N,n] of `mhc_connect_forward`'s first two outputs; parameter gradients summed in float64."""
-    N, n, d = H.shape
-    grads = [torch.empty_like(x) for x in (H, PhiT, gates, b_pre, b_post, b_res)]
-    if _fn("mhc_connect_backward", H)(H.data_ptr(), PhiT.data_ptr(), gates.data_ptr(), b_pre.data_ptr(),
-                                      b_post.data_ptr(), b_res.data_ptr(), raw.data_ptr(), inv.data_ptr(),
-                                      g_out.data_ptr(), g_depth.data_ptr(), N, n, d, t_max, first,
-                                      torch.finfo(H.dtype).tiny, *(g.data_ptr() for g in grads), torch.get_num_threads()):
-        raise MemoryError("mHC connector CPU kernel: out of memory")
-    return tuple(grads)
 
 
 def bank_usable(values: torch.Tensor) -> bool:

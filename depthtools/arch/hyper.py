@@ -82,17 +82,18 @@ the dynamic projections (dynamic_alpha/beta, φ, head_fn) decay like other matri
 
 Computation (performance; same function either way). At d = 64 a connector is many small
 operations on a 1 MB stream state, so its cost is call overhead and extra passes. Unless a
-weights hook (width/res/depth) is attached, each connector runs as ONE autograd node
-(`_HCConnect` with forward-mode jvp, so torch.func.jvp works; `_MHCConnect`, whose Sinkhorn has
-no jvp, like `sinkhorn_knopp`) with a hand-written backward, and the update H ← R H + β ⊗ y is
-`_Update`. On CPU (float32/float64, the C library built) `_HCConnect` and `_MHCConnect` run their
-forward and backward on the fused C kernels of cpu_kernels.py -- one pass over the stream state per
-direction; an eager step at L32 d64 went from ~1.9x / ~2.3x eager Pre-LN to ~1.6x / ~1.7x
-(benchmarks/RESULTS.md, "Third pass") -- and their torch ops elsewhere; _HCConnect's jvp is the same
-either way. With a weights hook the connector is formed step by step (`weights`) so the hooked
-tensors can be read and edited. Option fused (True): False runs every one of these Functions'
-plain-autograd reference instead (depthtools/arch/reference.py; the same function, slower), for
-checking the hand-written backwards and for debugging.
+weights hook (width/res/depth) is attached, each connector runs as ONE autograd node, the torch custom
+op `depthtools::hc_connect` / `depthtools::mhc_connect` (depthtools/arch/ops/connector.py, through
+`hc_connect` / `mhc_connect` here), with a hand-written backward; the update H ← R H + β ⊗ y is `_Update`.
+The op runs its fused C kernel on CPU (float32/float64, the library built) -- one pass over the stream state per
+direction; an eager step at L32 d64 went from ~1.9x / ~2.3x eager Pre-LN to ~1.6x / ~1.7x (benchmarks/RESULTS.md,
+"Third pass") -- and its plain-PyTorch twin elsewhere; the compiled CPU step calls the same op. Custom ops have no
+forward-mode derivative, so under forward AD or a torch.func transform (analysis.contrib's torch.func.jvp) a
+connector takes its plain-autograd reference (`torch_private.forward_ad_active`), for HC and mHC alike. With a
+weights hook the connector is formed step by step (`weights`: the reference's `hc_coefficients` /
+`mhc_coefficients`, with `_ProjRms` and the Sinkhorn op) so the hooked tensors can be read and edited. Option fused
+(True): False runs every one of these pieces' plain-autograd reference instead (depthtools/arch/reference.py; the
+same function, slower), for checking the hand-written backwards and for debugging.
 """
 
 from __future__ import annotations
@@ -107,12 +108,11 @@ from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch import reference
+from depthtools.arch.compiled import compiling
 from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
+from depthtools.arch.ops import connector as connector_ops, sinkhorn as sinkhorn_ops
 from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
-from depthtools.arch import compiled, cpu_kernels
-from depthtools.arch.compiled import compiling, sinkhorn_op
-from depthtools.arch.sinkhorn_torch import sinkhorn_backward, sinkhorn_forward
-from depthtools.arch.torch_private import is_hooked
+from depthtools.arch.torch_private import forward_ad_active, is_hooked
 from depthtools.errors import DepthToolsError
 
 if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
@@ -186,8 +186,10 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _full_precision(t: torch.Tensor):
     """A context that switches autocast off (routing weights are computed in float32 or wider)."""
-    device = t.device.type
-    return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else nullcontext()
+    device = t.device.type  # (the meta device has no autocast)
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return nullcontext()
 
 
 def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20, order: str = "rows_last", fused: bool = True) -> torch.Tensor:
@@ -200,11 +202,19 @@ def sinkhorn_knopp(logits: torch.Tensor, t_max: int = 20, order: str = "rows_las
     issue 18); columns exact, rows approximate. The two differ by up to ~0.1 for strong logits.
     The first normalisation of exp(logits) is a softmax (max-subtracted, no overflow).
     Differentiable: the gradient is the exact gradient of the unrolled t_max iterations.
-    fused=False: the plain-autograd reference (`reference.sinkhorn`) instead of `_SinkhornKnopp`.
+    Runs as the op `depthtools::sinkhorn_tokens_last` (ops/sinkhorn.py: its C kernel on CPU, its torch twin
+    elsewhere); fused=False, forward AD or a torch.func transform: the plain-autograd `reference.sinkhorn`.
     """
-    sinkhorn = (sinkhorn_op if compiling() else _SinkhornKnopp.apply) if fused else reference.sinkhorn
     with _full_precision(logits):
-        return sinkhorn(logits.to(_compute_dtype(logits)), t_max, _softmax_dim(order))
+        return _sinkhorn(logits.to(_compute_dtype(logits)), t_max, _softmax_dim(order), fused)
+
+
+def _sinkhorn(logits: torch.Tensor, t_max: int, first: int, fused: bool = True) -> torch.Tensor:
+    """`reference.sinkhorn`'s signature: the op (ops.sinkhorn.sinkhorn), or with fused=False, under forward AD or a
+    torch.func transform (custom ops have no forward-mode derivative), `reference.sinkhorn` itself."""
+    if fused and (compiling() or not forward_ad_active(logits)):
+        return sinkhorn_ops.sinkhorn(logits, t_max, first)
+    return reference.sinkhorn(logits, t_max, first)
 
 
 def _softmax_dim(order: str) -> int:
@@ -220,39 +230,6 @@ def sinkhorn_residuals(M: torch.Tensor) -> tuple[float, float]:
     if M.numel() == 0:
         return 0.0, 0.0
     return float((M.sum(-1) - 1).abs().max()), float((M.sum(-2) - 1).abs().max())
-
-
-def _tokens_last(x: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous copy of x [..., n, n] laid out as [n, n, N] (N = all leading dims)."""
-    n = x.shape[-1]
-    tokens = x.numel() // (n * n)
-    out = x.new_empty(n * n, tokens)
-    out.copy_(x.reshape(tokens, n * n).T)
-    return out.view(n, n, tokens)
-
-
-class _SinkhornKnopp(torch.autograd.Function):
-    """The unrolled Sinkhorn iteration with a hand-written backward, run with tokens last.
-
-    Why: n is tiny (4), and PyTorch's CPU kernels for reductions/softmax over a size-4 last
-    dimension are far slower than over a contiguous token dimension (measured: RESULTS.md); autograd would also
-    record ~6 nodes per half-step. Layout inside: [n_out, n_in, N] with N = all leading dims.
-    See `sinkhorn_torch.sinkhorn_forward` / `sinkhorn_backward`.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-        n = logits.shape[-1]
-        m, saved = sinkhorn_forward(_tokens_last(logits), t_max, first)
-        ctx.saved = saved  # internal buffers (not inputs/outputs of this Function)
-        return m.reshape(n * n, -1).T.reshape(logits.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        n = grad.shape[-1]
-        g = sinkhorn_backward(ctx.saved, _tokens_last(grad))
-        return g.view(n * n, -1).T.reshape(grad.shape), None, None
 
 
 # -- connectors -------------------------------------------------------------------------------
@@ -274,7 +251,8 @@ class _Connector(nn.Module):
         raise NotImplementedError
 
     def fused(self, H: torch.Tensor):
-        """(u [N,d], R @ H [N,n,d], β [N,n]) for H [N,n,d] in one autograd node, or None if n/a."""
+        """(u [N,d], R @ H [N,n,d], β [N,n]) for H [N,n,d] by the connector's op (ops/connector.py), or its
+        `reference` where the op does not apply (`connector_ops.uses_op`), or None if n/a."""
         return None
 
     def reference(self, H: torch.Tensor):
@@ -286,8 +264,8 @@ class _Connector(nn.Module):
         lead, (n, d) = H.shape[:-2], H.shape[-2:]
         weight_hooks = (self.hook_width_weights, self.hook_res_weights, self.hook_depth_weights)
         if H.dtype == _compute_dtype(H) and not is_hooked(*weight_hooks):
-            with _full_precision(H):  # traced by torch.compile: the references (depthtools.arch.compiled)
-                out = (self.fused if self.use_fused and not compiling() else self.reference)(H.reshape(-1, n, d))
+            with _full_precision(H):
+                out = (self.fused if self.use_fused else self.reference)(H.reshape(-1, n, d))
             if out is not None:  # (weights not hooked: the fused connector, same function)
                 u, mixed, depth = out
                 return self.hook_branch_in(u.view(*lead, d)), mixed.view(*lead, n, d), depth.view(*lead, n)
@@ -442,235 +420,23 @@ def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) / x.shape[-1] + eps)
 
 
-def _connector_kernel_applies(H: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether _HCConnect / _MHCConnect run on their fused C kernels (cpu_kernels.hc_connect_* /
-    mhc_connect_*): `cpu_kernels.connector_usable` (a name of its own here, so tests can force the torch path)."""
-    return cpu_kernels.connector_usable(H, *others)
+def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
+    """The HC connector with `reference.hc_connect`'s signature and result, as one autograd node: the op
+    `depthtools::hc_connect` (ops/connector.py: its C kernel on CPU, its torch twin elsewhere) where
+    `connector_ops.uses_op`; else (forward AD or a torch.func transform, which the op has no rule for; traced by
+    torch.compile off CPU, where inductor fuses it) the reference itself."""
+    if connector_ops.uses_op(H, Wa, wb, Sa, sb, sa, sbeta):
+        return connector_ops.hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps)
+    return reference.hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps)
 
 
-def _zero_or(t, like_shape, ref):
-    return t if t is not None else ref.new_zeros(like_shape)
-
-
-class _HCConnect(torch.autograd.Function):
-    """The whole HC connector as one autograd node: (u, R H, β) from H [N,n,d] and its parameters.
-
-        proj = H @ [W_m | W_r | W_b] (rows = streams), inv = 1/rms(H_s), t = tanh(proj·inv)
-        coeffs = [S_m | S_r | S_b] + [s_a … s_a | s_b] ⊙ t        [N, n, n+2]
-        [w; R] = coeffs[..., :n+1]ᵀ, β = coeffs[..., n+1], (u; R H) = bmm([w; R], H)
-
-    Same arithmetic as `HyperConnection.weights` + `_Connector.forward`, with a hand-written
-    backward and forward-mode jvp (torch.func.jvp keeps working). Intermediates are returned as
-    extra non-differentiable outputs (the functorch-compatible way to save them).
-    """
-
-    @staticmethod
-    def forward(H, Wa, wb, Sa, sb, sa, sbeta, eps):
-        H = H.contiguous()
-        N, n, d = H.shape
-        scale = torch.cat([sa.expand(n + 1), sbeta.reshape(1)])
-        if _connector_kernel_applies(H, Wa, wb, Sa, sb, sa, sbeta):  # CPU: the fused C kernel, one pass over H
-            Pt, S = cpu_kernels.hc_pack(Wa, wb, Sa, sb)
-            out, depth, raw, inv, t = cpu_kernels.hc_connect_forward(H, Pt, S, scale, eps)
-            routing = (S[:, : n + 1] + scale[: n + 1] * t[..., : n + 1]).transpose(1, 2).contiguous()
-            return (out[:, 0], out[:, 1:], depth, routing, raw.view(N * n, n + 2), inv.view(N * n, 1),
-                    t.view(N * n, n + 2), scale)
-        P = torch.cat([Wa, wb.unsqueeze(1)], 1)  # [d, n+2]
-        Hf = H.view(N * n, d)
-        raw = (P.t() @ Hf.t()).t().contiguous()  # [Nn, n+2]; (Pᵀ Hᵀ)ᵀ: the faster CPU GEMM orientation at n+2 = 6
-        inv = fused_inverse_rms(Hf, eps, keepdim=True)
-        t = torch.tanh(raw * inv)  # (2σ(2x) - 1 measured 3x slower than torch.tanh: bench_speedups.py tanh)
-        coeffs = (t.view(N, n, n + 2) * scale).add_(torch.cat([Sa, sb.unsqueeze(1)], 1))
-        routing = coeffs[..., : n + 1].transpose(1, 2).contiguous()  # [N, n+1, n]
-        out = torch.bmm(routing, H)
-        return out[:, 0], out[:, 1:], coeffs[..., n + 1].contiguous(), routing, raw, inv, t, scale
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        H, Wa, wb = inputs[:3]
-        routing, raw, inv, t, scale = output[3:]
-        ctx.mark_non_differentiable(routing, raw, inv, t, scale)
-        ctx.eps = inputs[7]
-        ctx.save_for_backward(H, Wa, wb, routing, raw, inv, t, scale, inputs[3], inputs[4])  # + S_a, s_b
-        ctx.save_for_forward(H, Wa, wb, routing, raw, inv, t, scale)
-
-    @staticmethod
-    def backward(ctx, g_u, g_mixed, g_depth, *_):
-        H, Wa, wb, routing, raw, inv, t, scale, Sa, sb = ctx.saved_tensors
-        H = H.contiguous()
-        N, n, d = H.shape
-        need = ctx.needs_input_grad
-        g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
-        if _connector_kernel_applies(H, Wa, wb, Sa, g_out):  # the fused C kernel, one pass over H and g_out
-            Pt, S = cpu_kernels.hc_pack(Wa, wb, Sa, sb)
-            g_depth = _zero_or(g_depth, (N, n), H).contiguous()
-            gH, gPt, gS, g_scale = cpu_kernels.hc_connect_backward(
-                H, Pt, S, scale, raw.view(N, n, n + 2), inv.view(N, n), t.view(N, n, n + 2), g_out, g_depth)
-            return (gH if need[0] else None, gPt[: n + 1].t() if need[1] else None, gPt[n + 1] if need[2] else None,
-                    gS[:, : n + 1] if need[3] else None, gS[:, n + 1] if need[4] else None,
-                    g_scale[: n + 1].sum() if need[5] else None, g_scale[n + 1] if need[6] else None, None)
-        g_coeffs = H.new_empty(N, n, n + 2)
-        g_coeffs[..., : n + 1] = torch.bmm(H, g_out.transpose(1, 2))  # = (g_out Hᵀ)ᵀ = dL/d[w; R]ᵀ
-        if g_depth is None:
-            g_coeffs[..., n + 1].zero_()
-        else:
-            g_coeffs[..., n + 1] = g_depth
-        gH = torch.bmm(routing.transpose(1, 2), g_out) if need[0] else None
-        g_flat = g_coeffs.view(N * n, n + 2)
-        g_S = g_coeffs.sum(0) if need[3] or need[4] else None  # [n, n+2]
-        g_scale = (g_flat * t).sum(0) if need[5] or need[6] else None
-        g_a = (g_flat * scale).mul_(1 - t * t)  # through tanh
-        g_raw = g_a * inv
-        P = torch.cat([Wa, wb.unsqueeze(1)], 1)
-        Hf = H.view(N * n, d)
-        if gH is not None:
-            g_inv = (g_a * raw).sum(-1, keepdim=True)
-            gHf = gH.view(N * n, d)
-            gHf.addmm_(g_raw, P.t())
-            gHf.addcmul_(Hf, inverse_rms_derivative(g_inv, inv, d))
-        g_P = (g_raw.t() @ Hf).t() if need[1] or need[2] else None
-        return (gH,
-                g_P[:, : n + 1] if g_P is not None and need[1] else None,
-                g_P[:, n + 1] if g_P is not None and need[2] else None,
-                g_S[:, : n + 1] if need[3] else None,
-                g_S[:, n + 1] if need[4] else None,
-                g_scale[: n + 1].sum() if need[5] else None,
-                g_scale[n + 1] if need[6] else None,
-                None)
-
-    @staticmethod
-    def jvp(ctx, dH, dWa, dwb, dSa, dsb, dsa, dsbeta, _):
-        H, Wa, wb, routing, raw, inv, t, scale = ctx.saved_tensors
-        H = H.contiguous()
-        N, n, d = H.shape
-        Hf = H.view(N * n, d)
-        da = None
-        if dWa is not None or dwb is not None:
-            dP = torch.cat([_zero_or(dWa, Wa.shape, Wa), _zero_or(dwb, wb.shape, wb).unsqueeze(1)], 1)
-            da = (Hf @ dP) * inv
-        if dH is not None:
-            P = torch.cat([Wa, wb.unsqueeze(1)], 1)
-            dHf = dH.reshape(N * n, d)
-            dinv = inverse_rms_derivative(torch.linalg.vecdot(Hf, dHf).unsqueeze(-1), inv, d)
-            term = (dHf @ P) * inv + raw * dinv
-            da = term if da is None else da + term
-        dcoeffs = torch.zeros(N * n, n + 2, dtype=H.dtype, device=H.device) if da is None else (da * (1 - t * t)) * scale
-        if dsa is not None or dsbeta is not None:
-            dscale = torch.cat([_zero_or(dsa, (), scale).expand(n + 1), _zero_or(dsbeta, (), scale).reshape(1)])
-            dcoeffs = dcoeffs + t * dscale
-        dcoeffs = dcoeffs.view(N, n, n + 2)
-        if dSa is not None or dsb is not None:
-            dcoeffs = dcoeffs + torch.cat([_zero_or(dSa, (n, n + 1), scale), _zero_or(dsb, (n,), scale).unsqueeze(1)], 1)
-        d_routing = dcoeffs[..., : n + 1].transpose(1, 2)
-        dout = torch.bmm(d_routing, H)
-        if dH is not None:
-            dout = dout.baddbmm_(routing, dH.reshape(N, n, d))
-        return dout[:, 0], dout[:, 1:], dcoeffs[..., n + 1], None, None, None, None, None
-
-
-class _MHCConnect(torch.autograd.Function):
-    """The whole mHC connector as one autograd node: (u, H_res H, H_post) from H [N,n,d].
-
-        x = vec H, mix = (Φᵀ xᵀ)·inv  [2n+n², N] (tokens last), inv = 1/rms(x)
-        H_pre = σ(g_pre·mix_pre + b_pre), H_post = 2σ(g_post·mix_post + b_post),
-        H_res = Sinkhorn(g_res·mix_res + b_res), (u; H_res H) = bmm([H_pre; H_res], H)
-
-    Same arithmetic as `ManifoldHyperConnection.weights` + `_Connector.forward` with a
-    hand-written backward (no forward-mode jvp, like `sinkhorn_knopp`).
-    """
-
-    @staticmethod
-    def forward(ctx, H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
-        H = H.contiguous()
-        N, n, d = H.shape
-        ctx.kernel = _connector_kernel_applies(H, phi_pre, phi_post, phi_res, g_pre, b_pre, b_res)
-        if ctx.kernel:  # CPU: the fused C kernel, one pass over H per direction
-            params = cpu_kernels.mhc_pack(phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)
-            out, depth, raw, inv = cpu_kernels.mhc_connect_forward(H, *params, eps, t_max, first)
-            ctx.save_for_backward(H, *params, raw, inv)
-            ctx.t_max, ctx.first = t_max, first
-            return out[:, 0], out[:, 1:], depth
-        x = H.view(N, n * d)
-        Phi = torch.cat([phi_pre, phi_post, phi_res], 1)  # [nd, 2n+n²]
-        raw = Phi.t() @ x.t()  # [2n+n², N]: coefficients first, tokens last
-        inv = fused_inverse_rms(x, eps)  # [N]
-        mix = raw * inv
-        h_pre = torch.sigmoid(mix[:n] * g_pre + b_pre.unsqueeze(1))  # [n, N]
-        h_post = torch.sigmoid(mix[n : 2 * n] * g_post + b_post.unsqueeze(1)).mul_(2)  # [n, N]
-        logits = mix[2 * n :].view(n, n, N) * g_res + b_res.unsqueeze(-1)  # [n_out, n_in, N]
-        h_res, sk_saved = sinkhorn_forward(logits, t_max, first)
-        routing = H.new_empty(N, n + 1, n)
-        routing[:, 0] = h_pre.t()
-        routing[:, 1:] = h_res.permute(2, 0, 1)
-        out = torch.bmm(routing, H)
-        ctx.save_for_backward(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, routing, raw, inv, mix, h_pre, h_post)
-        ctx.sk_saved = sk_saved
-        return out[:, 0], out[:, 1:], h_post.t()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g_u, g_mixed, g_depth):
-        if ctx.kernel:
-            return _MHCConnect._kernel_backward(ctx, g_u, g_mixed, g_depth)
-        H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, routing, raw, inv, mix, h_pre, h_post = ctx.saved_tensors
-        N, n, d = H.shape
-        need = ctx.needs_input_grad
-        g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
-        g_routing = torch.bmm(H, g_out.transpose(1, 2))  # [N, n_in, n+1] = (g_out Hᵀ)ᵀ
-        gH = torch.bmm(routing.transpose(1, 2), g_out) if need[0] else None
-        g_mix = torch.empty_like(mix)  # [2n+n², N]
-        # H_pre = σ(z): dz = g σ (1 - σ)
-        g_mix[:n] = g_routing[:, :, 0].t()
-        g_mix[:n].mul_(h_pre * (1 - h_pre))
-        # H_post = 2σ(z): dz = g · H_post (1 - H_post / 2)
-        if g_depth is None:
-            g_mix[n : 2 * n].zero_()
-        else:
-            g_mix[n : 2 * n] = g_depth.t()
-            g_mix[n : 2 * n].mul_(h_post * (1 - h_post * 0.5))
-        g_logits = sinkhorn_backward(ctx.sk_saved, g_routing[:, :, 1:].permute(2, 1, 0).contiguous())  # [n_out,n_in,N]
-        g_mix[2 * n :] = g_logits.view(n * n, N)
-        grads = [None] * 13
-        if need[7]:
-            grads[7] = g_mix[:n].sum(1)
-        if need[8]:
-            grads[8] = g_mix[n : 2 * n].sum(1)
-        if need[9]:
-            grads[9] = g_logits.sum(2)
-        for i, (lo, hi) in zip((4, 5, 6), ((0, n), (n, 2 * n), (2 * n, 2 * n + n * n))):
-            if need[i]:
-                grads[i] = (g_mix[lo:hi] * mix[lo:hi]).sum()
-        g_mix[:n].mul_(g_pre)
-        g_mix[n : 2 * n].mul_(g_post)
-        g_mix[2 * n :].mul_(g_res)
-        g_raw = g_mix * inv  # [m, N]
-        x = H.view(N, n * d)
-        if gH is not None:
-            Phi = torch.cat([phi_pre, phi_post, phi_res], 1)
-            gx = gH.view(N, n * d)
-            gx.addmm_(g_raw.t(), Phi.t())
-            g_inv = (g_mix * raw).sum(0)  # [N]
-            gx.addcmul_(x, inverse_rms_derivative(g_inv, inv, n * d).unsqueeze(1))
-            grads[0] = gH
-        if need[1] or need[2] or need[3]:
-            g_Phi = g_raw @ x  # [m, nd]
-            for i, (lo, hi) in zip((1, 2, 3), ((0, n), (n, 2 * n), (2 * n, 2 * n + n * n))):
-                if need[i]:
-                    grads[i] = g_Phi[lo:hi].t()
-        return tuple(grads)
-
-    @staticmethod
-    def _kernel_backward(ctx, g_u, g_mixed, g_depth):
-        """The backward on the fused C kernel (cpu_kernels.mhc_connect_backward), its gradients unpacked."""
-        H, PhiT, gates, b_pre, b_post, b_res, raw, inv = ctx.saved_tensors
-        N, n, d = H.shape
-        g_out = torch.cat([_zero_or(g_u, (N, d), H).view(N, 1, d), _zero_or(g_mixed, (N, n, d), H)], 1)
-        gH, g_PhiT, g_gates, g_b_pre, g_b_post, g_b_res = cpu_kernels.mhc_connect_backward(
-            H, PhiT, gates, b_pre, b_post, b_res, raw, inv, g_out, _zero_or(g_depth, (N, n), H).contiguous(),
-            ctx.t_max, ctx.first)
-        grads = (gH, g_PhiT[:n].t(), g_PhiT[n : 2 * n].t(), g_PhiT[2 * n :].t(), g_gates[0], g_gates[1], g_gates[2],
-                 g_b_pre, g_b_post, g_b_res.view(n, n))
-        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
+def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
+    """The mHC connector as `hc_connect` is HC's: the op `depthtools::mhc_connect` where `connector_ops.uses_op`,
+    else `reference.mhc_connect` (traced by torch.compile, its Sinkhorn as the op `depthtools::sinkhorn_tokens_last`)."""
+    params = (phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)
+    if connector_ops.uses_op(H, *params):
+        return connector_ops.mhc_connect(H, *params, eps, t_max, first)
+    return reference.mhc_connect(H, *params, eps, t_max, first, sinkhorn_ops.sinkhorn if compiling() else None)
 
 
 class HyperConnection(_Connector):
@@ -700,31 +466,23 @@ class HyperConnection(_Connector):
             return self.dynamic_alpha, self.dynamic_beta
         return self.dynamic_alpha * self.norm_gain[:, None], self.dynamic_beta * self.norm_gain
 
-    def fused(self, H):
+    def _params(self, dtype: torch.dtype | None = None):
+        """(W_a, w_b, S_a, s_b, s_a, s_beta) in the argument order of the connector op and its reference."""
         dynamic_alpha, dynamic_beta = self._dynamic()
-        return _HCConnect.apply(H, dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta,
-                                self.alpha_scale, self.beta_scale, self.eps)[:3]
+        params = (dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta, self.alpha_scale, self.beta_scale)
+        return params if dtype is None else tuple(p.to(dtype) for p in params)
+
+    def fused(self, H):
+        return hc_connect(H, *self._params(), self.eps)
 
     def reference(self, H):
-        dynamic_alpha, dynamic_beta = self._dynamic()
-        if compiled.connector_op(H):  # traced on CPU: the same function as one opaque op (its C kernel)
-            return compiled.hc_connect_op(H, dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta,
-                                          self.alpha_scale, self.beta_scale, self.eps)
-        return reference.hc_connect(H, dynamic_alpha, dynamic_beta, self.static_alpha, self.static_beta,
-                                    self.alpha_scale, self.beta_scale, self.eps)
+        return reference.hc_connect(H, *self._params(), self.eps)
 
     def weights(self, H):
-        n, dtype = self.n, _compute_dtype(H)
-        H = H.to(dtype)
-        # all of [A_m | A_r | B] at once: rows = input streams s, columns = w | A_r | β
-        static = torch.cat([self.static_alpha, self.static_beta[:, None]], 1).to(dtype)  # [n, n+2]
-        scale = torch.cat([self.alpha_scale.expand(n + 1), self.beta_scale[None]]).to(dtype)  # [n+2]
-        dynamic_alpha, dynamic_beta = self._dynamic()
-        proj = torch.cat([dynamic_alpha, dynamic_beta[:, None]], 1).to(dtype)  # [d, n+2]
+        """([w; R] [B,T,n+1,n], β [B,T,n]) step by step (the reference's `hc_coefficients`), for hooks to read."""
+        dtype = _compute_dtype(H)
         proj_rms = _ProjRms.apply if self.use_fused and not compiling() else reference.proj_rms
-        raw, inv = proj_rms(H.reshape(-1, H.shape[-1]), proj, self.eps)  # H @ proj, 1/rms per stream
-        coeffs = static + scale * torch.tanh((raw * inv).view(*H.shape[:-1], n + 2))  # tanh(Hbar @ proj)
-        return coeffs[..., : n + 1].transpose(-1, -2), coeffs[..., n + 1]  # [A_m | A_r]^T = [w; R], β
+        return reference.hc_coefficients(H.to(dtype), *self._params(dtype), self.eps, proj_rms=proj_rms)
 
 
 class ManifoldHyperConnection(_Connector):
@@ -753,34 +511,26 @@ class ManifoldHyperConnection(_Connector):
         self.bias_pre, self.bias_post = nn.Parameter(bias_pre), nn.Parameter(bias_post)
         self.bias_res = nn.Parameter(bias_res)
 
+    def _params(self, dtype: torch.dtype | None = None):
+        """(φ_pre, φ_post, φ_res, g_pre, g_post, g_res, b_pre, b_post, b_res): the connector op's argument order."""
+        params = (self.phi_pre, self.phi_post, self.phi_res, self.gate_pre, self.gate_post, self.gate_res,
+                  self.bias_pre, self.bias_post, self.bias_res)
+        return params if dtype is None else tuple(p.to(dtype) for p in params)
+
     def fused(self, H):
-        return _MHCConnect.apply(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre, self.gate_post,
-                                 self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps, self.t_max,
-                                 self._first)
+        return mhc_connect(H, *self._params(), self.eps, self.t_max, self._first)
 
     def reference(self, H):
-        if compiled.connector_op(H):  # traced on CPU: the same function as one opaque op (its C kernel)
-            return compiled.mhc_connect_op(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre,
-                                           self.gate_post, self.gate_res, self.bias_pre, self.bias_post,
-                                           self.bias_res, self.eps, self.t_max, self._first)
-        return reference.mhc_connect(H, self.phi_pre, self.phi_post, self.phi_res, self.gate_pre, self.gate_post,
-                                     self.gate_res, self.bias_pre, self.bias_post, self.bias_res, self.eps,
-                                     self.t_max, self._first, sinkhorn_op if compiling() else reference.sinkhorn)
+        sinkhorn = sinkhorn_ops.sinkhorn if compiling() else None  # compiled: the Sinkhorn stays the opaque op
+        return reference.mhc_connect(H, *self._params(), self.eps, self.t_max, self._first, sinkhorn)
 
     def weights(self, H):
-        n, dtype = self.n, _compute_dtype(H)
-        x = H.flatten(-2).to(dtype)  # [B,T,n·d]
-        phi = torch.cat([self.phi_pre, self.phi_post, self.phi_res], 1).to(dtype)  # [n·d, 2n+n²]
+        """([H_pre; H_res] [B,T,n+1,n], H_post [B,T,n]) step by step (the reference's `mhc_coefficients`)."""
+        dtype = _compute_dtype(H)
         proj_rms = _ProjRms.apply if self.use_fused and not compiling() else reference.proj_rms
-        raw, inv = proj_rms(x.reshape(-1, x.shape[-1]), phi, self.eps)
-        mix = (raw * inv).view(*x.shape[:-1], phi.shape[1])  # [B,T,2n+n²] = x' @ phi
-        pre, post, res = mix.split([n, n, n * n], dim=-1)
-        p = lambda t: t.to(dtype)  # noqa: E731
-        h_pre = torch.sigmoid(p(self.gate_pre) * pre + p(self.bias_pre))
-        h_post = 2 * torch.sigmoid(p(self.gate_post) * post + p(self.bias_post))
-        h_res = sinkhorn_knopp(p(self.gate_res) * res.unflatten(-1, (n, n)) + p(self.bias_res), self.t_max, self.order,
-                               self.use_fused)
-        return torch.cat([h_pre.unsqueeze(-2), h_res], dim=-2), h_post
+        sinkhorn = lambda z, t_max, first: _sinkhorn(z, t_max, first, self.use_fused)  # noqa: E731
+        return reference.mhc_coefficients(H.to(dtype), *self._params(dtype), self.eps, self.t_max, self._first,
+                                          sinkhorn, proj_rms)
 
 
 # -- the scheme -------------------------------------------------------------------------------

@@ -1,21 +1,21 @@
 """Plain-autograd references of every fused `torch.autograd.Function` in depthtools.arch.
 
 The fast paths of HC/mHC (hyper.py), AttnRes/DenseFormer (bankops.py) and MoDA (moda.py) are
-custom autograd Functions with hand-written backward (and, for four of them, forward-mode jvp)
-passes. Each has its reference here: the same function written in ordinary torch ops, so autograd
-derives the gradients and jvps. Read these to see what a fused Function computes; select them for
-a whole model with option `fused: False` (hc, mhc, attnres, blockattnres, denseformer and moda
+custom autograd Functions or torch custom ops (depthtools/arch/ops) with hand-written backward (and,
+for three of the Functions, forward-mode jvp) passes. Each has its reference here: the same function
+written in ordinary torch ops, so autograd derives the gradients and jvps. Read these to see what a
+fused Function computes; select them for a whole model with option `fused: False` (hc, mhc, attnres, blockattnres, denseformer and moda
 declare it in their option schemas);
 tests/test_fused_reference.py checks every Function against its reference (outputs, gradients
 and jvps, and torch.autograd.gradcheck in float64) and fused against reference models.
 
     fused Function             reference here             used by
-    hyper._SinkhornKnopp       sinkhorn                   mHC H_res (hyper.sinkhorn_knopp)
+    op sinkhorn_tokens_last    sinkhorn                   mHC H_res (hyper.sinkhorn_knopp; ops/sinkhorn.py)
     hyper._ProjRms             proj_rms                   HC/mHC connectors with weights hooked
     hyper._Mix                 stream_mix                 HC/mHC connectors with weights hooked
     hyper._Update              stream_update              every HC/mHC sublayer
-    hyper._HCConnect           hc_connect                 HC connector (no weights hook)
-    hyper._MHCConnect          mhc_connect                mHC connector (no weights hook)
+    op hc_connect              hc_connect                 HC connector (no weights hook; ops/connector.py)
+    op mhc_connect             mhc_connect                mHC connector (no weights hook; ops/connector.py)
     bankops._WeightedSum       weighted_sum               DenseFormer DWA, AttnRes hooked mixes
     bankops._BankLogits        bank_logits                AttnRes hooked mixes
     bankops._Push + _Mix       depth_mix                  AttnRes mixes over a DepthBank
@@ -38,7 +38,7 @@ def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 # -- HC / mHC (hyper.py) ------------------------------------------------------------------------
 
 def sinkhorn(logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
-    """_SinkhornKnopp: logits [..., n_out, n_in] -> softmax over the dim `first` names (1 = along each
+    """The op sinkhorn_tokens_last (ops.sinkhorn.sinkhorn): logits [..., n_out, n_in] -> softmax over the dim `first` names (1 = along each
     row, "cols_last"; 0 = down each column, "rows_last"), then 2·t_max - 1 alternating half-steps
     M ← M / (sums along the other dim), each sum clamped at the smallest normal number."""
     dim = {0: -2, 1: -1}  # the fused kernel's tokens-last [n_out, n_in, N] dims, here
@@ -83,40 +83,57 @@ def stream_update(mixed: torch.Tensor, depth: torch.Tensor, y: torch.Tensor) -> 
     return mixed + depth.unsqueeze(-1) * y.unsqueeze(-2)
 
 
-def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
-    """_HCConnect (its first three outputs): the HC connector on streams H [N,n,d].
+def hc_coefficients(H, Wa, wb, Sa, sb, sa, sbeta, eps, proj_rms=proj_rms):
+    """The HC connector's weights on streams H [..., n, d]: ([w; R] [..., n+1, n], β [..., n]).
 
-        Hbar = RMSNorm(H_s) per stream (no gain)
-        alpha = S_a + s_a · tanh(Hbar @ W_a)   [N,n,n+1] = [A_m | A_r], rows = streams
-        beta  = S_b + s_b · tanh(Hbar @ w_b)   [N,n]
-        (u; R H) = [A_m | A_r]ᵀ @ H: u = Σ_s A_m[s] H_s, (R H)_j = Σ_s A_r[s,j] H_s
-    """
-    Hbar = H * _inverse_rms(H, eps)
-    proj = Hbar @ torch.cat([Wa, wb.unsqueeze(-1)], -1)  # one GEMM: [N,n,n+2]
-    alpha = Sa + sa * torch.tanh(proj[..., :-1])
-    beta = sb + sbeta * torch.tanh(proj[..., -1])
-    u, mixed = stream_mix(alpha.transpose(1, 2), H)
+        raw = H_s @ [W_a | w_b], Hbar @ [W_a | w_b] = raw · 1/rms(H_s) per stream (no gain)
+        alpha = S_a + s_a · tanh(Hbar @ W_a)   [..., n, n+1] = [A_m | A_r], rows = streams
+        beta  = S_b + s_b · tanh(Hbar @ w_b)   [..., n]
+        [w; R] = [A_m | A_r]ᵀ
+
+    `proj_rms`: how (raw, 1/rms) are formed (default `proj_rms`; the hooked connector passes hyper._ProjRms)."""
+    n = H.shape[-2]
+    raw, inv = proj_rms(H.reshape(-1, H.shape[-1]), torch.cat([Wa, wb.unsqueeze(-1)], -1), eps)  # one GEMM
+    t = torch.tanh((raw * inv).view(*H.shape[:-1], n + 2))
+    coeffs = torch.cat([Sa, sb.unsqueeze(-1)], -1) + torch.cat([sa.expand(n + 1), sbeta.reshape(1)]) * t
+    return coeffs[..., : n + 1].transpose(-1, -2), coeffs[..., n + 1]
+
+
+def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
+    """ops.connector.hc_connect (the op `depthtools::hc_connect`): the HC connector on streams H [N,n,d],
+    (u, R H, β) with u = Σ_s A_m[s] H_s, (R H)_j = Σ_s A_r[s,j] H_s (`hc_coefficients`)."""
+    routing, beta = hc_coefficients(H, Wa, wb, Sa, sb, sa, sbeta, eps)
+    u, mixed = stream_mix(routing, H)
     return u, mixed, beta
+
+
+def mhc_coefficients(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first,
+                     sinkhorn_fn=None, proj_rms=proj_rms):
+    """The mHC connector's weights on streams H [..., n, d]: ([H_pre; H_res] [..., n+1, n], H_post [..., n]).
+
+        x = RMSNorm(vec H) over n·d (no gain), formed as (vec H @ φ) · 1/rms(vec H)
+        H_pre = σ(g_pre · x φ_pre + b_pre), H_post = 2σ(g_post · x φ_post + b_post)
+        H_res = Sinkhorn(g_res · mat(x φ_res) + b_res)   [..., n_out, n_in], mat() row-major
+
+    `sinkhorn_fn`: another implementation of `sinkhorn` with its signature (the op, ops.sinkhorn.sinkhorn);
+    `proj_rms`: as for `hc_coefficients`."""
+    n = H.shape[-2]
+    x = H.flatten(-2)
+    raw, inv = proj_rms(x.reshape(-1, x.shape[-1]), torch.cat([phi_pre, phi_post, phi_res], 1), eps)  # one GEMM
+    pre, post, res = (raw * inv).view(*x.shape[:-1], -1).split([n, n, n * n], -1)
+    h_pre = torch.sigmoid(g_pre * pre + b_pre)
+    h_post = 2 * torch.sigmoid(g_post * post + b_post)
+    h_res = (sinkhorn_fn or sinkhorn)(g_res * res.unflatten(-1, (n, n)) + b_res, t_max, first)
+    return torch.cat([h_pre.unsqueeze(-2), h_res], -2), h_post
 
 
 def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first,
                 sinkhorn_fn=None):
-    """_MHCConnect: the mHC connector on streams H [N,n,d] (`sinkhorn_fn`: another implementation of
-    `sinkhorn` with its signature, e.g. the compiled path's opaque op; default `sinkhorn`).
-
-        x = RMSNorm(vec H) over n·d (no gain)
-        H_pre = σ(g_pre · x φ_pre + b_pre), H_post = 2σ(g_post · x φ_post + b_post)
-        H_res = Sinkhorn(g_res · mat(x φ_res) + b_res)   [N, n_out, n_in], mat() row-major
-        (u; H_res H) = [H_pre; H_res] @ H
-    """
-    N, n, d = H.shape
-    x = H.reshape(N, n * d)
-    x = x * _inverse_rms(x, eps)
-    pre, post, res = (x @ torch.cat([phi_pre, phi_post, phi_res], 1)).split([n, n, n * n], 1)  # one GEMM
-    h_pre = torch.sigmoid(g_pre * pre + b_pre)
-    h_post = 2 * torch.sigmoid(g_post * post + b_post)
-    h_res = (sinkhorn_fn or sinkhorn)((g_res * res).view(N, n, n) + b_res, t_max, first)
-    u, mixed = stream_mix(torch.cat([h_pre.unsqueeze(1), h_res], 1), H)
+    """ops.connector.mhc_connect (the op `depthtools::mhc_connect`): the mHC connector on streams H [N,n,d],
+    (u, H_res H, H_post) = rows of [H_pre; H_res] @ H and H_post (`mhc_coefficients`)."""
+    routing, h_post = mhc_coefficients(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps,
+                                       t_max, first, sinkhorn_fn)
+    u, mixed = stream_mix(routing, H)
     return u, mixed, h_post
 
 

@@ -1,8 +1,8 @@
 """mHC's Sinkhorn as torch ops, tokens last: the plain-PyTorch twin of the C kernel (csrc/sinkhorn.c).
 
-`sinkhorn_forward` / `sinkhorn_backward` run on any device and dtype; the eager `hyper._SinkhornKnopp` and
-`_MHCConnect` use them directly, and the compiled path's opaque op (`compiled.sinkhorn_op`) falls back to them where
-the C kernel does not apply (not CPU float32/float64, or no C compiler). Layout: [n_out, n_in, N], N = tokens.
+`sinkhorn_forward` / `sinkhorn_backward` run on any device and dtype: the ops `depthtools::sinkhorn_tokens_last`
+(ops/sinkhorn.py) and the twin of `depthtools::mhc_connect` (ops/connector.py) run them where the C kernel does not
+apply (not CPU float32/float64, or no C compiler). Layout: [n_out, n_in, N], N = tokens.
 """
 
 from __future__ import annotations

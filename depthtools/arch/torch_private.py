@@ -21,6 +21,8 @@ them forced. A forced fallback is one module-level flag read per call: it costs 
     Tensor._version (AttnRes bank fingerprint)        versions                 None: bank never reused
     torch._C._current_graph_task_id (backward pass)   backward_pass_id         None: a mix that already
                                                                                holds a gradient starts a pass
+    torch._C._functorch.peek_interpreter_stack        forward_ad_active        True: the caller's plain-
+      (a torch.func transform is running)                                       autograd formulation
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import os
 from contextlib import contextmanager
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 FORCED = os.environ.get("DEPTHTOOLS_TORCH_FALLBACKS", "").strip() not in ("", "0")
 
@@ -168,3 +171,21 @@ def backward_pass_id() -> int | None:
     task = _graph_task_id()
     return None if task < 0 else task
 
+
+
+# -- forward-mode AD and torch.func transforms (the custom ops in depthtools.arch.ops) -----------------
+
+_interpreter_stack = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def forward_ad_active(*tensors: torch.Tensor) -> bool:
+    """Whether forward-mode AD or a torch.func transform may see a computation on `tensors`: one of them carries a
+    forward-AD tangent (`torch.autograd.forward_ad.unpack_dual`, public), or a torch.func transform (jvp, jacfwd,
+    grad, vjp, vmap, ...) is running. The kernels' custom ops (depthtools.arch.ops) have neither a forward-mode
+    derivative (under torch.func.jvp one silently yields a zero tangent) nor a torch.func.grad rule, so their
+    callers then take the plain-autograd reference, which supports every transform. Whether a transform is running
+    has no public query: torch._C._functorch.peek_interpreter_stack (None when none is). Fallback: True (the
+    reference: correct everywhere, slower)."""
+    if FORCED or _interpreter_stack is None:
+        return True
+    return _interpreter_stack() is not None or any(fwAD.unpack_dual(t).tangent is not None for t in tensors)
