@@ -116,7 +116,8 @@ def _depth_forward(K, V, q, o, lse_seq, invalid, scale: float):
     for s in range(S):
         zt.addcmul_(V[s, :, None], probs[s].unsqueeze(2))
     z = zt.reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous()
-    return z, lse.reshape(H, B, T).permute(1, 2, 0).contiguous(), probs, qs
+    # (probs and qs have their operands' strides: returned contiguous, as the kernel's and the fake's are)
+    return z, lse.reshape(H, B, T).permute(1, 2, 0).contiguous(), probs.contiguous(), qs.contiguous()
 
 
 # -- the backward: score gradients and the depth query's gradient ---------------------------------------------
@@ -144,8 +145,8 @@ def _(K, V, z, dz, probs, invalid, scale):
 def _kernel_backward(K, V, z, dz, probs, invalid, scale):
     S, Hkv, hd, N = K.shape
     H = z.shape[2]
-    z, dz = z.contiguous(), dz.contiguous()  # (rows of H*hd: the kernel's layout; no copy when they are)
-    dqd, ds, dzt = torch.empty_like(z), torch.empty_like(probs), z.new_empty(Hkv, H // Hkv, hd, N)
+    z, dz, probs = z.contiguous(), dz.contiguous(), probs.contiguous()  # (the kernel's layout; no copy when they are)
+    dqd, ds, dzt = z.new_empty(z.shape), probs.new_empty(probs.shape), z.new_empty(Hkv, H // Hkv, hd, N)
     mask = _mask(invalid)  # (kept alive through the call)
     _out_of_memory(_kernel("moda_backward", K)(K.data_ptr(), V.data_ptr(), z.data_ptr(), dz.data_ptr(),
                                                probs.data_ptr(), _ptr(mask), S, Hkv, H // Hkv, hd, N, scale,
@@ -168,7 +169,7 @@ def _depth_backward(K, V, z, dz, probs, invalid, scale: float):
     for s in range(1, S):
         dqt.addcmul_(K[s, :, None], ds[s].unsqueeze(2))
     dqd = dqt.mul_(scale).reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous()
-    return dqd, ds, dzt.clone(memory_format=torch.contiguous_format)
+    return dqd, ds.contiguous(), dzt.clone(memory_format=torch.contiguous_format)
 
 
 # -- the slot gradients, from the readers' records ------------------------------------------------------------
