@@ -10,8 +10,9 @@ scalar type and instantiated per type by including `*_impl.h` with `REAL`/`FN` d
 
 The Sinkhorn kernel serves the compiled path's opaque op (`compiled.sinkhorn_op`); the connector kernels
 serve both the compiled step's opaque ops (`compiled.hc_connect_op`, `mhc_connect_op`) and the eager
-`hyper._HCConnect` / `_MHCConnect`; the bank kernels serve `bankops.DepthBank` (eager and compiled steps alike);
-the moda kernels serve `moda._DepthAttention` and `_AppendSlots` (MoDA runs eagerly).
+`hyper._HCConnect` / `_MHCConnect`; the bank and moda kernels are called by the torch custom ops in
+`depthtools/arch/ops/bank.py` (`bankops.DepthBank`, eager and compiled steps alike) and `ops/moda.py`
+(`moda._DepthAttention` and `_AppendSlots`, eager), which look them up with `entry`.
 Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`, `moda_usable`; MoDA's
 may read bfloat16 slots); anything else (CUDA, the meta device, other dtypes, no compiler or ninja, a failed build)
 takes torch ops, the same computation (`kernel_status` says which path each library takes, without building).
