@@ -174,3 +174,16 @@ def test_a_model_on_meta_runs_a_forward_through_the_fake_impls(monkeypatch, arch
             "denseformer": set(), "moda": {"depthtools::moda_store_slot"}}[arch]
     assert want <= ops, ops
     assert looked_up == [] and cpu_kernels._libs == {}
+
+
+# -- torch.compile -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("library", ["bank", "moda"])
+def test_the_ops_trace_whole_under_torch_compile(library):
+    """torch.compile traces every op as one opaque node (fullgraph: no graph break; aot_eager: through AOT
+    autograd's functionalisation of the mutating ops, no inductor build) and gives the eager results, bit for bit."""
+    for name, (op, args) in (bank_cases if library == "bank" else moda_cases)(torch.float64).items():
+        torch._dynamo.reset()  # (one code object for every case: a fresh cache each)
+        compiled = torch.compile(lambda *a, _op=op: _run(_op, a), backend="aot_eager", fullgraph=True, dynamic=False)
+        for i, (a, b) in enumerate(zip(compiled(*_clone(args)), _run(op, args), strict=True)):
+            assert torch.equal(a, b), (name, i)
