@@ -98,9 +98,9 @@ def _clone(args):
             else a.clone() if torch.is_tensor(a) else a for a in args]
 
 
-def _run(op, args):
-    """The op's outputs, or for a mutating op the tensors it mutated, on a copy of args."""
-    args = _clone(args)
+def _run(op, args, copy: bool = True):
+    """The op's outputs, or for a mutating op the tensors it mutated, on a copy of args (copy=False: on args)."""
+    args = _clone(args) if copy else list(args)
     out = op(*args)
     if out is not None:
         return list(out)
@@ -187,3 +187,24 @@ def test_the_ops_trace_whole_under_torch_compile(library):
         compiled = torch.compile(lambda *a, _op=op: _run(_op, a), backend="aot_eager", fullgraph=True, dynamic=False)
         for i, (a, b) in enumerate(zip(compiled(*_clone(args)), _run(op, args), strict=True)):
             assert torch.equal(a, b), (name, i)
+
+
+def test_strided_inputs_and_outputs_are_taken_as_they_are(monkeypatch):
+    """The kernels need dense rows: an op given strided inputs reads contiguous copies, and one given a strided
+    tensor to write into (a flush's gradient buffer, a slot store's destination) takes its twin; either way the
+    results equal the twin's on the same tensors."""
+    if cpu_kernels.library("bank") is None or cpu_kernels.library("moda") is None:
+        pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
+
+    def strided(x):  # the same values, every other element of a buffer twice the size
+        return torch.stack([x, torch.full_like(x, float("nan"))], -1)[..., 0]
+
+    cases = {**bank_cases(torch.float64), **moda_cases(torch.float64)}
+    dense = {name: _run(op, args) for name, (op, args) in cases.items()}
+    restride = (lambda a: [strided(x) for x in a] if isinstance(a, list) and a and torch.is_tensor(a[0])
+                else strided(a) if torch.is_tensor(a) and a.dtype.is_floating_point else a)
+    for name, (op, args) in cases.items():
+        given = [restride(a) for a in args]  # (new tensors: the cases stay as they are)
+        assert any(torch.is_tensor(a) and not a.is_contiguous() for a in given)
+        for a, b in zip(_run(op, given, copy=False), dense[name], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")

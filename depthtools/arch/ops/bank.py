@@ -27,6 +27,11 @@ def _kernel(name: str, t: Tensor):
     return cpu_kernels.entry("bank", name, t.dtype)
 
 
+def _dense(*tensors):
+    """The tensors as the kernels read them: contiguous (no copy for the bank's buffers, which are)."""
+    return tuple(None if x is None else x.contiguous() for x in tensors)
+
+
 def _out_of_memory(status: int) -> None:
     if status:
         raise MemoryError("AttnRes bank CPU kernel: out of memory")
@@ -55,12 +60,13 @@ def _(values, inv_rms, dots, n, col, partial, partial_logit, n0, mu, P):
 
 
 def _kernel_mix(values, inv_rms, dots, n, col, partial, partial_logit, n0, mu, P):
+    values, inv_rms, dots, partial, partial_logit, mu = _dense(values, inv_rms, dots, partial, partial_logit, mu)
+    if P is not None and P.stride(1) != 1:
+        P = P.contiguous()
     N, d, M = values.shape[1], values.shape[2], dots.shape[1]
     h = values.new_empty(N, d)
     alpha = values.new_empty(n + (partial is not None), N)
-    if P is not None:
-        assert P.stride(1) == 1 and mu.is_contiguous()
-    else:
+    if P is None:
         n0 = 0
     ptr = (lambda x: None if x is None else x.data_ptr())
     _out_of_memory(_kernel("bank_mix_forward", values)(
@@ -111,6 +117,7 @@ def _(values, inv_rms, dots, n0, cols):
 
 
 def _kernel_prefix(values, inv_rms, dots, n0, cols):
+    values, inv_rms, dots = _dense(values, inv_rms, dots)
     N, d, M = values.shape[1], values.shape[2], dots.shape[1]
     G = len(cols)
     mu, P = values.new_empty(G, N), values.new_empty(N, G, d)
@@ -137,9 +144,9 @@ def bank_flush(values: Tensor, inv_rms: Tensor, dots: Tensor, lo: int, hi: int, 
                ginv: Tensor) -> None:
     """Add the contributions of K recorded mixes (output gradients grads K x [N,d], rho = g·h K x [N], softmax
     weights K x [n_k, N] with n_k >= hi, mixer columns cols) to the gradients of sources lo..hi-1, in place:
-    gv [cap,N,d], gdots [cap,M,N], ginv [cap,N] (all contiguous, the bank's dtype). Mix k gives dα_i = g·v_i,
+    gv [cap,N,d], gdots [cap,M,N], ginv [cap,N] (the bank's dtype; the kernel takes contiguous ones, the twin any). Mix k gives dα_i = g·v_i,
     dlogit_i = α_i (dα_i - ρ): gv[i] += α_i g, gdots[i, col] += dlogit_i r_i, ginv[i] += dlogit_i dots[i, col]."""
-    if cpu_kernels.bank_usable(values):
+    if cpu_kernels.bank_usable(values) and gv.is_contiguous() and gdots.is_contiguous() and ginv.is_contiguous():
         _kernel_flush(values, inv_rms, dots, lo, hi, grads, weights, rhos, cols, gv, gdots, ginv)
     else:
         _torch_flush(values, inv_rms, dots, lo, hi, grads, weights, rhos, cols, gv, gdots, ginv)
@@ -151,6 +158,8 @@ def _(values, inv_rms, dots, lo, hi, grads, weights, rhos, cols, gv, gdots, ginv
 
 
 def _kernel_flush(values, inv_rms, dots, lo, hi, grads, weights, rhos, cols, gv, gdots, ginv):
+    values, inv_rms, dots = _dense(values, inv_rms, dots)
+    grads, weights, rhos = (_dense(*xs) for xs in (grads, weights, rhos))  # (kept alive through the call)
     N, d, M = values.shape[1], values.shape[2], dots.shape[1]
     table = torch.tensor([[x.data_ptr() for x in xs] for xs in (grads, weights, rhos)] + [list(cols)], dtype=torch.long)
     _kernel("bank_flush", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, lo, hi, len(cols),

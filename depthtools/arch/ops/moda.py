@@ -80,6 +80,7 @@ def _(K, V, q, o, lse_seq, invalid, scale):
 
 
 def _kernel_forward(K, V, q, o, lse_seq, invalid, scale):
+    K, V = K.contiguous(), V.contiguous()  # (no copy for slot-buffer views, which are)
     S, Hkv, hd, N = K.shape
     B, T, H, _ = q.shape
     (q, qst), (o, ost), (lse_seq, lst) = _rows(q), _rows(o), _rows(lse_seq)
@@ -145,7 +146,7 @@ def _(K, V, z, dz, probs, invalid, scale):
 def _kernel_backward(K, V, z, dz, probs, invalid, scale):
     S, Hkv, hd, N = K.shape
     H = z.shape[2]
-    z, dz, probs = z.contiguous(), dz.contiguous(), probs.contiguous()  # (the kernel's layout; no copy when they are)
+    K, V, z, dz, probs = (x.contiguous() for x in (K, V, z, dz, probs))  # (the kernel's layout; no copy when they are)
     dqd, ds, dzt = z.new_empty(z.shape), probs.new_empty(probs.shape), z.new_empty(Hkv, H // Hkv, hd, N)
     mask = _mask(invalid)  # (kept alive through the call)
     _out_of_memory(_kernel("moda_backward", K)(K.data_ptr(), V.data_ptr(), z.data_ptr(), dz.data_ptr(),
@@ -177,12 +178,12 @@ def _depth_backward(K, V, z, dz, probs, invalid, scale: float):
 @torch.library.custom_op("depthtools::moda_slot_grads", mutates_args=("gk", "gv"))
 def moda_slot_grads(ds: list[Tensor], probs: list[Tensor], qs: list[Tensor], dzt: list[Tensor], reads: list[int],
                     start: int, stop: int, gk: Tensor, gv: Tensor, add: bool) -> None:
-    """The gradients gk, gv [stop-start,B,T,Hkv,hd] (contiguous, written in place; add: added to what they hold)
-    of slots start..stop-1 from R reader records r (ds_r, probs_r [S_r,Hkv,g,N] and qs_r, dzt_r [Hkv,g,hd,N] as
-    `moda_forward` and `moda_backward` return them; reads[r] = S_r, the slots reader r read): gK_s = Σ_r Σ_j
-    ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dzt_r[:,j] over the readers with S_r > s, in the order
-    given (see `moda._SlotStore`)."""
-    if ds and cpu_kernels.moda_usable(ds[0]):
+    """The gradients gk, gv [stop-start,B,T,Hkv,hd] of slots start..stop-1, written in place (by the kernel when they
+    are contiguous; add: added to what they hold), from R reader records r (ds_r, probs_r [S_r,Hkv,g,N] and qs_r,
+    dzt_r [Hkv,g,hd,N] as `moda_forward` and `moda_backward` return them; reads[r] = S_r, the slots reader r read):
+    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dzt_r[:,j] over the readers with S_r > s, in
+    the order given (see `moda._SlotStore`)."""
+    if ds and cpu_kernels.moda_usable(ds[0]) and gk.is_contiguous() and gv.is_contiguous():
         _kernel_slot_grads(ds, probs, qs, dzt, reads, start, stop, gk, gv, add)
     else:
         _torch_slot_grads(ds, probs, qs, dzt, reads, start, stop, gk, gv, add)
@@ -194,6 +195,7 @@ def _(ds, probs, qs, dzt, reads, start, stop, gk, gv, add):
 
 
 def _kernel_slot_grads(ds, probs, qs, dzt, reads, start, stop, gk, gv, add):
+    ds, probs, qs, dzt = ([x.contiguous() for x in xs] for xs in (ds, probs, qs, dzt))  # (kept alive through the call)
     Hkv, g, hd, N = qs[0].shape
     table = torch.tensor([[x.data_ptr() for x in xs] for xs in (ds, probs, qs, dzt)] + [list(reads)], dtype=torch.long)
     _out_of_memory(_kernel("moda_slot_grads", ds[0])(len(ds), *(row.data_ptr() for row in table), start, stop, Hkv, g,
@@ -221,10 +223,10 @@ def _torch_slot_grads(ds, probs, qs, dzt, reads, start, stop, gk, gv, add):
 
 @torch.library.custom_op("depthtools::moda_store_slot", mutates_args=("dst",))
 def moda_store_slot(src: Tensor, dst: Tensor) -> None:
-    """dst [Hkv,hd,B,T] (a contiguous slot of the buffer; src's dtype, or bfloat16 for float32 src: rounded to
-    nearest even) = src [B,T,Hkv,hd], tokens last, in place. The C kernel writes whole 64-byte rows with streaming
+    """dst [Hkv,hd,B,T] (a slot of the buffer; src's dtype, or bfloat16 for float32 src: rounded to nearest even)
+    = src [B,T,Hkv,hd], tokens last, in place (the kernel takes a contiguous dst, the twin any). The C kernel writes whole 64-byte rows with streaming
     stores where the CPU has them (`STREAM_STORES`)."""
-    if cpu_kernels.moda_usable(src, dst.dtype):
+    if cpu_kernels.moda_usable(src, dst.dtype) and dst.is_contiguous():
         src, rs = _rows(src)
         B, T, Hkv, hd = src.shape
         _kernel("moda_store_slot", dst)(src.data_ptr(), rs, Hkv * hd, B * T, dst.data_ptr(), int(STREAM_STORES),
