@@ -184,7 +184,7 @@ class _SlotStore:
 
 def _slot_grads(records, start: int, stop: int, tokens: tuple[int, int], out=None):
     """(gK, gV) [stop-start,B,T,Hkv,hd] of slots start..stop-1 from reader records (ds, probs, qs, dzt, S_r) (see
-    `_SlotStore`), added to out = (gK, gV) (contiguous) if given: `depthtools::moda_slot_grads`."""
+    `_SlotStore`), added to out = (gK, gV) if given: `depthtools::moda_slot_grads`."""
     if out is None:
         Hkv, hd = records[0][2].shape[0], records[0][2].shape[2]
         gk, gv = (records[0][0].new_empty(stop - start, *tokens, Hkv, hd) for _ in range(2))
