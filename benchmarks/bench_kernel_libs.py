@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from depthtools.arch import cpu_kernels as ck  # noqa: E402
-from depthtools.arch.ops import connector as connector_ops, sinkhorn as sinkhorn_ops  # noqa: E402
+from depthtools.arch.ops import bank as bank_ops, connector as connector_ops, moda as moda_ops, sinkhorn as sinkhorn_ops  # noqa: E402
 
 
 def load(name: str, old: Path | None):
@@ -62,11 +62,11 @@ def workloads() -> dict:
 
     def bank():
         for sources in range(1, 33, 4):
-            ck.bank_mix_forward(values, inv_rms, dots, sources, 1)
+            bank_ops.bank_mix_forward(values, inv_rms, dots, sources, 1, None, None, 0, None, None)
 
     def moda():
-        out, _, probs, _ = ck.moda_forward(K, V, q, o, lse_seq, None, 0.25)
-        ck.moda_backward(K, V, out, dz, probs, None, 0.25)
+        out, _, probs, _ = moda_ops.moda_forward(K, V, q, o, lse_seq, None, 0.25)
+        moda_ops.moda_backward(K, V, out, dz, probs, None, 0.25)
 
     return {"sinkhorn fwd+bwd": ("sinkhorn", sinkhorn), "hc connector fwd+bwd": ("connector", hc),
             "bank mixes": ("bank", bank), "moda fwd+bwd": ("moda", moda)}

@@ -2,13 +2,13 @@
 
     optimizer   one AdamW step with random gradients per architecture: PyTorch's CPU default
                 (per-tensor loop) vs foreach vs fused (what `build_optimizer` uses)
-    bank-kernels  Full AttnRes training step with its depth bank on the C kernels of arch/cpu_kernels.py
-                (mix, two-phase prefix, backward flush) and on torch ops
+    bank-kernels  Full AttnRes training step with its depth bank's ops (arch/ops/bank.py: mix, two-phase
+                prefix, backward flush) on their C kernels and on their torch twins
     two-phase   Full AttnRes training step with and without the two-phase mix groups
     grad-pool   Full AttnRes training step with and without the reused bank gradient buffers
     moda-pool   MoDA training step with and without the reused depth K/V and gradient buffers
     moda-stream-stores  MoDA training step with its new depth slots written by streaming stores (where the
-                rows are whole 64-byte lines) and by plain stores (cpu_kernels.MODA_STREAM_STORES)
+                rows are whole 64-byte lines) and by plain stores (arch/ops/moda.py's STREAM_STORES)
     tanh        the HC connector's tanh on its [4096, 6] coefficient block vs 2·sigmoid(2x) - 1
     sinkhorn    mHC's Sinkhorn (n = 4, t_max = 20) forward + backward at 1024 tokens: the torch-op
                 tokens-last kernel vs the C kernel (arch/ops/sinkhorn.py's op)
@@ -40,19 +40,24 @@ import torch  # noqa: E402
 from bench_arch_step import build_step  # noqa: E402
 from depthtools.arch import DepthModel, cpu_kernels  # noqa: E402
 from depthtools.arch.bankops import MixGroups  # noqa: E402
+from depthtools.arch.ops import moda as moda_ops  # noqa: E402
 from depthtools.config import ModelConfig  # noqa: E402
 
-def _bank_kernels_off(model) -> None:
-    """Every depth bank of this AttnRes model takes the torch ops instead of the C kernels."""
-    new_bank = model.scheme._new_bank
+def _bank_kernels_off(model):
+    """A wrapper of this model's training step: its depth-bank ops take their torch twins instead of the C kernels
+    (the ops choose by `cpu_kernels.bank_usable`, switched off for the step: forward and backward)."""
 
-    def without_kernels(sources):
-        bank, handle = new_bank(sources)
-        if bank is not None:
-            bank.kernel = False
-        return bank, handle
+    def wrap(step):
+        def without_kernels():
+            usable = cpu_kernels.bank_usable
+            cpu_kernels.bank_usable = lambda values: False
+            try:
+                step()
+            finally:
+                cpu_kernels.bank_usable = usable
+        return without_kernels
 
-    model.scheme._new_bank = without_kernels
+    return wrap
 
 
 def _stream_stores_off(model) -> None:
@@ -60,11 +65,11 @@ def _stream_stores_off(model) -> None:
     forward = model.forward
 
     def plain_stores(*args, **kwargs):
-        cpu_kernels.MODA_STREAM_STORES = False
+        moda_ops.STREAM_STORES = False
         try:
             return forward(*args, **kwargs)
         finally:
-            cpu_kernels.MODA_STREAM_STORES = True
+            moda_ops.STREAM_STORES = True
 
     model.forward = plain_stores
 
@@ -105,7 +110,9 @@ def feature_ab(mode: str, args) -> None:
     shape = argparse.Namespace(vocab=256, d_model=64, n_layer=32, n_heads=4, seq=128, batch=8)
     steps = {"preln": build_step("preln", shape)[1], "on": build_step(arch, shape)[1]}
     off_model, steps["off"] = build_step(arch, shape)
-    switch_off(off_model)
+    wrap = switch_off(off_model)  # (a switch that acts on the whole step returns a wrapper of it)
+    if callable(wrap):
+        steps["off"] = wrap(steps["off"])
     for step in steps.values():
         step(), step()
     ratios, rng = {"on": [], "off": []}, random.Random(0)

@@ -45,10 +45,11 @@ def make_step(arch: str, args, **options):
 
 def time_pieces() -> dict[str, float]:
     """Wrap MoDA's depth-attention calls with wall-clock timers; returns the running totals (seconds)."""
-    from depthtools.arch import cpu_kernels, moda
+    from depthtools.arch import moda
+    from depthtools.arch.ops import moda as moda_ops
 
     totals: dict[str, float] = {}
-    for mod, names in ((cpu_kernels, ["moda_forward", "moda_backward", "moda_slot_grads", "moda_store_slot"]),
+    for mod, names in ((moda_ops, ["moda_forward", "moda_backward", "moda_slot_grads", "moda_store_slot"]),
                        (moda, ["cpu_flash_attention", "cpu_flash_attention_backward"])):
         for name in names:
             def timed(*a, _f=getattr(mod, name), _n=name, **k):

@@ -387,10 +387,11 @@ def test_slot_store_writes_every_token_with_and_without_streaming_stores(dtype, 
     a last block of 8 tokens; a destination that is not 64-byte aligned; or streaming switched off), from
     contiguous and strided sources."""
     from depthtools.arch import cpu_kernels
+    from depthtools.arch.ops import moda as moda_ops
 
     if cpu_kernels.library("moda") is None:
         pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
-    monkeypatch.setattr(cpu_kernels, "MODA_STREAM_STORES", stream)
+    monkeypatch.setattr(moda_ops, "STREAM_STORES", stream)
     gen = torch.Generator().manual_seed(0)
     src_dtype = torch.float32 if dtype == torch.bfloat16 else dtype
     for B, T, offset in ((3, 64, 0), (4, 50, 0), (3, 64, 1)):
@@ -398,7 +399,7 @@ def test_slot_store_writes_every_token_with_and_without_streaming_stores(dtype, 
         for src in (both[:, :, 0].contiguous(), both[:, :, 1]):  # [B,T,Hkv,hd]: contiguous, and a strided view
             flat = torch.zeros(offset + 2 * 3 * 16 * B * T, dtype=dtype)
             dst = flat[offset:].view(2, 3, 16, B, T)[1]  # one slot's worth inside the buffer
-            cpu_kernels.moda_store_slot(src, dst)
+            moda_ops.moda_store_slot(src, dst)
             assert torch.equal(dst, src.to(dtype).permute(2, 3, 0, 1))
             assert not flat[offset: offset + 3 * 16 * B * T].any()  # nothing written outside the slot
 
@@ -407,6 +408,7 @@ def test_bfloat16_slot_store_rounds_as_torch_does():
     """The C slot store rounds float32 to bfloat16 to nearest even, bit for bit as torch's .to(torch.bfloat16),
     including ties, subnormals, infinities and NaN."""
     from depthtools.arch import cpu_kernels
+    from depthtools.arch.ops import moda as moda_ops
 
     if cpu_kernels.library("moda") is None:
         pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
@@ -416,7 +418,7 @@ def test_bfloat16_slot_store_rounds_as_torch_does():
     x = torch.cat([special, torch.randn(8 * 5 * 2 * 4 - special.numel()) * 10])
     src = x.view(8, 5, 2, 4)  # [B,T,Hkv,hd]
     dst = torch.empty(2, 4, 8, 5, dtype=torch.bfloat16)
-    cpu_kernels.moda_store_slot(src, dst)
+    moda_ops.moda_store_slot(src, dst)
     want = src.to(torch.bfloat16).permute(2, 3, 0, 1)
     assert torch.equal(dst.view(torch.int16)[~want.isnan()], want.contiguous().view(torch.int16)[~want.isnan()])
     assert dst.isnan().equal(want.isnan())

@@ -487,6 +487,7 @@ def test_bank_kernels_do_not_depend_on_the_thread_count():
     """AttnRes' bank kernels (mix, two-phase prefix, flush) split tokens over torch's intra-op threads;
     every token's arithmetic is the same whatever the split: 1 and 3 threads give bit-identical results."""
     from depthtools.arch import cpu_kernels
+    from depthtools.arch.ops import bank as bank_ops
 
     if cpu_kernels.library("bank") is None:
         pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
@@ -502,10 +503,10 @@ def test_bank_kernels_do_not_depend_on_the_thread_count():
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
-            mu, P = cpu_kernels.bank_prefix(values, inv, dots, 6, [1, 3, 4])
-            mixed = cpu_kernels.bank_mix_forward(values, inv, dots, 8, 3, partial, p_logit, (6, mu[1], P[:, 1]))
+            mu, P = bank_ops.bank_prefix(values, inv, dots, 6, [1, 3, 4])
+            mixed = bank_ops.bank_mix_forward(values, inv, dots, 8, 3, partial, p_logit, 6, mu[1], P[:, 1])
             sums = [torch.zeros_like(values), torch.zeros_like(dots), torch.zeros_like(inv)]
-            cpu_kernels.bank_flush(values, inv, dots, 0, cap, grads, weights, rhos, [0, 2, 2, 4, 1], *sums)
+            bank_ops.bank_flush(values, inv, dots, 0, cap, grads, weights, rhos, [0, 2, 2, 4, 1], *sums)
             results.append([mu, P, *mixed, *sums])
     finally:
         torch.set_num_threads(before)
@@ -515,7 +516,8 @@ def test_bank_kernels_do_not_depend_on_the_thread_count():
 def test_moda_kernels_do_not_depend_on_the_thread_count():
     """MoDA's depth kernels split (kv head, token tile) pairs over the threads and sum slot gradients over the
     readers in a fixed order: 1 and 3 threads give bit-identical results (GQA, a masked slot, a partial tile)."""
-    from depthtools.arch import cpu_kernels
+    from depthtools.arch import cpu_kernels, moda
+    from depthtools.arch.ops import moda as moda_ops
 
     if cpu_kernels.library("moda") is None:
         pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
@@ -528,9 +530,9 @@ def test_moda_kernels_do_not_depend_on_the_thread_count():
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
-            z, lse, probs, qs = cpu_kernels.moda_forward(K, V, q, o, lse_seq, invalid, 0.3)
-            dqd, ds, dzt = cpu_kernels.moda_backward(K, V, z, dz, probs, invalid, 0.3)
-            grads = cpu_kernels.moda_slot_grads([(ds, probs, qs, dzt, S), (ds[:3], probs[:3], dzt, qs, 3)], 1, 4, (5, 500))
+            z, lse, probs, qs = moda_ops.moda_forward(K, V, q, o, lse_seq, invalid, 0.3)
+            dqd, ds, dzt = moda_ops.moda_backward(K, V, z, dz, probs, invalid, 0.3)
+            grads = moda._slot_grads([(ds, probs, qs, dzt, S), (ds[:3], probs[:3], dzt, qs, 3)], 1, 4, (5, 500))
             results.append([z, lse, probs, qs, dqd, ds, dzt, *grads])
     finally:
         torch.set_num_threads(before)

@@ -26,6 +26,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from depthtools.arch import cpu_kernels, torch_private
+from depthtools.arch.ops import bank as bank_ops
 from depthtools.arch.layers import BufferPool, fused_inverse_rms, inverse_rms_derivative
 
 
@@ -140,9 +141,11 @@ def bank_logits(query: torch.Tensor, sources: tuple[torch.Tensor, ...], scales: 
 #     full run exactly; sweeps rely on that). A mix outside its group's range (a swapped plan) takes
 #     the one-mix path.
 #
-# On CPU (float32/float64) the three O(L²) loops -- a mix's logits, softmax and weighted sum, a group's
-# two-phase prefix, and a flush -- are C kernels (cpu_kernels.py, library "bank": one pass over each tile of
-# tokens, four sources or mixes per read-modify-write); elsewhere the torch ops below. Slot j's key dots are
+# The three O(L²) loops -- a mix's logits, softmax and weighted sum, a group's two-phase prefix, and a flush --
+# are the custom ops `depthtools::bank_mix_forward`, `bank_prefix`, `bank_flush` (arch/ops/bank.py): on CPU
+# (float32/float64) C kernels (library "bank": one pass over each tile of tokens, four sources or mixes per
+# read-modify-write), elsewhere their torch-op twins; the op chooses, the bank never does. Their autograd is
+# `_Push` / `_Mix` below (the deferred, bulk source gradients), not registered on the ops. Slot j's key dots are
 # formed at push time only for the columns its intact readers use (`column_floor`; the scheme numbers columns
 # in sublayer order); a mix with a lower column forms the ones it lacks (`ensure_dots`).
 #
@@ -198,7 +201,6 @@ class DepthBank:
         self.inv_rms = first.new_empty(capacity, N)
         self.dots = first.new_empty(capacity, M, N)
         self.fill = 0
-        self.kernel = cpu_kernels.bank_usable(self.values)  # the C kernels for mixes and flushes (CPU)
         self.records: list[_MixRecord] = []
         self.grad_values = self.grad_dots = self.grad_inv_rms = None
         self.pass_id = None  # the backward pass whose gradients the records and accumulators hold
@@ -221,6 +223,12 @@ class DepthBank:
             rec.grad = rec.rho = None
             rec.flushed_to = rec.n
         self.grad_values = self.grad_dots = self.grad_inv_rms = None
+
+    @property
+    def kernel(self) -> bool:
+        """Whether the bank ops take their C kernels for this bank's buffers (informational: the ops decide,
+        by `cpu_kernels.bank_usable`)."""
+        return cpu_kernels.bank_usable(self.values)
 
     @property
     def capacity(self) -> int:
@@ -247,12 +255,7 @@ class DepthBank:
         """(μ [G,N], P [N,G,d]) of the mixers `cols` over the first n0 sources (see the section comment)."""
         for c in cols:
             self.ensure_dots(c, n0)
-        if self.kernel:
-            return cpu_kernels.bank_prefix(self.values, self.inv_rms, self.dots, n0, cols)
-        logits = self.dots[:n0, cols] * self.inv_rms[:n0].unsqueeze(1)  # [n0,G,N]
-        mu = logits.amax(0)  # [G,N]
-        weights = logits.sub_(mu).exp_().permute(2, 1, 0).contiguous()  # [N,G,n0]
-        return mu, torch.bmm(weights, self.values[:n0].transpose(0, 1))  # [N,G,d]
+        return bank_ops.bank_prefix(self.values, self.inv_rms, self.dots, n0, cols)
 
     def dots_from(self, j: int) -> int:
         """The lowest column whose key dots slot j got at push time (see `column_floor`)."""
@@ -284,31 +287,9 @@ class DepthBank:
             return
         gv, gdots, ginv = self._grads()
         lo = j if len(pending) < FLUSH_AT else 0  # only source j, or in bulk: sources 0..j at once
-        if self.kernel:
-            cpu_kernels.bank_flush(self.values, self.inv_rms, self.dots, lo, j + 1, [r.grad for r in pending],
-                                   [r.weights for r in pending], [r.rho for r in pending], [r.col for r in pending],
-                                   gv, gdots, ginv)
-        elif lo == j:  # mix by mix
-            v, r_j = self.values[j], self.inv_rms[j]
-            for rec in pending:
-                a = rec.weights[j]  # [N]
-                dlogit = (torch.linalg.vecdot(rec.grad, v) - rec.rho).mul_(a)
-                gv[j].addcmul_(rec.grad, a.unsqueeze(1))
-                gdots[j, rec.col].addcmul_(dlogit, r_j)
-                ginv[j].addcmul_(dlogit, self.dots[j, rec.col])
-        else:
-            J = j + 1
-            G = torch.stack([r.grad for r in pending], 1)  # [N,K,d]
-            W = torch.stack([r.weights[:J] for r in pending], 0)  # [K,J,N]
-            rho = torch.stack([r.rho for r in pending], 0)  # [K,N]
-            cols = torch.tensor([r.col for r in pending], device=G.device)
-            dalpha = torch.bmm(G, self.values[:J].permute(1, 2, 0)).permute(1, 2, 0)  # [K,J,N] = g·v
-            dlogit = dalpha.sub_(rho.unsqueeze(1)).mul_(W)  # softmax backward
-            # Σ_mixes α g: [N,J,K] @ [N,K,d]. (bmm wants unit-stride items and an unstrided output, else
-            # it falls back to a per-token loop: hence the contiguous copy and the separate add.)
-            gv[:J] += torch.bmm(W.permute(2, 1, 0).contiguous(), G).transpose(0, 1)
-            gdots[:J].index_add_(1, cols, (dlogit * self.inv_rms[:J]).transpose(0, 1))  # logit = dot · r
-            ginv[:J] += (dlogit.transpose(0, 1) * self.dots[:J, cols]).sum(1)
+        bank_ops.bank_flush(self.values, self.inv_rms, self.dots, lo, j + 1, [r.grad for r in pending],
+                            [r.weights for r in pending], [r.rho for r in pending], [r.col for r in pending],
+                            gv, gdots, ginv)
         for rec in pending:
             rec.flushed_to = lo
 
@@ -383,11 +364,8 @@ class _Mix(torch.autograd.Function):
             p_inv = fused_inverse_rms(pf, bank.eps)
             p_logit = p_dot * p_inv
         bank.ensure_dots(col, n)
-        prefix = bank.prefix_mix(col, n)
-        if bank.kernel:  # logits, softmax and the weighted sum in one C kernel
-            h, alpha = cpu_kernels.bank_mix_forward(bank.values, bank.inv_rms, bank.dots, n, col, pf, p_logit, prefix)
-        else:
-            h, alpha = _torch_mix(bank, n, col, pf, p_logit, prefix)
+        n0, mu, P = bank.prefix_mix(col, n) or (0, None, None)
+        h, alpha = bank_ops.bank_mix_forward(bank.values, bank.inv_rms, bank.dots, n, col, pf, p_logit, n0, mu, P)
         if partial is not None:
             ctx.save_for_backward(pf, p_dot, p_inv, q)
             ctx.partial_shape, ctx.partial_dtype = partial.shape, partial.dtype
@@ -422,31 +400,6 @@ class _Mix(torch.autograd.Function):
                 grad_q[ctx.col] = (dl * p_inv) @ pf
                 grad_q = grad_q.to(ctx.q_dtype)
         return None, grad_q, grad_partial, None, None, None
-
-
-def _torch_mix(bank: DepthBank, n: int, col: int, pf, p_logit, prefix):
-    """(h [N,d], alpha [n(+1), N]) of `_Mix` with torch ops (where the C kernel does not apply)."""
-    logits = bank.dots[:n, col] * bank.inv_rms[:n]  # [n,N]
-    if pf is not None:
-        logits = torch.cat([logits, p_logit.unsqueeze(0)], 0)
-    if prefix is not None:  # two-phase: h = exp(μ - lse) P + Σ_{n0≤i<n} α_i v_i
-        n0, mu, P = prefix
-        lse = torch.logsumexp(logits, dim=0)  # [N]
-        alpha = (logits - lse).exp_()  # [n(+1), N]
-        h = P * (mu - lse).exp_().unsqueeze(1)
-        for i in range(n0, n):
-            h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
-    else:
-        alpha = torch.softmax(logits, dim=0)  # [n(+1), N]
-        if n * bank.values.shape[-1] < 400:  # (bmm's slow per-item kernel below this size: a loop)
-            h = bank.values[0] * alpha[0].unsqueeze(1)
-            for i in range(1, n):
-                h.addcmul_(bank.values[i], alpha[i].unsqueeze(1))
-        else:
-            h = torch.bmm(alpha[:n].t().contiguous().unsqueeze(1), bank.values[:n].transpose(0, 1)).squeeze(1)  # [N,d]
-    if pf is not None:
-        h.addcmul_(pf, alpha[n].unsqueeze(1))
-    return h, alpha
 
 
 def bank_mix(bank: DepthBank, handle, n: int, col: int, partial: torch.Tensor | None) -> torch.Tensor:

@@ -8,11 +8,12 @@ forward and backward), "bank" (AttnRes' depth bank: a mix, a two-phase prefix, a
 (MoDA's depth attention: forward, backward, slot gradients, slot stores). The kernels are written once per
 scalar type and instantiated per type by including `*_impl.h` with `REAL`/`FN` defined (`csrc/generic.h`).
 
-The Sinkhorn and connector kernels are called (ctypes wrappers included) by their torch custom ops,
+The kernels are called (ctypes wrappers included) by their torch custom ops in `depthtools/arch/ops/`:
 `ops/sinkhorn.py` (`depthtools::sinkhorn_tokens_last`) and `ops/connector.py` (`depthtools::hc_connect`,
-`depthtools::mhc_connect`), which the eager and the compiled HC/mHC paths both call; this module keeps their build,
-load and `usable` / `connector_usable` checks. The bank kernels serve `bankops.DepthBank` (eager and compiled steps alike);
-the moda kernels serve `moda._DepthAttention` and `_AppendSlots` (MoDA runs eagerly).
+`depthtools::mhc_connect`), which the eager and the compiled HC/mHC paths both call; `ops/bank.py`
+(`bankops.DepthBank`, eager and compiled steps alike) and `ops/moda.py` (`moda._DepthAttention` and
+`_AppendSlots`, eager). They look a kernel up with `function`; this module keeps the build, the load and the
+`usable` / `connector_usable` / `bank_usable` / `moda_usable` checks.
 Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`, `moda_usable`; MoDA's
 may read bfloat16 slots); anything else (CUDA, the meta device, other dtypes, no compiler or ninja, a failed build)
 takes torch ops, the same computation (`kernel_status` says which path each library takes, without building).
@@ -240,65 +241,16 @@ def connector_usable(H: torch.Tensor, *others: torch.Tensor) -> bool:
 
 
 def function(lib: str, name: str, dtype: torch.dtype):
-    """Kernel `name` of the built library `lib` for scalar type `dtype` (float32/float64): the ctypes function the
-    ops in `depthtools.arch.ops` call (check `usable` / `connector_usable` first)."""
-    return getattr(library(lib), f"{name}_{_SUFFIX[dtype]}")
-
-
-def _fn(name: str, t: torch.Tensor, lib: str = "connector"):
-    """Kernel `name` of library `lib` for `t`'s scalar type."""
-    return getattr(library(lib), f"{name}_{_SUFFIX[t.dtype]}")
+    """Kernel `name` of the built library `lib` for scalar type `dtype`: float32, float64, or bfloat16 (moda's slot
+    type: `moda_forward`, `moda_backward`, `moda_store_slot` by their slots' dtype) -- the ctypes function the ops
+    in `depthtools.arch.ops` call (they check `usable` / `connector_usable` / `bank_usable` / `moda_usable` first)."""
+    return getattr(library(lib), f"{name}_{'bf16' if dtype == torch.bfloat16 else _SUFFIX[dtype]}")
 
 
 def bank_usable(values: torch.Tensor) -> bool:
     """Whether the depth-bank kernels take a bank whose buffers have `values`' dtype and device: float32/
     float64 on CPU, and the library built."""
     return _cpu_float((values,)) and library("bank") is not None
-
-
-def bank_mix_forward(values, inv_rms, dots, n: int, col: int, partial=None, partial_logit=None, prefix=None):
-    """(h [N,d], alpha [n(+1), N]) of one depth mix over the first n sources of a bank (values [cap,N,d],
-    inv_rms [cap,N], dots [cap,M,N]; contiguous) with logits dots[i, col] * inv_rms[i], plus an optional
-    partial source [N,d] with its logit [N] (alpha's last row). prefix = (n0, mu [N], P [N,d] rows, may be
-    strided): the two-phase mix, sources below n0 entering through P (bankops.DepthBank.prefix_mix)."""
-    N, d, M = values.shape[1], values.shape[2], dots.shape[1]
-    h = values.new_empty(N, d)
-    alpha = values.new_empty(n + (partial is not None), N)
-    n0, mu, P = prefix if prefix is not None else (0, None, None)
-    if P is not None:
-        assert P.stride(1) == 1 and mu.is_contiguous()
-    ptr = (lambda x: None if x is None else x.data_ptr())
-    if _fn("bank_mix_forward", values, "bank")(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n, col,
-                                         ptr(partial_logit), ptr(partial), n0, ptr(mu), ptr(P),
-                                         0 if P is None else P.stride(0), h.data_ptr(), alpha.data_ptr(),
-                                         torch.get_num_threads()):
-        raise MemoryError("AttnRes bank CPU kernel: out of memory")
-    return h, alpha
-
-
-def bank_prefix(values, inv_rms, dots, n0: int, cols: list[int]):
-    """(mu [G,N], P [N,G,d]): the two-phase prefix of the G mixers `cols` over the first n0 sources of a bank
-    (bankops.DepthBank.prefix_mix): mu = max_i logit, P = Σ_i exp(logit_i - mu) v_i."""
-    N, d, M = values.shape[1], values.shape[2], dots.shape[1]
-    G = len(cols)
-    mu, P = values.new_empty(G, N), values.new_empty(N, G, d)
-    table = torch.tensor(cols, dtype=torch.long)
-    if _fn("bank_prefix", values, "bank")(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n0, G,
-                                       table.data_ptr(), mu.data_ptr(), P.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("AttnRes bank CPU kernel: out of memory")
-    return mu, P
-
-
-def bank_flush(values, inv_rms, dots, lo: int, hi: int, grads, weights, rhos, cols, gv, gdots, ginv) -> None:
-    """Add the contributions of K recorded mixes (output gradients grads k x [N,d], rho = g·h k x [N],
-    softmax weights k x [n_k, N] with n_k >= hi, mixer columns) to the gradients of sources lo..hi-1:
-    gv [cap,N,d], gdots [cap,M,N], ginv [cap,N] (in place; all contiguous, the bank's dtype)."""
-    N, d, M = values.shape[1], values.shape[2], dots.shape[1]
-    table = torch.tensor([[x.data_ptr() for x in xs] for xs in (grads, weights, rhos)] + [list(cols)], dtype=torch.long)
-    K = len(cols)
-    _fn("bank_flush", values, "bank")(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, lo, hi, K,
-                                   table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), table[3].data_ptr(),
-                                   gv.data_ptr(), gdots.data_ptr(), ginv.data_ptr(), torch.get_num_threads())
 
 
 def moda_usable(t: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
@@ -309,86 +261,3 @@ def moda_usable(t: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
     return (_cpu_float((t,)) and (kv_dtype == t.dtype or (kv_dtype, t.dtype) == (torch.bfloat16, torch.float32))
             and library("moda") is not None)
 
-
-def _moda_fn(name: str, kv: torch.Tensor):
-    """Kernel `name` of the moda library for slots stored like `kv` (float32, float64 or bfloat16)."""
-    return getattr(library("moda"), f"{name}_{'bf16' if kv.dtype == torch.bfloat16 else _SUFFIX[kv.dtype]}")
-
-
-def _mask(invalid: torch.Tensor | None) -> torch.Tensor | None:
-    return None if invalid is None else invalid.to(torch.uint8).contiguous()
-
-
-def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(x, token stride) for x [B,T,...] whose B*T tokens are equally spaced rows of contiguous values (the
-    model's [B,T,H,hd] projections and the flash kernel's outputs are), else (a contiguous copy, its stride)."""
-    inner = x[0, 0]
-    if not inner.is_contiguous() or x.shape[0] > 1 and x.stride(0) != x.shape[1] * x.stride(1):
-        x = x.contiguous()
-    return x, x.stride(1)
-
-
-def moda_forward(K, V, q, o, lse_seq, invalid, scale: float):
-    """The depth part of one MoDA attention joined with its sequence part: (z [B,T,H,hd], lse [B,T,H], probs
-    [S,Hkv,g,N], qs [Hkv,g,hd,N] = the scaled depth query tokens last, for the slot gradients) from slots K, V
-    [S,Hkv,hd,N] (contiguous), the depth query q [B,T,H,hd] (unscaled), the sequence part's output o [B,T,H,hd]
-    and log-sum-exp lse_seq [B,T,H], invalid [S] bool (masked slots)."""
-    S, Hkv, hd, N = K.shape
-    B, T, H, _ = q.shape
-    (q, qst), (o, ost), (lse_seq, lst) = _rows(q), _rows(o), _rows(lse_seq)
-    z, lse, probs, qs = q.new_empty(B, T, H, hd), q.new_empty(B, T, H), q.new_empty(S, Hkv, H // Hkv, N), q.new_empty(Hkv, H // Hkv, hd, N)
-    mask = _mask(invalid)
-    if _moda_fn("moda_forward", K)(K.data_ptr(), V.data_ptr(), q.data_ptr(), qst, scale, o.data_ptr(), ost,
-                                      lse_seq.data_ptr(), lst, None if mask is None else mask.data_ptr(), S, Hkv,
-                                      H // Hkv, hd, N, z.data_ptr(), lse.data_ptr(), probs.data_ptr(), qs.data_ptr(),
-                                      torch.get_num_threads()):
-        raise MemoryError("MoDA depth-attention CPU kernel: out of memory")
-    return z, lse, probs, qs
-
-
-def moda_backward(K, V, z, dz, probs, invalid, scale: float):
-    """(dqd [B,T,H,hd], ds [S,Hkv,g,N], dzt [Hkv,g,hd,N]) of `moda_forward`: the gradient of the unscaled depth
-    query, the slots' score gradients and dz tokens last, from the output z and its gradient dz [B,T,H,hd]
-    (contiguous)."""
-    S, Hkv, hd, N = K.shape
-    H = z.shape[2]
-    dqd, ds, dzt = torch.empty_like(z), torch.empty_like(probs), z.new_empty(Hkv, H // Hkv, hd, N)
-    mask = _mask(invalid)
-    if _moda_fn("moda_backward", K)(K.data_ptr(), V.data_ptr(), z.data_ptr(), dz.data_ptr(), probs.data_ptr(),
-                                       None if mask is None else mask.data_ptr(), S, Hkv, H // Hkv, hd, N, scale,
-                                       dqd.data_ptr(), ds.data_ptr(), dzt.data_ptr(), torch.get_num_threads()):
-        raise MemoryError("MoDA depth-attention CPU kernel: out of memory")
-    return dqd, ds, dzt
-
-
-def moda_slot_grads(records, start: int, stop: int, tokens: tuple[int, int], out=None):
-    """(gK, gV) [stop-start,B,T,Hkv,hd] (tokens = (B, T)) of slots start..stop-1 from reader records (ds, probs, qs,
-    dzt, S_r) (see `moda._SlotStore`): gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j]
-    dzt_r[:,j] over readers with S_r > s (as `moda_forward` and `moda_backward` return them, contiguous).
-    out = (gK, gV) (contiguous): add to these instead (returned)."""
-    ds0 = records[0][0]
-    Hkv, g, hd, N = records[0][2].shape
-    if out is None:
-        gk, gv = ds0.new_empty(stop - start, *tokens, Hkv, hd), ds0.new_empty(stop - start, *tokens, Hkv, hd)
-    else:
-        gk, gv = out
-    table = torch.tensor([[r[k].data_ptr() for r in records] for k in range(4)] + [[r[4] for r in records]],
-                         dtype=torch.long)
-    if _fn("moda_slot_grads", ds0, "moda")(len(records), *(row.data_ptr() for row in table), start, stop, Hkv, g,
-                                            hd, N, gk.data_ptr(), gv.data_ptr(), int(out is not None),
-                                            torch.get_num_threads()):
-        raise MemoryError("MoDA slot-gradient CPU kernel: out of memory")
-    return gk, gv
-
-
-MODA_STREAM_STORES = True  # False: plain stores only (for the same-run A/B in benchmarks/bench_speedups.py)
-
-
-def moda_store_slot(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst [Hkv,hd,B,T] (a contiguous slot of the buffer; src's dtype, or bfloat16 for float32 src: rounded to
-    nearest even) = src [B,T,Hkv,hd] (token rows), tokens last; whole 64-byte rows written with streaming stores
-    (`MODA_STREAM_STORES`)."""
-    src, rs = _rows(src)
-    B, T, Hkv, hd = src.shape
-    _moda_fn("moda_store_slot", dst)(src.data_ptr(), rs, Hkv * hd, B * T, dst.data_ptr(), int(MODA_STREAM_STORES),
-                                     torch.get_num_threads())

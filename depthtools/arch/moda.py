@@ -34,8 +34,9 @@ Appending to a state that is not the buffer's newest (a sweep branching from a c
 to foreign tensors copies the prefix into a fresh buffer (copy-on-branch). See `_AppendSlots`.
 Attention without pattern hooks is `_DepthAttention`: PyTorch's fused flash attention for the
 sequence part, merged with the depth part through the log-sum-exp (no [B,H,T,T] tensor), the depth
-part as C kernels on CPU (`cpu_kernels.moda_forward` / `moda_backward`), and depth-slot gradients formed
-once per slot from what its readers' backwards recorded in the buffer's store. Option fused (True):
+part as the custom ops `depthtools::moda_forward` / `moda_backward` (arch/ops/moda.py: C kernels on CPU, their
+torch-op twins elsewhere), and depth-slot gradients formed once per slot (`depthtools::moda_slot_grads`) from
+what its readers' backwards recorded in the buffer's store. Option fused (True):
 False uses neither (the plain-autograd `reference.append_slots` and `reference.depth_attention`).
 Readout = geometry = h; the blocks are single-stream (hook_resid_* carry h; TransformerLens'
 logit lens accepts them). The depth cache is side state, invisible to the lens.
@@ -66,7 +67,8 @@ import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch import cpu_kernels, reference
+from depthtools.arch import reference
+from depthtools.arch.ops import moda as moda_ops
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
 from depthtools.arch.torch_private import (cpu_flash_attention, cpu_flash_attention_backward, cpu_flash_attention_ok,
@@ -181,19 +183,15 @@ class _SlotStore:
 
 
 def _slot_grads(records, start: int, stop: int, tokens: tuple[int, int], out=None):
-    """(gK, gV) [stop-start,B,T,Hkv,hd] of slots start..stop-1 from reader records (see `_SlotStore`):
-    gK_s = Σ_r Σ_j ds_r[s,:,j] qs_r[:,j], gV_s = Σ_r Σ_j probs_r[s,:,j] dzt_r[:,j] over readers with S_r > s,
-    added to out = (gK, gV) if given. The C kernel on CPU (`cpu_kernels.moda_usable`), else torch ops."""
-    if cpu_kernels.moda_usable(records[0][0]):
-        return cpu_kernels.moda_slot_grads(records, start, stop, tokens, out)
-    Hkv, g, hd, N = records[0][2].shape
-    n = stop - start
-    gk, gv = (records[0][0].new_zeros(n, *tokens, Hkv, hd) for _ in range(2)) if out is None else out
-    for ds, probs, qs, dzt, reads in records:
-        hi = min(stop, reads)
-        if hi > start:
-            gk.view(n, N, Hkv, hd)[: hi - start] += torch.einsum("shjn,hjin->snhi", ds[start:hi], qs)
-            gv.view(n, N, Hkv, hd)[: hi - start] += torch.einsum("shjn,hjin->snhi", probs[start:hi], dzt)
+    """(gK, gV) [stop-start,B,T,Hkv,hd] of slots start..stop-1 from reader records (ds, probs, qs, dzt, S_r) (see
+    `_SlotStore`), added to out = (gK, gV) if given: `depthtools::moda_slot_grads`."""
+    if out is None:
+        Hkv, hd = records[0][2].shape[0], records[0][2].shape[2]
+        gk, gv = (records[0][0].new_empty(stop - start, *tokens, Hkv, hd) for _ in range(2))
+    else:
+        gk, gv = out
+    ds, probs, qs, dzt, reads = (list(column) for column in zip(*records))
+    moda_ops.moda_slot_grads(ds, probs, qs, dzt, reads, start, stop, gk, gv, out is not None)
     return gk, gv
 
 
@@ -277,10 +275,7 @@ class _AppendSlots(torch.autograd.Function):
         kraw, vraw = untracked(kbuf), untracked(vbuf)  # no version-counter bump for views saved elsewhere
         for j in range(n):
             for raw, slot in ((kraw, new[2 * j]), (vraw, new[2 * j + 1])):
-                if cpu_kernels.moda_usable(slot, raw.dtype):
-                    cpu_kernels.moda_store_slot(slot, raw[S + j])
-                else:
-                    raw[S + j].copy_(slot.permute(2, 3, 0, 1))
+                moda_ops.moda_store_slot(slot, raw[S + j])  # (the C kernel on CPU: streaming stores)
         store.fill = S + n
         ctx.S, ctx.n, ctx.store, ctx.branched = S, n, store, not inplace
         return kbuf[: S + n].permute(*_TO_VIEW), vbuf[: S + n].permute(*_TO_VIEW)
@@ -496,8 +491,8 @@ class _DepthAttention(torch.autograd.Function):
     Σ_s exp(s - lse') V_s. Backward: the fused kernel's backward with the JOINT output and
     log-sum-exp gives the exact sequence-part gradients (its probabilities are exp(score - lse')
     and its row term is Σ dz·z); the depth part is dS = P ⊙ (dz·V - Σ dz·z), dq_d = Σ_s dS K_s / sqrt(hd).
-    The depth part runs slots-first / tokens-last (see the buffer layout above): the C kernels on CPU
-    (`cpu_kernels.moda_forward` / `moda_backward`), else torch ops (`_depth_forward` / `_depth_backward`).
+    The depth part runs slots-first / tokens-last (see the buffer layout above) as the custom ops
+    `depthtools::moda_forward` / `moda_backward` (arch/ops/moda.py: the C kernels on CPU, else their torch twins).
     Depth-slot gradients (dK_s = Σ dS q_d/sqrt(hd), dV_s = Σ P dz) are left as a record in the buffer's
     store when keys/values are buffer views, formed once per slot by its writer's backward (`_SlotStore`);
     else they are formed here and returned.
@@ -513,16 +508,13 @@ class _DepthAttention(torch.autograd.Function):
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B,H,T,hd] views
         out, lse_seq = cpu_flash_attention(qh, kh, vh, scale)  # [B,H,T,hd], [B,H,T] (token-major in memory)
         K, V = _slots_first(keys), _slots_first(values)  # [S,Hkv,hd,N]
-        kernel = cpu_kernels.moda_usable(q, K.dtype)
-        if not kernel and K.dtype != q.dtype:  # bfloat16 slots, torch ops: compute in q's dtype
-            K, V = K.to(q.dtype), V.to(q.dtype)
-        z, lse, probs, qs = (cpu_kernels.moda_forward if kernel else _depth_forward)(
-            K, V, q_depth, out.transpose(1, 2), lse_seq.transpose(1, 2), invalid, scale)  # [B,T,H,hd], [B,T,H]
+        z, lse, probs, qs = moda_ops.moda_forward(K, V, q_depth, out.transpose(1, 2), lse_seq.transpose(1, 2),
+                                                  invalid, scale)  # [B,T,H,hd], [B,T,H]
         # keys/values: views of the slot buffer, whose later appends go past them without a version bump;
         # saved (not kept on ctx) so that autograd frees them after backward and the buffer can be reused
         # (BufferPool), while a retained graph keeps them for another backward
         ctx.save_for_backward(qh, kh, vh, qs, z, lse, probs, keys, values, invalid)
-        ctx.scale, ctx.kernel = scale, kernel
+        ctx.scale = scale
         return z
 
     @staticmethod
@@ -540,9 +532,7 @@ class _DepthAttention(torch.autograd.Function):
                                                       lse.transpose(1, 2), scale)
             dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
         K, V = _slots_first(keys), _slots_first(values)
-        if not ctx.kernel and K.dtype != z.dtype:
-            K, V = K.to(z.dtype), V.to(z.dtype)
-        dqd, ds, dzt = (cpu_kernels.moda_backward if ctx.kernel else _depth_backward)(K, V, z, dz, probs, invalid, scale)
+        dqd, ds, dzt = moda_ops.moda_backward(K, V, z, dz, probs, invalid, scale)
         dkeys = dvalues = None
         shared = _shared_store(keys, values) if (need_keys or need_values) else None
         record = (ds, probs, qs, dzt, S)
@@ -551,51 +541,6 @@ class _DepthAttention(torch.autograd.Function):
         elif need_keys or need_values:
             dkeys, dvalues = (t.permute(1, 2, 3, 0, 4) for t in _slot_grads([record], 0, S, (B, T)))  # [B,T,Hkv,S,hd]
         return dq, dk, dv, dqd if need_qd else None, dkeys, dvalues, None
-
-
-def _depth_forward(K, V, q, o, lse_seq, invalid, scale: float):
-    """`cpu_kernels.moda_forward` with torch ops (any device and dtype): (z [B,T,H,hd], lse [B,T,H], probs
-    [S,Hkv,g,N], qs [Hkv,g,hd,N]) from K, V [S,Hkv,hd,N], the depth query q [B,T,H,hd] and the sequence part's
-    output o [B,T,H,hd] and log-sum-exp lse_seq [B,T,H]. Works tokens last."""
-    S, Hkv, hd, N = K.shape
-    B, T, H, _ = q.shape
-    g = H // Hkv
-    qs = q.permute(2, 3, 0, 1).reshape(Hkv, g, hd, N) * scale  # scaled depth query
-    scores = torch.mul(K[:, :, None, 0], qs[:, :, 0])  # [S,Hkv,g,N]
-    for i in range(1, hd):
-        scores.addcmul_(K[:, :, None, i], qs[:, :, i])
-    if invalid is not None:
-        scores.masked_fill_(invalid.view(S, 1, 1, 1), float("-inf"))
-    lse_seq = lse_seq.permute(2, 0, 1).reshape(Hkv, g, N)
-    top = torch.maximum(scores.amax(0), lse_seq)  # [Hkv,g,N]
-    probs = scores.sub_(top).exp_()  # [S,Hkv,g,N], unnormalised
-    seq_weight = (lse_seq - top).exp_()
-    total = probs.sum(0).add_(seq_weight)  # joint normaliser / exp(top)
-    probs.div_(total)  # depth probabilities
-    seq_weight.div_(total)  # = exp(lse_seq - lse), the sequence part's total probability
-    lse = total.log_().add_(top)  # joint log-sum-exp
-    zt = o.permute(2, 3, 0, 1).reshape(Hkv, g, hd, N) * seq_weight.unsqueeze(2)
-    for s in range(S):
-        zt.addcmul_(V[s, :, None], probs[s].unsqueeze(2))
-    z = zt.reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous()
-    return z, lse.reshape(H, B, T).permute(1, 2, 0).contiguous(), probs, qs
-
-
-def _depth_backward(K, V, z, dz, probs, invalid, scale: float):
-    """`cpu_kernels.moda_backward` with torch ops: (dqd [B,T,H,hd], ds [S,Hkv,g,N], dzt [Hkv,g,hd,N])."""
-    S, Hkv, hd, N = K.shape
-    B, T, H, _ = z.shape
-    g = H // Hkv
-    dzt = dz.permute(2, 3, 0, 1).reshape(Hkv, g, hd, N)
-    zt = z.permute(2, 3, 0, 1).reshape(Hkv, g, hd, N)
-    ds = torch.mul(V[:, :, None, 0], dzt[:, :, 0])  # [S,Hkv,g,N] = dz·V_s
-    for i in range(1, hd):
-        ds.addcmul_(V[:, :, None, i], dzt[:, :, i])
-    ds.sub_((dzt * zt).sum(2)).mul_(probs)  # dL/dscore = P ⊙ (dz·V_s - Σ dz·z); masked slots: P = 0
-    dqt = torch.mul(K[0, :, None], ds[0].unsqueeze(2))  # [Hkv,g,hd,N]
-    for s in range(1, S):
-        dqt.addcmul_(K[s, :, None], ds[s].unsqueeze(2))
-    return dqt.mul_(scale).reshape(H, hd, B, T).permute(2, 3, 0, 1).contiguous(), ds, dzt
 
 
 ARCH_SPECS = [
