@@ -9,7 +9,12 @@ import typer
 from rich.markup import escape
 
 from cli.main import app, console, err_console, grid_app, parse_list, print_json, table
+from depthtools.data import read_meta
+from depthtools.data.budget import NOMINAL_VOCAB, check_vocab
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import check_name
+from depthtools.presets import PRESETS, get_preset
+from depthtools.profiles import apply_to_spec
 
 
 @app.command("archs")
@@ -21,11 +26,11 @@ def archs_command(
 
     Example: depthtools archs --json
     """
-    from depthtools.arch import list_archs
-    from depthtools.arch.cpu_kernels import kernel_status
+    from depthtools.arch import list_archs  # lazy: keeps the CLI torch-free
+    from depthtools.arch.cpu_kernels import kernel_status  # lazy: keeps the CLI torch-free
 
     if markdown:
-        from depthtools.arch.doc_table import registry_markdown_table
+        from depthtools.arch.doc_table import registry_markdown_table  # lazy: keeps the CLI torch-free
 
         print(registry_markdown_table())
         return
@@ -84,17 +89,13 @@ def grid_plan_command(
       depthtools grid plan --preset demo --seeds 0,1,2 --out demo3.json
       depthtools grid plan --preset afternoon --profile depthbench --name afternoon-depthbench --out db.json
     """
-    from depthtools.grid import grid_spec, parse_seeds, plan_grid, save_grid
-
-    from depthtools.fsutil import check_name
+    from depthtools.grid import grid_spec, parse_seeds, plan_grid, save_grid  # lazy: keeps the CLI torch-free
 
     if name is not None:  # before planning, which can take a while
         check_name(name, "grid name (--name)")
     meta = _data_meta(data)
     seeds = parse_seeds(parse_list(seeds, "int", "--seeds", "0,1,2")) if seeds is not None else None
     if preset is not None:
-        from depthtools.presets import get_preset
-
         spec = get_preset(preset).grid_spec(name=name, seeds=seeds)
         if data is not None:
             spec["data"] = {"dir": str(data.expanduser().resolve())}
@@ -119,8 +120,6 @@ def grid_plan_command(
                          data={"dir": str(data.expanduser().resolve())} if data is not None else None)
         cells = spec["cells"]
     if profile is not None:
-        from depthtools.profiles import apply_to_spec
-
         spec = apply_to_spec(spec, profile)
         cells = spec["cells"]
     _check_plan_data(spec, data_root)
@@ -143,7 +142,6 @@ def grid_plan_command(
 def _data_meta(data: Optional[Path]):
     if data is None:
         return None
-    from depthtools.data import read_meta
 
     return read_meta(data)
 
@@ -152,9 +150,8 @@ def _check_plan_data(spec, data_root: Path) -> None:
     """Refuse a plan whose vocabulary does not fit its data's tokenizer, or whose cells' token budgets
     exceed the recipe's max_epochs of the data (depthtools.data.budget; warnings above one epoch are
     logged); say what a preset's data needs when it is not prepared yet."""
-    from depthtools.data.budget import NOMINAL_VOCAB, check_vocab
-    from depthtools.grid import Cell
-    from depthtools.train.sweep import check_grid_data
+    from depthtools.grid import Cell  # lazy: keeps the CLI torch-free
+    from depthtools.train.sweep import check_grid_data  # lazy: keeps the CLI torch-free
 
     data = dict(spec.get("data") or {})
     if not data:  # a plan that names no data: `grid train` checks it against the data it is given
@@ -184,8 +181,6 @@ def grid_presets_command(as_json: bool = typer.Option(False, "--json", help="Pri
 
     Example: depthtools grid presets
     """
-    from depthtools.presets import PRESETS
-
     rows = [{"name": p.name, "archs": ",".join(p.plan["arch"]), "layers": ",".join(map(str, p.plan["layers"])),
              "budget": p.plan["budget"], "seeds": ",".join(map(str, p.plan.get("seeds", [0]))),
              "description": p.description} for p in PRESETS.values()]
@@ -206,7 +201,7 @@ def info_command(
 
     Example: depthtools info --ckpt preln_L4
     """
-    from depthtools.checkpoint import checkpoint_summary
+    from depthtools.checkpoint import checkpoint_summary  # lazy: keeps the CLI torch-free
 
     summary = checkpoint_summary(ckpt)
     if summary["weights"] != "ok":

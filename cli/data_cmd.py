@@ -20,7 +20,7 @@ from depthtools.data import CORPORA, MIXES, available_corpora, prepare, prepare_
 from depthtools.data.inputs import UNIT_BYTES
 from depthtools.data.shards import SHARD_TOKENS
 from depthtools.data.corpora import CorpusChecksumWarning
-from depthtools.data.tokenizer import TOKENIZER_SPECS
+from depthtools.data.tokenizer import TOKENIZER_SPECS, is_tokenizer_file
 from depthtools.errors import DepthToolsError
 
 INPUT_OPTIONS = ("--input", "-i")
@@ -101,8 +101,6 @@ def prepare_cmd(
       depthtools data prepare --input 'fineweb-edu/sample/10BT/*.parquet' --tokenizer gpt-neox/tokenizer.json --workers 16
       depthtools data prepare --input dump.jsonl.zst --domain-field source --name mix
     """
-    from depthtools.data.tokenizer import is_tokenizer_file
-
     if tokenizer not in TOKENIZER_SPECS and not is_tokenizer_file(tokenizer):
         raise DepthToolsError(f"--tokenizer {tokenizer!r} is not valid; use one of: {', '.join(TOKENIZER_SPECS)}, "
                               "or a path to a local tokenizer.json")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 from rich.markup import escape
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from cli.main import app, console
 from cli.plain import PlainLog, is_plain
@@ -32,10 +33,9 @@ def demo_command(
       depthtools demo                 # the embedded default (preset demo)
       depthtools demo --preset tiny   # CI-sized
     """
-    import torch
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    import torch  # lazy: keeps the CLI torch-free
 
-    from depthtools.demo import run_demo
+    from depthtools.demo import run_demo  # lazy: keeps the CLI torch-free
 
     if threads > 0:
         torch.set_num_threads(threads)

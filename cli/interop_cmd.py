@@ -43,10 +43,10 @@ def import_hf_command(
     Example: depthtools import-hf ./TinyLlama --name tinyllama
     Example: depthtools import-hf ./tiny-q8_0.gguf --name tiny-gguf
     """
-    from depthtools.interop import import_hf
+    from depthtools.interop import import_hf  # lazy: keeps the CLI torch-free
 
     if directory.suffix.lower() == ".gguf":
-        from depthtools.interop.gguf_import import import_gguf
+        from depthtools.interop.gguf_import import import_gguf  # lazy: keeps the CLI torch-free
 
         summary = import_gguf(directory, name=name, out=out, force=force, max_seq_len=max_seq_len)
     else:
@@ -72,7 +72,7 @@ def export_hf_command(
 
     Example: depthtools export-hf --ckpt preln_L8 exported/preln_L8
     """
-    from depthtools.interop import export_hf
+    from depthtools.interop import export_hf  # lazy: keeps the CLI torch-free
 
     summary = export_hf(ckpt, directory, tokenizer=None if tokenizer == "auto" else tokenizer, force=force)
     if as_json:

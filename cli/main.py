@@ -7,21 +7,16 @@ group. User errors (`DepthToolsError`) print one line to stderr and exit with co
 from __future__ import annotations
 
 import importlib
-import json
-import math
 import sys
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
 from typer.core import TyperGroup
 
+# the shared output helpers live in cli.common (which imports no command module); re-exported for the commands
+from cli.common import check_device, console, err_console, fmt, parse_list, print_json, table, write_out  # noqa: F401
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import os_error_line
-
-err_console = Console(stderr=True)
 
 
 class _OneLineErrors(TyperGroup):
@@ -56,64 +51,10 @@ app = typer.Typer(
 grid_app = typer.Typer(help="Plan, train and inspect iso-parameter grids.", no_args_is_help=True)
 app.add_typer(grid_app, name="grid")
 
-console = Console()
-
 # Command modules that register themselves on `app` / `grid_app` when imported (all part of the package: a
 # missing one is an ImportError, not a silently absent command).
 COMMAND_MODULES = ("cli.core_cmd", "cli.data_cmd", "cli.train_cmd", "cli.probe_cmd", "cli.suite_cmd",
                    "cli.report_cmd", "cli.demo_cmd", "cli.interop_cmd", "cli.tasks_cmd")
-
-
-def print_json(obj) -> None:
-    """Machine-readable output on stdout (no rich markup)."""
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-
-
-def table(title: str, columns: list[str], rows: list[list]) -> Table:
-    """A rich table whose title, headers and cells are shown literally (a `[` in a name is not markup).
-
-    A cell that should be styled is passed as a rich `Text` (e.g. Text(state, style="green")): it is
-    rendered as it is, never parsed, so user text inside it stays literal too."""
-    out = Table(title=escape(str(title)))
-    for column in columns:
-        out.add_column(escape(str(column)))
-    for row in rows:
-        out.add_row(*(v if isinstance(v, Text) else escape(str(v)) for v in row))
-    return out
-
-
-def fmt(value, digits: int = 4) -> str:
-    """A number as every table shows it: `digits` significant figures; missing (None, NaN, NA) as "–"."""
-    if value is None or (isinstance(value, float) and value != value) or type(value).__name__ == "NAType":
-        return "–"
-    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
-
-
-LIST_KINDS = {"int": "an integer", "float": "a finite number", "str": "a name"}
-
-
-def parse_list(text: str | None, kind: str, option: str, example: str) -> list | None:
-    """A comma-separated option value as a list: every list-valued option of the CLI parses here.
-
-    `kind` is "int", "float" (finite) or "str"; None (option not given) stays None; spaces and empty
-    items ("16,,24,") are ignored. A value that names nothing, or an item of the wrong kind, is a
-    one-line DepthToolsError (exit 2) naming the option, the item and an example (`example`)."""
-    if text is None:
-        return None
-    items = [item.strip() for item in str(text).split(",") if item.strip()]
-    if not items:
-        raise DepthToolsError(f"{option} {text!r} names no value; use comma-separated values like {example}")
-    out = []
-    for item in items:
-        try:
-            value = {"int": int, "float": float, "str": str}[kind](item)
-        except ValueError:
-            value = None
-        if value is None or (kind == "float" and not math.isfinite(value)):
-            raise DepthToolsError(f"cannot read {option} {text!r}: {item!r} is not {LIST_KINDS[kind]}; "
-                                  f"use comma-separated values like {example}")
-        out.append(value)
-    return out
 
 
 def _load_command_modules() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from cli.main import console
+from cli.common import console
 
 
 def is_plain() -> bool:

@@ -19,17 +19,21 @@ one-line deprecation note.
 from __future__ import annotations
 
 import contextvars
+import json
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
 import pandas as pd
 import typer
+from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from typer.core import TyperCommand
 
-from cli.main import app, console, err_console, fmt, parse_list, print_json, table
-from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, run_probe as run_depthbench_probe
-from depthtools.analysis.suite import N_TOKENS, SEQ_LEN, check_sizes
+from cli.main import app, check_device, console, err_console, fmt, parse_list, print_json, table, write_out
+from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
+from depthtools.analysis.suite import (N_TOKENS, SEQ_LEN, ablate_analysis, analysis_args, cast_model, check_dtype,
+                                       check_sizes, checkpoint_dirs, plan, probe_tokens, progress_total, run_analysis)
 from depthtools.errors import DepthToolsError
 
 # -- the shared option vocabulary --------------------------------------------------------------------
@@ -93,8 +97,6 @@ class ProbeCommand(TyperCommand):
     def invoke(self, ctx):
         """Run the command under the analysis dtype (--dtype) with --text FILE travelling as the data argument
         (a file there means text to tokenize with the checkpoint's own tokenizer: suite.eval_tokens)."""
-        from depthtools.analysis.suite import check_dtype
-
         text = ctx.params.get("text")
         if text is not None:
             if ctx.params.get("data") is not None:
@@ -139,30 +141,17 @@ def column_blocks(columns: list, width: int, first: int = 6) -> list[list]:
     return [columns[i:i + per] for i in range(0, len(columns), per)] or [columns]
 
 
-def check_device(device: str) -> str:
-    import torch
-
-    if device not in ("cpu", "cuda"):
-        raise DepthToolsError(f"unknown device {device!r}; valid: cpu, cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise DepthToolsError("--device cuda requested but no CUDA device is available; use --device cpu")
-    return device
-
 
 def out_console():
     """The app's console on a terminal; a wide one for pipes and files, so columns are not truncated."""
     if console.is_terminal:
         return console
-    from rich.console import Console
 
     return Console(width=max(console.width, 200))
 
 
 def progress_bar(description: str, total: Optional[float]):
     """A transient rich progress bar on stderr (stdout stays clean for --json)."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("ETA"), TimeRemainingColumn(), console=err_console, transient=True)
     task = bar.add_task(description, total=total)
@@ -176,9 +165,7 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
 
     With several checkpoints, one an analysis does not apply to is skipped with a line on stderr.
     """
-    from depthtools.analysis.suite import (analysis_args, cast_model, checkpoint_dirs, plan, probe_tokens,
-                                           progress_total, run_analysis)
-    from depthtools.checkpoint import load
+    from depthtools.checkpoint import load  # lazy: keeps the CLI torch-free
 
     check_sizes(n_tokens, seq_len, batch_size)
     check_device(device)
@@ -214,13 +201,6 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
         raise DepthToolsError(f"{names[0]} applies to none of the checkpoints: {skipped[0]}")
     return done
 
-
-def write_out(df: pd.DataFrame, out: Optional[Path]) -> None:
-    from depthtools.analysis.tables import write_frame
-
-    if out is not None:
-        write_frame(df, out)
-        err_console.print(f"wrote {out}", markup=False, highlight=False)
 
 
 # -- lens and ablate: one wide table over all checkpoints ----------------------------------------------
@@ -296,8 +276,6 @@ def ablate_command(
       depthtools ablate --grid checkpoints/tiny --mode swap --pairs all --out swaps.parquet
       depthtools ablate --ckpt hc_L8 --mode prune --tau 0.05 --data data/default --json
     """
-    from depthtools.analysis.suite import ablate_analysis
-
     if check_protocol(protocol):  # skip: layer_pruning, swap: permutation_score (all pairs), linear: usefulness
         return run_depthbench_probe("ablate", mode, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size,
                                     device, as_json, out, save)
@@ -369,8 +347,6 @@ def per_layer_table(df, title: str, metrics: list[str]):
 def emit_long(name: str, done: list, as_json: bool, out: Optional[Path], show: Callable) -> None:
     """--json: {"table": rows, "notes": [...], "settings": {...}} (settings: a list, one per checkpoint, when
     several); else `show(model, df)` and the notes, per checkpoint."""
-    import json
-
     frames = [results[name].table for _, results in done]
     df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
     write_out(df, out)
@@ -533,9 +509,7 @@ def depthbench_command(
 
     Example: depthtools depthbench --ckpt attnres_L8 --metrics causal_score,layer_pruning --n-tokens 4096
     """
-    from cli.probe_depthbench import emit_depthbench
-    from depthtools.analysis.depthbench import depthbench_checkpoint
-    from depthtools.analysis.suite import checkpoint_dirs
+    from depthtools.analysis.depthbench import depthbench_checkpoint  # lazy: keeps the CLI torch-free
 
     check_sizes(n_tokens, seq_len, batch_size)
     check_device(device)

@@ -26,6 +26,8 @@ import pandas as pd
 import typer
 from rich.markup import escape
 
+from cli.common import check_device, console, fmt, print_json, table, write_out
+from depthtools.analysis.suite import check_sizes, checkpoint_dirs
 from depthtools.errors import DepthToolsError
 
 PROTOCOLS = ("depthtools", "depthbench")
@@ -72,9 +74,6 @@ def probe_metrics(command: str, mode: Optional[str] = None) -> tuple[str, ...]:
 def emit_depthbench(frames: list[pd.DataFrame], as_json: bool, out: Optional[Path]) -> None:
     """Print DepthBench tables: --json {"table", "notes"}; else per checkpoint its scalar and per-layer rows,
     a count of its pairwise rows, and its notes."""
-    from cli.main import console, fmt, print_json, table
-    from cli.probe_cmd import write_out
-
     df = pd.concat(frames, ignore_index=True)
     write_out(df, out)
     if as_json:
@@ -95,9 +94,7 @@ def emit_depthbench(frames: list[pd.DataFrame], as_json: bool, out: Optional[Pat
 def run_probe(command: str, mode: Optional[str], ckpt, grid, data, n_tokens: int, seq_len: Optional[int], split: str,
               seed: int, batch_size: int, device: str, as_json: bool, out: Optional[Path], save: bool) -> None:
     """`command --protocol depthbench`: its DepthBench metrics per checkpoint (depthbench_checkpoint), printed."""
-    from cli.probe_cmd import check_device
-    from depthtools.analysis.depthbench import depthbench_checkpoint
-    from depthtools.analysis.suite import check_sizes, checkpoint_dirs
+    from depthtools.analysis.depthbench import depthbench_checkpoint  # lazy: keeps the CLI torch-free
 
     metrics = list(probe_metrics(command, mode))
     check_sizes(n_tokens, seq_len, batch_size)

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.markup import escape
 
-from cli.main import app, console
+from cli.main import app, console, err_console
 from depthtools.errors import DepthToolsError
 
 REPORTS = Path("reports")
@@ -32,7 +33,7 @@ def report_command(
       depthtools report --ckpt hc_L8
       depthtools report --ckpt hc_L8 --ckpt preln_L8
     """
-    from depthtools.report import default_name, grid_report, model_report
+    from depthtools.report import default_name, grid_report, model_report  # lazy: keeps the CLI torch-free
 
     if (grid is None) == (not ckpt):
         raise DepthToolsError("give either --grid DIR or one or more --ckpt NAME (not both)")
@@ -49,10 +50,7 @@ def report_command(
 
 def _warn_weights(grid: Optional[Path], ckpts: Optional[List[str]]) -> None:
     """One stderr line per checkpoint whose weights are missing or damaged (the report says so too)."""
-    from rich.markup import escape
-
-    from cli.main import err_console
-    from depthtools.report.data import weights_warnings_of
+    from depthtools.report.data import weights_warnings_of  # lazy: keeps the CLI torch-free
 
     for line in weights_warnings_of(grid, ckpts):
         err_console.print(f"[bold yellow]warning:[/] weights missing or damaged: {escape(line)}", highlight=False,

@@ -6,18 +6,22 @@
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cli.main import app, console, fmt, parse_list, print_json, table
+from cli.main import app, check_device, console, fmt, parse_list, print_json, table
 from cli.plain import PlainLog, is_plain
+from depthtools.analysis.suite import analyze_grid, check_sizes, checkpoint_dirs
 from depthtools.errors import DepthToolsError
 from cli.probe_cmd import (ANALYSIS_DTYPE, BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE,
-                           SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, TEXT, ProbeCommand, check_device)
+                           SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, TEXT, ProbeCommand)
 
 
 @app.command("analyze", cls=ProbeCommand)
@@ -50,11 +54,6 @@ def analyze_command(
 
     Example: depthtools analyze --grid checkpoints/tiny --n-tokens 2048 --seq-len 64
     """
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
-
-    from depthtools.analysis.suite import analyze_grid
-
     check_device(device)
     only = parse_list(only, "str", "--only", "causal,lens_logit")
     if protocol not in ("depthtools", "depthbench"):
@@ -93,8 +92,7 @@ def analyze_command(
 def run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch_size, device) -> None:
     """`analyze --protocol depthbench`: DepthBench's metrics per checkpoint, saved as analysis/depthbench.parquet.
     A family or an --only metric DepthBench does not define is a one-line error (exit 2)."""
-    from depthtools.analysis.depthbench import depthbench_checkpoint
-    from depthtools.analysis.suite import checkpoint_dirs, check_sizes
+    from depthtools.analysis.depthbench import depthbench_checkpoint  # lazy: keeps the CLI torch-free
 
     check_sizes(n_tokens, seq_len, batch_size)
     for ckpt_dir in checkpoint_dirs(ckpt, grid):
@@ -108,9 +106,7 @@ def run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch
 def _plain_progress():
     """analyze_grid's progress as plain lines: one per checkpoint done, and a line at most every minute
     within a long one (naming the analysis running)."""
-    import time
-
-    from depthtools.analysis.cost import duration
+    from depthtools.analysis.cost import duration  # lazy: keeps the CLI torch-free
 
     log, current = PlainLog(), [None]
 
@@ -147,9 +143,7 @@ def summarize_command(
 
     Example: depthtools summarize --grid checkpoints/tiny --n-boot 500
     """
-    import json
-
-    from depthtools.analysis.summary import SUMMARY_FIELDS, summarize_grid
+    from depthtools.analysis.summary import SUMMARY_FIELDS, summarize_grid  # lazy: keeps the CLI torch-free
 
     models, slopes = summarize_grid(grid, n_boot=n_boot, seed=seed, save=save)
     if as_json:

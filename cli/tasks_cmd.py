@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from cli.main import console, fmt, parse_list, print_json, table
-from depthtools.data.tasks import TASKS
+from depthtools.data.tasks import TASKS, TASK_HELP, check_k, generate, parse_k, parse_tasks
 from depthtools.errors import DepthToolsError
 
 tasks_app = typer.Typer(help="Synthetic serial-computation probes: show samples, evaluate checkpoints per task and k.",
@@ -52,8 +52,6 @@ def sample_command(
 
     Example: depthtools tasks sample --task s5 --k 3 -n 5
     """
-    from depthtools.data.tasks import TASK_HELP, check_k, generate
-
     check_k(task, k)
     samples = generate(task, k, n, seed)
     if as_json:
@@ -87,9 +85,8 @@ def eval_command(
     Example: depthtools tasks eval --ckpt preln_L8 --tasks chase,s5 --k 1-12 -n 200
     Example: depthtools tasks eval --grid checkpoints/tiny --threshold 0.8 --json
     """
-    from depthtools.analysis.tasks import evaluate_checkpoint, evaluate_grid
-    from depthtools.checkpoint import load
-    from depthtools.data.tasks import check_k, parse_k, parse_tasks
+    from depthtools.analysis.tasks import evaluate_checkpoint, evaluate_grid  # lazy: keeps the CLI torch-free
+    from depthtools.checkpoint import load  # lazy: keeps the CLI torch-free
 
     if (ckpt is None) == (grid is None):
         raise DepthToolsError("give exactly one of --ckpt NAME or --grid DIR")
@@ -124,7 +121,7 @@ def eval_command(
 
 
 def _show(df, reached, title: str, threshold: float) -> None:
-    from depthtools.analysis.tasks import wide
+    from depthtools.analysis.tasks import wide  # lazy: keeps the CLI torch-free
 
     w = wide(df)
     wide_console = Console(width=max(console.width, 140))

@@ -10,6 +10,8 @@ Notebook entry points (each returns plain objects or tidy DataFrames):
 Probes live in depthtools.analysis.* (lens, ablate, causal, geometry, contrib, routing, summary).
 """
 
+import importlib
+
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import CheckpointError, DepthToolsError
 
@@ -30,8 +32,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'depthtools' has no attribute {name!r}")
 

@@ -14,15 +14,19 @@ Layout of one cell directory `checkpoints/<grid>/<arch>_L<n>/`:
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from depthtools import __version__
 from depthtools.config import ModelConfig
 from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import file_mode, json_section, read_json_object, write_error
@@ -86,8 +90,6 @@ def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: 
 
 def _weights_error(path: Path, exc: BaseException) -> CheckpointError:
     """A weights file that cannot be opened (permission, I/O) or that is not valid safetensors, in one line."""
-    import re
-
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if isinstance(exc, OSError) and exc.errno is not None:
         return CheckpointError(f"cannot read weights file {path}: {exc.strerror}")
@@ -110,8 +112,6 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def read_header(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from a safetensors file's header alone (nothing is loaded or allocated)."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"missing weights file {path}")
@@ -133,9 +133,6 @@ def weights_problem(path: str | Path) -> str | None:
     the last tensor's data_offsets (and each tensor's byte range with its dtype and shape): a missing,
     empty, truncated or padded file is caught without reading the weights. For `info` and `report`,
     which otherwise call a cell whose eval.json exists finished."""
-    import math
-    import struct
-
     path = Path(path)
     if not path.is_file():
         return f"weights file {path} is missing"
@@ -185,7 +182,7 @@ def check_shapes(cfg: ModelConfig, header: dict[str, tuple[int, ...]], directory
 
     The block count and the embedding are checked first (cheap); then a model built on the meta device
     (shapes, no storage) gives every tensor name and shape."""
-    from depthtools.arch import DepthModel
+    from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
 
     blocks = _block_count(header)
     if blocks is not None and blocks != cfg.n_layer:
@@ -240,8 +237,6 @@ def save(model, directory: str | Path, extra: dict[str, Any] | None = None) -> P
 
     `extra` adds fields to config.json (train config, tokenizer and data fingerprints, ...).
     """
-    from depthtools import __version__
-
     directory = Path(directory)
     atomic_save_tensors(directory / WEIGHTS, model_state(model), metadata={"format": "pt", "arch": model.config.arch})
     config = {
@@ -304,8 +299,8 @@ def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
 
 def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
     """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model."""
-    from depthtools.arch import DepthModel
-    from depthtools.arch.hyper import legacy_options
+    from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
+    from depthtools.arch.hyper import legacy_options  # lazy: TransformerLens (~2.5 s) only where a model is built
 
     directory = resolve(name, root)
     config = read_json(directory / CONFIG)

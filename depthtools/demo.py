@@ -17,6 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from depthtools.analysis.suite import analyze_grid
+from depthtools.analysis.summary import summarize_grid
+from depthtools.analysis.tasks import evaluate_grid
+from depthtools.presets import get_preset
+from depthtools.report import grid_report
+from depthtools.train.launch import launch_local
+from depthtools.train.sweep import grid_data_dir, load_spec, train_grid
+
 
 # Share of the whole demo's wall time each stage takes (measured on the demo preset, 2 CPU cores),
 # so one progress bar moves at a roughly even pace.
@@ -99,12 +107,6 @@ def run_demo(preset: str = "demo", root: str | Path = "checkpoints", data_root: 
     `workers` > 1 trains cells in that many 1-thread processes (the local launcher): on a small CPU
     model, two 1-thread workers on 2 cores beat one 2-thread process. Progress then moves per cell.
     """
-    from depthtools.analysis.suite import analyze_grid
-    from depthtools.analysis.summary import summarize_grid
-    from depthtools.presets import get_preset
-    from depthtools.report import grid_report
-    from depthtools.train.sweep import grid_data_dir, load_spec, train_grid
-
     chosen = get_preset(preset)
     spec = load_spec(chosen.grid_spec())
     grid_dir = Path(root) / spec["name"]
@@ -158,8 +160,6 @@ def _analyze_progress(stages: _Stages) -> Callable[[str, int, int], None]:
 
 def _train_in_pool(spec: dict[str, Any], root, data_root, workers: int, stages: _Stages) -> list[str]:
     """Train the grid with the local process-pool launcher; a failed cell becomes a note (the report lists it)."""
-    from depthtools.train.launch import launch_local
-
     n_cells, finished = max(len(spec["cells"]), 1), []
 
     def log(line: str) -> None:
@@ -175,8 +175,6 @@ def _train_in_pool(spec: dict[str, Any], root, data_root, workers: int, stages: 
 def _evaluate_tasks(grid_dir: Path, stages: _Stages, **settings) -> list[str]:
     """The synthetic serial-computation tasks on every cell (accuracy, answer loss, lens depth per k);
     `settings` are evaluate_grid's (n, and the preset's tasks and ks)."""
-    from depthtools.analysis.tasks import evaluate_grid
-
     def show(what: str, done: int, total: int) -> None:
         stages.update("tasks", done / max(total, 1), f"depth tasks: {what}")
         if what != "done":

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
+import re
 import shutil
+import socket
+import threading
+import time
 from pathlib import Path
 
 from depthtools.errors import DepthToolsError
@@ -17,8 +22,6 @@ def read_json_object(path: str | os.PathLike, what: str = "metadata", error: typ
 
     Unreadable (OSError), not UTF-8, not JSON, nested too deeply for the parser (RecursionError) or not
     an object: `what` says what the file is ("the checkpoint config"), `hint` what to do (appended)."""
-    import json
-
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -74,8 +77,6 @@ def check_name(name, what: str) -> str:
     The rule (NAME_PATTERN, NAME_RULE): 1 to 128 characters from [A-Za-z0-9._+-], the first a letter or
     a digit, and no `..` anywhere. `what` names the thing, e.g. "cell name" or "--name (the dataset folder)".
     """
-    import re
-
     if not isinstance(name, str):
         raise DepthToolsError(f"{what} must be a string, not {type(name).__name__} {name!r}; use {NAME_RULE}")
     if re.fullmatch(NAME_PATTERN, name) is None or ".." in name:
@@ -109,8 +110,6 @@ class WriteError(OSError):
 def write_error(exc: BaseException, path: str | os.PathLike) -> OSError:
     """`exc` (an OSError, or a SafetensorError wrapping one) as an OSError naming `path` — the file the
     caller meant to write, not the hidden temporary file of an atomic write."""
-    import re
-
     if isinstance(exc, OSError) and exc.errno is not None:
         return WriteError(exc.errno, exc.strerror or str(exc), os.fspath(path))
     text = str(exc)  # safetensors: "... I/O error: File too large (os error 27)" or "... code: 28, ..."
@@ -220,8 +219,6 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _read_lock_info(fd: int) -> dict | None:
-    import json
-
     try:
         text = os.pread(fd, 65536, 0).decode("utf-8")
         info = json.loads(text) if text.strip() else None
@@ -231,8 +228,6 @@ def _read_lock_info(fd: int) -> dict | None:
 
 
 def _describe_holder(info: dict | None, age_s: float | None) -> str:
-    import time
-
     if not info:
         return "another process (its lock file holds no readable owner)"
     since = info.get("since")
@@ -245,8 +240,6 @@ class _Lock:
     """A held lock: the open, flock'ed file plus a heartbeat thread; `release()` is idempotent."""
 
     def __init__(self, path: Path, fd: int, beat_s: float):
-        import threading
-
         self.path, self.fd = path, fd
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(beat_s,), daemon=True, name=f"lock-beat {path.name}")
@@ -260,7 +253,7 @@ class _Lock:
                 pass
 
     def release(self) -> None:
-        import fcntl
+        import fcntl  # optional: POSIX-only module
 
         if self.fd < 0:
             return
@@ -287,10 +280,7 @@ def acquire_lock(path: Path, what: str, error: type[Exception] = LockHeldError, 
     than `stale_after` seconds and whose holder may be alive (another host; or this host and its pid
     runs) is still refused; an older one, or one whose pid is gone, is taken over.
     """
-    import fcntl
-    import json
-    import socket
-    import time
+    import fcntl  # optional: POSIX-only module
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ round-up(ratio·d, multiple m) (DepthBench: 8/3, 16) or ratio·d exactly.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 import re
@@ -22,8 +23,12 @@ from typing import Any, Iterable
 
 import torch
 
-from depthtools.config import ModelConfig, round_up
+from depthtools.arch import DepthModel, canonical_name, get_arch
+from depthtools.checkpoint import atomic_write_json
+from depthtools.config import ModelConfig, TrainConfig, check_json_fields, check_json_value, round_up
+from depthtools.data import prepare, prepare_inputs
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import check_file_target, check_name, read_json_object
 
 
 MAX_COUNT = 1e13  # parameters: far beyond any model this planner is for, far below float overflow
@@ -138,8 +143,6 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _counts_of(config_json: str) -> dict[str, int]:
-    from depthtools.arch import DepthModel
-
     with torch.device("meta"):
         return DepthModel(ModelConfig.from_json(config_json)).param_counts()
 
@@ -208,8 +211,6 @@ def plan_grid(
     the depth whose best-fitting width gives the closest ratio. Raises a one-line error naming the
     cell when no allowed shape is within `tolerance` of the budget.
     """
-    from depthtools.arch import canonical_name, get_arch
-
     archs = [arch] if isinstance(arch, str) else list(arch)
     if not archs:
         raise DepthToolsError("no architecture given; name at least one (see `depthtools archs`)")
@@ -312,16 +313,11 @@ def grid_spec(cells: list[Cell], name: str = "grid", train: dict[str, Any] | Non
     """A JSON-able grid spec: the planned cells plus the shared recipe and data settings.
 
     `name` becomes the grid's folder under the checkpoint root, so it must pass `check_name`."""
-    from depthtools.fsutil import check_name
-
     check_name(name, "grid name (--name)")
     return {"name": name, "plan": plan or {}, "train": train, "data": data, "cells": [asdict(c) for c in cells]}
 
 
 def save_grid(spec: dict[str, Any], path: str | Path) -> Path:
-    from depthtools.checkpoint import atomic_write_json
-    from depthtools.fsutil import check_file_target
-
     check_file_target(path, "grid spec file (--out)")
     atomic_write_json(Path(path), spec)
     return Path(path)
@@ -332,7 +328,6 @@ def load_grid(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise DepthToolsError(f"grid spec {path} not found; create one with `depthtools grid plan --out {path}`")
-    from depthtools.fsutil import read_json_object
 
     spec = read_json_object(path, "a grid spec", hint=" (the grid spec is not valid; write one with `depthtools grid plan --out`)")
     return check_spec(spec, f"grid spec {path}")
@@ -357,8 +352,6 @@ def check_spec(spec: Any, where: str = "grid spec") -> dict[str, Any]:
     refuses; a "train" recipe TrainConfig refuses; no cells; a cell that `check_cell` refuses;
     two cells with one name (also when they differ only in case: one folder on macOS/Windows).
     A missing name is "grid", as it always was."""
-    from depthtools.fsutil import check_name
-
     if not isinstance(spec, dict):
         raise DepthToolsError(f"{where} must be a JSON object, not {type(spec).__name__}")
     unknown = sorted(str(k) for k in spec if k not in SPEC_KEYS)
@@ -375,8 +368,6 @@ def check_spec(spec: Any, where: str = "grid spec") -> dict[str, Any]:
     name = check_name(spec.get("name", "grid"), f"{where}: grid name")
     check_data_section(spec.get("data"), f"{where}: 'data'")
     if spec.get("train") is not None:
-        from depthtools.config import TrainConfig
-
         try:
             TrainConfig.from_dict(spec["train"])  # the recipe's keys, types and values (cells add their seed)
         except DepthToolsError as exc:
@@ -405,10 +396,6 @@ def check_data_section(data: Any, where: str = "grid spec: 'data'") -> None:
     `depthtools.data.prepare_inputs`) or {"corpus": ..., ...} (those of `depthtools.data.prepare`) —
     whose keys are that form's arguments and whose values have their annotated JSON types; a dataset
     "name" must pass `check_name`."""
-    import inspect
-
-    from depthtools.config import check_json_value
-
     if data is None:
         return
     if not isinstance(data, dict):
@@ -416,8 +403,6 @@ def check_data_section(data: Any, where: str = "grid spec: 'data'") -> None:
     if "dir" in data:
         params, form = {"dir": "str"}, "with 'dir'"
     else:
-        from depthtools.data import prepare, prepare_inputs
-
         function, form = (prepare_inputs, "with 'input'") if "input" in data else (prepare, "for a corpus")
         params = {k: p.annotation for k, p in inspect.signature(function).parameters.items() if k not in _NOT_DATA_KEYS}
         if "input" in data:
@@ -429,8 +414,6 @@ def check_data_section(data: Any, where: str = "grid spec: 'data'") -> None:
     for key, value in data.items():
         check_json_value(value, params[key], f"{where}: {key!r}")
     if data.get("name") is not None:
-        from depthtools.fsutil import check_name
-
         check_name(data["name"], f"{where}: 'name' (the dataset folder)")
 
 
@@ -444,9 +427,6 @@ def check_cell(cell: Any, where: str = "cell") -> Cell:
     ARCH_L<n>[_s<seed>] that states another depth or seed — or, when ARCH is an architecture name,
     another architecture — than the cell trains. The name is never trusted: other names are labels.
     """
-    from depthtools.config import ModelConfig, check_json_fields
-    from depthtools.fsutil import check_name
-
     data = asdict(cell) if isinstance(cell, Cell) else cell
     data = check_json_fields(data, Cell, where)
     missing = [f.name for f in fields(Cell) if f.name not in data and f.name != "seed"]  # seed: 0 before seeds existed
@@ -475,8 +455,6 @@ def check_cell(cell: Any, where: str = "cell") -> Cell:
 
 def _check_cell_against_model(cell: Cell, cfg: ModelConfig, where: str) -> None:
     """The cell's restated shape, parameter counts and name against the model it trains."""
-    from depthtools.arch import canonical_name
-
     try:
         arch = canonical_name(cell.arch)
     except DepthToolsError as exc:

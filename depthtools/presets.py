@@ -45,8 +45,8 @@ class Preset:
 
         `seeds` replaces the preset's training seeds (its plan's `seeds`, default [0]).
         """
-        from depthtools.arch import list_archs
-        from depthtools.grid import grid_spec, parse_seeds, plan_grid
+        from depthtools.arch import list_archs  # lazy: keeps the preset table (and the CLI) torch-free
+        from depthtools.grid import grid_spec, parse_seeds, plan_grid  # lazy: as above
 
         known = {s.name for s in list_archs()}
         plan = dict(self.plan)

@@ -42,6 +42,10 @@ from typing import Any
 
 import torch
 
+from depthtools.analysis.ablate import chosen_pairs
+from depthtools.analysis.causal import default_cuts
+from depthtools.analysis.sweep import scored_logprobs
+from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import split_inputs
 
 FULL_JVP_BLOCKS = 3  # a forward-mode JVP through a block ≈ 3 block forwards
@@ -79,7 +83,6 @@ def _n_cuts(model, args: dict[str, Any], seq_len: int) -> int:
         return 0
     if args.get("cuts") is not None:
         return len(args["cuts"])
-    from depthtools.analysis.causal import default_cuts
 
     return len(default_cuts(seq_len))
 
@@ -94,8 +97,6 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int) -> tuple[flo
         rules = _n_rules(model, args) if name == "ablate_skip" else 1
         return rules * _skip_blocks(L), rules * (1 + L), False
     if name in ("ablate_swap", "ablate_swap_adjacent"):
-        from depthtools.analysis.ablate import chosen_pairs
-
         pairs = chosen_pairs(L, args.get("pairs", "adjacent"), args.get("swap_pairs_max"))
         return L + sum(L - i for i, _ in pairs), 1 + len(pairs), False
     if name in ("ablate_mean", "ablate_linear"):
@@ -158,8 +159,6 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     a KL sum, an argmax): at a 49k vocabulary these cost about as much as the head's matmul
     (benchmarks/RESULTS.md, issue 38), so a parameter ratio alone underestimates the lens and sweeps.
     """
-    from depthtools.analysis.sweep import scored_logprobs
-
     inputs = split_inputs(tokens[:batch_size])[0]
     model.eval()
     sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
@@ -195,7 +194,6 @@ def plan_line(model, costs: list[Cost], n_batches: int, forward_s: float) -> str
     total = sum(c.forwards for c in costs)
     eta = total * forward_s  # forward equivalents are counted in forwards of one batch
     bound = "≤" if any(c.upper_bound for c in costs) else "~"
-    from depthtools.analysis.tables import model_columns
 
     return (f"plan {model_columns(model)['model']} (L={model.n_layer}, {n_batches} batch(es)): "
             f"{', '.join(parts)} forward-pass equivalents; total {total:.0f}, ETA {bound}{duration(eta)} "

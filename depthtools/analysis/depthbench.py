@@ -34,7 +34,14 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from depthtools.analysis.suite import eval_tokens, table_settings
+from depthtools.analysis.tables import model_columns, save_table
+from depthtools.arch.attnres import AttnResScheme
+from depthtools.arch.hyper import HyperScheme
+from depthtools.arch.moda import MoDAScheme
 from depthtools.arch.model import Plan
+from depthtools.arch.norm_family import NormFamilyScheme
+from depthtools.checkpoint import load
 from depthtools.errors import DepthToolsError
 
 PROTOCOLS = ("depthtools", "depthbench")
@@ -58,11 +65,6 @@ _UNDEFINED = {
 def family(model) -> str:
     """DepthBench's family of `model`: residual, moda, hyper-connections or attnres; a one-line error for
     an architecture DepthBench's probes do not cover (or that depthtools does not reproduce)."""
-    from depthtools.arch.attnres import AttnResScheme
-    from depthtools.arch.hyper import HyperScheme
-    from depthtools.arch.moda import MoDAScheme
-    from depthtools.arch.norm_family import NormFamilyScheme
-
     scheme, arch = model.scheme, model.config.arch
     if isinstance(scheme, NormFamilyScheme):
         return RESIDUAL
@@ -525,10 +527,6 @@ def depthbench_checkpoint(ckpt_dir, data=None, n_tokens: int = 16 * SEQ_LEN, seq
     (default: DepthBench's 512, or the model's context if shorter), every position scored. Saved as
     `analysis/depthbench.parquet` with its settings. A family or metric DepthBench does not define is a
     one-line DepthToolsError."""
-    from depthtools.analysis.suite import eval_tokens, table_settings
-    from depthtools.analysis.tables import model_columns, save_table
-    from depthtools.checkpoint import load
-
     model = model if model is not None else load(ckpt_dir, device=device)
     names = parse_metrics(metrics)
     for m in names or []:

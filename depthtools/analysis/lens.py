@@ -27,6 +27,7 @@ backpropagated at a time. Saved as `<ckpt>/analysis/tuned_lens.safetensors` + `t
 from __future__ import annotations
 
 import hashlib
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +37,13 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tables import ANALYSIS_DIR, model_columns, normalise_settings
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
+from depthtools.checkpoint import atomic_save_tensors, atomic_write_json
 from depthtools.errors import DepthToolsError
 
 TUNED_LENS_FILE = "tuned_lens"
@@ -193,7 +196,7 @@ def lens_progress(ce: np.ndarray) -> tuple[float, float]:
 
 
 def _summary_frame(model, kind: str, depths: pd.DataFrame, pd_tokens: np.ndarray, loss: np.ndarray) -> pd.DataFrame:
-    from scipy.stats import spearmanr
+    from scipy.stats import spearmanr  # heavy, one path: scipy (~1.5 s) for the rank correlation only
 
     L = model.n_layer
     if len(pd_tokens) > 1 and np.ptp(pd_tokens) > 0 and np.ptp(loss) > 0:
@@ -293,8 +296,6 @@ def tuned_lens_paths(ckpt_dir: str | Path) -> tuple[Path, Path]:
 
 def save_tuned_lens(lens: TunedLens, ckpt_dir: str | Path, settings: dict[str, Any]) -> Path:
     """Write the translators (safetensors) and their settings (JSON) beside the checkpoint."""
-    from depthtools.checkpoint import atomic_save_tensors, atomic_write_json
-
     weights, meta = tuned_lens_paths(ckpt_dir)
     atomic_save_tensors(weights, {"weight": lens.weight, "bias": lens.bias})
     atomic_write_json(meta, {"settings": normalise_settings(settings), "n_layer": lens.n_layer,
@@ -304,10 +305,6 @@ def save_tuned_lens(lens: TunedLens, ckpt_dir: str | Path, settings: dict[str, A
 
 def load_tuned_lens(ckpt_dir: str | Path, settings: dict[str, Any] | None = None) -> TunedLens | None:
     """Saved translators, or None if absent, unreadable, or trained with different settings."""
-    import json
-
-    from safetensors.torch import load_file
-
     weights, meta_path = tuned_lens_paths(ckpt_dir)
     if not (weights.is_file() and meta_path.is_file()):
         return None

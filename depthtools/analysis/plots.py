@@ -14,7 +14,7 @@ from depthtools.errors import DepthToolsError
 def _axes(ax):
     if ax is not None:
         return ax
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, one path: a figure
 
     return plt.subplots(figsize=(6, 4))[1]
 
@@ -31,7 +31,7 @@ def _style(df: pd.DataFrame, column: str) -> str | None:
 
 def plot_lens(df: pd.DataFrame, metric: str = "kl_final_lens", ax=None):
     """Lens metric against relative depth l/L, one line per model (dashes: logit vs tuned lens)."""
-    import seaborn as sns
+    import seaborn as sns  # heavy, one path: a figure
 
     _require(df, ["rel_depth", metric, "model"])
     ax = _axes(ax)
@@ -43,7 +43,7 @@ def plot_lens(df: pd.DataFrame, metric: str = "kl_final_lens", ax=None):
 
 def plot_ablation(df: pd.DataFrame, metric: str = "delta_ce", ax=None):
     """Ablation metric per block at relative depth l/L, one line per model (dashes: skip rule)."""
-    import seaborn as sns
+    import seaborn as sns  # heavy, one path: a figure
 
     _require(df, ["rel_depth", metric, "model"])
     data = df[df["method"] != "gromov"] if "method" in df.columns else df
@@ -56,7 +56,7 @@ def plot_ablation(df: pd.DataFrame, metric: str = "delta_ce", ax=None):
 
 def plot_prune_curve(df: pd.DataFrame, metric: str = "delta_ce", ax=None):
     """Pruning curve: metric against the fraction of blocks removed, per model and method."""
-    import seaborn as sns
+    import seaborn as sns  # heavy, one path: a figure
 
     _require(df, ["n_removed", "n_layer", metric, "model"])
     data = df.assign(fraction_removed=df["n_removed"].astype(float) / df["n_layer"])

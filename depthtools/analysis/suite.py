@@ -28,6 +28,7 @@ Tables saved before the names were unified (the `lens` command's `lens` / `lens_
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +36,9 @@ from typing import Any, Callable
 import pandas as pd
 
 from depthtools.errors import DepthToolsError
+
+# Imports tagged `# lazy` below stay inside their functions: the CLI imports this module at start-up (`--help`,
+# option defaults, check_sizes), and the probe modules, checkpoint and tokens it calls load torch and TransformerLens.
 
 # One default evaluation set for every probe: ceil(N_TOKENS / seq_len) windows of min(SEQ_LEN, context).
 N_TOKENS = 4096
@@ -51,10 +55,10 @@ def eval_tokens(ckpt_dir: str | Path, data: str | Path | None, n_tokens: int, se
                 seed: int = 0):
     """The fixed evaluation windows [n, seq_len] of a checkpoint (from `data` or its recorded data dir,
     checked against the checkpoint's tokenizer and data fingerprint: `tokens.checkpoint_data_dir`)."""
-    from depthtools.analysis.tokens import checkpoint_data_dir, sample_windows
+    from depthtools.analysis.tokens import checkpoint_data_dir, sample_windows  # lazy
 
     if data is not None and Path(data).is_file():  # --text FILE: the model's own tokenizer, no dataset
-        from depthtools.analysis.tokens import text_windows
+        from depthtools.analysis.tokens import text_windows  # lazy
 
         if split == "train":
             raise DepthToolsError(f"--text {data} gives evaluation windows only; the tuned lens (and --split train) "
@@ -80,7 +84,7 @@ def window_length(model, seq_len: int | None) -> int:
     if seq_len is None:
         return min(SEQ_LEN, context)
     if seq_len > context:
-        from depthtools.analysis.tables import model_columns
+        from depthtools.analysis.tables import model_columns  # lazy
 
         raise DepthToolsError(f"--seq-len {seq_len} exceeds the context {context} of {model_columns(model)['model']}; "
                               f"use --seq-len <= {context}")
@@ -90,7 +94,7 @@ def window_length(model, seq_len: int | None) -> int:
 def probe_tokens(model, data: str | Path | None = None, n_tokens: int = N_TOKENS, seq_len: int | None = None,
                  split: str = "val", seed: int = 0):
     """The evaluation windows every probe of `model` reads, validated and on the model's device."""
-    from depthtools.analysis.tokens import check_tokens
+    from depthtools.analysis.tokens import check_tokens  # lazy
 
     ckpt_dir = getattr(model, "checkpoint_dir", None)
     if ckpt_dir is None:
@@ -103,7 +107,7 @@ def probe_tokens(model, data: str | Path | None = None, n_tokens: int = N_TOKENS
 def token_source(ckpt_dir, data: str | Path | None, split: str) -> dict[str, Any]:
     """Where evaluation tokens came from, for a saved table's record: the text file, or the data folder
     (given or the checkpoint's recorded one) and split."""
-    from depthtools.analysis.tokens import recorded_data_dir
+    from depthtools.analysis.tokens import recorded_data_dir  # lazy
 
     if data is not None and Path(data).is_file():
         return {"text": str(Path(data).resolve())}
@@ -114,8 +118,8 @@ def token_source(ckpt_dir, data: str | Path | None, split: str) -> dict[str, Any
 def table_settings(name: str, args: dict[str, Any], model, tokens) -> dict[str, Any]:
     """What a saved table depends on: the analysis, its arguments, the token set and the weights
     (and the analysis dtype when it is not float32: the weight hash changes with it too)."""
-    from depthtools.analysis.lens import model_fingerprint
-    from depthtools.analysis.tokens import token_fingerprint
+    from depthtools.analysis.lens import model_fingerprint  # lazy
+    from depthtools.analysis.tokens import token_fingerprint  # lazy
 
     dtype = model_dtype(model)
     return {"analysis": name, **args, "tokens": token_fingerprint(tokens), "tokens_shape": list(tokens.shape),
@@ -145,7 +149,7 @@ def check_dtype(dtype: str | None) -> str | None:
 
 def cast_model(model, dtype: str | None):
     """The model in analysis dtype `dtype` (None: as loaded)."""
-    import torch
+    import torch  # lazy
 
     if check_dtype(dtype) is None:
         return model
@@ -154,7 +158,7 @@ def cast_model(model, dtype: str | None):
 
 def pending(names: list[str], model, tokens, recompute: bool = False, **options) -> list[str]:
     """The analyses of `names` whose tables are not saved with the settings they would run with."""
-    from depthtools.analysis.tables import load_table
+    from depthtools.analysis.tables import load_table  # lazy
 
     if recompute:
         return list(names)
@@ -169,8 +173,8 @@ def pending(names: list[str], model, tokens, recompute: bool = False, **options)
 def plan(names: list[str], model, tokens, recompute: bool = False, **options) -> str:
     """ONE line before a run: what will run (saved tables excluded), its cost in forward-pass
     equivalents and an ETA from one timed forward pass (`depthtools.analysis.cost`)."""
-    from depthtools.analysis.cost import describe
-    from depthtools.analysis.tables import model_columns
+    from depthtools.analysis.cost import describe  # lazy
+    from depthtools.analysis.tables import model_columns  # lazy
 
     todo = pending(names, model, tokens, recompute, **options)
     if not todo:
@@ -184,28 +188,28 @@ def plan(names: list[str], model, tokens, recompute: bool = False, **options) ->
 # -- the single analyses (thin, keyword-complete wrappers so the suite can record their arguments) ---
 
 def run_causal(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, rule=None, future=True, cuts=None):
-    from depthtools.analysis.causal import causal_scores
+    from depthtools.analysis.causal import causal_scores  # lazy
 
     return causal_scores(model, tokens, batch_size=batch_size, rule=rule, exclude_first=exclude_first,
                          future=future, cuts=cuts)
 
 
 def run_similarity(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, cka_batch=256, outlier_k=1):
-    from depthtools.analysis.geometry import depth_similarity
+    from depthtools.analysis.geometry import depth_similarity  # lazy
 
     return depth_similarity(model, tokens, batch_size=batch_size, exclude_first=exclude_first,
                             cka_batch=cka_batch, outlier_k=outlier_k)
 
 
 def run_contrib(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, jacobian=True, probes=2):
-    from depthtools.analysis.contrib import contributions
+    from depthtools.analysis.contrib import contributions  # lazy
 
     return contributions(model, tokens, batch_size=batch_size, exclude_first=exclude_first, jacobian=jacobian,
                          probes=probes)
 
 
 def run_routing(model, tokens, exclude_first=1, long_range_k=4):
-    from depthtools.analysis.routing import routing_stats
+    from depthtools.analysis.routing import routing_stats  # lazy
 
     return routing_stats(model, tokens, exclude_first=exclude_first, long_range_k=long_range_k)
 
@@ -225,7 +229,7 @@ def _single(fn: Callable, with_progress: bool = False):
 
 
 def _lens_logit(model, tokens, probe: Probe, batch_size):
-    from depthtools.analysis.lens import lens_analysis
+    from depthtools.analysis.lens import lens_analysis  # lazy
 
     result = lens_analysis(model, tokens, batch_size=batch_size, progress=probe.progress)
     return {"lens_logit": result.depths, "lens_logit_summary": result.summary, "prediction_depth": result.tokens}
@@ -233,8 +237,8 @@ def _lens_logit(model, tokens, probe: Probe, batch_size):
 
 def _lens_tuned(model, tokens, probe: Probe, batch_size, lens_steps, lens_tokens, lens_lr, seed):
     """Fit (or reuse) a tuned lens on train-split windows, then evaluate it on the evaluation windows."""
-    from depthtools.analysis.lens import fit_tuned_lens, lens_analysis
-    from depthtools.analysis.tokens import check_tokens
+    from depthtools.analysis.lens import fit_tuned_lens, lens_analysis  # lazy
+    from depthtools.analysis.tokens import check_tokens  # lazy
 
     ckpt_dir = Path(model.checkpoint_dir)
     train = check_tokens(model, eval_tokens(ckpt_dir, probe.data, lens_tokens, tokens.shape[1] - 1, "train", seed))
@@ -246,14 +250,14 @@ def _lens_tuned(model, tokens, probe: Probe, batch_size, lens_steps, lens_tokens
 
 def _ablate(mode: str):
     def runner(model, tokens, probe: Probe, **args):
-        from depthtools.analysis.ablate import ablate
+        from depthtools.analysis.ablate import ablate  # lazy
 
         return ablate(model, tokens, mode=mode, progress=probe.progress, **args)
     return runner
 
 
 def _sequence_profile(model, tokens, probe: Probe, **args):
-    from depthtools.analysis.profile import sequence_profile
+    from depthtools.analysis.profile import sequence_profile  # lazy
 
     return sequence_profile(model, tokens, progress=probe.progress, **args)
 
@@ -297,7 +301,7 @@ WRITER = {table: a.name for a in ANALYSES.values() for table in a.outputs}  # ta
 
 def ablate_analysis(mode: str, pairs: str = "adjacent") -> str:
     """The analysis (and table) name of an `ablate --mode` run."""
-    from depthtools.analysis.ablate import PAIRS, check_mode
+    from depthtools.analysis.ablate import PAIRS, check_mode  # lazy
 
     check_mode(mode)
     if pairs not in PAIRS:
@@ -326,7 +330,7 @@ def analysis_args(name: str, **options) -> dict[str, Any]:
 def progress_total(name: str, model, args: dict[str, Any]) -> float | None:
     """The units a runner's progress callback advances by in total (plans, tuned-lens steps, or 1)."""
     if name.startswith("ablate_"):
-        from depthtools.analysis.ablate import n_plans
+        from depthtools.analysis.ablate import n_plans  # lazy
 
         mode = name.split("_")[1]
         return n_plans(model, mode, args.get("pairs", "adjacent"), args.get("rules"), args.get("swap_pairs_max"))
@@ -357,7 +361,7 @@ def run_analysis(name: str, model, tokens, data: str | Path | None = None, recom
     `options` override the analysis' default arguments (those it does not take are ignored), so one
     set of command-line options serves every analysis. recompute=True ignores saved tables.
     """
-    from depthtools.analysis.tables import cached
+    from depthtools.analysis.tables import cached  # lazy
 
     args = analysis_args(name, **options)
     analysis = ANALYSES[name]
@@ -401,8 +405,8 @@ def choose(only: str | list[str] | None, pairs: str = "all", tuned: bool = False
 
 def checkpoint_dirs(ckpts: list[str | Path] | None = None, grid: str | Path | None = None) -> list[Path]:
     """Checkpoint directories of --ckpt names/paths and of every checkpoint under --grid (in order, once each)."""
-    from depthtools.analysis.tables import checkpoint_dirs as grid_dirs
-    from depthtools.checkpoint import resolve
+    from depthtools.analysis.tables import checkpoint_dirs as grid_dirs  # lazy
+    from depthtools.checkpoint import resolve  # lazy
 
     if not ckpts and grid is None:
         raise DepthToolsError("give --ckpt NAME (repeatable) or --grid DIR")
@@ -436,9 +440,7 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     `dtype` casts each model for the analyses (`cast_model`); `on_plan(line)` receives each checkpoint's
     one-line cost plan (`plan`) before its analyses run.
     """
-    import warnings
-
-    from depthtools.checkpoint import load
+    from depthtools.checkpoint import load  # lazy
 
     renamed = {old: new for old, new in RENAMED.items() if old in options}
     for old, new in renamed.items():
@@ -485,7 +487,7 @@ LENS_SUMMARY_COLUMNS = ("pd_mean", "pd_mean_over_L", "pd_loss_spearman", "n_lens
 
 
 def _saved(ckpt_dir: Path, name: str) -> tuple[pd.DataFrame | None, dict[str, Any]]:
-    from depthtools.analysis.tables import load_settings, load_table
+    from depthtools.analysis.tables import load_settings, load_table  # lazy
 
     try:
         df = load_table(ckpt_dir, name)
@@ -497,7 +499,7 @@ def _saved(ckpt_dir: Path, name: str) -> tuple[pd.DataFrame | None, dict[str, An
 def _old_lens(ckpt_dir: Path, table: str) -> pd.DataFrame | None:
     """A lens table from the old `lens` command (`lens`, or `lens_tuned` with both lenses and the summary
     columns merged into the per-depth rows)."""
-    from depthtools.analysis.lens import lens_progress
+    from depthtools.analysis.lens import lens_progress  # lazy
 
     kind = "tuned" if table.startswith("lens_tuned") else "logit"
     for old in ("lens_tuned", "lens"):

@@ -41,7 +41,8 @@ from depthtools.analysis.causal import late_start
 from depthtools.analysis.lens import lens_progress
 from depthtools.analysis.profile import sequence_profile  # noqa: F401  (re-exported: summary's input)
 from depthtools.analysis.suite import read_result
-from depthtools.analysis.tables import checkpoint_dirs, save_table
+from depthtools.analysis.tables import checkpoint_dirs, save_table, training_seed  # noqa: F401  (re-exported)
+from depthtools.checkpoint import CONFIG, read_json
 
 PERM_THRESHOLD = 0.15
 KL_THRESHOLD = 0.1
@@ -168,19 +169,10 @@ def effective_depth_row(info: dict[str, Any], results: dict[str, pd.DataFrame], 
 
 
 def _info_from_config(ckpt_dir: Path) -> dict[str, Any]:
-    from depthtools.checkpoint import CONFIG, read_json
-
     config = read_json(ckpt_dir / CONFIG)
     cfg = config.get("model", {})
     return {"model": ckpt_dir.name, "arch": cfg.get("arch"), "n_layer": int(cfg.get("n_layer", 0)),
             "d_model": int(cfg.get("d_model", 0)), "seed": training_seed(config)}
-
-
-def training_seed(config: dict[str, Any]) -> int:
-    """The training seed a checkpoint's config.json records (0 for checkpoints saved without a recipe)."""
-    train = config.get("train") if isinstance(config, dict) else None
-    seed = train.get("seed", 0) if isinstance(train, dict) else 0
-    return int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else 0
 
 
 def model_summaries(grid: str | Path, **kwargs) -> pd.DataFrame:
@@ -216,7 +208,7 @@ def grid_slopes(profiles: Sequence[tuple], n_boot: int = 1000, seed: int = 0, ci
                          smaller noise source). Resampling is paired (same sequence indices for every
                          model) when all profiles have the same number of sequences, else per model.
     """
-    from depthtools.analysis.seeds import seed_interval
+    from depthtools.analysis.seeds import seed_interval  # heavy, one path: scipy (~1.5 s) for multi-seed intervals only
 
     by_seed: dict[int, list[tuple[int, pd.DataFrame]]] = {}
     for item in profiles:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from depthtools.checkpoint import atomic_write_bytes, atomic_write_json
+from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_name
 
@@ -120,8 +120,6 @@ def cached(ckpt_dir: str | Path, names: Sequence[str], settings: dict[str, Any],
 
 def checkpoint_dirs(grid: str | Path) -> list[Path]:
     """Every checkpoint directory (model.safetensors + config.json) under a grid directory."""
-    from depthtools.checkpoint import CONFIG, WEIGHTS
-
     grid = Path(grid)
     if not grid.is_dir():
         raise DepthToolsError(f"grid directory {grid} does not exist")
@@ -129,3 +127,10 @@ def checkpoint_dirs(grid: str | Path) -> list[Path]:
     if not dirs:
         raise DepthToolsError(f"no checkpoints (model.safetensors + config.json) under {grid}")
     return dirs
+
+
+def training_seed(config: dict[str, Any]) -> int:
+    """The training seed a checkpoint's config.json records (0 for checkpoints saved without a recipe)."""
+    train = config.get("train") if isinstance(config, dict) else None
+    seed = train.get("seed", 0) if isinstance(train, dict) else 0
+    return int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else 0

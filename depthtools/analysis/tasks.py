@@ -35,7 +35,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from depthtools.analysis.tables import load_table, model_columns, save_table
+from depthtools.analysis.lens import model_fingerprint
+from depthtools.analysis.tables import checkpoint_dirs, load_table, model_columns, save_table
+from depthtools.checkpoint import CONFIG, load, read_json
 from depthtools.data.tasks import TASKS, TaskMix, TaskSample, check_k, generate, parse_k, parse_tasks
 from depthtools.errors import DepthToolsError
 
@@ -134,8 +136,6 @@ def _check_byte_model(model) -> None:
 
 def _recorded(model, key: str) -> Any:
     """A section of the checkpoint's config.json (None for an in-memory model)."""
-    from depthtools.checkpoint import CONFIG, read_json
-
     directory = getattr(model, "checkpoint_dir", None)
     if directory is None or not (Path(directory) / CONFIG).is_file():
         return None
@@ -231,8 +231,6 @@ def depth_reached(df: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
 # -- checkpoints and grids -----------------------------------------------------------------------
 def eval_settings(model, tasks, ks, n: int, seed: int) -> dict[str, Any]:
     """What a saved tasks_eval table depends on: the probe set and the weights (not the batch size)."""
-    from depthtools.analysis.lens import model_fingerprint
-
     return {"analysis": EVAL_TABLE, "tasks": list(parse_tasks(tasks)), "ks": parse_k(ks), "n": n, "seed": seed,
             "exact_match": "teacher-forced argmax over answer + end marker", "model": model_fingerprint(model)}
 
@@ -269,9 +267,6 @@ def evaluate_grid(
     progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every checkpoint of a grid: per-cell tables beside each cell and the concatenation under <grid>/analysis/."""
-    from depthtools.analysis.summary import checkpoint_dirs
-    from depthtools.checkpoint import load
-
     tasks, ks = parse_tasks(tasks), parse_k(ks)
     dirs = checkpoint_dirs(grid)
     frames, summaries, notes = [], [], []

@@ -11,13 +11,18 @@ so every model of a grid that shares a tokenizer sees exactly the same tokens.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
+from depthtools.checkpoint import CONFIG, imported_from, read_json
+from depthtools.data import load_split, read_meta
+from depthtools.data.tokenizer import TOKENIZER_SPECS, tokenizer_file_fingerprint
 from depthtools.errors import DepthToolsError
 
 FIRST_SCORED = 1  # position 0 is never scored
@@ -31,8 +36,6 @@ def sample_windows(
     Offsets come from `numpy.random.default_rng(seed)` and are sorted, so the same arguments give the
     same tokens on every machine. A split shorter than one window is a clear error.
     """
-    from depthtools.data import load_split
-
     if n_tokens < 1:
         raise DepthToolsError(f"empty token set: --tokens must be >= 1, got {n_tokens}")
     if seq_len < 2:
@@ -54,8 +57,6 @@ def text_windows(ckpt_dir: Path, text_file: Path, n_tokens: int, seq_len: int, s
     """Evaluation windows from a UTF-8 text file tokenized with the checkpoint's own tokenizer (the byte
     tokenizer, or the tokenizer.json it carries), the document separator first as `data prepare` writes it;
     windows at seeded offsets as `sample_windows`. A checkpoint without a tokenizer is refused."""
-    from depthtools.checkpoint import CONFIG, read_json
-
     config = read_json(ckpt_dir / CONFIG) if (ckpt_dir / CONFIG).is_file() else {}
     record = config.get("tokenizer") if isinstance(config.get("tokenizer"), dict) else {}
     try:
@@ -70,7 +71,6 @@ def text_windows(ckpt_dir: Path, text_file: Path, n_tokens: int, seq_len: int, s
         if file.name != "tokenizer.json" or not file.is_file():
             raise DepthToolsError(f"checkpoint {ckpt_dir.name} carries no tokenizer.json to tokenize --text with; "
                                   "pass --data DIR prepared with its tokenizer")
-        from tokenizers import Tokenizer
 
         try:
             tok = Tokenizer.from_file(str(file))
@@ -176,8 +176,6 @@ def data_dir_candidates(ckpt_dir: str | Path, record: dict) -> list[Path]:
 
 
 def _fingerprint(data_dir: Path) -> str | None:
-    import json
-
     try:
         return json.loads((data_dir / "meta.json").read_text(encoding="utf-8")).get("data_fingerprint")
     except (OSError, ValueError, AttributeError):
@@ -190,8 +188,6 @@ def recorded_data_dir(ckpt_dir: str | Path) -> Path | None:
     Tried in `data_dir_candidates` order: the first folder holding the recorded data fingerprint wins;
     failing that, the first folder that exists (`checkpoint_data_dir` then says its data changed);
     failing that, the recorded path as written (for the error message)."""
-    from depthtools.checkpoint import CONFIG, read_json
-
     path = Path(ckpt_dir) / CONFIG
     if not path.is_file():
         return None
@@ -217,7 +213,6 @@ def _carried_fingerprint(ckpt_dir: Path, record: dict) -> str | None:
     imported before import and data prepare shared one fingerprint recorded the file's raw sha256."""
     if record.get("format") != "huggingface" or record.get("file") != "tokenizer.json":
         return None
-    from depthtools.data.tokenizer import tokenizer_file_fingerprint
 
     file = Path(ckpt_dir) / "tokenizer.json"
     return tokenizer_file_fingerprint(file) if file.is_file() else None
@@ -235,9 +230,6 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
     Checkpoints without these records (saved outside the trainer) are not checked. Every command that
     samples evaluation tokens for a checkpoint resolves its data folder here.
     """
-    from depthtools.checkpoint import CONFIG, read_json
-    from depthtools.data import read_meta
-
     ckpt_dir = Path(ckpt_dir)
     recorded = recorded_data_dir(ckpt_dir)
     if data is not None:
@@ -261,13 +253,10 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
         else:
             same = trained.get("name") == given.get("name")
         if not same:
-            from depthtools.data.tokenizer import TOKENIZER_SPECS
-
             record = config.get("data") if isinstance(config.get("data"), dict) else {}
             spec = (record.get("settings") or {}).get("tokenizer") if isinstance(record.get("settings"), dict) else None
             spec = spec if spec in TOKENIZER_SPECS else trained.get("name") if trained.get("name") in TOKENIZER_SPECS else None
             hint = f" (depthtools data prepare --tokenizer {spec})" if spec else ""
-            from depthtools.checkpoint import imported_from
 
             how = "was imported with" if imported_from(config) else "was trained with"
             raise DepthToolsError(

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from depthtools.data.rserialize import read_lazyload_db
 from depthtools.errors import DepthToolsError
 
 CODE_SUFFIXES = {".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js", ".ts", ".sh", ".jl", ".r"}
@@ -267,8 +268,6 @@ def extract_gcide(cache_dir: Path) -> tuple[list[Document], str]:
 
 def extract_janeausten(cache_dir: Path) -> tuple[list[Document], str]:
     """Each of the six novels in r-cran-janeaustenr (an R lazy-load db of line vectors) is one document."""
-    from depthtools.data.rserialize import read_lazyload_db
-
     root, version = deb_root("r-cran-janeaustenr", cache_dir)
     rdx = root / "usr/lib/R/site-library/janeaustenr/data/Rdata.rdx"
     if not rdx.is_file():

@@ -22,10 +22,12 @@ import hashlib
 import io
 import json
 import os
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
+from depthtools.data.corpora import clean_text
 from depthtools.errors import DepthToolsError
 
 UNIT_BYTES = 16 * 2**20  # target size of one work unit (uncompressed input bytes)
@@ -202,7 +204,7 @@ def _file_units(kind: str, compression: str | None, path: Path, unit_bytes: int)
         return [Unit("jsonl", str(path), start, min(start + unit_bytes, size), size=min(unit_bytes, size - start))
                 for start in cuts]
     if kind == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # heavy, one path: pyarrow for Parquet inputs only
 
         try:
             meta = pq.ParquetFile(path).metadata
@@ -282,8 +284,6 @@ _MISSING = object()
 def read_unit(unit: Unit, fields: FieldReader, batch_rows: int = 1024) -> Iterator[tuple[str, str]]:
     """The (text, domain) of every document in `unit`, in file order, streamed."""
     if unit.kind == "text":
-        from depthtools.data.corpora import clean_text
-
         for f in unit.files:
             yield clean_text(Path(f).read_bytes()), DEFAULT_DOMAIN
     elif unit.kind == "jsonl":
@@ -325,7 +325,7 @@ def _parquet_batches(unit: Unit, fields: FieldReader, batch_rows: int):
     """The unit's row groups as record batches, one row group at a time, so a damaged page (bad
     compression, a bad page checksum where the writer stored one, bytes that do not decode) is one line
     naming the file, the row group and its rows."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy, one path: pyarrow for Parquet inputs only
 
     try:
         pf = pq.ParquetFile(unit.path, page_checksum_verification=True)
@@ -356,7 +356,7 @@ def _parquet_batches(unit: Unit, fields: FieldReader, batch_rows: int):
 
 def _arrow_batches(path: Path):
     """Record batches of an arrow file (IPC stream as `datasets` writes, or IPC file), memory-mapped."""
-    import pyarrow as pa
+    import pyarrow as pa  # heavy, one path: pyarrow for Parquet inputs only
 
     source = pa.memory_map(str(path), "r")
     try:
@@ -420,19 +420,19 @@ def zstd_without_checksum(path: str | os.PathLike) -> bool:
 
 def pyarrow_zstd() -> bool:
     """Whether this pyarrow build has its zstd codec (the PyPI wheels do)."""
-    import pyarrow as pa
+    import pyarrow as pa  # heavy, one path: pyarrow for Parquet inputs only
 
     return pa.Codec.is_available("zstd")
 
 
 def _zstd_reader(path: str):
     """A zstd-decompressing stream: pyarrow's codec (a dependency already), else the `zstandard` package."""
-    import pyarrow as pa
+    import pyarrow as pa  # heavy, one path: pyarrow for Parquet inputs only
 
     if pyarrow_zstd():
         return pa.input_stream(path, compression="zstd")
     try:
-        import zstandard
+        import zstandard  # optional dependency
     except ImportError:
         raise DepthToolsError(f"{path}: reading .zst needs zstd support: pip install zstandard "
                               "(this pyarrow build has no zstd codec)") from None
@@ -484,11 +484,9 @@ def _read_errors() -> tuple[type[BaseException], ...]:
     """What a damaged file raises while it is read: gzip's BadGzipFile (an OSError), EOFError (a truncated
     gzip stream), zlib.error (a damaged deflate block), pyarrow's OSError/ArrowInvalid (zstd), zstandard's
     ZstdError, and plain OSError (an I/O error)."""
-    import zlib
-
     errors: tuple[type[BaseException], ...] = (OSError, EOFError, ValueError, zlib.error)
     try:
-        import zstandard
+        import zstandard  # optional dependency
 
         errors += (zstandard.ZstdError,)
     except ImportError:

@@ -31,7 +31,8 @@ import numpy as np
 
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
 from depthtools.data.sharded_tokens import load_sharded
-from depthtools.data.tokenizer import BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, is_tokenizer_file
+from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, file_tokenizer_name,
+                                       is_tokenizer_file)
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import (check_dir_target, check_name, dir_mode, exclusive_lock, json_section, read_json_object,
                                replace_dir, write_error)
@@ -142,8 +143,6 @@ def _validate(tokenizer: str, val_fraction: float, max_bytes: int | None) -> Non
 
 def _file_tokenizer(path) -> BPETokenizer:
     """A user's tokenizer file for the single-file (uint16) layout of the package corpora."""
-    from depthtools.data.tokenizer import file_tokenizer_name
-
     tok = BPETokenizer.from_file(path)
     tok.check_separator(path)
     if tok.vocab_size > 65536:

@@ -38,11 +38,16 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Callable, Iterator
 
+import multiprocessing as mp
 import numpy as np
+from tokenizers import Tokenizer
 
-from depthtools.data.inputs import UNIT_BYTES, FieldReader, Unit, expand_inputs, plan_units, read_unit, sources_state
+from depthtools.data.inputs import (UNIT_BYTES, FieldReader, Unit, expand_inputs, plan_units, read_unit, sources_state,
+                                    zstd_without_checksum)
 from depthtools.data.prepare import FORMAT_SHARDS, check_overwrite, dataset_lock, is_prepared, read_meta
 from depthtools.data.sharded_tokens import ShardedTokens, load_sharded  # noqa: F401  (re-exported)
+from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, file_tokenizer_name,
+                                       is_tokenizer_file)
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name, file_sha256, replace_dir
 
@@ -57,18 +62,13 @@ _DELAY_ENV = "DEPTHTOOLS_PREPARE_UNIT_DELAY"  # testing aid: seconds each unit w
 
 
 def _tokenizer_from_record(record: dict):
-    from depthtools.data.tokenizer import BPETokenizer, ByteTokenizer
-
     if record["kind"] == "byte":
         return ByteTokenizer()
-    from tokenizers import Tokenizer
 
     return BPETokenizer(Tokenizer.from_str(record["json"]), name=record["name"], sep_token=record["sep_token"])
 
 
 def _tokenizer_record(tok) -> dict:
-    from depthtools.data.tokenizer import ByteTokenizer
-
     if isinstance(tok, ByteTokenizer):
         return {"kind": "byte"}
     return {"kind": "file", "json": tok.to_json(), "name": tok.name, "sep_token": tok.sep_token}
@@ -286,8 +286,6 @@ def prepare_inputs(
 
 def _note_unchecked(sources, log) -> None:
     """A log line when .zst inputs carry no content checksum (damage inside them could go unnoticed)."""
-    from depthtools.data.inputs import zstd_without_checksum
-
     unchecked = [f for kind, files in sources if kind.endswith(":zstd") for f in files if zstd_without_checksum(f)]
     if unchecked:
         more = f" and {len(unchecked) - 1} more" if len(unchecked) > 1 else ""
@@ -378,7 +376,6 @@ def _tokenize_all(args: list[tuple], tok, workers: int, records: dict[int, dict]
             records[a[0]] = tokenize_unit(*a, tok=tok)
             _progress(log, records, a[0], total)
         return
-    import multiprocessing as mp
 
     context = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     # One tokenizer thread per worker process (the workers are the parallelism); set before the
@@ -604,9 +601,6 @@ def _atomic_json(path: Path, obj) -> None:
 def resolve_tokenizer(spec: str, sep_token: str | None, units: list[Unit], text_field: str, domain_field: str | None,
                       seed: int, val_fraction: float, log):
     """byte, bpe4k/bpe8k (trained here on the train split) or a local tokenizer.json."""
-    from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer,
-                                           file_tokenizer_name, is_tokenizer_file)
-
     if spec == "byte":
         if sep_token:
             raise DepthToolsError("--sep-token applies to a tokenizer file; the byte tokenizer's separator is NUL")

@@ -514,7 +514,7 @@ class TaskMixer:
 
 
 def _as_tensor(values: np.ndarray, like):
-    import torch
+    import torch  # lazy: keeps depthtools.data torch-free
 
     return torch.from_numpy(values).to(dtype=like.dtype)
 

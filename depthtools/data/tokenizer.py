@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from depthtools.errors import DepthToolsError
 
@@ -115,8 +116,6 @@ class BPETokenizer:
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 4096) -> "BPETokenizer":
         """Train byte-level BPE; the 256 byte symbols are always in the alphabet so any text encodes."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
         if not 257 <= vocab_size <= 65535:
             raise DepthToolsError(f"BPE vocab_size {vocab_size} must be in 257..65535 (tokens are stored as uint16)")
         tok = Tokenizer(models.BPE())
@@ -160,8 +159,6 @@ class BPETokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike, sep_token: str | None = None, name: str | None = None) -> "BPETokenizer":
         """Any local `tokenizers` file (tokenizer.json), or a folder holding one; never downloads."""
-        from tokenizers import Tokenizer
-
         path = Path(path).expanduser()
         if path.is_dir():
             path = path / TOKENIZER_FILE
@@ -187,8 +184,6 @@ def tokenizers_fingerprint(tok) -> str:
 def tokenizer_file_fingerprint(path: str | os.PathLike) -> str | None:
     """`tokenizers_fingerprint` of a tokenizer.json file (None when it cannot be read as one)."""
     try:
-        from tokenizers import Tokenizer
-
         return tokenizers_fingerprint(Tokenizer.from_file(str(path)))
     except Exception:  # tokenizers raises plain Exception subclasses on bad files
         return None

@@ -14,7 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from tokenizers import Tokenizer
+
+from depthtools.checkpoint import tensor_problem
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import read_json_object
 
 # tokenizer-side JSON files an HF folder may hold; each must be a JSON object when present
 TOKENIZER_JSON_OBJECTS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
@@ -28,8 +32,6 @@ def validate_imported_weights(tensors: Mapping[str, Any], source: str | Path | C
     `tensors`: the tensors the import will use (name -> torch.Tensor, in the source's own names).
     `source`: the file they came from, or a function giving the file of a tensor name (sharded
     checkpoints). Checked before any cast, so an int64 tensor is reported as int64."""
-    from depthtools.checkpoint import tensor_problem
-
     for key in sorted(tensors):
         problem = tensor_problem(key, tensors[key])
         if problem is not None:
@@ -51,8 +53,6 @@ def _check_ids(ids: list[int], vocab_size: int, file: Path, what: str) -> None:
 def _tokenizer_json(file: Path, vocab_size: int) -> None:
     """A `tokenizers` file must load, and every id it can produce must index the embedding."""
     try:
-        from tokenizers import Tokenizer
-
         tok = Tokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises plain Exception subclasses on a bad file
         raise DepthToolsError(f"cannot import {file}: not a valid tokenizer file ({_first_line(exc)})") from None
@@ -64,7 +64,7 @@ def _sentencepiece(file: Path, vocab_size: int) -> None:
     if file.stat().st_size == 0:
         raise DepthToolsError(f"cannot import {file}: the sentencepiece model file is empty")
     try:
-        import sentencepiece
+        import sentencepiece  # optional dependency
     except ImportError:
         return  # nothing reads it here; transformers will, where it is used
     processor = sentencepiece.SentencePieceProcessor()
@@ -77,8 +77,6 @@ def _sentencepiece(file: Path, vocab_size: int) -> None:
 
 
 def _json_objects(directory: Path, names: set[str], vocab_size: int) -> None:
-    from depthtools.fsutil import read_json_object
-
     for name in TOKENIZER_JSON_OBJECTS:
         file = directory / name
         if name not in names:

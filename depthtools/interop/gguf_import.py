@@ -23,9 +23,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from depthtools.checkpoint import CONFIG, atomic_write_json, read_json
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import file_sha256
+from depthtools.interop.llama import import_hf
 
 GGUF_EXTRA = 'pip install -e ".[gguf]"'
 # GGUF general.architecture -> HF model_type, and whether llama.cpp permuted q/k rows.
@@ -47,7 +51,7 @@ IGNORED_TENSORS = ("rope_freqs.weight",)  # llama.cpp's precomputed RoPE factors
 
 def _gguf():
     try:
-        import gguf
+        import gguf  # optional dependency
     except ImportError:
         raise DepthToolsError(f"reading a .gguf file needs the gguf package: {GGUF_EXTRA}") from None
     return gguf
@@ -194,7 +198,6 @@ def gguf_tokenizer(meta: dict[str, Any], vocab_size: int):
         return None, "the file's tokenizer has no tokens or merges"
     if len(tokens) > vocab_size:
         raise DepthToolsError(f"GGUF tokenizer has {len(tokens)} tokens but the embedding has only {vocab_size} rows")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -226,11 +229,6 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
     when it can be rebuilt exactly) which `import_hf` imports, so every check and the all-or-nothing
     write of the HF path apply; the provenance then names the GGUF file.
     """
-    from safetensors.torch import save_file
-
-    from depthtools.checkpoint import CONFIG, atomic_write_json, read_json
-    from depthtools.interop.llama import import_hf
-
     path = Path(path)
     hf, tensors, meta = read_gguf(path)
     tokenizer, why = gguf_tokenizer(meta, hf["vocab_size"])

@@ -29,10 +29,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from tokenizers import Tokenizer
 
+from depthtools.arch import DepthModel, canonical_name, get_arch
+from depthtools.checkpoint import (CONFIG, atomic_save_tensors, atomic_write_json, check_shapes, checkpoints_root, load,
+                                   model_state, read_json, read_tensors, resolve, save)
 from depthtools.config import ModelConfig
+from depthtools.data.tokenizer import tokenizer_file_fingerprint
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name, dir_mode, file_sha256, replace_dir
+from depthtools.interop.checks import check_special_ids, validate_imported_weights, validate_tokenizer
+from depthtools.interop.families import hf_state, hf_to_model_config as family_config
 from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, resolve_tokenizer
 
 HF_CONFIG = "config.json"
@@ -95,8 +102,6 @@ def transformers_sliding_window(hf: dict[str, Any]) -> int | None:
 def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
     """The `preln` ModelConfig equivalent to a supported family's `config.json` (Llama, Mistral, Qwen2/3,
     Gemma 1/2/3, OLMo 1/2, GPT-2, GPT-NeoX, Phi-3: depthtools.interop.families), or a one-line refusal."""
-    from depthtools.interop.families import hf_to_model_config as family_config
-
     return family_config(hf, max_seq_len)
 
 
@@ -155,8 +160,6 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors HF checkpoint; pickled weights are refused."""
-    from depthtools.checkpoint import read_tensors
-
     path = Path(path)
     index = path / HF_INDEX
     if index.is_file():
@@ -196,11 +199,6 @@ def hf_state_to_depthtools(tensors: dict[str, torch.Tensor], cfg: ModelConfig, d
     refuses missing or unexpected weights, shapes that disagree with the config and (before any cast)
     weights `checkpoint.load` would refuse: non-floating dtypes, NaN/inf entries. `source`: the HF folder,
     whose file (the shard of a sharded checkpoint) those refusals name."""
-    from depthtools.arch import DepthModel
-    from depthtools.checkpoint import model_state
-    from depthtools.interop.checks import validate_imported_weights
-    from depthtools.interop.families import hf_state
-
     used = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_HF_SUFFIXES)}
     validate_imported_weights(used, hf_weights_file(source) if source is not None else "the Hugging Face weights")
     with torch.device("meta"):  # names and shapes only: nothing of the model's size is allocated
@@ -209,8 +207,6 @@ def hf_state_to_depthtools(tensors: dict[str, torch.Tensor], cfg: ModelConfig, d
 
 
 def _load_state(model, state: dict[str, torch.Tensor], where: str) -> None:
-    from depthtools.checkpoint import model_state
-
     expected = model_state(model)
     for key, value in expected.items():
         if tuple(state[key].shape) != tuple(value.shape):
@@ -227,10 +223,6 @@ def from_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype
     `max_position_embeddings` (the longest sequence the model accepts); for a Mistral whose sliding
     window is shorter than that context, pass max_seq_len <= the window (otherwise refused).
     """
-    from depthtools.arch import DepthModel
-
-    from depthtools.checkpoint import check_shapes
-
     path = Path(path)
     cfg = hf_to_model_config(read_hf_config(path), max_seq_len)
     state = hf_state_to_depthtools(read_hf_tensors(path), cfg, dtype, source=path)
@@ -243,8 +235,6 @@ def from_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype
 def _tokenizer_size(file: Path) -> int | None:
     """Vocabulary size of a tokenizers JSON file (None if it cannot be read)."""
     try:
-        from tokenizers import Tokenizer
-
         return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
     except Exception:  # tokenizers raises plain Exception subclasses; the file is only carried along
         return None
@@ -254,8 +244,6 @@ def _tokenizer_fingerprint(file: Path) -> str:
     """A tokenizer.json's fingerprint as `data prepare` computes it (one tokenizer, one fingerprint), so data
     prepared with the imported folder's tokenizer.json is accepted for the imported checkpoint; a
     tokenizer.model (SentencePiece, not read by data prepare) is fingerprinted by its bytes."""
-    from depthtools.data.tokenizer import tokenizer_file_fingerprint
-
     return (tokenizer_file_fingerprint(file) if file.name == "tokenizer.json" else None) or file_sha256(file)
 
 
@@ -267,10 +255,6 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     generation_config.json) are copied beside the weights; config.json records the HF config under
     "source" and the tokenizer under "tokenizer". An existing checkpoint is kept unless `force`.
     """
-    from depthtools.checkpoint import CONFIG, checkpoints_root, save
-
-    from depthtools.interop.checks import check_special_ids, validate_tokenizer
-
     path = Path(path)
     hf = read_hf_config(path)
     if out is None and not name:
@@ -314,8 +298,6 @@ EXPORTABLE = ("preln",)
 
 def check_exportable(cfg: ModelConfig) -> None:
     """Refuse architectures that transformers' Llama cannot express."""
-    from depthtools.arch import canonical_name, get_arch
-
     arch = canonical_name(cfg.arch)
     if arch not in EXPORTABLE:
         spec = get_arch(arch)
@@ -333,7 +315,6 @@ def check_exportable(cfg: ModelConfig) -> None:
 def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's weights under LlamaForCausalLM names (tied head stored once, as HF does)."""
     check_exportable(model.config)
-    from depthtools.checkpoint import model_state
 
     state = model_state(model)
     return {hf: state[ours].detach().contiguous() for ours, hf in weight_name_map(model.config).items()}
@@ -348,8 +329,6 @@ def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = 
     `depthtools.interop.tokenizer.resolve_tokenizer` for where it comes from). The directory is
     assembled beside `out` and renamed into place; an existing non-empty `out` is kept unless `force`.
     """
-    from depthtools.checkpoint import CONFIG, atomic_write_json, load, read_json, resolve
-
     directory = resolve(ckpt)
     config = read_json(directory / CONFIG)
     if isinstance(config.get("model"), dict) and isinstance(config["model"].get("arch"), str):
@@ -368,8 +347,6 @@ def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = 
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     staging.chmod(dir_mode())  # mkdtemp's 0700 would make the exported folder private whatever the umask
     try:
-        from depthtools.checkpoint import atomic_save_tensors
-
         atomic_save_tensors(staging / HF_WEIGHTS, tensors, metadata={"format": "pt"})
         atomic_write_json(staging / HF_CONFIG, model_config_to_hf(model.config, plan.special_ids, dtype))
         plan.write(staging)

@@ -29,6 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from depthtools.analysis.tokens import recorded_data_dir
+from depthtools.checkpoint import atomic_write_bytes
+from depthtools.data.tokenizer import BPETokenizer
 from depthtools.errors import DepthToolsError
 
 # Files carried from an imported HF directory into the checkpoint (and back out on export).
@@ -58,8 +63,6 @@ BYTE_SEPARATOR = bytes_to_unicode()[0]  # "Ā": byte 0, id 0
 
 def byte_tokenizer():
     """A `tokenizers.Tokenizer` whose ids are the UTF-8 byte values (0..255), id 0 special."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     chars = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -91,8 +94,6 @@ class TokenizerPlan:
     notes: list[str] = field(default_factory=list)
 
     def write(self, out: Path) -> None:
-        from depthtools.checkpoint import atomic_write_bytes
-
         for name, text in self.texts.items():
             atomic_write_bytes(out / name, text.encode("utf-8"))
         for name, src in self.copies.items():
@@ -126,10 +127,6 @@ def bpe_plan(file: Path, max_len: int, vocab_size: int, fingerprint: str | None,
     record: the tokenizer record (config.json / meta.json "tokenizer") whose sep_id names the
     document separator; without one, the separator is found as data preparation finds it.
     """
-    from tokenizers import Tokenizer
-
-    from depthtools.data.tokenizer import BPETokenizer
-
     if file.name != TOKENIZER_JSON:
         raise DepthToolsError(f"{file}: expected a file named {TOKENIZER_JSON}")
     try:
@@ -208,8 +205,6 @@ def _hf_special_ids(directory: Path, recorded: dict[str, Any] | None) -> dict[st
     ids: dict[str, int | None] = {k: None for k in keys}
     config, file = directory / "tokenizer_config.json", directory / TOKENIZER_JSON
     if config.is_file() and file.is_file():
-        from tokenizers import Tokenizer
-
         settings, tok = _json(config), Tokenizer.from_file(str(file))
         for key in keys:
             token = settings.get(key[: -len("_id")])
@@ -223,8 +218,6 @@ def hf_plan(directory: Path, vocab_size: int, recorded_ids: dict[str, Any] | Non
 
     copies = {name: directory / name for name in HF_CARRIED_FILES if (directory / name).is_file()}
     if TOKENIZER_JSON in copies:
-        from tokenizers import Tokenizer
-
         try:
             size = Tokenizer.from_file(str(copies[TOKENIZER_JSON])).get_vocab_size(with_added_tokens=True)
         except Exception as exc:  # tokenizers raises plain Exception on bad files
@@ -319,8 +312,6 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
     if recorded.get("name") == "byte":
         return byte_plan(max_len, "byte (recorded)")
     if record:
-        from depthtools.analysis.tokens import recorded_data_dir
-
         data = recorded_data_dir(ckpt_dir)  # found from any working directory (issue 35)
         name = record.get("file", TOKENIZER_JSON)
         candidates = [ckpt_dir / name] + ([data / name] if data else [])

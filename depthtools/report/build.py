@@ -19,12 +19,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable, Sequence
 
+import jinja2
 import pandas as pd
+from markupsafe import Markup
 
+from depthtools import __version__
 from depthtools.analysis.seeds import depth_effects, seed_means
+from depthtools.checkpoint import atomic_write_bytes
+from depthtools.fsutil import check_file_target
 from depthtools.report import figures, findings, frames
 from depthtools.report.blocks import ListBlock, NoteBlock, Section, figure_block, table_block
-from depthtools.report.data import CellData, GridData, read_cell, read_grid, resolve_checkpoints
+from depthtools.report.data import CellData, GridData, read_cell, read_grid, resolve_checkpoints, weights_warnings
 
 ANALYZE = "depthtools analyze --grid {grid}"
 TEMPLATE = "report.html.j2"
@@ -64,8 +69,6 @@ PROBE_FIGURES = {  # profile kind -> (title, y label, caption, log y)
 # -- rendering ------------------------------------------------------------------------------------
 
 def _environment():
-    import jinja2
-
     return jinja2.Environment(loader=jinja2.PackageLoader("depthtools.report", "templates"), autoescape=True,
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
@@ -80,10 +83,6 @@ def _csp_hash(text: str) -> str:
 
 def render(title: str, subtitle: str, sections: Sequence[Section], meta: dict[str, str]) -> str:
     """The HTML page: inline style and script (allowed by hash in the CSP), sections, TOC."""
-    from markupsafe import Markup
-
-    from depthtools import __version__
-
     css, js = _asset("report.css"), _asset("report.js")
     return _environment().get_template(TEMPLATE).render(
         title=title, subtitle=subtitle, sections=list(sections), meta=meta, version=__version__,
@@ -93,10 +92,6 @@ def render(title: str, subtitle: str, sections: Sequence[Section], meta: dict[st
 
 def write(html: str, out_path: str | Path) -> Path:
     """Write the page atomically (a crash never leaves half a report), readable by others like any page."""
-    from depthtools.checkpoint import atomic_write_bytes
-
-    from depthtools.fsutil import check_file_target
-
     out_path = Path(out_path)
     check_file_target(out_path, "report file (--out)")
     atomic_write_bytes(out_path, html.encode("utf-8"))  # mode 0666 less the umask, like any new file
@@ -393,8 +388,6 @@ def grid_sections(grid: GridData) -> list[Section]:
 
 def _weights_note(cells: list[CellData], missing=()) -> NoteBlock | None:
     """A warning at the top of a report when a checkpoint's weights are missing or damaged."""
-    from depthtools.report.data import weights_warnings
-
     lines = weights_warnings(cells, missing)
     if not lines:
         return None

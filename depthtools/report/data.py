@@ -16,8 +16,9 @@ from typing import Any
 
 import pandas as pd
 
-from depthtools.analysis.tables import ANALYSIS_DIR, load_table
-from depthtools.checkpoint import CONFIG, WEIGHTS, read_json, read_metrics, resolve, weights_problem
+from depthtools.analysis.suite import read_result
+from depthtools.analysis.tables import ANALYSIS_DIR, checkpoint_dirs, load_table, training_seed
+from depthtools.checkpoint import CONFIG, WEIGHTS, imported_from, read_json, read_metrics, resolve, weights_problem
 from depthtools.errors import DepthToolsError
 
 EVAL = "eval.json"
@@ -60,8 +61,6 @@ class CellData:
     @property
     def seed(self) -> int:
         """The training seed recorded in config.json (0 when none is)."""
-        from depthtools.analysis.summary import training_seed
-
         return training_seed(self.config)
 
     def info(self) -> dict[str, Any]:
@@ -98,8 +97,6 @@ def _relabel(df: pd.DataFrame, cell: CellData) -> pd.DataFrame:
 
 def _read_table(directory: Path, name: str) -> pd.DataFrame | None:
     """A probe table by the name `analyze` and the probe commands share (older names translated)."""
-    from depthtools.analysis.suite import read_result
-
     return read_result(directory, name)
 
 
@@ -117,7 +114,6 @@ def read_cell(directory: str | Path, name: str | None = None, grid: str | Path |
         cell.missing.append((WEIGHTS, f"{cell.weights_problem}: its losses and tables predate the damage and it "
                                       "cannot be probed again; restore the file, or retrain it "
                                       f"(`depthtools grid train SPEC --cells {directory.name} --force`)"))
-    from depthtools.checkpoint import imported_from
 
     imported = imported_from(config)  # no training run: no eval.json or curve to miss
     try:
@@ -158,8 +154,6 @@ def resolve_checkpoints(ckpts: list[str | Path]) -> list[tuple[Path, str]]:
 
 def _grid_cell_dirs(grid: Path) -> tuple[list[Path], list[Path]]:
     """(checkpoint dirs, sub-directories that look like unfinished cells: a config but no weights)."""
-    from depthtools.analysis.summary import checkpoint_dirs
-
     if not grid.is_dir():
         raise DepthToolsError(f"grid directory {grid} does not exist; give a directory like checkpoints/tiny")
     dirs = checkpoint_dirs(grid)

@@ -19,12 +19,17 @@ import io
 import math
 from typing import Callable, Sequence
 
+import matplotlib as mpl
 import numpy as np
 import pandas as pd
+import seaborn as sns
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import NullFormatter
 
+from depthtools.analysis.plots import plot_prune_curve
+from depthtools.analysis.seeds import seed_means, with_seed
 from depthtools.errors import DepthToolsError
 
 DPI = 96
@@ -41,9 +46,6 @@ def styled(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        import matplotlib as mpl
-        import seaborn as sns
-
         with sns.axes_style("whitegrid"), mpl.rc_context(RC):
             return fn(*args, **kwargs)
 
@@ -96,8 +98,6 @@ def _require(df: pd.DataFrame, columns: Sequence[str], what: str) -> None:
 
 def depth_labels(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list]:
     """df with a categorical 'depth' column ("L4") plus its order (shallow to deep) and palette."""
-    import seaborn as sns
-
     layers = sorted({int(n) for n in df["n_layer"]})
     order = [f"L{n}" for n in layers]
     return df.assign(depth=[f"L{int(n)}" for n in df["n_layer"]]), order, sns.color_palette("viridis", len(order))
@@ -105,8 +105,6 @@ def depth_labels(df: pd.DataFrame) -> tuple[pd.DataFrame, list[str], list]:
 
 def arch_palette(archs: Sequence[str]) -> dict[str, tuple]:
     """One stable colour per architecture (sorted names over tab10)."""
-    import seaborn as sns
-
     names = sorted(set(archs))
     colours = sns.color_palette("tab10", max(len(names), 1))
     return {name: colours[i % len(colours)] for i, name in enumerate(names)}
@@ -114,8 +112,6 @@ def arch_palette(archs: Sequence[str]) -> dict[str, tuple]:
 
 def model_palette(models: Sequence[str]) -> dict[str, tuple]:
     """One colour per model in the order given (compare reports)."""
-    import seaborn as sns
-
     colours = sns.color_palette("tab10", max(len(models), 1))
     return {m: colours[i % len(colours)] for i, m in enumerate(models)}
 
@@ -123,8 +119,6 @@ def model_palette(models: Sequence[str]) -> dict[str, tuple]:
 def _legend_outside(ax) -> None:
     """Move an existing legend to the right of the axes, keeping its handles (seaborn's histogram
     legend has no labelled artists, so a fresh `ax.legend()` would come out empty)."""
-    import seaborn as sns
-
     if ax.get_legend() is not None:
         sns.move_legend(ax, "upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
@@ -139,8 +133,6 @@ def plot_loss_vs_shape(cells: pd.DataFrame) -> Figure:
     over training seeds of one (arch, depth); error bars are the 95% t-interval across seeds and the
     small dots the single seeds (one seed: no bars). Points are labelled L<n>.
     """
-    from depthtools.analysis.seeds import seed_means, with_seed
-
     _require(cells, ["arch", "n_layer", "d_model", "val_loss"], "loss vs shape")
     data = with_seed(_labelled(cells.dropna(subset=["val_loss"]), "arch"))
     data = data.assign(aspect=data["d_model"] / data["n_layer"])
@@ -202,8 +194,6 @@ def plot_training_curves(curves: pd.DataFrame) -> Figure:
     curves: long table with arch, n_layer, tokens, split ('train' or 'val'), loss. Solid: train
     loss at each log step; dashed with markers: val loss at each evaluation.
     """
-    from matplotlib.lines import Line2D
-
     _require(curves, ["arch", "n_layer", "tokens", "split", "loss"], "training curves")
     data, order, palette = depth_labels(_labelled(curves.dropna(subset=["loss"]), "arch"))
     colour = dict(zip(order, palette))
@@ -256,8 +246,6 @@ def plot_depth_profiles(profiles: pd.DataFrame, ylabel: str, logy: bool = False)
 
     profiles: long table with arch, n_layer, rel_depth, value (one row per model × layer).
     """
-    import seaborn as sns
-
     _require(profiles, ["arch", "n_layer", "rel_depth", "value"], ylabel)
     data, order, palette = depth_labels(_labelled(profiles.dropna(subset=["value", "rel_depth"]), "arch"))
     archs = sorted(data["arch"].unique())
@@ -284,8 +272,6 @@ def plot_task_accuracy(tasks: pd.DataFrame, value_label: str = "accuracy") -> Fi
     or lens_first_rel_depth with value_label "lens first depth / L". Hollow markers: k outside the
     training range (extrapolation). Several seeds of a depth: the line is their mean, the band their range.
     """
-    import seaborn as sns
-
     _require(tasks, ["arch", "task", "n_layer", "k", "value"], "depth tasks")
     data, order, palette = depth_labels(_labelled(tasks.dropna(subset=["value"]), "arch", "task"))
     archs, names = sorted(data["arch"].unique()), sorted(data["task"].unique())
@@ -329,7 +315,6 @@ def plot_curriculum(levels: pd.DataFrame) -> Figure:
             ax.set_title(f"{arch} · {task}")
             ax.set_xlabel("training tokens")
             ax.set_ylabel("curriculum level k")
-    from matplotlib.lines import Line2D
 
     axes[-1].legend(handles=[Line2D([], [], color=colour[d], label=d) for d in order], loc="upper left",
                     bbox_to_anchor=(1.0, 1.0), frameon=False)
@@ -355,8 +340,6 @@ def _model_lines(data: pd.DataFrame, panels: Sequence[tuple[str, str]], x: str, 
     `robust`: columns whose y-range is set by the points after the first x (depth 0 of a lens: the
     embedding read through the unembedding, ~100 nats with tied embeddings, would flatten the rest);
     a first point above that range is clipped and its value written on the panel."""
-    import seaborn as sns
-
     data, order, palette = _model_hue(data, models)
     fig, axes = new_figure(len(panels), width=width)
     for i, (ax, (column, label)) in enumerate(zip(axes, panels)):
@@ -419,8 +402,6 @@ def plot_prediction_depth(pd_table: pd.DataFrame, models: Sequence[str]) -> Figu
     pd_table: per-token rows (model, n_layer, prediction_depth) or lens summary rows
     (model, lens, pd_mean_over_L).
     """
-    import seaborn as sns
-
     data, order, palette = _model_hue(pd_table, models)
     per_token = "prediction_depth" in data.columns
     fig, (ax,) = new_figure(1, width=4.8 if per_token else min(6.0, 2.4 + 0.7 * len(order)), height=2.6)
@@ -444,8 +425,6 @@ def plot_prediction_depth(pd_table: pd.DataFrame, models: Sequence[str]) -> Figu
 @styled
 def plot_skip_bars(skip: pd.DataFrame, models: Sequence[str]) -> Figure:
     """Single-block skip: ΔCE and KL(intact‖skipped) per block, bars grouped by model."""
-    import seaborn as sns
-
     _require(skip, ["model", "layer", "delta_ce"], "skip ablation")
     data, order, palette = _model_hue(skip, models)
     data = data.assign(block=data["layer"].astype(int))
@@ -464,8 +443,6 @@ def plot_skip_bars(skip: pd.DataFrame, models: Sequence[str]) -> Figure:
 @styled
 def plot_prune_curves(prune: pd.DataFrame, models: Sequence[str]) -> Figure:
     """Greedy pruning: ΔCE against the fraction of blocks removed, one line per model (τ dotted)."""
-    from depthtools.analysis.plots import plot_prune_curve
-
     _require(prune, ["model", "n_removed", "n_layer", "delta_ce"], "pruning")
     data = _labelled(prune, "model")
     if "method" in data.columns and (data["method"] == "greedy").any():
@@ -479,8 +456,6 @@ def plot_prune_curves(prune: pd.DataFrame, models: Sequence[str]) -> Figure:
 @styled
 def plot_model_tasks(tasks: pd.DataFrame, models: Sequence[str]) -> Figure:
     """Depth-task accuracy against k, one panel per task, one line per model (hollow: k beyond training)."""
-    import seaborn as sns
-
     _require(tasks, ["model", "task", "k", "value"], "depth tasks")
     data, order, palette = _model_hue(tasks.dropna(subset=["value"]), models, "task")
     names = sorted(data["task"].unique())
@@ -504,8 +479,6 @@ def _heatmaps(frames: Sequence[tuple[str, pd.DataFrame]], row: str, col: str, va
               ylabel: str, cbar: str, vmin: float | None = None, vmax: float | None = None,
               cmap: str = "viridis") -> Figure:
     """One heatmap per model side by side (matrix rows `row`, columns `col`), shared colour scale."""
-    import seaborn as sns
-
     mats = []
     for name, df in frames:
         mat = df.pivot_table(index=row, columns=col, values=value, aggfunc="mean").sort_index().sort_index(axis=1)

@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 
 import pandas as pd
 
+from depthtools.analysis.seeds import seed_means, with_seed
 from depthtools.report.data import CellData, finite
 
 ID = ["model", "arch", "n_layer", "d_model", "seed"]
@@ -232,8 +233,6 @@ def task_depth_table(tasks: pd.DataFrame) -> pd.DataFrame:
     The lens columns answer "are harder instances resolved later in depth?": a first depth that climbs
     with k means the extra steps use extra layers. NaN where no sample of that k was answered.
     """
-    from depthtools.analysis.seeds import seed_means, with_seed
-
     needed = {"metric", "task", "k", "value", "arch", "n_layer", "model"}
     if not needed <= set(tasks.columns) or tasks.empty:
         return pd.DataFrame()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from depthtools.data.tasks import TaskMixer
 from depthtools.errors import DepthToolsError
 
 IGNORE = -100  # a target the loss skips (F.cross_entropy's default ignore_index): unscored task-row tokens
@@ -49,8 +50,6 @@ class TrainBatches:
         self.rank, self.world_size = rank, world_size
         self.mixer = None  # task_mix: a share of rows replaced by synthetic task text, by (seed, step, global row)
         if task_mix is not None:
-            from depthtools.data.tasks import TaskMixer
-
             self.mixer = TaskMixer(task_mix, seed, batch_size, seq_len, tokenizer)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

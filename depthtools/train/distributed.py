@@ -30,6 +30,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from depthtools.errors import DepthToolsError
 
@@ -142,8 +146,6 @@ def rows_per_rank(batch_size: int, micro_batch_size: int | None, d: Dist) -> tup
 def wrap(module: nn.Module, d: Dist, device: torch.device) -> nn.Module:
     """The step module under DDP or FSDP2 (FSDP2 shards in place: build the optimizer afterwards)."""
     if d.fsdp:
-        from torch.distributed.fsdp import fully_shard
-
         # FSDP2 cannot shard 0-d parameters (HC/mHC gates, ReZero gains): they stay replicated and
         # `reduce_replicated_grads` averages their gradients.
         scalars = [p for _, p in module.named_parameters() if p.dim() == 0]  # same order on every rank
@@ -152,7 +154,6 @@ def wrap(module: nn.Module, d: Dist, device: torch.device) -> nn.Module:
         wrapped = fully_shard(module, ignored_params=set(scalars))
         wrapped.replicated_params = scalars
         return wrapped
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None
     # No buffer sync in forward: the only buffers are constant RoPE tables, and eval stays collective-free.
@@ -226,15 +227,11 @@ class StateView:
 
 
 def _options(**kw):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(full_state_dict=True, **kw)
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The sharded model's full state dict on CPU (collective; tensors on rank 0, empty elsewhere)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     return get_model_state_dict(model, options=_options(cpu_offload=True))
 
 
@@ -243,8 +240,6 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[s
 
     The optimizer view uses torch's index-keyed layout (positions in `names`), as `optimizer_tensors` reads.
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     weights = full_weights(model)
     optim = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
     index = {name: i for i, name in enumerate(names)}
@@ -256,8 +251,6 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, names: list[s
 def move_optimizer_state(source: torch.optim.Optimizer, names: list[str], model: nn.Module,
                          target: torch.optim.Optimizer) -> None:
     """Copy a full (unsharded) optimizer's state into the optimizer of the sharded `model`."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
     full = source.state_dict()
     if not full["state"]:
         return

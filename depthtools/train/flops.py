@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from depthtools.arch import get_arch
 from depthtools.config import ModelConfig
 
 PEAK_BF16_FLOPS = {  # dense bf16 tensor-core peak, by substring of torch.cuda.get_device_name()
@@ -29,16 +30,12 @@ PEAK_BF16_FLOPS = {  # dense bf16 tensor-core peak, by substring of torch.cuda.g
 
 def scheme_extra_flops(cfg: ModelConfig) -> float:
     """Forward FLOPs per token the architecture adds to Pre-LN (its scheme's `extra_flops`)."""
-    from depthtools.arch import get_arch
-
     with torch.random.fork_rng(devices=[]):  # building the scheme (no blocks) must not move the RNG
         return float(get_arch(cfg.arch).build_scheme(cfg).extra_flops())
 
 
 def flops_per_token(cfg: ModelConfig, params_total: int, seq_len: int) -> float:
     """Approximate training (forward + backward) FLOPs per token (see the module docstring)."""
-    from depthtools.arch import get_arch
-
     backbone = params_total - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model) - get_arch(cfg.arch).extra_params(cfg)
     return 6.0 * backbone + 12.0 * cfg.n_layer * cfg.d_model * seq_len + 3.0 * scheme_extra_flops(cfg)
 

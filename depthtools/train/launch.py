@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import re
 import shlex
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from depthtools.errors import DepthToolsError
 from depthtools.train.loop import is_finished, tidy_finished
@@ -47,11 +53,6 @@ def pending_specs(spec: dict[str, Any], root: str | Path, force: bool = False, t
 def _die_with_parent(parent: int) -> None:
     """Linux: have the kernel send this worker SIGTERM when the launching process dies, however it dies
     (a SIGKILL'ed `grid train` must not leave cells training in orphans). A no-op elsewhere."""
-    import ctypes
-    import os
-    import signal
-    import sys
-
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -65,11 +66,8 @@ def _die_with_parent(parent: int) -> None:
 
 def _init_worker(threads: int, parent: int | None = None) -> None:
     """Each pool process runs its cells with `threads` torch (and BLAS) threads, and dies with its parent."""
-    import os
-
     if parent is not None:
         _die_with_parent(parent)
-    import torch
 
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
@@ -80,9 +78,6 @@ def _terminate_on_exit(pool: concurrent.futures.ProcessPoolExecutor):
     """Stop the pool's workers when the launcher leaves early: an exception, Ctrl-C, or SIGTERM (turned
     into SystemExit while the pool runs, so `kill <pid of grid train>` stops the cells it started
     instead of leaving them to train on). Interrupted cells resume when the grid is launched again."""
-    import signal
-    import threading
-
     previous = None
     if threading.current_thread() is threading.main_thread():
         def on_term(signum, frame):
@@ -186,7 +181,7 @@ class CellJob:
         return run_cell(*args, **kwargs)
 
     def checkpoint(self, *args: Any, **kwargs: Any):
-        from submitit.helpers import DelayedSubmission
+        from submitit.helpers import DelayedSubmission  # optional dependency
 
         return DelayedSubmission(self, *args, **kwargs)
 
@@ -217,7 +212,7 @@ def dry_run_lines(grid, root, data_root, resources: SlurmResources, grid_path=No
 def _executor(folder: Path, resources: SlurmResources, cluster: str | None):
     """A submitit executor for `cluster` ("slurm", "local", or None = auto) with the cell resources."""
     try:
-        import submitit
+        import submitit  # optional dependency
     except ImportError:
         raise DepthToolsError("the slurm launcher needs submitit: pip install submitit") from None
     try:
@@ -263,7 +258,7 @@ def launch_ray(grid, root: str | Path = "checkpoints", data_root: str | Path = "
                log: Log | None = None) -> list[dict[str, Any]]:
     """Run the unfinished cells as Ray tasks (one process, up to one GPU each) and wait for them all."""
     try:
-        import ray
+        import ray  # optional dependency
     except ImportError:
         raise DepthToolsError("the ray launcher needs Ray, which is not installed: pip install ray") from None
     if gpus_per_cell > 1:

@@ -20,12 +20,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from depthtools.checkpoint import CONFIG, read_json
+import torch
+
+from depthtools.checkpoint import CONFIG, atomic_write_json, read_json
 from depthtools.config import TrainConfig
-from depthtools.data import prepare, read_meta
+from depthtools.data import prepare, prepare_inputs, read_meta
+from depthtools.data.budget import check_grid
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name
 from depthtools.grid import DATA_NOTES, Cell, check_cell, check_data_section, check_spec, load_grid
+from depthtools.profiles import apply_to_spec
 from depthtools.train.loop import HEARTBEAT, METRICS, Progress, is_finished, tidy_finished, train_cell
 from depthtools.train.state import STATE_DIR, latest_step
 
@@ -36,8 +40,6 @@ def load_spec(grid: str | Path | dict[str, Any]) -> dict[str, Any]:
     """A checked grid spec with `Cell` objects (`depthtools.grid.check_spec`), from a path or an in-memory
     spec (cells as dicts or Cells), under the recipe profile its train section names ("profile":
     depthtools.profiles.apply_to_spec): nothing is created for a spec that is refused."""
-    from depthtools.profiles import apply_to_spec
-
     if isinstance(grid, (str, Path)):
         return apply_to_spec(load_grid(grid))
     return apply_to_spec(check_spec(grid))
@@ -79,8 +81,6 @@ def grid_data_dir(spec: dict[str, Any], data_root: str | Path = "data") -> Path:
                                   "(or pass --data-root to where it is)")
         return folder
     if "input" in data:
-        from depthtools.data import prepare_inputs
-
         inputs = data.pop("input")
         return prepare_inputs([inputs] if isinstance(inputs, str) else list(inputs), out_dir=data_root, **data)
     return prepare(**{**DEFAULT_DATA, **data}, out_dir=data_root)
@@ -89,8 +89,6 @@ def grid_data_dir(spec: dict[str, Any], data_root: str | Path = "data") -> Path:
 def check_grid_data(spec: dict[str, Any], data_dir: Path) -> list[str]:
     """Every cell's vocabulary and token budget against the grid's data (depthtools.data.budget),
     before any cell trains: raises for a refused cell, returns the epoch warnings."""
-    from depthtools.data.budget import check_grid
-
     prepare_hint = (spec.get("data") or {}).get("prepare")
     how = f"prepare it with: {prepare_hint}" if prepare_hint else None
     return check_grid(spec["cells"], lambda cell: cell_recipe(spec.get("train"), cell), read_meta(data_dir),
@@ -117,8 +115,6 @@ def record_spec(spec: dict[str, Any], grid_dir: Path) -> Path:
     """Keep the grid's spec in its folder (`grid.json`), so a report can name the cells that were
     planned but never trained. Cells already recorded stay (training a subset with --cells does not
     forget the rest); the file is rewritten only when it changes (a re-run touches nothing)."""
-    from depthtools.checkpoint import atomic_write_json
-
     path = grid_dir / GRID_SPEC_FILE
     cells = [dataclasses.asdict(c) if isinstance(c, Cell) else dict(c) for c in spec["cells"]]
     try:
@@ -203,12 +199,10 @@ def run_cell(spec_cell: dict[str, Any], root: str | Path, data_root: str | Path 
     the prepared data are visible, and rerunning it after a crash resumes. `threads` sets torch's
     threads in this (worker) process; `distributed` joins a multi-task Slurm job as one torch rank.
     """
-    import torch
-
     if threads:
         torch.set_num_threads(threads)
     if distributed:
-        from submitit.helpers import TorchDistributedEnvironment
+        from submitit.helpers import TorchDistributedEnvironment  # optional dependency
 
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     cell = check_cell(spec_cell["cell"])
