@@ -10,6 +10,7 @@ Interrupted runs resume when the same command is repeated. `depthtools train` al
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -17,8 +18,10 @@ from typing import Any, Optional
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from cli.main import app, console, grid_app, parse_list, print_json, table
+from cli.plain import PlainLog, PlainTrainDisplay, is_plain
 from depthtools.errors import DepthToolsError
 
 
@@ -77,7 +80,6 @@ class TrainDisplay:
 def _display(total_tokens: int, n_cells: int, quiet: bool):
     """The rich display; plain lines when the output is not a terminal (rich's bars would show nothing
     there); a silent stand-in when the output must stay machine-readable (--json)."""
-    from cli.plain import PlainTrainDisplay, is_plain
 
     if quiet:
         return contextlib.nullcontext(None)
@@ -96,7 +98,7 @@ def _interruptible():
 
 def _data_dir(data: str, tokenizer: str, data_root: Path) -> Path:
     """A prepared dataset folder: `data` itself if it holds meta.json, else prepare corpus `data`."""
-    from depthtools.data import prepare
+    from depthtools.data import prepare  # lazy: keeps the CLI torch-free
 
     if (Path(data) / "meta.json").is_file():
         return Path(data)
@@ -108,7 +110,6 @@ def _data_dir(data: str, tokenizer: str, data_root: Path) -> Path:
 
 def _task_mix_option(text: str) -> dict[str, Any] | None:
     """--task-mix: a JSON object (TaskMix fields) or 'off'; one-line errors for anything else."""
-    import json
 
     if text.strip().lower() == "off":
         return None
@@ -125,9 +126,9 @@ def _task_mix_option(text: str) -> dict[str, Any] | None:
 def _recipe(preset_recipe: Optional[str], overrides: dict[str, Any], task_mix: Optional[str] = None,
             profile: Optional[str] = None):
     """The TrainConfig: a preset's recipe, then the profile's fields, then the options given here."""
-    from depthtools.config import TrainConfig
-    from depthtools.presets import get_preset
-    from depthtools.profiles import recipe
+    from depthtools.config import TrainConfig  # lazy: keeps the CLI torch-free
+    from depthtools.presets import get_preset  # lazy: keeps the CLI torch-free
+    from depthtools.profiles import recipe  # lazy: keeps the CLI torch-free
 
     base = dict(get_preset(preset_recipe).train) if preset_recipe else {}
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -145,9 +146,9 @@ def _recipe(preset_recipe: Optional[str], overrides: dict[str, Any], task_mix: O
 
 def _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max_seq_len, preset_recipe, tolerance):
     """The cell's ModelConfig: width from --d-model, or the iso-parameter width for --budget."""
-    from depthtools.config import ModelConfig
-    from depthtools.grid import plan_grid
-    from depthtools.presets import get_preset
+    from depthtools.config import ModelConfig  # lazy: keeps the CLI torch-free
+    from depthtools.grid import plan_grid  # lazy: keeps the CLI torch-free
+    from depthtools.presets import get_preset  # lazy: keeps the CLI torch-free
 
     if (budget is None) == (d_model is None):
         raise DepthToolsError("give exactly one of --budget (width planned for the budget) or --d-model")
@@ -213,11 +214,11 @@ def train_command(
 
     On several GPUs: torchrun --nproc_per_node=8 -m cli train ... --data data/<prepared> [--parallel fsdp]
     """
-    from depthtools.checkpoint import checkpoints_root
-    from depthtools.data import read_meta
-    from depthtools.grid import cell_name, count_params
-    from depthtools.train import train_cell
-    from depthtools.train.distributed import env_rank
+    from depthtools.checkpoint import checkpoints_root  # lazy: keeps the CLI torch-free
+    from depthtools.data import read_meta  # lazy: keeps the CLI torch-free
+    from depthtools.grid import cell_name, count_params  # lazy: keeps the CLI torch-free
+    from depthtools.train import train_cell  # lazy: keeps the CLI torch-free
+    from depthtools.train.distributed import env_rank  # lazy: keeps the CLI torch-free
 
     recipe = _recipe(preset_recipe, dict(
         tokens=tokens, tokens_per_param=tokens_per_param, batch_size=batch_size, micro_batch_size=micro_batch_size,
@@ -231,7 +232,7 @@ def train_command(
     model_cfg = _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max(recipe.seq_len, 1),
                               preset_recipe, tolerance)
     if profile is not None:
-        from depthtools.profiles import apply_model
+        from depthtools.profiles import apply_model  # lazy: keeps the CLI torch-free
 
         model_cfg = apply_model(profile, model_cfg)
     out = out or checkpoints_root() / cell_name(model_cfg.arch, layers, recipe.seed)  # where --ckpt NAME looks
@@ -256,12 +257,12 @@ LAUNCHERS = ("local", "slurm", "ray")
 
 def _grid_spec(grid: Optional[Path], preset: Optional[str]) -> dict[str, Any]:
     """The grid spec from a file or a preset name (exactly one of them)."""
-    from depthtools.train.sweep import load_spec
+    from depthtools.train.sweep import load_spec  # lazy: keeps the CLI torch-free
 
     if (grid is None) == (preset is None):
         raise DepthToolsError("give a grid spec file or --preset NAME (not both)")
     if preset is not None:
-        from depthtools.presets import get_preset
+        from depthtools.presets import get_preset  # lazy: keeps the CLI torch-free
 
         return load_spec(get_preset(preset).grid_spec())
     return load_spec(grid)
@@ -303,13 +304,13 @@ def grid_train_command(
       depthtools grid train big.json --launcher slurm --partition gpu --gpus-per-cell 1 --time 24:00:00 --dry-run
       depthtools grid status big.json
     """
-    from depthtools.train.sweep import select_cells
+    from depthtools.train.sweep import select_cells  # lazy: keeps the CLI torch-free
 
     if launcher not in LAUNCHERS:
         raise DepthToolsError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
     spec = select_cells(_grid_spec(grid, preset), parse_list(cells, "str", "--cells", "preln_L2,hc_L4"))
     if compile is not None:
-        from depthtools.config import TrainConfig
+        from depthtools.config import TrainConfig  # lazy: keeps the CLI torch-free
 
         train = {**(spec.get("train") or {}), "compile": compile}
         TrainConfig.from_dict(train)  # a bad value: one line before any cell starts
@@ -322,12 +323,12 @@ def grid_train_command(
         raise DepthToolsError("--dry-run applies to --launcher slurm")
     log = None if as_json else _launcher_log()
     if launcher == "ray":
-        from depthtools.train.launch import launch_ray
+        from depthtools.train.launch import launch_ray  # lazy: keeps the CLI torch-free
 
         summaries = launch_ray(spec, root, data_root, gpus_per_cell=gpus_per_cell, cpus_per_cell=cpus_per_cell,
                                threads=threads, address=ray_address, force=force, log=log)
     elif workers > 1:
-        from depthtools.train.launch import launch_local
+        from depthtools.train.launch import launch_local  # lazy: keeps the CLI torch-free
 
         summaries = launch_local(spec, root, data_root, workers=workers, threads=threads or 1, force=force, log=log)
     else:
@@ -342,15 +343,14 @@ def _plain(line: str) -> None:
 
 def _launcher_log():
     """A launcher's per-cell lines: literal on a terminal, stamped with the elapsed time in a log."""
-    from cli.plain import PlainLog, is_plain
 
     return PlainLog() if is_plain() else _plain
 
 
 def _grid_here(spec, root: Path, data_root: Path, threads: Optional[int], force: bool, as_json: bool):
     """All cells one after another in this process, with the progress display."""
-    from depthtools.config import TrainConfig
-    from depthtools.train import is_finished, train_grid
+    from depthtools.config import TrainConfig  # lazy: keeps the CLI torch-free
+    from depthtools.train import is_finished, train_grid  # lazy: keeps the CLI torch-free
 
     if threads:
         spec = {**spec, "train": {**(spec.get("train") or {}), "threads": threads}}
@@ -391,8 +391,8 @@ def _status_word(summary: dict[str, Any]) -> str:
 
 def _grid_slurm(spec, grid_path, root: Path, data_root: Path, force: bool, dry_run: bool, as_json: bool, **resources):
     """Submit the unfinished cells as a Slurm job array, or print what would be submitted."""
-    from depthtools.train.launch import SlurmResources, dry_run_lines, submit_cells
-    from depthtools.train.launch import dry_run as planned_jobs
+    from depthtools.train.launch import SlurmResources, dry_run_lines, submit_cells  # lazy: keeps the CLI torch-free
+    from depthtools.train.launch import dry_run as planned_jobs  # lazy: keeps the CLI torch-free
 
     res = SlurmResources(**resources)
     res.timeout_min  # noqa: B018 - validate --time before anything else
@@ -427,9 +427,8 @@ def grid_status_command(
 
     Example: depthtools grid status tiny.json --root checkpoints
     """
-    from rich.text import Text
 
-    from depthtools.train.sweep import STATES, grid_status
+    from depthtools.train.sweep import STATES, grid_status  # lazy: keeps the CLI torch-free
 
     spec = _grid_spec(grid, preset)
     rows = grid_status(spec, root, stale_after=stale_after)

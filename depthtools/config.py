@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from depthtools.data.tasks import TaskMix
 from depthtools.errors import DepthToolsError
 
 
@@ -119,7 +120,7 @@ class ModelConfig:
         object.__setattr__(self, "options", dict(self.options))
         # imported here, not at the top: the registry imports torch and every scheme, and `import depthtools` and
         # the torch-free CLI commands import this module (arch/ itself never imports config: no circle)
-        from depthtools.arch.registry import canonical_name
+        from depthtools.arch.registry import canonical_name  # lazy: keeps depthtools.config torch-free (arch/ imports torch)
 
         if isinstance(self.arch, str):
             object.__setattr__(self, "arch", canonical_name(self.arch))
@@ -157,7 +158,7 @@ class ModelConfig:
                 raise DepthToolsError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
         if not isinstance(self.arch, str):
             raise DepthToolsError(f"ModelConfig.arch must be an architecture name, got {self.arch!r}")
-        from depthtools.arch.registry import check_options  # here, not at the top: as in __post_init__
+        from depthtools.arch.registry import check_options  # lazy: keeps depthtools.config torch-free (arch/ imports torch)
 
         check_options(self)  # unknown option keys and bad values
 
@@ -270,8 +271,6 @@ class TrainConfig:
         if isinstance(self.compile, bool):  # configs written before issue 20: true/false
             object.__setattr__(self, "compile", "on" if self.compile else "off")
         if self.task_mix is not None:  # a JSON dict becomes a validated, frozen TaskMix
-            from depthtools.data.tasks import TaskMix
-
             object.__setattr__(self, "task_mix", TaskMix.from_value(self.task_mix))
         self.validate()
 

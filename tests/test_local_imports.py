@@ -25,15 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TAG = re.compile(r"#\s*(lazy|optional|heavy)\b")
 
-# Files being edited in parallel while the rest was done; to do: tag or hoist their local imports, then remove
-# them here. The test fails when a listed file has no offender left, so the list cannot go stale.
-ALLOWED = {
-    "cli/train_cmd.py": "being edited in parallel; to do",
-    "depthtools/arch/compile_cache.py": "being edited in parallel; to do",
-    "depthtools/arch/cpu_kernels.py": "being edited in parallel; to do",
-    "depthtools/config.py": "being edited in parallel; to do",
-    "depthtools/train/loop.py": "being edited in parallel; to do",
-}
+# Files allowed an unexplained local import: none (the list must stay empty; a listed file with no offender fails).
+ALLOWED: dict[str, str] = {}
 
 
 def _comments(source: str) -> dict[int, str]:

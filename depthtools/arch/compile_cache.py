@@ -19,7 +19,7 @@ def cache_dir() -> Path:
     chosen = os.environ.get(CACHE_ENV) or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(
         Path.home() / ".cache" / "depthtools" / "inductor")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
-    import torch._inductor.config as inductor_config  # public module of torch.compile's settings (loaded on first use)
+    import torch._inductor.config as inductor_config  # heavy, one path: torch.compile's settings, loaded on first use
     inductor_config.fx_graph_cache = True
     inductor_config.autotune_local_cache = True
     return Path(chosen)

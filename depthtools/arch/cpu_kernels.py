@@ -132,7 +132,7 @@ def _compile(name: str, cc: str, flags: list[str], folder: Path | None = None) -
     target = _target(name, cc, flags, folder)
     if not target.exists():
         logger.info("building the %s CPU kernels with %s (first use; cached in %s)", name, cc, folder)
-        from torch.utils import cpp_extension  # here: it imports setuptools, needed only for a cold build
+        from torch.utils import cpp_extension  # heavy, one path: it imports setuptools, needed only for a cold build
 
         target.parent.mkdir(parents=True, exist_ok=True)
         _clear_stale_lock(target.parent / "lock")

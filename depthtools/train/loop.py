@@ -44,18 +44,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from depthtools import profiles
+from depthtools.analysis.tasks import answer_accuracy
 from depthtools.arch import DepthModel, compiled
 from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, read_metrics, save
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
+from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
 from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, write_error
+from depthtools.grid import count_params
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
 from depthtools.train.distributed import Dist
 from depthtools.train.flops import flops_per_token, peak_flops
 from depthtools.train.optim import build_optimizer, depth_scaling
-from depthtools.train.precision import NAMES, cast_params, resolve_param_dtype
+from depthtools.train.precision import NAMES, bf16_weights_supported, cast_params, resolve_param_dtype
 from depthtools.train.probe import DepthProbe
 from depthtools.train.schedule import lr_multiplier
 from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state,
@@ -245,12 +249,10 @@ def check_inputs(model_cfg: ModelConfig, train_cfg: TrainConfig, meta: dict[str,
     """One-line errors for a model that cannot read this data or this sequence length (a vocabulary
     planned for another tokenizer included), and for a token budget above max_epochs of the data
     (a logged warning above one epoch when max_epochs is unset and `warn`); see depthtools.data.budget."""
-    from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
 
     check_vocab(model_cfg.vocab_size, meta["tokenizer"], str(data_dir), cell)
     if train_cfg.seq_len > model_cfg.max_seq_len:
         raise DepthToolsError(f"seq_len={train_cfg.seq_len} exceeds the model's max_seq_len={model_cfg.max_seq_len}")
-    from depthtools.grid import count_params
 
     budget = train_cfg.total_tokens(count_params(model_cfg)["total"])
     step_tokens = train_cfg.batch_size * train_cfg.seq_len
@@ -348,8 +350,6 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
 def profile_notes(model_cfg: ModelConfig, train_cfg: TrainConfig, device: torch.device) -> list[str]:
     """The lines a run under a recipe profile prints (and records in config.json): what the profile
     does not reproduce for this architecture, and which weights dtype it trains on this device."""
-    from depthtools import profiles
-    from depthtools.train.precision import NAMES, bf16_weights_supported
 
     param_dtype = NAMES[resolve_param_dtype(train_cfg, device)[0]]
     compute = "bfloat16" if param_dtype == "bfloat16" else str(resolve_dtype(train_cfg, device)).replace("torch.", "")
@@ -515,7 +515,6 @@ def _curriculum_step(run: Run) -> dict[str, Any]:
 
     Every rank scores the same samples with the same (replicated) weights, so all ranks advance alike.
     """
-    from depthtools.analysis.tasks import answer_accuracy
 
     mixer = run.batches.mixer
     curriculum = mixer.mix.curriculum
