@@ -1,4 +1,4 @@
-/* mHC's Sinkhorn on CPU (library "sinkhorn": the compiled path's opaque op, depthtools.arch.compiled.sinkhorn_op).
+/* mHC's Sinkhorn on CPU (library "sinkhorn": the op depthtools::sinkhorn_tokens_last, depthtools/arch/ops/sinkhorn.py).
 
    Why (issue 20; figures in benchmarks/RESULTS.md, "Compiled training (issue 20)"): the Sinkhorn of n = 4 streams
    is 2 t_max - 1 = 39 alternating half-steps over [4, 4, N] logits. With torch ops each half-step is three
