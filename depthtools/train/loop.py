@@ -640,7 +640,7 @@ def finish(run: Run, last: dict[str, Any], elapsed: float) -> dict[str, Any]:
             "compile": run.compile,
             **({"lr_changes": run.lr_changes} if run.lr_changes else {}),
             **({"profile_notes": run.profile_notes} if run.profile_notes else {}),
-            **({"param_dtype": str(run.param_dtype).replace("torch.", "")} if cfg.param_dtype != "float32" else {}),
+            **({"param_dtype": NAMES[run.param_dtype]} if cfg.param_dtype != "float32" else {}),
             **({"param_dtype_note": run.param_dtype_note} if run.param_dtype_note else {}),
             **({"task_levels": dict(run.batches.mixer.levels)} if _has_curriculum(run) else {}),
         },
