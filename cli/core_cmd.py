@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from cli.main import app, console, err_console, grid_app, parse_list, print_json, table
+from cli.app import app, grid_app
+from cli.common import console, err_console, parse_list, print_json, table
 from depthtools.data import read_meta
 from depthtools.data.budget import NOMINAL_VOCAB, check_vocab
 from depthtools.errors import DepthToolsError

@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from cli.main import app, console
+from cli.app import app
+from cli.common import console
 from cli.plain import PlainLog, is_plain
 
 

@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from cli.main import app, console, print_json, table
+from cli.app import app
+from cli.common import console, print_json, table
 
 
 def _show(title: str, summary: dict) -> None:

@@ -30,7 +30,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from typer.core import TyperCommand
 
-from cli.main import app, check_device, console, err_console, fmt, parse_list, print_json, table, write_out
+from cli.app import app
+from cli.common import check_device, console, err_console, fmt, parse_list, print_json, table, write_out
 from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
 from depthtools.analysis.suite import (N_TOKENS, SEQ_LEN, ablate_analysis, analysis_args, cast_model, check_dtype,
                                        check_sizes, checkpoint_dirs, plan, probe_tokens, progress_total, run_analysis)

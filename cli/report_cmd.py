@@ -13,7 +13,8 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from cli.main import app, console, err_console
+from cli.app import app
+from cli.common import console, err_console
 from depthtools.errors import DepthToolsError
 
 REPORTS = Path("reports")

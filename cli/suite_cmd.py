@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from cli.main import app, check_device, console, fmt, parse_list, print_json, table
+from cli.app import app
+from cli.common import check_device, console, fmt, parse_list, print_json, table
 from cli.plain import PlainLog, is_plain
 from depthtools.analysis.suite import analyze_grid, check_sizes, checkpoint_dirs
 from depthtools.errors import DepthToolsError

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from cli.main import console, fmt, parse_list, print_json, table
+from cli.common import console, fmt, parse_list, print_json, table
 from depthtools.data.tasks import TASKS, TASK_HELP, check_k, generate, parse_k, parse_tasks
 from depthtools.errors import DepthToolsError
 

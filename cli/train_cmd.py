@@ -20,7 +20,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
-from cli.main import app, console, grid_app, parse_list, print_json, table
+from cli.app import app, grid_app
+from cli.common import console, parse_list, print_json, table
 from cli.plain import PlainLog, PlainTrainDisplay, is_plain
 from depthtools.errors import DepthToolsError
 

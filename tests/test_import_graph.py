@@ -176,3 +176,21 @@ def test_the_walker_sees_function_level_and_dynamic_imports():
         imported, _ = _imports(ast.parse(text), name, False)
         graph[name] = _resolve(imported, sources) - {name}
     assert sorted(map(sorted, circles(graph))) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+
+
+CLI_PACKAGE = PACKAGE.parent / "cli"
+
+
+def test_every_cli_module_imports_on_its_own():
+    """Each cli/ module imports in a fresh interpreter by itself (issue 46): before cli/app.py held the root app,
+    `import cli.probe_cmd` failed on a circle through cli.main's command loading and cli.suite_cmd."""
+    import subprocess
+    import sys
+
+    names = sorted(f"cli.{p.stem}" for p in CLI_PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert "cli.probe_cmd" in names and "cli.app" in names
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)\n"
+    for name in names:  # one process each: an earlier import must not hide a circle in a later one
+        proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,
+                              cwd=PACKAGE.parent, timeout=300)
+        assert proc.returncode == 0, f"import {name} failed: {proc.stderr.strip().splitlines()[-1:]}"
