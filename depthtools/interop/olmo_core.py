@@ -170,6 +170,19 @@ ATTNRES = {
     "scheme.final_res.key_norm.weight": Src("res_norm.weight"),
 }
 
+
+
+def _moda_names() -> dict[str, Src]:
+    """MoDA blocks wrap the attention (`MoDAAttention.attention`) and the feed-forward
+    (`MoDAFeedForwardDepthCache.feed_forward`, beside its depth `kv_proj`)."""
+    wrapped = {}
+    for ours, src in BACKBONE.items():
+        name = src.name.replace("blocks.{i}.attention.", "blocks.{i}.attention.attention.")
+        wrapped[ours] = Src(name.replace("blocks.{i}.feed_forward.", "blocks.{i}.feed_forward.feed_forward."))
+    kv = {f"blocks.{{i}}.kv_proj.{kind}": Src(f"blocks.{{i}}.feed_forward.kv_proj.{kind}") for kind in ("weight", "bias")}
+    return {**wrapped, **kv}
+
+
 # layout -> our name template -> Src. A layout is a block type of the fork (and for mHC its backend).
 TABLES: dict[str, dict[str, Src]] = {
     "default": {**BACKBONE, **PRE_NORMS},
@@ -186,6 +199,8 @@ TABLES: dict[str, dict[str, Src]] = {
     "mhc": {**BACKBONE, **PRE_NORMS, **_connector(MHC_TORCH)},
     "liger_mhc": {**BACKBONE, **PRE_NORMS, **_connector(MHC_LIGER)},
     "attnres": {**BACKBONE, **PRE_NORMS, **ATTNRES},
+    "moda": {**_moda_names(), **PRE_NORMS},
+    "post_norm_moda": {**_moda_names(), **_norms(attn_post_norm="attention_norm", mlp_post_norm="feed_forward_norm")},
 }
 # HC/mHC blocks hold their norm and sublayer twice: as the block's own module and as the connector's `branch`.
 ALIASES: dict[str, tuple[tuple[str, str], ...]] = {
@@ -383,7 +398,8 @@ def _read_backbone(model: Section, block: Section) -> _Read:
 # block type -> our architecture (HC/mHC and AttnRes choose within `_arch_options`)
 BLOCK_TYPES = {"default": "preln", "reordered_norm": "preln", "peri_norm": "periln", "default_scaled": "lns",
                "deepnorm": "deepnorm", "keel": "keel", "hc": "hc", "mhc": "mhc", "attnres": "attnres",
-               "depth_mup": "depthmup", "completep": "completep"}
+               "depth_mup": "depthmup", "completep": "completep", "moda": "moda", "post_norm_moda": "moda"}
+MODA_TYPES = ("moda", "post_norm_moda")
 DEPTH_SCALED_BASE = 24  # depthtools' depth-muP / CompleteP reference depth
 
 
@@ -461,6 +477,42 @@ def _hyper_options(block: Section, block_type: str) -> tuple[str, dict[str, Any]
     return kind if kind != "hc" else "hc", options, notes
 
 
+def _moda_options(block: Section, block_type: str, read: _Read) -> dict[str, Any]:
+    """MoDA options from the block's `moda` section (DepthBench's `configure_moda`): depth K/V from every
+    sublayer (the MLP's through `kv_proj`), scored with the rotated query against the un-rotated cache."""
+    moda = block.sub("moda")
+    if moda is None:
+        raise refusal(block.key("moda"), None, "a MoDA block needs its moda config")
+    moda.require("extra_ffn_kv_proj", (True,), "depthtools' MoDA writes an MLP depth slot through kv_proj")
+    moda.require("extra_attn_kv_proj", (False,), "an extra attention K/V projection is not supported")
+    scale = moda.get("attention_scale")
+    head_dim = read.shape["d_model"] // read.shape["n_heads"]
+    if scale is not None and not math.isclose(scale, head_dim ** -0.5, rel_tol=1e-12):
+        raise refusal(moda.key("attention_scale"), scale, f"depthtools scales by head_dim^-1/2 = {head_dim ** -0.5:g}")
+    moda.ignore("backend", "depth_bs", "depth_warps", "cache_post_norm_k")  # kernel choice/tiling; no QK norm here
+    moda.done()
+    block.require("moda_skip_ffn_kv", (False,), "only the last block skips its MLP depth slot (block_overrides)")
+    return {"moda_norm": "post" if block_type == "post_norm_moda" else "pre", "moda_depth_rope": "query"}
+
+
+def _check_overrides(model: Section, block_type: str, n_layer: int) -> None:
+    """Per-block overrides: none, except DepthBench's MoDA last block (the same block with moda_skip_ffn_kv)."""
+    overrides = model.get("block_overrides")
+    if overrides in (None, {}, []):
+        if block_type in MODA_TYPES:
+            raise refusal(model.key("block_overrides"), overrides, "DepthBench's MoDA skips the last block's MLP "
+                          f"depth slot (block_overrides {{{n_layer - 1}: moda_skip_ffn_kv=true}}); this config "
+                          "keeps it, which depthtools' MoDA does not")
+        return
+    last = overrides.get(str(n_layer - 1), overrides.get(n_layer - 1)) if isinstance(overrides, dict) else None
+    if block_type not in MODA_TYPES or len(overrides) != 1 or not isinstance(last, dict):
+        raise refusal(model.key("block_overrides"), overrides, "per-block overrides are not supported")
+    block = {k: v for k, v in model.obj["block"].items() if k != "moda_skip_ffn_kv"}
+    if {k: v for k, v in last.items() if k != "moda_skip_ffn_kv"} != block or last.get("moda_skip_ffn_kv") is not True:
+        raise refusal(model.key(f"block_overrides.{n_layer - 1}"), "...", "the override may only set "
+                      "moda_skip_ffn_kv=true on the last block")
+
+
 def _arch_options(block: Section, block_type: str, read: _Read, n_layer: int) -> tuple[str, str, dict, list]:
     """(arch, layout, options, notes) for one block type."""
     if block_type not in BLOCK_TYPES:
@@ -493,6 +545,12 @@ def _arch_options(block: Section, block_type: str, read: _Read, n_layer: int) ->
     elif block.get("residual_scaling_base_depth") is not None:
         raise refusal(block.key("residual_scaling_base_depth"), block.obj["residual_scaling_base_depth"],
                       "only depth_mup/completep blocks take a reference depth")
+    if block_type in MODA_TYPES:
+        options.update(_moda_options(block, block_type, read))
+    else:
+        for name in ("moda", "moda_skip_ffn_kv"):
+            if block.get(name) not in (None, False):
+                raise refusal(block.key(name), block.obj[name], "only MoDA blocks take MoDA options")
     kind = read.norm[0]
     if arch == "preln":
         options.update(_preln_options(read, block_type))
@@ -543,8 +601,7 @@ def olmo_core_mapping(config: dict[str, Any]) -> Mapping:
                       "config.json must have a `model` section (OLMo-core's TransformerConfig)")
     model = Section(config["model"], "model")
     model.require("name", ("default",), "the default Transformer only (not nGPT or MoE)")
-    for name, why in (("embedding_norm", "an embedding norm"), ("block_pattern", "a block pattern"),
-                      ("block_overrides", "per-block overrides")):
+    for name, why in (("embedding_norm", "an embedding norm"), ("block_pattern", "a block pattern")):
         if model.get(name) not in (None, {}, []):
             raise refusal(model.key(name), model.obj[name], f"{why} is not supported")
     model.require("embed_scale", (None, 1.0, 1), "an embedding scale is not supported")
@@ -558,6 +615,7 @@ def olmo_core_mapping(config: dict[str, Any]) -> Mapping:
     read = _read_backbone(model, block)
     arch, layout, options, notes = _arch_options(block, block_type, read, read.shape["n_layer"])
     block.done()
+    _check_overrides(model, block_type, read.shape["n_layer"])
     _lm_head(model, read.norm[1], arch)
     init_std = model.number("init_std", 0.02)
     model.ignore("dtype", "init_method", "init_seed", "embedding_init_std", "freeze_params")
