@@ -16,11 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 from depthtools.arch import DepthModel
 from depthtools.errors import DepthToolsError
-from depthtools.interop.olmo_core import build_from_olmo_core, olmo_core_mapping, olmo_core_shapes, to_olmo_core
-from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
+from depthtools.interop.olmo_core import (
+    build_from_olmo_core,
+    olmo_core_mapping,
+    olmo_core_shapes,
+    to_olmo_core,
+)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "olmo_core_names"
 ARCHS = ("preln", "periln", "lns", "deepnorm", "keel", "hc", "mhc", "liger_mhc", "attnres", "blockattnres", "moda",
@@ -221,7 +226,7 @@ def test_hc_branch_aliases_must_agree_and_may_be_absent():
     assert "branch.attention.w_q.weight and blocks.1.attention.w_q.weight hold the same parameter but differ" in \
         _refused(config, changed)
     without = {k: v for k, v in forks.items() if ".branch." not in k}
-    cfg, state, _ = build_from_olmo_core(config, without, "run/step1")
+    _, state, _ = build_from_olmo_core(config, without, "run/step1")
     _, full, _ = build_from_olmo_core(config, forks, "run/step1")
     assert all(torch.equal(state[k], full[k]) for k in full)
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -96,7 +96,7 @@ class Section:
         """Keys that cannot change the function the weights compute (dtypes, init, backends, optimiser)."""
         self.read.update(names)
 
-    def sub(self, name: str) -> "Section | None":
+    def sub(self, name: str) -> Section | None:
         value = self.get(name)
         return None if value is None else Section(value, self.key(name))
 
@@ -407,7 +407,7 @@ def _refuse_preln_extras(read: _Read, arch: str, block: Section) -> None:
     """Options only the Pre-LN backbone expresses (biases, QK norms, head_dim, partial RoPE) on another arch."""
     extras = {**read.options, **({"bias": True} if read.bias else {}), **({"mlp_bias": True} if read.mlp_bias else {})}
     if extras:
-        name = sorted(extras)[0]
+        name = min(extras)
         where = {"qk_norm": "sequence_mixer.qk_norm", "head_dim": "sequence_mixer.head_dim",
                  "rotary_fraction": "sequence_mixer.rope.partial_rotary_factor", "bias": "sequence_mixer.bias",
                  "mlp_bias": "feed_forward.bias"}[name]
@@ -756,5 +756,17 @@ def build_from_olmo_core(config: dict[str, Any], tensors: dict[str, torch.Tensor
     return mapping.cfg, state, provenance
 
 
-__all__ = ["FORMAT", "TABLES", "ALIASES", "Src", "Mapping", "build_from_olmo_core", "olmo_core_mapping",
-           "olmo_core_shapes", "from_olmo_core", "to_olmo_core", "expected_state", "refusal"]
+__all__ = [
+    "ALIASES",
+    "FORMAT",
+    "TABLES",
+    "Mapping",
+    "Src",
+    "build_from_olmo_core",
+    "expected_state",
+    "from_olmo_core",
+    "olmo_core_mapping",
+    "olmo_core_shapes",
+    "refusal",
+    "to_olmo_core",
+]
