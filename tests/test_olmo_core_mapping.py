@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from olmo_core_reference import fork_logits
 from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 from depthtools.arch import DepthModel
@@ -36,13 +37,21 @@ def fixture(arch: str) -> dict:
     return json.loads((FIXTURES / f"{arch}.json").read_text())
 
 
+ROUTING = ("bias_pre", "bias_post", "bias_res", "gate_pre", "gate_post", "gate_res", "alpha_scale", "beta_scale")
+
+
 def perturbed_model(cfg, seed: int = 0) -> DepthModel:
-    """Our model with every parameter moved off its init (zero queries, identity routing hide nothing)."""
+    """Our model with every parameter moved off its init (zero queries, identity routing hide nothing); mHC's
+    biases and gates and HC's scales redrawn at scale 0.5, so no Sinkhorn saturates (a ±8 gap would hide a
+    transposed routing matrix below 1e-8)."""
     model = DepthModel(cfg, seed=seed).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        for name, p in model.named_parameters():
+            if name.endswith(ROUTING):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
     return model
 
 
@@ -234,3 +243,37 @@ def test_hc_branch_aliases_must_agree_and_may_be_absent():
 def test_config_without_a_model_section_is_refused():
     with pytest.raises(DepthToolsError, match="`model` section"):
         olmo_core_mapping({"trainer": {}})
+
+
+# -- the imported model computes the fork's function ------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_imported_model_computes_the_forks_forward(arch):
+    """Against the fork's forward written out from its code (tests/olmo_core_reference.py), float64: the names,
+    transposes, Liger's parts, readouts, eps and depth RoPE all have to be right for these to agree."""
+    config = copy.deepcopy(fixture(arch)["config"])
+    if arch == "liger_mhc":  # exact without Liger's Sinkhorn eps (depthtools' Sinkhorn has none; see the next test)
+        config["model"]["block"]["hyper_connections"]["liger_sinkhorn_eps"] = 0.0
+    mapping = olmo_core_mapping(config)
+    forks = to_olmo_core(perturbed_model(mapping.cfg).double().state_dict(), mapping)
+    cfg, state, _ = build_from_olmo_core(config, forks, "run/step1")
+    ours = DepthModel(cfg).double().eval()
+    ours.load_state_dict(state)
+    x = tokens(cfg.vocab_size)
+    with torch.no_grad():
+        diff = (ours(x) - fork_logits(config, forks, x)).abs().max().item()
+    assert diff < 1e-8, diff
+
+
+def test_liger_sinkhorn_eps_is_the_one_recorded_difference():
+    config = fixture("liger_mhc")["config"]
+    mapping = olmo_core_mapping(config)
+    assert any("liger_sinkhorn_eps=1e-06" in note for note in mapping.notes)
+    forks = to_olmo_core(perturbed_model(mapping.cfg).double().state_dict(), mapping)
+    cfg, state, provenance = build_from_olmo_core(config, forks, "run/step1")
+    assert provenance["notes"] == list(mapping.notes)
+    ours = DepthModel(cfg).double().eval()
+    ours.load_state_dict(state)
+    x = tokens(cfg.vocab_size)
+    with torch.no_grad():
+        diff = (ours(x) - fork_logits(config, forks, x)).abs().max().item()
+    assert 0 < diff < 1e-4, diff
