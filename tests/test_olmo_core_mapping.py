@@ -277,3 +277,16 @@ def test_liger_sinkhorn_eps_is_the_one_recorded_difference():
     with torch.no_grad():
         diff = (ours(x) - fork_logits(config, forks, x)).abs().max().item()
     assert 0 < diff < 1e-4, diff
+
+
+def test_older_fork_configs_read_as_the_fork_reads_them():
+    """`attention` instead of `sequence_mixer`; HC/mHC as a `default` block with `hyper_connections` (the fork's
+    TransformerBlockConfig.__post_init__ maps it to hc/mhc); AttnRes as a `default` block with a block size."""
+    for arch, want in (("hc", "hc"), ("liger_mhc", "mhc"), ("attnres", "attnres"), ("blockattnres", "blockattnres")):
+        config = copy.deepcopy(fixture(arch)["config"])
+        block = config["model"]["block"]
+        block["name"] = "default"
+        block["attention"] = block.pop("sequence_mixer")
+        mapping = olmo_core_mapping(config)
+        assert mapping.cfg.arch == want
+        assert {k: list(v) for k, v in olmo_core_shapes(mapping).items()} == fixture(arch)["tensors"]

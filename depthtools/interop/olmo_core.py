@@ -330,7 +330,8 @@ def _attention(sec: Section, d_model: int, eps: float, options: dict[str, Any]) 
     for name, why in (("clip_qkv", "clipped q/k/v"), ("softmax_scale", "a custom softmax scale"),
                       ("sliding_window", "sliding-window attention"), ("gate", "gated attention"),
                       ("scalable_softmax", "scalable softmax"), ("attention_sinks", "attention sinks"),
-                      ("use_sinks", "attention sinks"), ("qk_norm_type", "a custom QK norm")):
+                      ("use_sinks", "attention sinks"), ("qk_norm_type", "a custom QK norm"),
+                      ("qk_norm_per_head_gains", "per-head QK-norm gains")):
         value = sec.get(name)
         if value not in (None, False):
             raise refusal(sec.key(name), value, f"{why} is not supported")
@@ -355,7 +356,9 @@ def _attention(sec: Section, d_model: int, eps: float, options: dict[str, Any]) 
         options["rotary_fraction"] = float(fraction)
     rope.ignore("full_precision")
     rope.done()
-    sec.ignore("dropout", "use_flash", "backend", "dtype")
+    # compute precision and recomputation of the training run (like bf16 autocast), not the weights' function
+    sec.ignore("dropout", "use_flash", "backend", "dtype", "mxfp8_projections", "mxfp8_qkv_projection",
+               "mxfp8_out_projection", "use_recompute_qkv_prep", "mxfp8_save_qkv_for_backward")
     sec.done()
     return {"n_heads": n_heads, "n_kv_heads": n_kv, "rope_theta": float(theta)}, bias
 
@@ -610,6 +613,9 @@ def olmo_core_mapping(config: dict[str, Any]) -> Mapping:
     if block is None:
         raise refusal(model.key("block"), None, "a block config is required")
     block_type = block.get("name", "default")
+    legacy_hc = block.obj.get("hyper_connections")
+    if block_type == "default" and isinstance(legacy_hc, dict):  # the fork's older HC/mHC configs (its __post_init__)
+        block_type = "hc" if legacy_hc.get("kind", "hc") == "hc" else "mhc"
     if block_type not in BLOCK_TYPES:
         raise refusal(block.key("name"), block_type, f"block types depthtools imports: {', '.join(BLOCK_TYPES)}")
     read = _read_backbone(model, block)
