@@ -477,7 +477,7 @@ def _hyper_options(block: Section, block_type: str) -> tuple[str, dict[str, Any]
             notes.append(f"Liger's Sinkhorn adds liger_sinkhorn_eps={sinkhorn_eps:g} to each normalisation; "
                          "depthtools' Sinkhorn adds none (a relative difference of that order in H_res)")
     hc.done()
-    return kind if kind != "hc" else "hc", options, notes
+    return kind, options, notes
 
 
 def _moda_options(block: Section, block_type: str, read: _Read) -> dict[str, Any]:
@@ -516,7 +516,7 @@ def _check_overrides(model: Section, block_type: str, n_layer: int) -> None:
                       "moda_skip_ffn_kv=true on the last block")
 
 
-def _arch_options(block: Section, block_type: str, read: _Read, n_layer: int) -> tuple[str, str, dict, list]:
+def _arch_options(block: Section, block_type: str, read: _Read) -> tuple[str, str, dict, list]:
     """(arch, layout, options, notes) for one block type."""
     if block_type not in BLOCK_TYPES:
         raise refusal(block.key("name"), block_type, f"block types depthtools imports: {', '.join(BLOCK_TYPES)}")
@@ -619,7 +619,7 @@ def olmo_core_mapping(config: dict[str, Any]) -> Mapping:
     if block_type not in BLOCK_TYPES:
         raise refusal(block.key("name"), block_type, f"block types depthtools imports: {', '.join(BLOCK_TYPES)}")
     read = _read_backbone(model, block)
-    arch, layout, options, notes = _arch_options(block, block_type, read, read.shape["n_layer"])
+    arch, layout, options, notes = _arch_options(block, block_type, read)
     block.done()
     _check_overrides(model, block_type, read.shape["n_layer"])
     _lm_head(model, read.norm[1], arch)
