@@ -117,7 +117,8 @@ EXPECTED = {  # fixture -> (our arch, the options DepthBench's code implies)
                     "sinkhorn_order": "rows_last"}),
     "liger_mhc": ("mhc", {"readout": "mean", "connector_norm_eps": 1e-6, "mhc_init": "uniform",
                           "sinkhorn_order": "cols_last"}),
-    "attnres": ("attnres", {}), "blockattnres": ("blockattnres", {"attnres_block_size": 2}),
+    "attnres": ("attnres", {"mix_eps": 1e-5}),  # the fork's res norms at 1e-5, its block norms at 1e-6
+    "blockattnres": ("blockattnres", {"attnres_block_size": 2, "mix_eps": 1e-5}),
     "moda": ("moda", {"moda_norm": "pre", "moda_depth_rope": "query"}),
     "moda_post": ("moda", {"moda_norm": "post", "moda_depth_rope": "query"}),
 }
@@ -176,13 +177,13 @@ def _set(config: dict, path: str, value) -> dict:
     ("preln", "model.block.shiny_new_option", 3, "model.block.shiny_new_option=3"),
     ("preln", "model.block.sequence_mixer.rope.scaling", {"factor": 8}, "model.block.sequence_mixer.rope.scaling"),
     ("preln", "model.block.sequence_mixer.name", "fused", "model.block.sequence_mixer.name='fused'"),
-    ("preln", "model.lm_head.layer_norm.eps", 1e-6, "model.lm_head.layer_norm.eps=1e-06"),
+    ("preln", "model.lm_head.layer_norm.eps", 1e-5, "model.lm_head.layer_norm.eps=1e-05"),
     ("preln", "model.block.feed_forward.activation", "gelu", "model.block.feed_forward.activation='gelu'"),
     ("mhc", "model.block.hyper_connections.kind", "mhc_static", "model.block.hyper_connections.kind='mhc_static'"),
     ("mhc", "model.block.hyper_connections.sinkhorn_tau", 0.5, "model.block.hyper_connections.sinkhorn_tau=0.5"),
     ("hc", "model.block.hyper_connections.tanh", False, "model.block.hyper_connections.tanh=False"),
     ("liger_mhc", "model.block.hyper_connections.liger_pre_eps", 1e-3, "liger_pre_eps=0.001"),
-    ("attnres", "model.block.layer_norm.eps", 1e-6, "model.block.layer_norm.eps=1e-06"),
+    ("attnres", "model.block.attnres_block_size", 0, "model.block.attnres_block_size=0"),
     ("keel", "model.block.sequence_mixer.bias", True, "model.block.sequence_mixer.bias=True"),
     ("moda", "model.block.moda.extra_attn_kv_proj", True, "model.block.moda.extra_attn_kv_proj=True"),
     ("moda", "model.block_overrides", None, "model.block_overrides=None"),
@@ -190,9 +191,6 @@ def _set(config: dict, path: str, value) -> dict:
 ])
 def test_unsupported_config_is_one_line_naming_the_key(arch, path, value, named):
     config = _set(fixture(arch)["config"], path, value)
-    if path == "model.lm_head.layer_norm.eps":
-        config["model"]["lm_head"]["layer_norm"] = dict(config["model"]["lm_head"]["layer_norm"], eps=1e-6)
-        config["model"]["block"]["layer_norm"] = dict(config["model"]["block"]["layer_norm"])
     with pytest.raises(DepthToolsError) as err:
         olmo_core_mapping(config)
     message = str(err.value)

@@ -533,11 +533,8 @@ def _arch_options(block: Section, block_type: str, read: _Read) -> tuple[str, st
         layout = "attnres"
         if size != 1:
             arch, options = "blockattnres", {"attnres_block_size": int(size)}
-        eps = read.norm[1]
-        if eps != DEFAULT_RMS_EPS:
-            raise refusal(block.key("layer_norm.eps"), eps, f"the fork's AttnRes mixes normalise at its res-norm "
-                          f"eps {DEFAULT_RMS_EPS:g} (keys and the fused output norm) while block 0's attention norm "
-                          "uses layer_norm.eps; depthtools has one eps per model, so they must be equal")
+        if read.norm[1] != DEFAULT_RMS_EPS:  # the fork's res norms (keys, fused output norm, final) keep 1e-5
+            options["mix_eps"] = DEFAULT_RMS_EPS
     elif attnres_size is not None:
         raise refusal(block.key("attnres_block_size"), attnres_size, "only AttnRes blocks take a block size")
     if block_type in ("depth_mup", "completep"):
