@@ -65,7 +65,7 @@ def _olmo_core_logits(model, x: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.mark.parametrize("style", ["llama", "llama_gqa", "olmo2"])
+@pytest.mark.parametrize("style", ["llama", "llama_gqa", "olmo2", "head_qk_norm", "head_dim"])
 def test_upstream_olmo_core_transformers_import_exactly(style):
     olmo_core = pytest.importorskip("olmo_core.nn.transformer")
     TransformerConfig, BlockType = olmo_core.TransformerConfig, olmo_core.TransformerBlockType
@@ -74,9 +74,13 @@ def test_upstream_olmo_core_transformers_import_exactly(style):
         config = TransformerConfig.llama_like(**common)
     elif style == "llama_gqa":
         config = TransformerConfig.llama_like(**common, n_kv_heads=2, layer_norm_eps=1e-6, rope_theta=10_000)
-    else:  # OLMo-2: reordered norms, QK-norm over the full projections (olmo2_* presets)
+    elif style == "olmo2":  # reordered norms, QK-norm over the full projections (olmo2_* presets)
         config = TransformerConfig.llama_like(**common, block_name=BlockType.reordered_norm, qk_norm=True,
                                               layer_norm_eps=1e-6)
+    elif style == "head_qk_norm":  # QK-norm per head (the qwen3_* presets' use_head_qk_norm)
+        config = TransformerConfig.llama_like(**common, qk_norm=True, use_head_qk_norm=True, n_kv_heads=2)
+    else:  # head_dim other than d_model / n_heads
+        config = TransformerConfig.llama_like(**common, head_dim=16, n_kv_heads=2)
     torch.manual_seed(0)
     reference = config.build(init_device="cpu")
     reference.init_weights(device=torch.device("cpu"))
@@ -99,6 +103,10 @@ def test_upstream_olmo_core_transformers_import_exactly(style):
         assert cfg.options["qk_norm"] == "full" and cfg.options["out_norm"] and not cfg.options["pre_norm"]
     if style == "llama_gqa":
         assert cfg.n_kv_heads == 2 and cfg.norm_eps == 1e-6 and cfg.rope_theta == 10_000
+    if style == "head_qk_norm":
+        assert cfg.options["qk_norm"] == "head"
+    if style == "head_dim":
+        assert cfg.head_dim == 16
 
 
 # -- DepthBench's own architectures ----------------------------------------------------------------------------------
