@@ -186,6 +186,7 @@ def _set(config: dict, path: str, value) -> dict:
     ("preln", "model.block.sequence_mixer.rope.scaling", {"factor": 8}, "model.block.sequence_mixer.rope.scaling"),
     ("preln", "model.block.sequence_mixer.name", "fused", "model.block.sequence_mixer.name='fused'"),
     ("preln", "model.lm_head.layer_norm.eps", 1e-5, "model.lm_head.layer_norm.eps=1e-05"),
+    ("deepnorm", "model.lm_head.layer_norm.name", "default", "model.lm_head.layer_norm={"),
     ("preln", "model.block.feed_forward.activation", "gelu", "model.block.feed_forward.activation='gelu'"),
     ("mhc", "model.block.hyper_connections.kind", "mhc_static", "model.block.hyper_connections.kind='mhc_static'"),
     ("mhc", "model.block.hyper_connections.sinkhorn_tau", 0.5, "model.block.hyper_connections.sinkhorn_tau=0.5"),

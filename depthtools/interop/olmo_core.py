@@ -566,18 +566,21 @@ def _arch_options(block: Section, block_type: str, read: _Read) -> tuple[str, st
     return arch, layout, options, notes
 
 
-def _lm_head(model: Section, eps: float, arch: str) -> None:
-    """The LM head: an RMSNorm at the blocks' eps (our final norm) and an unbiased w_out."""
+def _lm_head(model: Section, block_norm: tuple[str, float, bool], arch: str) -> None:
+    """The LM head: our final norm (Pre-LN: the blocks' kind; every other arch: RMSNorm without bias) at the
+    blocks' eps, and an unbiased w_out. AttnRes's head norm runs at the res norms' eps (`mix_eps`), not its own."""
     head = model.sub("lm_head")
     if head is None:
         raise refusal(model.key("lm_head"), None, "an LM head is required")
     head.require("name", ("default",), "the default LM head only")
     kind, eps_head, bias = _norm(head.sub("layer_norm"), head.key("layer_norm"))
-    if eps_head != eps:
+    eps = block_norm[1]
+    if eps_head != eps and arch not in ("attnres", "blockattnres"):
         raise refusal(head.key("layer_norm.eps"), eps_head, f"depthtools has one norm eps; the blocks use {eps:g}")
-    if (kind != "rms" or bias) and arch != "preln":
-        raise refusal(head.key("layer_norm.name"), head.obj["layer_norm"].get("name"),
-                      "the final norm is an RMSNorm without bias")
+    want = (block_norm[0], block_norm[2]) if arch == "preln" else ("rms", False)
+    if (kind, bias) != want:
+        raise refusal(head.key("layer_norm"), head.obj["layer_norm"], "the final norm must be " + (
+            "the blocks' norm" if arch == "preln" else "an RMSNorm without bias"))
     head.require("bias", (False,), "a biased output layer is not supported")
     head.ignore("dtype", "loss_implementation", "z_loss_multiplier")
     head.done()
@@ -619,7 +622,7 @@ def olmo_core_mapping(config: dict[str, Any]) -> Mapping:
     arch, layout, options, notes = _arch_options(block, block_type, read)
     block.done()
     _check_overrides(model, block_type, read.shape["n_layer"])
-    _lm_head(model, read.norm[1], arch)
+    _lm_head(model, read.norm, arch)
     init_std = model.number("init_std", 0.02)
     model.ignore("dtype", "init_method", "init_seed", "embedding_init_std", "freeze_params")
     model.done()
