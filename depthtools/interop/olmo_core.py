@@ -764,6 +764,7 @@ def build_from_olmo_core(config: dict[str, Any], tensors: dict[str, torch.Tensor
 
 __all__ = [
     "ALIASES",
+    "BLOCK_TYPES",
     "FORMAT",
     "TABLES",
     "Mapping",
