@@ -197,6 +197,8 @@ def _set(config: dict, path: str, value) -> dict:
     ("moda", "model.block.moda.extra_attn_kv_proj", True, "model.block.moda.extra_attn_kv_proj=True"),
     ("moda", "model.block_overrides", None, "model.block_overrides=None"),
     ("preln", "model.block_overrides", {"1": {}}, "model.block_overrides="),
+    ("preln", "model.d_model", None, "model.d_model=None (required)"),
+    ("preln", "model.block.feed_forward.hidden_size", 47.5, "model.block.feed_forward.hidden_size=47.5"),
 ])
 def test_unsupported_config_is_one_line_naming_the_key(arch, path, value, named):
     config = _set(fixture(arch)["config"], path, value)

@@ -76,8 +76,11 @@ class Section:
         value = self.obj.get(name)
         return default if value is None else value
 
-    def number(self, name: str, default: Any = None, positive: bool = True) -> Any:
-        """A finite number (an integer where `default` is one); `positive`: > 0."""
+    def number(self, name: str, default: Any = None, positive: bool = True, required: bool = False) -> Any:
+        """A finite number (an integer where `default` is one); `positive`: > 0; `required`: absent is refused
+        (`default` then only gives the kind)."""
+        if required and self.obj.get(name) is None:
+            raise refusal(self.key(name), None, "required")
         value = self.get(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
                 positive and value <= 0) or (isinstance(default, int) and not isinstance(value, int)):
@@ -319,7 +322,7 @@ def _attention(sec: Section, d_model: int, eps: float, options: dict[str, Any]) 
     sec.require("name", ("default",), "depthtools reads the default attention's w_q/w_k/w_v/w_out (fused qkv "
                 "and normalized attention are not supported)")
     sec.require("type", ("attention",), "only attention sequence mixers are supported")
-    n_heads = sec.number("n_heads", 16)
+    n_heads = sec.number("n_heads", 1, required=True)
     n_kv = sec.number("n_kv_heads", n_heads)
     if n_heads % n_kv:
         raise refusal(sec.key("n_kv_heads"), n_kv, f"must divide n_heads={n_heads}")
@@ -347,7 +350,7 @@ def _attention(sec: Section, d_model: int, eps: float, options: dict[str, Any]) 
     if rope is None:
         raise refusal(sec.key("rope"), None, "attention without RoPE is not supported")
     rope.require("name", ("default",), "plain RoPE only (rotate-half pairing, no scaling)")
-    theta = rope.number("theta", 500000)
+    theta = rope.number("theta", 500000, required=True)
     rope.require("no_global_rope", (False,), "every layer is rotated here")
     if rope.get("scaling") is not None:
         raise refusal(rope.key("scaling"), rope.obj["scaling"], "scaled RoPE is not supported")
@@ -369,7 +372,7 @@ def _feed_forward(sec: Section | None, path: str) -> tuple[int, bool]:
         raise refusal(path, None, "a dense feed-forward is required (MoE is not supported)")
     sec.require("name", ("default",), "the SwiGLU feed-forward only")
     sec.require("activation", ("silu",), "SwiGLU with silu only")
-    hidden = sec.number("hidden_size", 1)
+    hidden = sec.number("hidden_size", 1, required=True)
     bias = bool(sec.require("bias", (False, True), "expected true or false"))
     sec.ignore("dtype")
     sec.done()
@@ -378,8 +381,8 @@ def _feed_forward(sec: Section | None, path: str) -> tuple[int, bool]:
 
 def _read_backbone(model: Section, block: Section) -> _Read:
     """Shape, norms and Pre-LN options shared by every architecture."""
-    d_model = model.number("d_model", 1)
-    shape = {"vocab_size": model.number("vocab_size", 1), "d_model": d_model, "n_layer": model.number("n_layers", 1)}
+    d_model = model.number("d_model", 1, required=True)
+    shape = {"vocab_size": model.number("vocab_size", 1, required=True), "d_model": d_model, "n_layer": model.number("n_layers", 1, required=True)}
     norm = _norm(block.sub("layer_norm"), block.key("layer_norm"))
     options: dict[str, Any] = {}
     attention_key = "sequence_mixer" if block.obj.get("sequence_mixer") is not None else "attention"
