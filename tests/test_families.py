@@ -243,15 +243,15 @@ def test_minimal_config_reads_as_the_config_class_does(family):
 # -- refusals and bad input -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("change,field", [
     ({"model_type": "bert"}, "model_type='bert'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "rope_scaling.rope_type='proportional'"),
     ({"hidden_act": "gelu_fast"}, "hidden_act='gelu_fast'"),
     ({"model_type": "gemma2", "use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     ({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "scale_attn_by_inverse_layer_idx": True},
      "scale_attn_by_inverse_layer_idx=True"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config='gptq'"),
-    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
-                                                       "sliding_attention": {"rope_type": "default"}}},
-     "rope_parameters.full_attention.rope_type='linear'"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "default"},
+                                                       "sliding_attention": {"rope_type": "linear", "factor": 8.0}}},
+     "rope_parameters.sliding_attention.rope_type='linear'"),
 ])
 def test_inexpressible_configs_are_refused_in_one_line(tmp_path, change, field):
     base = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -24,6 +24,12 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
     layer_types       one character per layer, "s" sliding / "f" full ("": all "s" when a window is set)
     rope_theta_sliding  RoPE base of sliding layers (0: rope_theta)
     rotary_fraction   share of each head's features rotated (NeoX rotary_pct), the rest pass through
+    rope_type         "default" | "linear" | "dynamic" | "yarn" | "longrope" | "llama3": scaled RoPE
+                      (`depthtools.arch.rope`), with rope_factor, rope_original_context (the pretraining
+                      context L; dynamic: max_position_embeddings), rope_low/high_freq_factor (llama3),
+                      rope_beta_fast/slow and rope_truncate (yarn), rope_attention_factor (yarn, longrope;
+                      0: the type's default), rope_short/long_factor (longrope: one per rotated pair).
+                      Layers with their own base (rope_theta_sliding, Gemma-3's local layers) stay plain
     positions         "rope" | "learned" (absolute position embeddings added to the token embedding)
     norm              "rms" | "layer"      norm_gain "weight" | "one_plus" (x̂·(1+w), Gemma) | "none"
     norm_bias         LayerNorm bias
@@ -47,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch.rope import NEEDS_CONTEXT, ROPE_TYPES, RopeScaling
 from depthtools.arch.scheme import Option
 from depthtools.arch.torch_private import is_hooked
 from depthtools.errors import DepthToolsError
@@ -76,6 +83,17 @@ OPTIONS: dict[str, Option] = {
     "layer_types": Option("str", "", doc="per layer 's' (sliding) or 'f' (full); '': all 's' if a window is set"),
     "rope_theta_sliding": Option("number", 0.0, low=0, doc="RoPE base of sliding layers (0: rope_theta)"),
     "rotary_fraction": Option("number", 1.0, low=0, high=1, low_open=True, doc="share of head features rotated"),
+    "rope_type": Option("str", "default", choices=ROPE_TYPES, doc="RoPE scaling type (default: plain RoPE)"),
+    "rope_factor": Option("number", 1.0, low=0, low_open=True, doc="RoPE scaling factor"),
+    "rope_original_context": Option("int", 0, low=0, doc="pretraining context of scaled RoPE (dynamic: max positions)"),
+    "rope_low_freq_factor": Option("number", 1.0, low=0, low_open=True, doc="llama3 RoPE: low-frequency factor"),
+    "rope_high_freq_factor": Option("number", 4.0, low=0, low_open=True, doc="llama3 RoPE: high-frequency factor"),
+    "rope_beta_fast": Option("number", 32.0, low=0, low_open=True, doc="yarn RoPE: extrapolation boundary"),
+    "rope_beta_slow": Option("number", 1.0, low=0, low_open=True, doc="yarn RoPE: interpolation boundary"),
+    "rope_truncate": Option("bool", True, doc="yarn RoPE: round the correction range to whole dimensions"),
+    "rope_attention_factor": Option("number", 0.0, low=0, doc="yarn/longrope cos/sin factor (0: the type's default)"),
+    "rope_short_factor": Option("numbers", (), low=0, low_open=True, doc="longrope: per-pair factors, T <= context"),
+    "rope_long_factor": Option("numbers", (), low=0, low_open=True, doc="longrope: per-pair factors, T > context"),
     "positions": Option("str", "rope", choices=POSITIONS, doc="rotary or learned absolute positions"),
     "norm": Option("str", "rms", choices=NORMS, doc="RMSNorm or LayerNorm"),
     "norm_gain": Option("str", "weight", choices=NORM_GAINS, doc="norm gain: w, (1+w) or none"),
@@ -107,6 +125,17 @@ class Backbone:
     layer_types: str = ""
     rope_theta_sliding: float = 0.0
     rotary_fraction: float = 1.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_context: int = 0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 0.0
+    rope_short_factor: tuple = ()
+    rope_long_factor: tuple = ()
     positions: str = "rope"
     norm: str = "rms"
     norm_gain: str = "weight"
@@ -139,6 +168,21 @@ class Backbone:
         """Block `layer`'s window (0: full causal attention)."""
         return self.sliding_window if self.is_sliding(layer) else 0
 
+    @property
+    def rope(self) -> RopeScaling:
+        """The model's RoPE type and parameters (`depthtools.arch.rope`)."""
+        return RopeScaling(self.rope_type, float(self.rope_factor), self.rope_original_context,
+                           float(self.rope_low_freq_factor), float(self.rope_high_freq_factor),
+                           float(self.rope_beta_fast), float(self.rope_beta_slow), self.rope_truncate,
+                           float(self.rope_attention_factor), tuple(map(float, self.rope_short_factor)),
+                           tuple(map(float, self.rope_long_factor)))
+
+    def own_rope_base(self, layer: int, theta: float) -> bool:
+        """Whether block `layer` rotates with its own plain RoPE of base rope_theta_sliding (a sliding layer
+        of Gemma-3) rather than the model's tables."""
+        return bool(self.window(layer) and self.rope_theta_sliding
+                    and (self.rope_theta_sliding != theta or self.rope_type != "default"))
+
 
 assert [f.name for f in fields(Backbone)] == list(OPTIONS)  # one definition: the schema and the dataclass agree
 
@@ -170,6 +214,27 @@ def check_backbone(cfg) -> None:
     if bb.positions == "rope" and (rot < 2 or rot % 2):
         raise DepthToolsError(f"{name}: rotary_fraction {bb.rotary_fraction:g} of head_dim {cfg.head_dim} gives "
                               f"{rot} rotated features; it must be a positive even number")
+    _check_rope(bb, name, rot)
+
+
+def _check_rope(bb: Backbone, name: str, rot: int) -> None:
+    """The scaled-RoPE options a type reads are present and consistent (one line each)."""
+    kind = bb.rope_type
+    if kind in NEEDS_CONTEXT and bb.rope_original_context < 1:
+        raise DepthToolsError(f"{name}: rope_type {kind!r} needs rope_original_context (the pretraining context)")
+    if kind == "dynamic" and rot <= 2:
+        raise DepthToolsError(f"{name}: rope_type 'dynamic' needs more than 2 rotated features, got {rot}")
+    if kind == "llama3" and bb.rope_high_freq_factor <= bb.rope_low_freq_factor:
+        raise DepthToolsError(f"{name}: rope_high_freq_factor {bb.rope_high_freq_factor:g} must exceed "
+                              f"rope_low_freq_factor {bb.rope_low_freq_factor:g}")
+    if kind == "longrope":
+        for key in ("rope_short_factor", "rope_long_factor"):
+            if len(getattr(bb, key)) != rot // 2:
+                raise DepthToolsError(f"{name}: {key} has {len(getattr(bb, key))} entries, the {rot} rotated "
+                                      f"features need {rot // 2}")
+    elif bb.rope_short_factor or bb.rope_long_factor:
+        raise DepthToolsError(f"{name}: rope_short_factor / rope_long_factor are longrope options; rope_type is "
+                              f"{kind!r}")
 
 
 def rotary_dim(cfg) -> int:

@@ -124,7 +124,7 @@ class DepthModel(HookedRootModule):
         self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.unembed.weight = self.tok_embed.weight
-        cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, cfg.rope_theta, bb.rope)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("_b_U", torch.zeros(cfg.vocab_size), persistent=False)

@@ -119,25 +119,79 @@ def activation(r: Reader, *keys: str, default: str = "silu") -> str:
 
 DEFAULT_ROPE_TYPES = (None, "default")
 LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
+SCALED_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")  # depthtools.arch.rope
+# rope-parameter key -> our option, per scaled type (the keys transformers' _compute_<type>_parameters read)
+ROPE_KEYS = {"linear": {"factor": "rope_factor"},
+             "dynamic": {"factor": "rope_factor"},
+             "yarn": {"factor": "rope_factor", "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+                      "attention_factor": "rope_attention_factor", "truncate": "rope_truncate"},
+             "longrope": {"factor": "rope_factor", "attention_factor": "rope_attention_factor",
+                          "short_factor": "rope_short_factor", "long_factor": "rope_long_factor"},
+             "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                        "high_freq_factor": "rope_high_freq_factor"}}
+ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (), "longrope": ("short_factor", "long_factor"),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
-def _plain_rope(params: Any, where: str) -> dict[str, Any]:
-    """A rope-parameters dict checked to be plain RoPE (rope_type default), or a refusal naming `where`."""
+def _rope_kind(params: Any, where: str, aliases: dict[str, str] | None = None) -> str:
+    """The rope_type of a rope-parameters dict ("default" when absent), or a refusal naming `where`."""
     if not isinstance(params, dict):
         raise refusal(where, params, "expected a dict or null")
     kind = params.get("rope_type", params.get("type"))
-    if kind not in DEFAULT_ROPE_TYPES:
-        raise refusal(f"{where}.rope_type", kind, "depthtools implements plain RoPE only (rope_type 'default')")
-    return params
+    kind = (aliases or {}).get(kind, kind)
+    if kind in DEFAULT_ROPE_TYPES:
+        return "default"
+    if kind not in SCALED_ROPE_TYPES:
+        raise refusal(f"{where}.rope_type", kind, f"supported: default, {', '.join(SCALED_ROPE_TYPES)}")
+    return kind
+
+
+def _scaled_rope(r: Reader, params: dict[str, Any], kind: str, where: str,
+                 original_default: int | None = None) -> dict[str, Any]:
+    """Our rope_* options for a scaled RoPE dict, with transformers' defaults: the pretraining context is
+    a top-level `original_max_position_embeddings` (Phi-3 always has one), else the dict's, else
+    max_position_embeddings (dynamic: always max_position_embeddings); a yarn/longrope factor absent is
+    max_position_embeddings / that context; yarn's attention factor from mscale / mscale_all_dim."""
+    if kind == "default":
+        return {}
+    missing = [key for key in ROPE_REQUIRED[kind] if params.get(key) is None]
+    if missing:
+        raise refusal(f"{where}.{missing[0]}", None, f"rope_type {kind!r} needs it")
+    max_pos = r.read(r.family.shape["max_seq_len"])
+    out: dict[str, Any] = {"rope_type": kind}
+    if kind == "dynamic":
+        out["rope_original_context"] = max_pos
+    elif kind != "linear":
+        context = r.hf.get("original_max_position_embeddings", original_default)
+        context = params.get("original_max_position_embeddings") if context is None else context
+        context = max_pos if context is None else context
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise refusal(f"{where}.original_max_position_embeddings", context, "expected a positive integer")
+        out["rope_original_context"] = context
+    for key, option in ROPE_KEYS[kind].items():
+        if params.get(key) is not None:
+            out[option] = params[key] if isinstance(params[key], (bool, list)) else float(params[key])
+    if kind in ("yarn", "longrope") and "rope_factor" not in out:
+        out["rope_factor"] = max_pos / out["rope_original_context"]
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if kind == "yarn" and params.get("attention_factor") is None and mscale and mscale_all:
+        def get_mscale(scale: float, m: float) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        out["rope_attention_factor"] = get_mscale(out["rope_factor"], mscale) / get_mscale(out["rope_factor"], mscale_all)
+    return out
 
 
 def rope(r: Reader, default_theta: float = 10000.0, legacy_theta: str = "rope_theta",
-         legacy_fraction: tuple[str, float] | None = None, per_layer: bool = False) -> dict[str, float]:
-    """{"rope_theta", "rotary_fraction", "rope_theta_sliding"} from v5 `rope_parameters` (flat, or keyed by
-    layer type where `per_layer`) or v4 `rope_theta`/`rope_scaling` (and legacy keys); scaled RoPE is refused."""
+         legacy_fraction: tuple[str, float] | None = None, per_layer: bool = False,
+         aliases: dict[str, str] | None = None, original_default: int | None = None) -> dict[str, Any]:
+    """{"rope_theta", "rotary_fraction", "rope_theta_sliding", rope_* scaling options} from v5
+    `rope_parameters` (flat, or keyed by layer type where `per_layer`: Gemma-3, whose full layers may be
+    scaled and whose sliding layers are plain) or v4 `rope_theta`/`rope_scaling` (which wins over
+    rope_parameters, as in transformers) and legacy keys. `aliases`: a family's other names of a type
+    (Phi-3 reads 'su' and 'yarn' as longrope)."""
     params = r.hf.get("rope_parameters")
     scaling = r.hf.get("rope_scaling")
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     keyed = isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values())
     if keyed:
         if not per_layer:
@@ -145,21 +199,27 @@ def rope(r: Reader, default_theta: float = 10000.0, legacy_theta: str = "rope_th
         unknown = sorted(set(params) - set(LAYER_TYPE_KEYS))
         if unknown:
             raise refusal("rope_parameters", unknown, f"layer types known: {', '.join(LAYER_TYPE_KEYS)}")
-        full = _plain_rope(params.get("full_attention", {}), "rope_parameters.full_attention")
-        local = _plain_rope(params.get("sliding_attention", {}), "rope_parameters.sliding_attention")
+        full, local = params.get("full_attention", {}), params.get("sliding_attention", {})
+        where = "rope_parameters.full_attention"
+        out.update(_scaled_rope(r, full, _rope_kind(full, where, aliases), where, original_default))
+        if _rope_kind(local, "rope_parameters.sliding_attention") != "default":
+            raise refusal("rope_parameters.sliding_attention.rope_type", local.get("rope_type", local.get("type")),
+                          "scaled RoPE on sliding layers is not supported (only on full-attention layers)")
         out["rope_theta"] = float(full.get("rope_theta", default_theta))
         out["rope_theta_sliding"] = float(local.get("rope_theta", 10000.0))
         fraction = 1.0
     else:
-        flat = _plain_rope(params or {}, "rope_parameters")
-        if scaling is not None:
-            _plain_rope(scaling, "rope_scaling")
-        out["rope_theta"] = float(flat.get("rope_theta", r.get(legacy_theta, default_theta)))
-        fraction = flat.get("partial_rotary_factor", r.hf.get("partial_rotary_factor"))
+        flat = params if isinstance(params, dict) else ({} if params is None else params)
+        where = "rope_scaling" if scaling else "rope_parameters"
+        chosen = scaling or flat
+        out.update(_scaled_rope(r, chosen, _rope_kind(chosen, where, aliases), where, original_default))
+        theta = chosen.get("rope_theta", flat.get("rope_theta") if isinstance(flat, dict) else None)
+        out["rope_theta"] = float(theta if theta is not None else r.get(legacy_theta, default_theta))
+        fraction = chosen.get("partial_rotary_factor", r.hf.get("partial_rotary_factor"))
         if fraction is None and legacy_fraction is not None:
             fraction = r.get(legacy_fraction[0], legacy_fraction[1])
         fraction = 1.0 if fraction is None else fraction
-        if per_layer:  # v4 Gemma-3: rope_local_base_freq
+        if per_layer:  # v4 Gemma-3: rope_local_base_freq (its rope_scaling scales the full layers only)
             out["rope_theta_sliding"] = float(r.get("rope_local_base_freq", 10000.0))
     theta = out["rope_theta"]
     if isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
@@ -272,6 +332,7 @@ def _head_dim(r: Reader) -> int:
     return r.get("head_dim", 0) or 0
 
 
+PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi3Config renames these types to longrope
 NOT_BIDIRECTIONAL = Refuse("use_bidirectional_attention", truthy, "depthtools models are causal decoders")
 GEMMA_SANDWICH = {"blocks.{i}.attn_out_norm.weight": Src("model.layers.{i}.post_attention_layernorm.weight"),
                   "blocks.{i}.mlp_out_norm.weight": Src("model.layers.{i}.post_feedforward_layernorm.weight")}
@@ -383,7 +444,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                for ours, hf in (("w1", "dense_h_to_4h"), ("w2", "dense_4h_to_h")) for kind in ("weight", "bias")}},
            ignored=("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")),
     Family("phi3", _with(LLAMA_SHAPE, norm_eps=Field("rms_norm_eps", default=1e-5)),
-           {"head_dim": _head_dim, "mlp_act": lambda r: activation(r, "hidden_act"), "_rope": rope},
+           {"head_dim": _head_dim, "mlp_act": lambda r: activation(r, "hidden_act"),
+            "_rope": lambda r: rope(r, aliases=PHI3_ROPE_ALIASES, original_default=4096)},
            llama_tensors(**{f"blocks.{{i}}.attn.w_{ours}.weight": Src("model.layers.{i}.self_attn.qkv_proj.weight",
                                                                       split="qkv", part=n)
                             for n, ours in enumerate("qkv")},
@@ -446,7 +508,8 @@ def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> Mo
     defaults = {"qkv_bias": False, "attn_out_bias": False, "mlp_bias": False, "mlp_act": "silu", "qkv_clip": 0.0,
                 "attn_softcap": 0.0, "final_softcap": 0.0, "rotary_fraction": 1.0, "rope_theta_sliding": 0.0}
     options = {k: v for k, v in options.items() if not (k in defaults and v == defaults[k])}
-    if options.get("rope_theta_sliding") == shape["rope_theta"] or not options.get("sliding_window"):
+    plain_theta_sliding = options.get("rope_theta_sliding") == shape["rope_theta"] and "rope_type" not in options
+    if plain_theta_sliding or not options.get("sliding_window"):
         options.pop("rope_theta_sliding", None)
     if options == {"family": "llama"}:  # a plain Llama is `preln` itself (an export re-imports to the same config)
         options = {}
