@@ -78,12 +78,20 @@ CASES: dict[str, tuple[str, str, dict, dict]] = {
                                        rope_parameters={"rope_theta": 1e4, "rope_type": "default",
                                                         "partial_rotary_factor": 0.5}),
                                   {"sliding_window": 0, "rotary_fraction": 1.0}),
+    "phi-parallel-partial-biased-head": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=2),
+                                         {"head_bias": False, "parallel": False, "rotary_fraction": 1.0}),
+    "phi-qk-layernorm-tied": ("PhiConfig", "PhiForCausalLM",
+                              dict(qk_layernorm=True, tie_word_embeddings=True,
+                                   rope_parameters={"rope_theta": 500.0, "rope_type": "default",
+                                                    "partial_rotary_factor": 0.25}),
+                              {"qk_norm": "none"}),
 }
 FAMILY_OF_CASE = {"llama-bias-gqa": "llama", "llama-tied-headdim": "llama", "mistral-window": "mistral",
                   "qwen2-bias-window": "qwen2", "qwen3-qknorm": "qwen3", "gemma-geglu-mqa": "gemma",
                   "gemma2-softcap-window": "gemma2", "gemma3-local-rope": "gemma3_text", "olmo-clip": "olmo",
                   "olmo2-postnorm": "olmo2", "gpt2": "gpt2", "neox-parallel-partial": "gpt_neox",
-                  "neox-sequential": "gpt_neox", "phi3-fused-window-partial": "phi3"}
+                  "neox-sequential": "gpt_neox", "phi3-fused-window-partial": "phi3",
+                  "phi-parallel-partial-biased-head": "phi", "phi-qk-layernorm-tied": "phi"}
 
 
 def hf_config(case: str):
@@ -182,6 +190,9 @@ def test_features_land_in_the_options(built):
     assert opts["neox-parallel-partial"]["parallel"] and opts["neox-parallel-partial"]["rotary_fraction"] == 0.25
     assert opts["gpt2"]["positions"] == "learned" and opts["gpt2"]["mlp_act"] == "gelu_tanh"
     assert opts["olmo-clip"]["norm_gain"] == "none" and opts["olmo-clip"]["qkv_clip"] == 0.3
+    phi = opts["phi-parallel-partial-biased-head"]
+    assert phi["parallel"] and phi["head_bias"] and phi["rotary_fraction"] == 0.5 and phi["norm"] == "layer"
+    assert opts["phi-qk-layernorm-tied"]["qk_norm"] == "head"
 
 
 @pytest.mark.parametrize("case", ["gemma2-softcap-window", "gpt2", "neox-parallel-partial", "qwen3-qknorm"])
@@ -223,7 +234,7 @@ def test_half_precision_folder(tmp_path, dtype):
 CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                 "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
                 "olmo": "OlmoConfig", "olmo2": "Olmo2Config", "gpt2": "GPT2Config", "gpt_neox": "GPTNeoXConfig",
-                "phi3": "Phi3Config"}
+                "phi3": "Phi3Config", "phi": "PhiConfig"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

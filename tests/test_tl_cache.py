@@ -47,7 +47,8 @@ ARCHS = [spec.name for spec in list_archs()]
 # "family:<case>" -> refused functions; refusals name the family.
 FAMILY_REFUSED = {
     **dict.fromkeys(["llama-bias-gqa", "mistral-window", "qwen2-bias-window", "qwen3-qknorm", "gemma-geglu-mqa",
-                     "olmo-clip", "gpt2", "neox-parallel-partial", "phi3-fused-window-partial"], set()),
+                     "olmo-clip", "gpt2", "neox-parallel-partial", "phi3-fused-window-partial",
+                     "phi-parallel-partial-biased-head"], set()),
     "gemma2-softcap-window": OUTPUT_NORM | {"logit_lens", "logit_attrs"},  # sandwich norms; soft-capped logits
     "gemma3-local-rope": OUTPUT_NORM,
     "olmo2-postnorm": OUTPUT_NORM | {"block_norm"},  # OLMo-2 norms sublayer outputs and has no pre-norm

@@ -40,6 +40,7 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
     mlp_act           "silu" | "gelu" (exact) | "gelu_tanh" | "relu"      mlp_bias  biases on w1, w3, w2
     embed_scale       the token embedding times this (Gemma: √d_model)
     final_softcap     logits -> c·tanh(logits/c) (Gemma-2; 0: off)
+    head_bias         a bias on the unembedding (Phi-1/1.5/2's lm_head)
     family            the pretrained family a config reproduces ("" for our own models); informational,
                       named in refusals
 """
@@ -68,7 +69,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 POSITIONS = ("rope", "learned")
 
 FAMILIES = ("", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "gpt2",
-            "gpt_neox", "phi3")  # depthtools.interop.families ("": none)
+            "gpt_neox", "phi3", "phi")  # depthtools.interop.families ("": none)
 
 OPTIONS: dict[str, Option] = {
     "family": Option("str", "", choices=FAMILIES, doc="pretrained family this config reproduces (informational)"),
@@ -106,6 +107,7 @@ OPTIONS: dict[str, Option] = {
     "mlp_bias": Option("bool", False, doc="biases on the MLP projections"),
     "embed_scale": Option("number", 1.0, low=0, low_open=True, doc="token embedding multiplier"),
     "final_softcap": Option("number", 0.0, low=0, doc="final logit soft-cap c·tanh(z/c) (0: off)"),
+    "head_bias": Option("bool", False, doc="bias on the unembedding (Phi)"),
 }
 
 
@@ -148,6 +150,7 @@ class Backbone:
     mlp_bias: bool = False
     embed_scale: float = 1.0
     final_softcap: float = 0.0
+    head_bias: bool = False
 
     @property
     def default_norm(self) -> bool:

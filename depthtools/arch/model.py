@@ -121,7 +121,7 @@ class DepthModel(HookedRootModule):
             self.hook_pos_embed = HookPoint()
         self.blocks = nn.ModuleList(Block(cfg, i, self.scheme) for i in range(cfg.n_layer))
         self.ln_final = make_norm(cfg, hooked=True)
-        self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=bb.head_bias)
         if cfg.tie_embeddings:
             self.unembed.weight = self.tok_embed.weight
         cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, cfg.rope_theta, bb.rope)
@@ -153,7 +153,8 @@ class DepthModel(HookedRootModule):
         """[d_vocab] zeros, or a final LayerNorm's bias folded through the unembedding (GPT-2, NeoX):
         ln_final(x) @ W_U = (ln_final(x) - bias) @ W_U + b_U, as TransformerLens folds it (tl_cache.py)."""
         bias = getattr(self.ln_final, "bias", None)
-        return self._b_U if bias is None else bias @ self.W_U
+        folded = self._b_U if bias is None else bias @ self.W_U
+        return folded if self.unembed.bias is None else folded + self.unembed.bias
 
     @property
     def n_layer(self) -> int:

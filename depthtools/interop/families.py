@@ -1,6 +1,6 @@
 """The open decoder families as data: config.json fields -> Pre-LN options, HF tensor names -> ours.
 
-Every family (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo, olmo2, gpt2, gpt_neox, phi3)
+Every family (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo, olmo2, gpt2, gpt_neox, phi3, phi)
 becomes one `preln` DepthModel whose typed options (`depthtools.arch.backbone`) express it; there is no
 per-family forward code. A `Family` says:
 
@@ -283,6 +283,23 @@ def truthy(value: Any) -> bool:
     return bool(value)
 
 
+PHI_LAYER = "model.layers.{i}."
+# Phi-1/1.5/2: one input LayerNorm feeds both parallel sublayers (our attn_norm and mlp_norm both read it), biased
+# q/k/v/dense, fc1/fc2, optional per-head q/k LayerNorms, a final LayerNorm and a biased head
+PHI_TENSORS = {
+    "tok_embed.weight": Src("model.embed_tokens.weight"), "unembed.weight": Src("lm_head.weight"),
+    "unembed.bias": Src("lm_head.bias"),
+    **{f"ln_final.{kind}": Src(f"model.final_layernorm.{kind}") for kind in ("weight", "bias")},
+    **{f"blocks.{{i}}.{ours}_norm.{kind}": Src(f"{PHI_LAYER}input_layernorm.{kind}")
+       for ours in ("attn", "mlp") for kind in ("weight", "bias")},
+    **{f"blocks.{{i}}.attn.{ours}.{kind}": Src(f"{PHI_LAYER}self_attn.{hf}.{kind}")
+       for ours, hf in (("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_o", "dense"),
+                        ("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")) for kind in ("weight", "bias")},
+    **{f"blocks.{{i}}.mlp.{ours}.{kind}": Src(f"{PHI_LAYER}mlp.{hf}.{kind}")
+       for ours, hf in (("w1", "fc1"), ("w2", "fc2")) for kind in ("weight", "bias")},
+}
+
+
 # -- the maps --------------------------------------------------------------------------------------
 LLAMA_SHAPE = {
     "vocab_size": Field("vocab_size"), "d_model": Field("hidden_size"), "n_layer": Field("num_hidden_layers"),
@@ -453,6 +470,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                                                    split="halves", part=n)
                             for n, ours in enumerate(("w1", "w3"))}),
            windows=all_layers_window(None)),
+    Family("phi", _with(LLAMA_SHAPE, norm_eps=Field("layer_norm_eps", default=1e-5)),
+           {"norm": "layer", "norm_bias": True, "parallel": True, "mlp": "plain", "mlp_bias": True,
+            "qkv_bias": True, "attn_out_bias": True, "head_bias": True,
+            "qk_norm": lambda r: "head" if r.get("qk_layernorm", False) else "none",
+            "mlp_act": lambda r: activation(r, "hidden_act", default="gelu_new"),
+            "_rope": lambda r: rope(r, legacy_fraction=("partial_rotary_factor", 0.5))},
+           PHI_TENSORS),
 )}
 # gpt_neox names its head embed_out in old checkpoints and lm_head in transformers 5 (see `hf_state`)
 ALIASES = {"embed_out.weight": ("lm_head.weight",)}
