@@ -16,6 +16,7 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
     head_dim          per-head width (0: d_model / n_heads)
     qkv_bias          biases on the q/k/v projections        attn_out_bias  bias on the output projection
     qkv_clip          clamp q, k, v to [-c, c] after projection (OLMo's clip_qkv; 0: off)
+    clip_after_norm   clamp after the QK-norm instead of before it (OLMoE)
     qk_norm           "none" | "head" (a norm over each head's hd features) | "full" (over the whole
                       projection, OLMo-2); the block's norm kind, before RoPE
     attn_scale        score scale (0: head_dim^-1/2; Gemma-2/3: query_pre_attn_scalar^-1/2)
@@ -41,6 +42,11 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
     embed_scale       the token embedding times this (Gemma: √d_model)
     final_softcap     logits -> c·tanh(logits/c) (Gemma-2; 0: off)
     head_bias         a bias on the unembedding (Phi-1/1.5/2's lm_head)
+    moe_experts       E > 0: the MLP is a mixture of E experts (`depthtools.arch.moe`): a float32 softmax
+                      router, the top moe_top_k experts weighted by their probabilities (renormalised to sum
+                      1 when moe_norm_topk), each a (gated) MLP of width moe_ff (0: d_ff); moe_shared_ff > 0
+                      adds a shared expert (sigmoid-gated when moe_shared_gate, Qwen2-MoE); moe_layers: one
+                      character per layer, "m" MoE / "d" dense MLP of width d_ff ("": every layer MoE)
     family            the pretrained family a config reproduces ("" for our own models); informational,
                       named in refusals
 """
@@ -69,7 +75,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 POSITIONS = ("rope", "learned")
 
 FAMILIES = ("", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "gpt2",
-            "gpt_neox", "phi3", "phi")  # depthtools.interop.families ("": none)
+            "gpt_neox", "phi3", "phi", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # interop.families ("": none)
 
 OPTIONS: dict[str, Option] = {
     "family": Option("str", "", choices=FAMILIES, doc="pretrained family this config reproduces (informational)"),
@@ -77,6 +83,7 @@ OPTIONS: dict[str, Option] = {
     "qkv_bias": Option("bool", False, doc="biases on the q/k/v projections"),
     "attn_out_bias": Option("bool", False, doc="bias on the attention output projection"),
     "qkv_clip": Option("number", 0.0, low=0, doc="clamp q, k, v to [-c, c] (0: off)"),
+    "clip_after_norm": Option("bool", False, doc="clamp q, k after the QK-norm (OLMoE) rather than before"),
     "qk_norm": Option("str", "none", choices=QK_NORMS, doc="norm on queries and keys before RoPE"),
     "attn_scale": Option("number", 0.0, low=0, doc="attention score scale (0: head_dim^-1/2)"),
     "attn_softcap": Option("number", 0.0, low=0, doc="attention score soft-cap c·tanh(s/c) (0: off)"),
@@ -108,6 +115,13 @@ OPTIONS: dict[str, Option] = {
     "embed_scale": Option("number", 1.0, low=0, low_open=True, doc="token embedding multiplier"),
     "final_softcap": Option("number", 0.0, low=0, doc="final logit soft-cap c·tanh(z/c) (0: off)"),
     "head_bias": Option("bool", False, doc="bias on the unembedding (Phi)"),
+    "moe_experts": Option("int", 0, low=0, doc="mixture-of-experts MLP with this many experts (0: dense)"),
+    "moe_top_k": Option("int", 1, low=1, doc="experts each token is routed to"),
+    "moe_ff": Option("int", 0, low=0, doc="each expert's hidden width (0: d_ff)"),
+    "moe_norm_topk": Option("bool", True, doc="renormalise the top-k routing weights to sum 1"),
+    "moe_shared_ff": Option("int", 0, low=0, doc="a shared expert of this width (0: none)"),
+    "moe_shared_gate": Option("bool", True, doc="gate the shared expert by sigmoid(g·x)"),
+    "moe_layers": Option("str", "", doc="per layer 'm' (MoE) or 'd' (dense MLP); '': every layer MoE"),
 }
 
 
@@ -120,6 +134,7 @@ class Backbone:
     qkv_bias: bool = False
     attn_out_bias: bool = False
     qkv_clip: float = 0.0
+    clip_after_norm: bool = False
     qk_norm: str = "none"
     attn_scale: float = 0.0
     attn_softcap: float = 0.0
@@ -151,6 +166,17 @@ class Backbone:
     embed_scale: float = 1.0
     final_softcap: float = 0.0
     head_bias: bool = False
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_ff: int = 0
+    moe_norm_topk: bool = True
+    moe_shared_ff: int = 0
+    moe_shared_gate: bool = True
+    moe_layers: str = ""
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer`'s MLP is the mixture of experts."""
+        return bool(self.moe_experts) and (not self.moe_layers or self.moe_layers[layer] == "m")
 
     @property
     def default_norm(self) -> bool:
@@ -218,6 +244,21 @@ def check_backbone(cfg) -> None:
         raise DepthToolsError(f"{name}: rotary_fraction {bb.rotary_fraction:g} of head_dim {cfg.head_dim} gives "
                               f"{rot} rotated features; it must be a positive even number")
     _check_rope(bb, name, rot)
+    _check_moe(bb, name, cfg.n_layer)
+
+
+def _check_moe(bb: Backbone, name: str, n_layer: int) -> None:
+    """The mixture-of-experts options agree with each other and the depth (one line each)."""
+    if not bb.moe_experts:
+        set_options = [k for k in ("moe_ff", "moe_shared_ff", "moe_layers") if getattr(bb, k)]
+        if set_options or bb.moe_top_k != 1:
+            raise DepthToolsError(f"{name} option {(set_options or ['moe_top_k'])[0]} needs moe_experts > 0")
+        return
+    if bb.moe_top_k > bb.moe_experts:
+        raise DepthToolsError(f"{name} option moe_top_k {bb.moe_top_k} exceeds moe_experts {bb.moe_experts}")
+    if bb.moe_layers and (len(bb.moe_layers) != n_layer or set(bb.moe_layers) - {"m", "d"}):
+        raise DepthToolsError(f"{name} option moe_layers must be {n_layer} characters 'm' or 'd' (one per layer), "
+                              f"got {bb.moe_layers!r}")
 
 
 def _check_rope(bb: Backbone, name: str, rot: int) -> None:

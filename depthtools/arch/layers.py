@@ -151,7 +151,7 @@ class Attention(nn.Module):
             per_head = bb.qk_norm == "head"
             self.q_norm = make_norm(cfg, cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim)
             self.k_norm = make_norm(cfg, cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim)
-        self.qk_norm, self.clip = bb.qk_norm, bb.qkv_clip
+        self.qk_norm, self.clip, self.clip_after_norm = bb.qk_norm, bb.qkv_clip, bb.clip_after_norm
         self.rotary = bb.positions == "rope"
         self.scale = bb.attn_scale or None  # None: SDPA's own head_dim^-1/2
         self.softcap, self.window = bb.attn_softcap, bb.window(layer)
@@ -171,13 +171,15 @@ class Attention(nn.Module):
         """linear(x) [B,T,heads,hd], clipped and normed as configured (before its hook and RoPE)."""
         B, T, _ = x.shape
         y = linear(x)
-        if self.clip:
+        if self.clip and not self.clip_after_norm:
             y = y.clamp(-self.clip, self.clip)
         if self.qk_norm == "full" and norm_name:
             y = getattr(self, norm_name)(y)
         y = y.view(B, T, heads, self.head_dim)
         if self.qk_norm == "head" and norm_name:
             y = getattr(self, norm_name)(y)
+        if self.clip and self.clip_after_norm:
+            y = y.clamp(-self.clip, self.clip)
         return y
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -262,14 +264,14 @@ class SwiGLU(nn.Module):
     The Pre-LN options make it GeGLU (`mlp_act`), a plain w2(act(w1 x)) (`mlp` "plain": no w3) and give
     it biases (`mlp_bias`)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
         super().__init__()
-        bb = backbone(cfg)
+        bb, d_ff = backbone(cfg), d_ff or cfg.d_ff  # d_ff: a mixture-of-experts expert's own width
         self.gated, self.act = bb.mlp == "gated", activation(bb.mlp_act)
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=bb.mlp_bias)
+        self.w1 = nn.Linear(cfg.d_model, d_ff, bias=bb.mlp_bias)
         if self.gated:
-            self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=bb.mlp_bias)
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=bb.mlp_bias)
+            self.w3 = nn.Linear(cfg.d_model, d_ff, bias=bb.mlp_bias)
+        self.w2 = nn.Linear(d_ff, cfg.d_model, bias=bb.mlp_bias)
         self.hook_post = HookPoint()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

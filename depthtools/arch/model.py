@@ -20,6 +20,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.backbone import backbone, rotary_dim, softcap
 from depthtools.arch.layers import Attention, SwiGLU, make_norm, rope_tables
+from depthtools.arch.moe import MoE
 from depthtools.arch.registry import get_arch
 from depthtools.arch.scheme import ResidualScheme, State
 from depthtools.arch.tl_cache import DepthCache
@@ -83,7 +84,7 @@ class Block(nn.Module):
         super().__init__()
         self.index = index
         self.attn = Attention(cfg, index)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg, SwiGLU) if backbone(cfg).is_moe(index) else SwiGLU(cfg)
         self.hook_resid_pre, self.hook_resid_mid, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
         self.hook_attn_out, self.hook_mlp_out = HookPoint(), HookPoint()
         scheme.build_block(self)
@@ -177,7 +178,7 @@ class DepthModel(HookedRootModule):
         for index, block in enumerate(self.blocks[: layer + (1 if mlp_input else 0)]):
             parts = [("attn", block.attn.w_o.bias)]
             if include_mlp_biases and index < layer:
-                parts.append(("mlp", block.mlp.w2.bias))
+                parts.append(("mlp", getattr(getattr(block.mlp, "w2", None), "bias", None)))  # none on an MoE
             for sublayer, bias in parts:
                 if bias is not None:
                     total = total + bias * self.scheme.tl_branch_scale(block, sublayer)

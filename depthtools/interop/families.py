@@ -82,6 +82,7 @@ class Family:
     refuse: tuple[Refuse, ...] = ()
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)  # HF buffers some checkpoints saved; recomputed
     windows: Callable[["Reader", int], list[int]] | None = None  # per-layer sliding window (0: full)
+    experts_key: str = ""  # config.json's expert count (MoE families), named when the weights disagree
 
 
 class Reader:
@@ -252,9 +253,8 @@ def typed_layers_window(default_window: int | None, default_types: Callable[[Rea
     """Qwen2/3, Gemma-2/3: `layer_types` (absent: the family's default pattern) marks sliding layers; the
     window is `sliding_window`, and for Qwen only when `use_sliding_window` (`flag`) is true."""
     def windows(r: Reader, n_layer: int) -> list[int]:
-        window = _window_value(r, "sliding_window", default_window)
-        if flag is not None and not r.get(flag, False):
-            window = None
+        off = flag is not None and not r.get(flag, False)  # (Qwen2-MoE writes sliding_window 0 when off)
+        window = None if off else _window_value(r, "sliding_window", default_window)
         types = r.hf.get("layer_types") or default_types(r, n_layer)
         if not isinstance(types, list) or len(types) != n_layer:
             raise refusal("layer_types", types, f"expected one entry per layer ({n_layer})")
@@ -268,6 +268,17 @@ def typed_layers_window(default_window: int | None, default_types: Callable[[Rea
 def _qwen_types(r: Reader, n_layer: int) -> list[str]:
     first = r.get("max_window_layers", 28)
     return ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+
+
+def _qwen2_moe_types(r: Reader, n_layer: int) -> list[str]:  # Qwen2-MoE: odd-numbered layers below max_window_layers
+    first = r.get("max_window_layers", 28)
+    return ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(n_layer)]
+
+
+def _flagged_all_layers_window(r: Reader, n_layer: int) -> list[int]:
+    """Qwen3-MoE: `sliding_window` (default 4096) on every layer, only when `use_sliding_window`."""
+    window = _window_value(r, "sliding_window", 4096) if r.get("use_sliding_window", False) else None
+    return [window or 0] * n_layer
 
 
 def _every_other(r: Reader, n_layer: int) -> list[str]:  # Gemma-2: even layers slide
@@ -298,6 +309,56 @@ PHI_TENSORS = {
     **{f"blocks.{{i}}.mlp.{ours}.{kind}": Src(f"{PHI_LAYER}mlp.{hf}.{kind}")
        for ours, hf in (("w1", "fc1"), ("w2", "fc2")) for kind in ("weight", "bias")},
 }
+
+
+# -- mixture of experts (depthtools.arch.moe) ---------------------------------------------------------
+def _sparse_layers(r: Reader, n_layer: int) -> str:
+    """Qwen-MoE's per-layer MoE pattern: layer l is sparse unless listed in `mlp_only_layers` or
+    (l + 1) is not a multiple of `decoder_sparse_step` (transformers' Qwen2/3-MoE decoder layer)."""
+    dense = r.get("mlp_only_layers", [])
+    step = r.get("decoder_sparse_step", 1)
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise refusal("mlp_only_layers", dense, "expected a list of layer indices")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise refusal("decoder_sparse_step", step, "expected a positive integer")
+    pattern = "".join("d" if (i in dense or (i + 1) % step) else "m" for i in range(n_layer))
+    return "" if set(pattern) == {"m"} else pattern
+
+
+def moe(experts: Field, top_k_default: int, norm_topk: bool | None, ff: Field | None = None,
+        shared_ff: Field | None = None, per_layer: bool = False):
+    """The moe_* options of a family: expert count, top-k, expert width, whether the top-k weights are
+    renormalised (a constant, or None: config.json's `norm_topk_prob`, default False), a gated shared expert."""
+    def options(r: Reader) -> dict[str, Any]:
+        out = {"moe_experts": r.read(experts), "moe_top_k": r.get("num_experts_per_tok", top_k_default),
+               "moe_norm_topk": bool(r.get("norm_topk_prob", False)) if norm_topk is None else norm_topk}
+        if ff is not None:
+            out["moe_ff"] = r.read(ff)
+        if shared_ff is not None and r.read(shared_ff):
+            out["moe_shared_ff"] = r.read(shared_ff)
+        if per_layer:
+            out["moe_layers"] = _sparse_layers(r, r.read(r.family.shape["n_layer"]))
+        return {k: v for k, v in out.items() if v != ""}
+    return options
+
+
+def moe_tensors(prefix: str, router: str, w1: str, w3: str, w2: str) -> dict[str, Src]:
+    """Our router and per-expert MLP names ("{e}": the expert) -> HF names under `prefix` ("{i}": the layer)."""
+    return {"blocks.{i}.mlp.router.weight": Src(prefix + router),
+            **{f"blocks.{{i}}.mlp.experts.{{e}}.{ours}.weight": Src(f"{prefix}experts.{{e}}.{hf}.weight")
+               for ours, hf in (("w1", w1), ("w3", w3), ("w2", w2))}}
+
+
+# MoE settings our block does not implement, which some checkpoints of other MoE families set: refused in one
+# line rather than imported as a model that routes differently
+MOE_REFUSALS = (
+    Refuse("scoring_func", lambda v: v not in (None, "softmax"), "depthtools routes by a softmax over the experts"),
+    Refuse("routed_scaling_factor", lambda v: v not in (None, 1, 1.0), "routing weights are not rescaled here"),
+    Refuse("n_group", lambda v: v not in (None, 1), "grouped top-k routing is not implemented"),
+    Refuse("topk_group", lambda v: v not in (None, 1), "grouped top-k routing is not implemented"),
+    Refuse("first_k_dense_replace", truthy, "use mlp_only_layers (Qwen-MoE) for dense layers"),
+    Refuse("n_shared_experts", truthy, "only Qwen2-MoE's one gated shared expert is implemented"),
+)
 
 
 # -- the maps --------------------------------------------------------------------------------------
@@ -477,6 +538,44 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
             "mlp_act": lambda r: activation(r, "hidden_act", default="gelu_new"),
             "_rope": lambda r: rope(r, legacy_fraction=("partial_rotary_factor", 0.5))},
            PHI_TENSORS),
+    Family("mixtral", _with(LLAMA_SHAPE, norm_eps=Field("rms_norm_eps", default=1e-5),
+                            max_seq_len=Field("max_position_embeddings", default=4096 * 32)),
+           {"head_dim": _head_dim, "mlp_act": lambda r: activation(r, "hidden_act"),
+            "_moe": moe(Field("num_local_experts", default=8), 2, True),
+            "_rope": lambda r: rope(r, default_theta=1e6)},
+           _with(llama_tensors(), **moe_tensors("model.layers.{i}.block_sparse_moe.", "gate.weight", "w1", "w3", "w2")),
+           refuse=MOE_REFUSALS, windows=all_layers_window(None), experts_key="num_local_experts"),
+    Family("qwen2_moe", _with(LLAMA_SHAPE, max_seq_len=Field("max_position_embeddings", default=32768)),
+           {"head_dim": _head_dim, "qkv_bias": lambda r: bool(r.get("qkv_bias", True)),
+            "mlp_act": lambda r: activation(r, "hidden_act"),
+            "_moe": moe(Field("num_experts", "num_local_experts", default=60), 4, None,
+                        Field("moe_intermediate_size", default=1408),
+                        Field("shared_expert_intermediate_size", default=5632), per_layer=True),
+            "_rope": rope},
+           _with(llama_tensors(), **moe_tensors("model.layers.{i}.mlp.", "gate.weight", "gate_proj", "up_proj",
+                                                "down_proj"),
+                 **{f"blocks.{{i}}.mlp.shared.{ours}.weight": Src(f"model.layers.{{i}}.mlp.shared_expert.{hf}.weight")
+                    for ours, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+                 **{"blocks.{i}.mlp.shared_gate.weight": Src("model.layers.{i}.mlp.shared_expert_gate.weight")}),
+           refuse=MOE_REFUSALS, windows=typed_layers_window(4096, _qwen2_moe_types, flag="use_sliding_window"),
+           experts_key="num_experts"),
+    Family("qwen3_moe", _with(LLAMA_SHAPE, max_seq_len=Field("max_position_embeddings", default=32768)),
+           {"head_dim": _head_dim, "qk_norm": "head", "_": _llama_options,
+            "_moe": moe(Field("num_experts", "num_local_experts", default=128), 8, None,
+                        Field("moe_intermediate_size", default=768), per_layer=True),
+            "_rope": rope},
+           _with(llama_tensors(), **moe_tensors("model.layers.{i}.mlp.", "gate.weight", "gate_proj", "up_proj",
+                                                "down_proj")),
+           refuse=MOE_REFUSALS, windows=_flagged_all_layers_window, experts_key="num_experts"),
+    Family("olmoe", _with(LLAMA_SHAPE, norm_eps=Field("rms_norm_eps", default=1e-5),
+                          max_seq_len=Field("max_position_embeddings", default=4096)),
+           {"qk_norm": "full", "qkv_clip": lambda r: float(r.get("clip_qkv", 0.0)), "_": _llama_options,
+            "clip_after_norm": lambda r: bool(r.get("clip_qkv")),  # OLMoE clamps the normed q, k
+            "_moe": moe(Field("num_experts", "num_local_experts", default=64), 8, None),
+            "_rope": rope},
+           _with(llama_tensors(), **moe_tensors("model.layers.{i}.mlp.", "gate.weight", "gate_proj", "up_proj",
+                                                "down_proj")),
+           refuse=MOE_REFUSALS, experts_key="num_experts"),
 )}
 # gpt_neox names its head embed_out in old checkpoints and lm_head in transformers 5 (see `hf_state`)
 ALIASES = {"embed_out.weight": ("lm_head.weight",)}
@@ -529,7 +628,7 @@ def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> Mo
     if max_seq_len is not None:
         shape["max_seq_len"] = int(max_seq_len)
     _set_windows(family, r, shape["n_layer"], options)
-    defaults = {"qkv_bias": False, "attn_out_bias": False, "mlp_bias": False, "mlp_act": "silu", "qkv_clip": 0.0,
+    defaults = {"qkv_bias": False, "attn_out_bias": False, "mlp_bias": False, "mlp_act": "silu", "qkv_clip": 0.0, "clip_after_norm": False,
                 "attn_softcap": 0.0, "final_softcap": 0.0, "rotary_fraction": 1.0, "rope_theta_sliding": 0.0}
     options = {k: v for k, v in options.items() if not (k in defaults and v == defaults[k])}
     plain_theta_sliding = options.get("rope_theta_sliding") == shape["rope_theta"] and "rope_type" not in options
@@ -579,6 +678,31 @@ def _split(tensor: torch.Tensor, src: Src, cfg: ModelConfig, where: str) -> torc
     return tensor[start: start + sizes[src.part]]
 
 
+def _template(ours: str) -> tuple[str, dict[str, str]]:
+    """Our name as its map's key ("blocks.{i}.", and an expert's "experts.{e}.") and the values to fill in."""
+    parts, fill = ours.split("."), {}
+    if parts[0] == "blocks":
+        fill["i"], parts[1] = parts[1], "{i}"
+        if len(parts) > 4 and parts[3] == "experts":
+            fill["e"], parts[4] = parts[4], "{e}"
+    return ".".join(parts), fill
+
+
+def _check_expert_count(tensors: dict[str, torch.Tensor], cfg: ModelConfig, family: Family) -> None:
+    """An MoE family's weights hold as many experts per layer as config.json says (one line naming both)."""
+    experts = cfg.options.get("moe_experts", 0)
+    src = family.tensors.get("blocks.{i}.mlp.experts.{e}.w1.weight")
+    if not experts or src is None:
+        return
+    head, tail = src.name.split("{e}")
+    for layer in range(cfg.n_layer):
+        prefix, suffix = head.format(i=layer), tail.format(i=layer)
+        found = {k[len(prefix):-len(suffix)] for k in tensors if k.startswith(prefix) and k.endswith(suffix)}
+        if found and len(found) != experts:
+            raise DepthToolsError(f"Hugging Face weights hold {len(found)} experts in layer {layer} "
+                                  f"({prefix}*{suffix}), config.json's {family.experts_key} says {experts}")
+
+
 def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[str, tuple[int, ...]],
              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our state dict (names and shapes `expected`) from a family's HF tensors, cast to `dtype`; every HF
@@ -587,13 +711,13 @@ def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[
     used: set[str] = set()
     state: dict[str, torch.Tensor] = {}
     missing: list[str] = []
+    _check_expert_count(tensors, cfg, family)
     for ours, shape in expected.items():
-        layer = ours.split(".")[1] if ours.startswith("blocks.") else None
-        template = ours if layer is None else ours.replace(f"blocks.{layer}.", "blocks.{i}.", 1)
+        template, fill = _template(ours)
         src = family.tensors.get(template)
         if src is None:
             raise DepthToolsError(f"internal: the {family.model_type} map has no source for {ours}")
-        name = src.name.format(i=layer)
+        name = src.name.format(**fill)
         if name not in tensors:
             name = next((alias for alias in ALIASES.get(name, ()) if alias in tensors), name)
         if name not in tensors:
