@@ -217,7 +217,8 @@ def test_features_land_in_the_options(built):
     assert opts["olmoe-clip"]["moe_top_k"] == 3 and opts["olmoe-clip"]["qk_norm"] == "full"
 
 
-@pytest.mark.parametrize("case", ["gemma2-softcap-window", "gpt2", "neox-parallel-partial", "qwen3-qknorm"])
+@pytest.mark.parametrize("case", ["gemma2-softcap-window", "gpt2", "neox-parallel-partial", "qwen3-qknorm",
+                                  "qwen2-moe-shared-dense", "phi-qk-layernorm-tied"])
 def test_checkpoint_round_trip_is_bit_identical(built, case, tmp_path):
     folder, _ = built[case]
     summary = import_hf(folder, out=tmp_path / "ck")

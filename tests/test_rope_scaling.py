@@ -22,7 +22,8 @@ from depthtools.arch import DepthModel
 from depthtools.arch.rope import RopeScaling
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
-from depthtools.interop import from_hf
+from depthtools import checkpoint as ck
+from depthtools.interop import from_hf, import_hf
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")
@@ -125,6 +126,18 @@ def test_length_dependent_types_rotate_a_prefix_as_transformers_does(built):
         long_prefix, short = ours(x)[:, :6], ours(x[:, :6])
         assert (long_prefix - short).abs().max() > 1e-3
         assert (short - hf(x[:, :6]).logits).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("case", ["longrope", "gemma3-linear-global", "yarn"])
+def test_checkpoint_round_trip_keeps_the_scaling(built, case, tmp_path):
+    """The rope_* options (longrope's factor lists too) survive the checkpoint's JSON: bit-identical logits."""
+    folder, _ = built[case]
+    summary = import_hf(folder, out=tmp_path / "ck")
+    again, ours = ck.load(summary["checkpoint"]), from_hf(folder)
+    assert again.config.options == ours.config.options
+    x = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(again(x), ours(x))
 
 
 def test_llama3_frequencies_against_a_closed_form():

@@ -249,6 +249,9 @@ def check_backbone(cfg) -> None:
 
 def _check_moe(bb: Backbone, name: str, n_layer: int) -> None:
     """The mixture-of-experts options agree with each other and the depth (one line each)."""
+    if bb.moe_layers and (len(bb.moe_layers) != n_layer or set(bb.moe_layers) - {"m", "d"}):
+        raise DepthToolsError(f"{name} option moe_layers must be {n_layer} characters 'm' or 'd' (one per layer), "
+                              f"got {bb.moe_layers!r}")
     if not bb.moe_experts:
         set_options = [k for k in ("moe_ff", "moe_shared_ff", "moe_layers") if getattr(bb, k)]
         if set_options or bb.moe_top_k != 1:
@@ -256,9 +259,6 @@ def _check_moe(bb: Backbone, name: str, n_layer: int) -> None:
         return
     if bb.moe_top_k > bb.moe_experts:
         raise DepthToolsError(f"{name} option moe_top_k {bb.moe_top_k} exceeds moe_experts {bb.moe_experts}")
-    if bb.moe_layers and (len(bb.moe_layers) != n_layer or set(bb.moe_layers) - {"m", "d"}):
-        raise DepthToolsError(f"{name} option moe_layers must be {n_layer} characters 'm' or 'd' (one per layer), "
-                              f"got {bb.moe_layers!r}")
 
 
 def _check_rope(bb: Backbone, name: str, rot: int) -> None:
