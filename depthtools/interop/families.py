@@ -1,15 +1,17 @@
 """The open decoder families as data: config.json fields -> Pre-LN options, HF tensor names -> ours.
 
-Every family (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo, olmo2, gpt2, gpt_neox, phi3, phi)
-becomes one `preln` DepthModel whose typed options (`depthtools.arch.backbone`) express it; there is no
-per-family forward code. A `Family` says:
+Every family (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo, olmo2, gpt2, gpt_neox, phi3, phi,
+and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe, olmoe) becomes one `preln` DepthModel whose typed
+options (`depthtools.arch.backbone`: scaled RoPE and MoE MLPs included) express it; there is no per-family
+forward code. A `Family` says:
 
 * `shape`: ModelConfig's fields from config.json keys, with transformers' own config-class defaults
   (tests/test_families.py checks each default against the installed config class);
 * `options`: Pre-LN options, constants or functions of the config (`Reader`);
 * `refuse`: config values our block cannot express, each refused in one line naming the field and value;
-* `tensors`: our parameter name -> `Src` (HF name, with "{i}" the layer; a transpose for GPT-2's Conv1D;
-  a split of a fused tensor: Phi-3's qkv and gate_up, GPT-2's c_attn, NeoX's per-head interleaved qkv).
+* `tensors`: our parameter name -> `Src` (HF name, with "{i}" the layer and "{e}" an MoE expert; a
+  transpose for GPT-2's Conv1D; a split of a fused tensor: Phi-3's qkv and gate_up, GPT-2's c_attn, NeoX's
+  per-head interleaved qkv). An MoE family's expert count is checked against its weights (`experts_key`).
 
 What transformers does, read from its 5.x sources (modeling_<family>.py), is the reference: e.g. which
 config keys a family's forward actually reads (Llama ignores `sliding_window`; Mistral applies it even
