@@ -182,6 +182,10 @@ BASE = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_s
                           "rope_theta": 1e4}}, "rope_high_freq_factor 1 must exceed"),
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 3,
                                                 "long_factor": [1.0] * 8}}, "rope_short_factor has 3 entries"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": "four", "rope_theta": 1e4}},
+     "rope_parameters.factor='four' (expected a number)"),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0, "x"],
+                                                "long_factor": [1.0] * 8}}, "rope_parameters.short_factor="),
     ({"model_type": "gemma3_text", "head_dim": 16,
       "rope_parameters": {"full_attention": {"rope_type": "default"},
                           "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
@@ -195,3 +199,32 @@ def test_bad_rope_parameters_exit_2_in_one_line(tmp_path, change, needle):
     result = CliRunner().invoke(app, ["import-hf", str(tmp_path), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and needle in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("v4,config_cls,kwargs", [
+    ({"model_type": "llama", "rope_theta": 5e5,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 16}},
+     "LlamaConfig", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 16})),
+    ({"model_type": "phi3", "original_max_position_embeddings": 16,
+      "rope_scaling": {"type": "su", "short_factor": [1.0] * HALF, "long_factor": [3.0] * HALF}},
+     "Phi3Config", dict(original_max_position_embeddings=16,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * HALF,
+                                         "long_factor": [3.0] * HALF})),
+    ({"model_type": "gemma3_text", "head_dim": 16, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+      "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+     "Gemma3TextConfig", dict(head_dim=16, rope_parameters={
+         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+])
+def test_v4_rope_scaling_reads_as_the_v5_rope_parameters(v4, config_cls, kwargs):
+    """A transformers 4.x config.json (rope_scaling + rope_theta, Phi-3's 'su', Gemma-3's rope_local_base_freq)
+    gives the same model as the rope_parameters transformers 5 writes for it."""
+    from depthtools.interop.families import hf_to_model_config
+
+    sizes = {k: v for k, v in COMMON.items() if k != "attn_implementation"}
+    v5 = getattr(transformers, config_cls)(**{**sizes, **kwargs}).to_dict()
+    assert hf_to_model_config({**sizes, **v4}) == hf_to_model_config(v5)
+    assert hf_to_model_config(v5).options["rope_type"] in ("llama3", "longrope", "linear")

@@ -149,6 +149,24 @@ def _rope_kind(params: Any, where: str, aliases: dict[str, str] | None = None) -
     return kind
 
 
+def _rope_value(value: Any, where: str, option: str) -> Any:
+    """A RoPE parameter as our option's kind (a bool, a list of numbers or a number), or a refusal naming it."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if option == "rope_truncate":
+        if not isinstance(value, bool):
+            raise refusal(where, value, "expected true or false")
+        return value
+    if option in ("rope_short_factor", "rope_long_factor"):
+        if not isinstance(value, list) or not all(number(v) and v > 0 for v in value):
+            raise refusal(where, value, "expected a list of positive numbers")
+        return value
+    if not number(value):
+        raise refusal(where, value, "expected a number")
+    return float(value)
+
+
 def _scaled_rope(r: Reader, params: dict[str, Any], kind: str, where: str,
                  original_default: int | None = None) -> dict[str, Any]:
     """Our rope_* options for a scaled RoPE dict, with transformers' defaults: the pretraining context is
@@ -173,7 +191,7 @@ def _scaled_rope(r: Reader, params: dict[str, Any], kind: str, where: str,
         out["rope_original_context"] = context
     for key, option in ROPE_KEYS[kind].items():
         if params.get(key) is not None:
-            out[option] = params[key] if isinstance(params[key], (bool, list)) else float(params[key])
+            out[option] = _rope_value(params[key], f"{where}.{key}", option)
     if kind in ("yarn", "longrope") and "rope_factor" not in out:
         out["rope_factor"] = max_pos / out["rope_original_context"]
     mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
