@@ -30,7 +30,7 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
                       context L; dynamic: max_position_embeddings), rope_low/high_freq_factor (llama3),
                       rope_beta_fast/slow and rope_truncate (yarn), rope_attention_factor (yarn, longrope;
                       0: the type's default), rope_short/long_factor (longrope: one per rotated pair).
-                      Layers with their own base (rope_theta_sliding, Gemma-3's local layers) stay plain
+                      Layers with their own base (rope_theta_sliding, Gemma-3's local layers) stay plain.
     positions         "rope" | "learned" (absolute position embeddings added to the token embedding)
     norm              "rms" | "layer"      norm_gain "weight" | "one_plus" (x̂·(1+w), Gemma) | "none"
     norm_bias         LayerNorm bias

@@ -152,7 +152,8 @@ class DepthModel(HookedRootModule):
     @property
     def b_U(self) -> torch.Tensor:
         """[d_vocab] zeros, or a final LayerNorm's bias folded through the unembedding (GPT-2, NeoX):
-        ln_final(x) @ W_U = (ln_final(x) - bias) @ W_U + b_U, as TransformerLens folds it (tl_cache.py)."""
+        ln_final(x) @ W_U = (ln_final(x) - bias) @ W_U + b_U, as TransformerLens folds it (tl_cache.py),
+        plus the unembedding's own bias where it has one (`head_bias`: Phi)."""
         bias = getattr(self.ln_final, "bias", None)
         folded = self._b_U if bias is None else bias @ self.W_U
         return folded if self.unembed.bias is None else folded + self.unembed.bias
