@@ -10,7 +10,9 @@ each expert a gated (or plain) MLP of width `moe_ff` with the block's activation
 expert of width `moe_shared_ff` that every token passes through, gated by a sigmoid of a [1, d] map
 (`moe_shared_gate`; Qwen2-MoE). This is transformers' computation (its `*TopKRouter` and `*Experts`
 modules, read as the spec): the top-k weights are cast back to the activations' dtype before they scale
-the expert outputs, and ties in the top-k follow torch.topk on the same float32 probabilities.
+the expert outputs, and ties in the top-k follow torch.topk on the same float32 probabilities. (In half
+precision Qwen-MoE and OLMoE do the same cast; transformers' Mixtral multiplies by the float32 weights and
+casts the product, a difference of one rounding of the weight that float32 models do not have.)
 
 Hooks: `hook_router` carries the router logits [B, T, E] (the `expert-routing` view reads them);
 `hook_post` of each expert is its own hidden activation on the tokens routed to it.
