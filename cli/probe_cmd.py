@@ -461,6 +461,21 @@ def contrib_command(
     emit_long("contrib", done, as_json, out, show)
 
 
+def show_expert_routing(df, name: str) -> None:
+    """A mixture-of-experts model's expert routing: per MoE block, and the skip matrix (rows: skipped block s)."""
+    console.print(per_layer_table(df, f"expert routing per MoE block — {name}", ["router_entropy", "expert_load_max"]))
+    sub = df[df["metric"] == "routing_change_after_skip"]
+    if sub.empty:
+        return
+    M = {(int(s), int(l)): v for s, l, v in zip(sub["layer"], sub["layer_j"], sub["value"])}
+    later = sorted({l for _, l in M})
+    for block in column_blocks(later, console.width):
+        console.print(table(f"top-k experts changed, block s skipped — {name}",
+                            ["s", *(str(l) for l in block)],
+                            [[str(s), *(fmt(M.get((s, l))) if (s, l) in M else "" for l in block)]
+                             for s in sorted({s for s, _ in M})]))
+
+
 @app.command("routing", cls=ProbeCommand)
 def routing_command(
     ckpt: Optional[List[str]] = CKPT, grid: Optional[Path] = GRID,
@@ -470,7 +485,8 @@ def routing_command(
     recompute: bool = RECOMPUTE, as_json: bool = JSON, out: Optional[Path] = OUT, save: bool = SAVE,
     protocol: str = PROTOCOL_OPT,
 ):
-    """Native depth-routing statistics (HC/mHC unfolded weights, AttnRes maps, DenseFormer DWA).
+    """Native depth-routing statistics (HC/mHC unfolded weights, AttnRes maps, DenseFormer DWA), and for
+    mixture-of-experts models the expert routing (load, router entropy, top-k change when a block is skipped).
 
     Example: depthtools routing --ckpt hc_L8 --json
     """
@@ -483,8 +499,12 @@ def routing_command(
     def show(model, df):
         if df.empty:
             return
-        console.print(per_layer_table(df, f"routing per consumer (sublayer depth) — {Path(model.checkpoint_dir).name}",
-                                      ["mean_source_lag", "source_entropy", "long_range_mass", "max_weight"]))
+        name = Path(model.checkpoint_dir).name
+        if df["metric"].isin(["mean_source_lag"]).any():
+            console.print(per_layer_table(df, f"routing per consumer (sublayer depth) — {name}",
+                                          ["mean_source_lag", "source_entropy", "long_range_mass", "max_weight"]))
+        if df["metric"].isin(["router_entropy"]).any():
+            show_expert_routing(df, name)
         console.print(table("summary", ["metric", "value"], model_rows(df)))
 
     emit_long("routing", done, as_json, out, show)

@@ -78,12 +78,37 @@ CASES: dict[str, tuple[str, str, dict, dict]] = {
                                        rope_parameters={"rope_theta": 1e4, "rope_type": "default",
                                                         "partial_rotary_factor": 0.5}),
                                   {"sliding_window": 0, "rotary_fraction": 1.0}),
+    "phi-parallel-partial-biased-head": ("PhiConfig", "PhiForCausalLM", dict(num_key_value_heads=2),
+                                         {"head_bias": False, "parallel": False, "rotary_fraction": 1.0}),
+    "phi-qk-layernorm-tied": ("PhiConfig", "PhiForCausalLM",
+                              dict(qk_layernorm=True, tie_word_embeddings=True,
+                                   rope_parameters={"rope_theta": 500.0, "rope_type": "default",
+                                                    "partial_rotary_factor": 0.25}),
+                              {"qk_norm": "none"}),
+    "mixtral-top2-window": ("MixtralConfig", "MixtralForCausalLM",
+                            dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=5),
+                            {"moe_top_k": 1, "sliding_window": 0}),
+    "qwen2-moe-shared-dense": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                               dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                    mlp_only_layers=[1]),
+                               {"moe_norm_topk": True, "moe_shared_gate": False}),
+    "qwen3-moe-normtopk-sparse-step": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                                       dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=24, norm_topk_prob=True, decoder_sparse_step=2),
+                                       {"moe_norm_topk": False, "qk_norm": "none"}),
+    "olmoe-clip": ("OlmoeConfig", "OlmoeForCausalLM",
+                   dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=3, clip_qkv=0.4),
+                   {"moe_top_k": 1, "qkv_clip": 0.0}),
 }
 FAMILY_OF_CASE = {"llama-bias-gqa": "llama", "llama-tied-headdim": "llama", "mistral-window": "mistral",
                   "qwen2-bias-window": "qwen2", "qwen3-qknorm": "qwen3", "gemma-geglu-mqa": "gemma",
                   "gemma2-softcap-window": "gemma2", "gemma3-local-rope": "gemma3_text", "olmo-clip": "olmo",
                   "olmo2-postnorm": "olmo2", "gpt2": "gpt2", "neox-parallel-partial": "gpt_neox",
-                  "neox-sequential": "gpt_neox", "phi3-fused-window-partial": "phi3"}
+                  "neox-sequential": "gpt_neox", "phi3-fused-window-partial": "phi3",
+                  "phi-parallel-partial-biased-head": "phi", "phi-qk-layernorm-tied": "phi",
+                  "mixtral-top2-window": "mixtral", "qwen2-moe-shared-dense": "qwen2_moe",
+                  "qwen3-moe-normtopk-sparse-step": "qwen3_moe", "olmoe-clip": "olmoe"}
 
 
 def hf_config(case: str):
@@ -182,9 +207,18 @@ def test_features_land_in_the_options(built):
     assert opts["neox-parallel-partial"]["parallel"] and opts["neox-parallel-partial"]["rotary_fraction"] == 0.25
     assert opts["gpt2"]["positions"] == "learned" and opts["gpt2"]["mlp_act"] == "gelu_tanh"
     assert opts["olmo-clip"]["norm_gain"] == "none" and opts["olmo-clip"]["qkv_clip"] == 0.3
+    phi = opts["phi-parallel-partial-biased-head"]
+    assert phi["parallel"] and phi["head_bias"] and phi["rotary_fraction"] == 0.5 and phi["norm"] == "layer"
+    assert opts["phi-qk-layernorm-tied"]["qk_norm"] == "head"
+    assert opts["qwen2-moe-shared-dense"]["moe_layers"] == "mdm" and opts["qwen2-moe-shared-dense"]["moe_shared_ff"] == 40
+    assert opts["qwen2-moe-shared-dense"]["moe_norm_topk"] is False and opts["qwen2-moe-shared-dense"]["moe_ff"] == 24
+    assert opts["qwen3-moe-normtopk-sparse-step"]["moe_layers"] == "dmd"
+    assert opts["mixtral-top2-window"]["moe_experts"] == 4 and opts["mixtral-top2-window"]["moe_norm_topk"] is True
+    assert opts["olmoe-clip"]["moe_top_k"] == 3 and opts["olmoe-clip"]["qk_norm"] == "full"
 
 
-@pytest.mark.parametrize("case", ["gemma2-softcap-window", "gpt2", "neox-parallel-partial", "qwen3-qknorm"])
+@pytest.mark.parametrize("case", ["gemma2-softcap-window", "gpt2", "neox-parallel-partial", "qwen3-qknorm",
+                                  "qwen2-moe-shared-dense", "phi-qk-layernorm-tied"])
 def test_checkpoint_round_trip_is_bit_identical(built, case, tmp_path):
     folder, _ = built[case]
     summary = import_hf(folder, out=tmp_path / "ck")
@@ -223,7 +257,8 @@ def test_half_precision_folder(tmp_path, dtype):
 CONFIG_CLASS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                 "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig",
                 "olmo": "OlmoConfig", "olmo2": "Olmo2Config", "gpt2": "GPT2Config", "gpt_neox": "GPTNeoXConfig",
-                "phi3": "Phi3Config"}
+                "phi3": "Phi3Config", "phi": "PhiConfig", "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
+                "qwen3_moe": "Qwen3MoeConfig", "olmoe": "OlmoeConfig"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -243,15 +278,19 @@ def test_minimal_config_reads_as_the_config_class_does(family):
 # -- refusals and bad input -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("change,field", [
     ({"model_type": "bert"}, "model_type='bert'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "rope_scaling.rope_type='proportional'"),
     ({"hidden_act": "gelu_fast"}, "hidden_act='gelu_fast'"),
     ({"model_type": "gemma2", "use_bidirectional_attention": True}, "use_bidirectional_attention=True"),
     ({"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "scale_attn_by_inverse_layer_idx": True},
      "scale_attn_by_inverse_layer_idx=True"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config='gptq'"),
-    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
-                                                       "sliding_attention": {"rope_type": "default"}}},
-     "rope_parameters.full_attention.rope_type='linear'"),
+    ({"model_type": "mixtral", "scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ({"model_type": "qwen3_moe", "n_shared_experts": 2}, "n_shared_experts=2"),
+    ({"model_type": "olmoe", "routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+    ({"model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3}, "moe_top_k 3 exceeds moe_experts 2"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "default"},
+                                                       "sliding_attention": {"rope_type": "linear", "factor": 8.0}}},
+     "rope_parameters.sliding_attention.rope_type='linear'"),
 ])
 def test_inexpressible_configs_are_refused_in_one_line(tmp_path, change, field):
     base = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -294,6 +333,13 @@ def test_bad_folders_exit_2_in_one_line_and_write_nothing(tmp_path):
     config = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps({**config, "intermediate_size": 40}))
     refused(wrong, "gate_up_proj.weight has shape (96, 32)")
+
+    experts = tmp_path / "experts"  # config.json says 3 experts, the weights hold 4
+    build_hf("mixtral-top2-window", experts)
+    config = json.loads((experts / "config.json").read_text())
+    (experts / "config.json").write_text(json.dumps({**config, "num_local_experts": 3}))
+    refused(experts, "hold 4 experts in layer 0 (model.layers.0.block_sparse_moe.experts.*.w1.weight), "
+                     "config.json's num_local_experts says 3")
 
     nan = tmp_path / "nan"
     model = build_hf("gpt2", nan)

@@ -39,7 +39,8 @@ def hf_parts(hf):
     """(decoder layers, final norm, final soft-cap) of a transformers causal LM, whatever the family calls them."""
     body = getattr(hf, "model", None) or getattr(hf, "transformer", None) or hf.gpt_neox
     layers = getattr(body, "layers", None) or body.h
-    norm = getattr(body, "norm", None) or getattr(body, "ln_f", None) or body.final_layer_norm
+    norm = (getattr(body, "norm", None) or getattr(body, "ln_f", None) or getattr(body, "final_layernorm", None)
+            or body.final_layer_norm)
     return layers, norm, getattr(hf.config, "final_logit_softcapping", None)
 
 

@@ -30,6 +30,8 @@ VARIANTS = [(spec.name, {}, 3) for spec in list_archs()] + [
     ("blockattnres", {}, 12),  # default S = 2·ceil(L/8) = 4 (flops.py once used √L)
     ("denseformer", {"dwa_dilation": 2, "dwa_period": 2}, 5),
     ("moda", {"moda_norm": "post"}, 4),
+    # a mixture of experts: each token runs its top-k experts, the shared expert and the router (no other expert)
+    ("preln", {"moe_experts": 4, "moe_top_k": 2, "moe_ff": 24, "moe_shared_ff": 16, "moe_layers": "mdm"}, 3),
 ]
 
 

@@ -481,8 +481,8 @@ BASE = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=2
 
 @pytest.mark.parametrize("change,field", [  # (biases, other activations, head_dim, windows, gpt2: test_families.py)
     ({"hidden_act": "gelu_fast"}, "hidden_act"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "rope_scaling.rope_type"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters.rope_type"),
+    ({"rope_scaling": {"rope_type": "ntk", "factor": 4.0, "original_max_position_embeddings": 32}}, "rope_scaling.rope_type"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters.low_freq_factor"),
     ({"model_type": "mistral", "sliding_window": 0}, "sliding_window"),
     ({"head_dim": -2}, "head_dim"),
     ({"model_type": "falcon"}, "model_type"),

@@ -16,7 +16,8 @@ SHAPE = dict(vocab_size=32, d_model=16, n_layer=2, n_heads=2, max_seq_len=8)
 
 def bad_value(option: Option):
     """A value of the wrong kind (or outside the valid ones) for `option`."""
-    return {"bool": "yes", "int": 0 if option.low == 1 else "x", "number": float("nan"), "str": "no-such-value"}[option.kind]
+    return {"bool": "yes", "int": 0 if option.low == 1 else "x", "number": float("nan"), "str": "no-such-value",
+            "numbers": [1.0, "x"]}[option.kind]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -60,7 +61,7 @@ def test_a_scheme_reads_one_frozen_typed_options_object(arch):
     cfg = ModelConfig(arch=arch, **SHAPE)
     schema, opts = get_arch(arch).option_schema(), DepthModel(cfg).scheme.opts
     assert dataclasses.is_dataclass(opts) and get_arch(arch).options(cfg) == opts
-    kinds = {"bool": bool, "int": int, "number": float, "str": str}
+    kinds = {"bool": bool, "int": int, "number": float, "str": str, "numbers": tuple}
     assert {f.name: f.type for f in dataclasses.fields(opts)} == {n: kinds[o.kind] for n, o in schema.items()}
     assert opts.as_dict() == {n: o.default_for(cfg) for n, o in schema.items()}
     for name in schema:

@@ -47,10 +47,14 @@ ARCHS = [spec.name for spec in list_archs()]
 # "family:<case>" -> refused functions; refusals name the family.
 FAMILY_REFUSED = {
     **dict.fromkeys(["llama-bias-gqa", "mistral-window", "qwen2-bias-window", "qwen3-qknorm", "gemma-geglu-mqa",
-                     "olmo-clip", "gpt2", "neox-parallel-partial", "phi3-fused-window-partial"], set()),
+                     "olmo-clip", "gpt2", "neox-parallel-partial", "phi3-fused-window-partial",
+                     "phi-parallel-partial-biased-head"], set()),
     "gemma2-softcap-window": OUTPUT_NORM | {"logit_lens", "logit_attrs"},  # sandwich norms; soft-capped logits
     "gemma3-local-rope": OUTPUT_NORM,
     "olmo2-postnorm": OUTPUT_NORM | {"block_norm"},  # OLMo-2 norms sublayer outputs and has no pre-norm
+    # mixture-of-experts MLPs: hook_mlp_out is not one linear map of one hook_post (no per-neuron results)
+    **dict.fromkeys(["mixtral-top2-window", "qwen2-moe-shared-dense", "qwen3-moe-normtopk-sparse-step", "olmoe-clip"],
+                    {"get_neuron_results", "stack_neuron_results", "get_full_resid_decomposition"}),
 }
 REFUSED.update({f"family:{case}": refused for case, refused in FAMILY_REFUSED.items()})
 CASE_IDS = ARCHS + [f"family:{case}" for case in FAMILY_REFUSED]
@@ -178,8 +182,9 @@ def parallel(model) -> bool:
 
 
 def out_bias(module) -> torch.Tensor | float:
-    """An output projection's bias (0 without): not a head's or neuron's (TransformerLens' convention)."""
-    return 0.0 if module.bias is None else module.bias
+    """An output projection's bias (0 without, or without the projection: a mixture of experts): not a head's or
+    neuron's (TransformerLens' convention)."""
+    return 0.0 if getattr(module, "bias", None) is None else module.bias
 
 
 def final_norm_without_bias(model, x):
@@ -209,6 +214,9 @@ def check_apply_ln_to_stack(arch, model, tokens, logits, cache, states):
     y = cache.apply_ln_to_stack(norm_input_stack(arch, model, cache, layer, True), layer, mlp_input=True).sum(0)
     y = y + norm_bias(block.mlp_norm)
     mlp = block.mlp
+    if hasattr(mlp, "router"):  # a mixture of experts: its input, through the router
+        torch.testing.assert_close(mlp.router(y), cache[f"blocks.{layer}.mlp.hook_router"], **TOL)
+        return
     post = mlp.act(mlp.w1(y)) * (mlp.w3(y) if mlp.gated else 1.0)  # the MLP's input, through w1 (and w3)
     torch.testing.assert_close(post, cache[f"blocks.{layer}.mlp.hook_post"], **TOL)
 
@@ -257,14 +265,14 @@ def check_get_full_resid_decomposition(arch, model, tokens, logits, cache, state
 def check_get_neuron_results(arch, model, tokens, logits, cache, states):
     direction = torch.randn(model.config.d_model, generator=torch.Generator().manual_seed(3))
     for layer in range(L):
-        out = cache[f"blocks.{layer}.hook_mlp_out"] - out_bias(model.blocks[layer].mlp.w2)
+        out = cache[f"blocks.{layer}.hook_mlp_out"] - out_bias(getattr(model.blocks[layer].mlp, "w2", None))
         torch.testing.assert_close(cache.get_neuron_results(layer).sum(-2), out, **TOL)
         projected = cache.get_neuron_results(layer, project_output_onto=direction)
         torch.testing.assert_close(projected.sum(-1), out @ direction, **TOL)
 
 
 def check_stack_neuron_results(arch, model, tokens, logits, cache, states):
-    mlp = cache.stack_activation("mlp_out").sum(0) - sum(out_bias(block.mlp.w2) for block in model.blocks)
+    mlp = cache.stack_activation("mlp_out").sum(0) - sum(out_bias(getattr(block.mlp, "w2", None)) for block in model.blocks)
     torch.testing.assert_close(cache.stack_neuron_results(L).sum(0), mlp, **TOL)
     torch.testing.assert_close(cache.stack_neuron_results(L, incl_remainder=True).sum(0),
                                stream(model, cache, states, L), **TOL)

@@ -23,7 +23,7 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
     ablate_prune        at most, per rule: greedy Σ_k [L + (L − k)(L − k)] + Gromov 2L + Σ_n (L − n) blocks
     causal              L + Σ_s [(L − s − 1) + cuts · (L − s)] blocks (cuts only with future=True)
     sequence_profile    as one skip rule
-    similarity, routing L blocks
+    similarity, routing L blocks (routing of a mixture-of-experts model: + Σ_(s < last MoE block) (L − s − 1))
     contrib             L blocks, + 3 · probes · L block-equivalents with the Jacobian (a JVP ≈ 3 blocks)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
 
@@ -114,7 +114,11 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int) -> tuple[flo
     if name == "contrib":
         jac = L + FULL_JVP_BLOCKS * args.get("probes", 2) * L if args.get("jacobian", True) else 0
         return L + jac, 0, False
-    if name in ("similarity", "routing"):
+    if name == "routing":  # + a mixture-of-experts model's skip runs: block s bypassed, s+1.. rerun
+        bb = getattr(model, "backbone", None)
+        moe = [l for l in range(L) if bb is not None and bb.is_moe(l)]
+        return L + sum(L - s - 1 for s in range(max(moe, default=0))), 0, False
+    if name == "similarity":
         return L, 0, False
     if name == "lens_tuned":
         return L, L + 1, False

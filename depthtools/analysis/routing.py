@@ -18,6 +18,10 @@ p = |W[c,·]| / Σ|W[c,·]|:
 At HC init every entry of the unfolded matrix is 1 (the Pre-LN pattern); mHC's sinkhorn_row_error /
 sinkhorn_col_error rows say how far each finite Sinkhorn result is from doubly stochastic (the
 normalisation that runs last, option sinkhorn_order, is exact to rounding).
+
+Mixture-of-experts models (Mixtral, OLMoE, Qwen-MoE) add their expert routing per MoE block — expert load,
+router entropy, and the share of tokens whose top-k experts change when an earlier block is skipped
+(`depthtools.analysis.experts`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from depthtools.analysis.experts import expert_routing_rows
 from depthtools.analysis.geometry import check_positions, model_inputs, tidy_frame
 from depthtools.analysis.tokens import token_fingerprint
 
@@ -68,11 +73,12 @@ def routing_stats(model, tokens: torch.Tensor, exclude_first: int = 1, long_rang
     settings = dict(exclude_first=exclude_first, long_range_k=long_range_k,
                     n_sequences=int(inputs.shape[0]), seq_len=int(inputs.shape[1]), tokens=token_fingerprint(tokens))
     model.eval()
+    experts = expert_routing_rows(model, inputs, exclude_first)  # MoE blocks' expert routing (else none)
     routing = model.scheme.depth_routing(model, inputs, exclude_first)
     if routing is None:
-        return tidy_frame(model, [], settings, [f"{arch} has no native depth routing"])
+        return tidy_frame(model, experts, settings, [] if experts else [f"{arch} has no native depth routing"])
     consumers, W, notes, extra = routing.consumers, routing.weights, routing.notes, routing.extra
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = list(experts)
     per_stat: dict[str, list[float]] = {}
     for c, kind in consumers:
         for i in range(c + 1):

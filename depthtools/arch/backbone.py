@@ -16,6 +16,7 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
     head_dim          per-head width (0: d_model / n_heads)
     qkv_bias          biases on the q/k/v projections        attn_out_bias  bias on the output projection
     qkv_clip          clamp q, k, v to [-c, c] after projection (OLMo's clip_qkv; 0: off)
+    clip_after_norm   clamp after the QK-norm instead of before it (OLMoE)
     qk_norm           "none" | "head" (a norm over each head's hd features) | "full" (over the whole
                       projection, OLMo-2); the block's norm kind, before RoPE
     attn_scale        score scale (0: head_dim^-1/2; Gemma-2/3: query_pre_attn_scalar^-1/2)
@@ -24,6 +25,12 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
     layer_types       one character per layer, "s" sliding / "f" full ("": all "s" when a window is set)
     rope_theta_sliding  RoPE base of sliding layers (0: rope_theta)
     rotary_fraction   share of each head's features rotated (NeoX rotary_pct), the rest pass through
+    rope_type         "default" | "linear" | "dynamic" | "yarn" | "longrope" | "llama3": scaled RoPE
+                      (`depthtools.arch.rope`), with rope_factor, rope_original_context (the pretraining
+                      context L; dynamic: max_position_embeddings), rope_low/high_freq_factor (llama3),
+                      rope_beta_fast/slow and rope_truncate (yarn), rope_attention_factor (yarn, longrope;
+                      0: the type's default), rope_short/long_factor (longrope: one per rotated pair).
+                      Layers with their own base (rope_theta_sliding, Gemma-3's local layers) stay plain.
     positions         "rope" | "learned" (absolute position embeddings added to the token embedding)
     norm              "rms" | "layer"      norm_gain "weight" | "one_plus" (x̂·(1+w), Gemma) | "none"
     norm_bias         LayerNorm bias
@@ -34,6 +41,12 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
     mlp_act           "silu" | "gelu" (exact) | "gelu_tanh" | "relu"      mlp_bias  biases on w1, w3, w2
     embed_scale       the token embedding times this (Gemma: √d_model)
     final_softcap     logits -> c·tanh(logits/c) (Gemma-2; 0: off)
+    head_bias         a bias on the unembedding (Phi-1/1.5/2's lm_head)
+    moe_experts       E > 0: the MLP is a mixture of E experts (`depthtools.arch.moe`): a float32 softmax
+                      router, the top moe_top_k experts weighted by their probabilities (renormalised to sum
+                      1 when moe_norm_topk), each a (gated) MLP of width moe_ff (0: d_ff); moe_shared_ff > 0
+                      adds a shared expert (sigmoid-gated when moe_shared_gate, Qwen2-MoE); moe_layers: one
+                      character per layer, "m" MoE / "d" dense MLP of width d_ff ("": every layer MoE)
     family            the pretrained family a config reproduces ("" for our own models); informational,
                       named in refusals
 """
@@ -47,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
+from depthtools.arch.rope import NEEDS_CONTEXT, ROPE_TYPES, RopeScaling
 from depthtools.arch.scheme import Option
 from depthtools.arch.torch_private import is_hooked
 from depthtools.errors import DepthToolsError
@@ -61,7 +75,7 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 POSITIONS = ("rope", "learned")
 
 FAMILIES = ("", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "gpt2",
-            "gpt_neox", "phi3")  # depthtools.interop.families ("": none)
+            "gpt_neox", "phi3", "phi", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")  # interop.families ("": none)
 
 OPTIONS: dict[str, Option] = {
     "family": Option("str", "", choices=FAMILIES, doc="pretrained family this config reproduces (informational)"),
@@ -69,6 +83,7 @@ OPTIONS: dict[str, Option] = {
     "qkv_bias": Option("bool", False, doc="biases on the q/k/v projections"),
     "attn_out_bias": Option("bool", False, doc="bias on the attention output projection"),
     "qkv_clip": Option("number", 0.0, low=0, doc="clamp q, k, v to [-c, c] (0: off)"),
+    "clip_after_norm": Option("bool", False, doc="clamp q, k after the QK-norm (OLMoE) rather than before"),
     "qk_norm": Option("str", "none", choices=QK_NORMS, doc="norm on queries and keys before RoPE"),
     "attn_scale": Option("number", 0.0, low=0, doc="attention score scale (0: head_dim^-1/2)"),
     "attn_softcap": Option("number", 0.0, low=0, doc="attention score soft-cap c·tanh(s/c) (0: off)"),
@@ -76,6 +91,17 @@ OPTIONS: dict[str, Option] = {
     "layer_types": Option("str", "", doc="per layer 's' (sliding) or 'f' (full); '': all 's' if a window is set"),
     "rope_theta_sliding": Option("number", 0.0, low=0, doc="RoPE base of sliding layers (0: rope_theta)"),
     "rotary_fraction": Option("number", 1.0, low=0, high=1, low_open=True, doc="share of head features rotated"),
+    "rope_type": Option("str", "default", choices=ROPE_TYPES, doc="RoPE scaling type (default: plain RoPE)"),
+    "rope_factor": Option("number", 1.0, low=0, low_open=True, doc="RoPE scaling factor"),
+    "rope_original_context": Option("int", 0, low=0, doc="pretraining context of scaled RoPE (dynamic: max positions)"),
+    "rope_low_freq_factor": Option("number", 1.0, low=0, low_open=True, doc="llama3 RoPE: low-frequency factor"),
+    "rope_high_freq_factor": Option("number", 4.0, low=0, low_open=True, doc="llama3 RoPE: high-frequency factor"),
+    "rope_beta_fast": Option("number", 32.0, low=0, low_open=True, doc="yarn RoPE: extrapolation boundary"),
+    "rope_beta_slow": Option("number", 1.0, low=0, low_open=True, doc="yarn RoPE: interpolation boundary"),
+    "rope_truncate": Option("bool", True, doc="yarn RoPE: round the correction range to whole dimensions"),
+    "rope_attention_factor": Option("number", 0.0, low=0, doc="yarn/longrope cos/sin factor (0: the type's default)"),
+    "rope_short_factor": Option("numbers", (), low=0, low_open=True, doc="longrope: per-pair factors, T <= context"),
+    "rope_long_factor": Option("numbers", (), low=0, low_open=True, doc="longrope: per-pair factors, T > context"),
     "positions": Option("str", "rope", choices=POSITIONS, doc="rotary or learned absolute positions"),
     "norm": Option("str", "rms", choices=NORMS, doc="RMSNorm or LayerNorm"),
     "norm_gain": Option("str", "weight", choices=NORM_GAINS, doc="norm gain: w, (1+w) or none"),
@@ -88,6 +114,14 @@ OPTIONS: dict[str, Option] = {
     "mlp_bias": Option("bool", False, doc="biases on the MLP projections"),
     "embed_scale": Option("number", 1.0, low=0, low_open=True, doc="token embedding multiplier"),
     "final_softcap": Option("number", 0.0, low=0, doc="final logit soft-cap c·tanh(z/c) (0: off)"),
+    "head_bias": Option("bool", False, doc="bias on the unembedding (Phi)"),
+    "moe_experts": Option("int", 0, low=0, doc="mixture-of-experts MLP with this many experts (0: dense)"),
+    "moe_top_k": Option("int", 1, low=1, doc="experts each token is routed to"),
+    "moe_ff": Option("int", 0, low=0, doc="each expert's hidden width (0: d_ff)"),
+    "moe_norm_topk": Option("bool", True, doc="renormalise the top-k routing weights to sum 1"),
+    "moe_shared_ff": Option("int", 0, low=0, doc="a shared expert of this width (0: none)"),
+    "moe_shared_gate": Option("bool", True, doc="gate the shared expert by sigmoid(g·x)"),
+    "moe_layers": Option("str", "", doc="per layer 'm' (MoE) or 'd' (dense MLP); '': every layer MoE"),
 }
 
 
@@ -100,6 +134,7 @@ class Backbone:
     qkv_bias: bool = False
     attn_out_bias: bool = False
     qkv_clip: float = 0.0
+    clip_after_norm: bool = False
     qk_norm: str = "none"
     attn_scale: float = 0.0
     attn_softcap: float = 0.0
@@ -107,6 +142,17 @@ class Backbone:
     layer_types: str = ""
     rope_theta_sliding: float = 0.0
     rotary_fraction: float = 1.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_context: int = 0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float = 0.0
+    rope_short_factor: tuple = ()
+    rope_long_factor: tuple = ()
     positions: str = "rope"
     norm: str = "rms"
     norm_gain: str = "weight"
@@ -119,6 +165,18 @@ class Backbone:
     mlp_bias: bool = False
     embed_scale: float = 1.0
     final_softcap: float = 0.0
+    head_bias: bool = False
+    moe_experts: int = 0
+    moe_top_k: int = 1
+    moe_ff: int = 0
+    moe_norm_topk: bool = True
+    moe_shared_ff: int = 0
+    moe_shared_gate: bool = True
+    moe_layers: str = ""
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block `layer`'s MLP is the mixture of experts."""
+        return bool(self.moe_experts) and (not self.moe_layers or self.moe_layers[layer] == "m")
 
     @property
     def default_norm(self) -> bool:
@@ -138,6 +196,21 @@ class Backbone:
     def window(self, layer: int) -> int:
         """Block `layer`'s window (0: full causal attention)."""
         return self.sliding_window if self.is_sliding(layer) else 0
+
+    @property
+    def rope(self) -> RopeScaling:
+        """The model's RoPE type and parameters (`depthtools.arch.rope`)."""
+        return RopeScaling(self.rope_type, float(self.rope_factor), self.rope_original_context,
+                           float(self.rope_low_freq_factor), float(self.rope_high_freq_factor),
+                           float(self.rope_beta_fast), float(self.rope_beta_slow), self.rope_truncate,
+                           float(self.rope_attention_factor), tuple(map(float, self.rope_short_factor)),
+                           tuple(map(float, self.rope_long_factor)))
+
+    def own_rope_base(self, layer: int, theta: float) -> bool:
+        """Whether block `layer` rotates with its own plain RoPE of base rope_theta_sliding (a sliding layer
+        of Gemma-3) rather than the model's tables."""
+        return bool(self.window(layer) and self.rope_theta_sliding
+                    and (self.rope_theta_sliding != theta or self.rope_type != "default"))
 
 
 assert [f.name for f in fields(Backbone)] == list(OPTIONS)  # one definition: the schema and the dataclass agree
@@ -170,6 +243,42 @@ def check_backbone(cfg) -> None:
     if bb.positions == "rope" and (rot < 2 or rot % 2):
         raise DepthToolsError(f"{name}: rotary_fraction {bb.rotary_fraction:g} of head_dim {cfg.head_dim} gives "
                               f"{rot} rotated features; it must be a positive even number")
+    _check_rope(bb, name, rot)
+    _check_moe(bb, name, cfg.n_layer)
+
+
+def _check_moe(bb: Backbone, name: str, n_layer: int) -> None:
+    """The mixture-of-experts options agree with each other and the depth (one line each)."""
+    if bb.moe_layers and (len(bb.moe_layers) != n_layer or set(bb.moe_layers) - {"m", "d"}):
+        raise DepthToolsError(f"{name} option moe_layers must be {n_layer} characters 'm' or 'd' (one per layer), "
+                              f"got {bb.moe_layers!r}")
+    if not bb.moe_experts:
+        set_options = [k for k in ("moe_ff", "moe_shared_ff", "moe_layers") if getattr(bb, k)]
+        if set_options or bb.moe_top_k != 1:
+            raise DepthToolsError(f"{name} option {(set_options or ['moe_top_k'])[0]} needs moe_experts > 0")
+        return
+    if bb.moe_top_k > bb.moe_experts:
+        raise DepthToolsError(f"{name} option moe_top_k {bb.moe_top_k} exceeds moe_experts {bb.moe_experts}")
+
+
+def _check_rope(bb: Backbone, name: str, rot: int) -> None:
+    """The scaled-RoPE options a type reads are present and consistent (one line each)."""
+    kind = bb.rope_type
+    if kind in NEEDS_CONTEXT and bb.rope_original_context < 1:
+        raise DepthToolsError(f"{name}: rope_type {kind!r} needs rope_original_context (the pretraining context)")
+    if kind == "dynamic" and rot <= 2:
+        raise DepthToolsError(f"{name}: rope_type 'dynamic' needs more than 2 rotated features, got {rot}")
+    if kind == "llama3" and bb.rope_high_freq_factor <= bb.rope_low_freq_factor:
+        raise DepthToolsError(f"{name}: rope_high_freq_factor {bb.rope_high_freq_factor:g} must exceed "
+                              f"rope_low_freq_factor {bb.rope_low_freq_factor:g}")
+    if kind == "longrope":
+        for key in ("rope_short_factor", "rope_long_factor"):
+            if len(getattr(bb, key)) != rot // 2:
+                raise DepthToolsError(f"{name}: {key} has {len(getattr(bb, key))} entries, the {rot} rotated "
+                                      f"features need {rot // 2}")
+    elif bb.rope_short_factor or bb.rope_long_factor:
+        raise DepthToolsError(f"{name}: rope_short_factor / rope_long_factor are longrope options; rope_type is "
+                              f"{kind!r}")
 
 
 def rotary_dim(cfg) -> int:

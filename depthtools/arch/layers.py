@@ -17,6 +17,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.backbone import (HookedNorm, Norm, activation, backbone, banded_causal_mask, rotary_dim,
                                       softcap)
+from depthtools.arch.rope import PLAIN, RopeScaling
 from depthtools.arch.torch_private import is_hooked, storage_unshared
 
 if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
@@ -95,12 +96,12 @@ class HookedRMSNorm(RMSNorm):
         return self.hook_normalized(x / scale * self.weight)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, head_dim/2] for rotary embeddings (Llama convention, half-split). With partial
-    rotary (`backbone.rotary_dim`), `head_dim` is the rotated width."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: RopeScaling = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [T, head_dim/2] for rotary embeddings (Llama convention, half-split), computed in
+    float64. With partial rotary (`backbone.rotary_dim`), `head_dim` is the rotated width; `scaling`: a
+    scaled RoPE type (`depthtools.arch.rope`; a length-dependent type gives its tables for T <= its context)."""
+    return scaling.tables(head_dim, theta, max_seq_len)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -150,14 +151,19 @@ class Attention(nn.Module):
             per_head = bb.qk_norm == "head"
             self.q_norm = make_norm(cfg, cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim)
             self.k_norm = make_norm(cfg, cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim)
-        self.qk_norm, self.clip = bb.qk_norm, bb.qkv_clip
+        self.qk_norm, self.clip, self.clip_after_norm = bb.qk_norm, bb.qkv_clip, bb.clip_after_norm
         self.rotary = bb.positions == "rope"
         self.scale = bb.attn_scale or None  # None: SDPA's own head_dim^-1/2
         self.softcap, self.window = bb.attn_softcap, bb.window(layer)
-        if self.rotary and self.window and bb.rope_theta_sliding and bb.rope_theta_sliding != cfg.rope_theta:
+        # Tables per sequence length (dynamic / longrope RoPE): (rope, rotated features, base), and the last made
+        self.length_rope: tuple[RopeScaling, int, float] | None = None
+        self._length_tables: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
+        if self.rotary and bb.own_rope_base(layer, cfg.rope_theta):
             cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, bb.rope_theta_sliding)
-            self.register_buffer("rope_cos", cos, persistent=False)  # this layer's own base (Gemma-3 local)
+            self.register_buffer("rope_cos", cos, persistent=False)  # this layer's own plain base (Gemma-3 local)
             self.register_buffer("rope_sin", sin, persistent=False)
+        elif self.rotary and bb.rope.length_dependent:
+            self.length_rope = (bb.rope, rotary_dim(cfg), cfg.rope_theta)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
         self.hook_pattern, self.hook_z = HookPoint(), HookPoint()
 
@@ -165,13 +171,15 @@ class Attention(nn.Module):
         """linear(x) [B,T,heads,hd], clipped and normed as configured (before its hook and RoPE)."""
         B, T, _ = x.shape
         y = linear(x)
-        if self.clip:
+        if self.clip and not self.clip_after_norm:
             y = y.clamp(-self.clip, self.clip)
         if self.qk_norm == "full" and norm_name:
             y = getattr(self, norm_name)(y)
         y = y.view(B, T, heads, self.head_dim)
         if self.qk_norm == "head" and norm_name:
             y = getattr(self, norm_name)(y)
+        if self.clip and self.clip_after_norm:
+            y = y.clamp(-self.clip, self.clip)
         return y
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -184,7 +192,20 @@ class Attention(nn.Module):
         own = getattr(self, "rope_cos", None)
         if own is not None:
             cos, sin = own, self.rope_sin
+        elif self.length_rope is not None:
+            cos, sin = self.tables_for_length(q.shape[1], q.device)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def tables_for_length(self, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, r/2] of a length-dependent RoPE (dynamic, longrope) for a sequence of T tokens: its
+        frequencies depend on T, so a sequence and its prefix rotate differently (as in transformers).
+        The last length's tables are kept (every block reads the same length in one forward)."""
+        kept = self._length_tables
+        if kept is None or kept[0] != T or kept[1] != device:
+            rope, dim, theta = self.length_rope
+            cos, sin = rope.tables(dim, theta, T, seq_len=T)
+            kept = self._length_tables = (T, device, cos.to(device), sin.to(device))
+        return kept[2], kept[3]
 
     def _mask(self, T: int, device) -> torch.Tensor | None:
         """The banded causal mask of a sliding layer whose window binds at length T (None: plain causal)."""
@@ -243,14 +264,14 @@ class SwiGLU(nn.Module):
     The Pre-LN options make it GeGLU (`mlp_act`), a plain w2(act(w1 x)) (`mlp` "plain": no w3) and give
     it biases (`mlp_bias`)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, d_ff: int | None = None):
         super().__init__()
-        bb = backbone(cfg)
+        bb, d_ff = backbone(cfg), d_ff or cfg.d_ff  # d_ff: a mixture-of-experts expert's own width
         self.gated, self.act = bb.mlp == "gated", activation(bb.mlp_act)
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=bb.mlp_bias)
+        self.w1 = nn.Linear(cfg.d_model, d_ff, bias=bb.mlp_bias)
         if self.gated:
-            self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=bb.mlp_bias)
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=bb.mlp_bias)
+            self.w3 = nn.Linear(cfg.d_model, d_ff, bias=bb.mlp_bias)
+        self.w2 = nn.Linear(d_ff, cfg.d_model, bias=bb.mlp_bias)
         self.hook_post = HookPoint()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch.backbone import backbone, rotary_dim, softcap
 from depthtools.arch.layers import Attention, SwiGLU, make_norm, rope_tables
+from depthtools.arch.moe import MoE
 from depthtools.arch.registry import get_arch
 from depthtools.arch.scheme import ResidualScheme, State
 from depthtools.arch.tl_cache import DepthCache
@@ -83,7 +84,7 @@ class Block(nn.Module):
         super().__init__()
         self.index = index
         self.attn = Attention(cfg, index)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg, SwiGLU) if backbone(cfg).is_moe(index) else SwiGLU(cfg)
         self.hook_resid_pre, self.hook_resid_mid, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
         self.hook_attn_out, self.hook_mlp_out = HookPoint(), HookPoint()
         scheme.build_block(self)
@@ -121,10 +122,10 @@ class DepthModel(HookedRootModule):
             self.hook_pos_embed = HookPoint()
         self.blocks = nn.ModuleList(Block(cfg, i, self.scheme) for i in range(cfg.n_layer))
         self.ln_final = make_norm(cfg, hooked=True)
-        self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.unembed = nn.Linear(cfg.d_model, cfg.vocab_size, bias=bb.head_bias)
         if cfg.tie_embeddings:
             self.unembed.weight = self.tok_embed.weight
-        cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, cfg.rope_theta, bb.rope)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.register_buffer("_b_U", torch.zeros(cfg.vocab_size), persistent=False)
@@ -151,9 +152,11 @@ class DepthModel(HookedRootModule):
     @property
     def b_U(self) -> torch.Tensor:
         """[d_vocab] zeros, or a final LayerNorm's bias folded through the unembedding (GPT-2, NeoX):
-        ln_final(x) @ W_U = (ln_final(x) - bias) @ W_U + b_U, as TransformerLens folds it (tl_cache.py)."""
+        ln_final(x) @ W_U = (ln_final(x) - bias) @ W_U + b_U, as TransformerLens folds it (tl_cache.py),
+        plus the unembedding's own bias where it has one (`head_bias`: Phi)."""
         bias = getattr(self.ln_final, "bias", None)
-        return self._b_U if bias is None else bias @ self.W_U
+        folded = self._b_U if bias is None else bias @ self.W_U
+        return folded if self.unembed.bias is None else folded + self.unembed.bias
 
     @property
     def n_layer(self) -> int:
@@ -176,7 +179,7 @@ class DepthModel(HookedRootModule):
         for index, block in enumerate(self.blocks[: layer + (1 if mlp_input else 0)]):
             parts = [("attn", block.attn.w_o.bias)]
             if include_mlp_biases and index < layer:
-                parts.append(("mlp", block.mlp.w2.bias))
+                parts.append(("mlp", getattr(getattr(block.mlp, "w2", None), "bias", None)))  # none on an MoE
             for sublayer, bias in parts:
                 if bias is not None:
                     total = total + bias * self.scheme.tl_branch_scale(block, sublayer)

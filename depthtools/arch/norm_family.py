@@ -262,6 +262,10 @@ class NormFamilyScheme(ResidualScheme):
                                  "so the stream is not hook_embed + the sum of hook_attn_out/hook_mlp_out; "
                                  "use depthtools.analysis.contrib for its per-block decomposition")
                 break
+        if backbone(self.cfg).moe_experts:
+            limits["neurons"] = (f"{arch} routes each token through its top-k experts, so hook_mlp_out is not one "
+                                 "linear map of one hook_post; use depthtools.analysis.contrib for per-block "
+                                 "contributions")
         if any(spec.out_norm for _, _, spec in specs):
             why = (f"{arch} normalises each sublayer's output (output norm) before adding it, so hook_{{}}_out "
                    "is not linear in the {}; use depthtools.analysis.contrib for per-block contributions")

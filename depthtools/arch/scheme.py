@@ -54,7 +54,8 @@ TL_CAPABILITIES = {
 class Option:
     """One architecture option of `ModelConfig.options`: its kind, default and valid values.
 
-    kind: "bool" | "int" | "number" (int or float, finite; bools are not numbers) | "str".
+    kind: "bool" | "int" | "number" (int or float, finite; bools are not numbers) | "str" | "numbers" (a
+    list of numbers, each within the bounds: RoPE's per-frequency factors).
     default: the value, or a function of the ModelConfig (e.g. of n_layer).
     choices: the valid values (empty: any value of the kind); low/high: inclusive bounds for
     numbers, `low_open` makes the lower bound exclusive (e.g. an eps > 0).
@@ -77,7 +78,8 @@ class Option:
             return f"one of {list(self.choices)}"
         if self.kind == "bool":
             return "true or false"
-        noun = {"int": "an integer", "number": "a finite number", "str": "a string"}[self.kind]
+        noun = {"int": "an integer", "number": "a finite number", "str": "a string",
+                "numbers": "a list of finite numbers"}[self.kind]
         if self.kind == "int" and self.low == 1 and self.high is None:
             return "a positive integer"
         if self.low is not None and self.high is not None:
@@ -93,6 +95,12 @@ class Option:
             return isinstance(value, bool)
         if self.kind == "str":
             return isinstance(value, str)
+        if self.kind == "numbers":
+            return isinstance(value, (list, tuple)) and all(self._valid_number(v) for v in value)
+        return self._valid_number(value)
+
+    def _valid_number(self, value: Any) -> bool:
+        """A finite int (kind "int") or number within the bounds."""
         if isinstance(value, bool) or not isinstance(value, int if self.kind == "int" else (int, float)):
             return False
         if not math.isfinite(value):
@@ -115,7 +123,7 @@ def resolve_options(schema: dict[str, Option], cfg: ModelConfig) -> dict[str, An
     return {name: cfg.options[name] if name in cfg.options else opt.default_for(cfg) for name, opt in schema.items()}
 
 
-_KIND_TYPES = {"bool": bool, "int": int, "number": float, "str": str}  # the annotation of each Option kind
+_KIND_TYPES = {"bool": bool, "int": int, "number": float, "str": str, "numbers": tuple}  # the annotation of each Option kind
 _OPTION_TYPES: dict[tuple, type] = {}
 
 

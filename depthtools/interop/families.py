@@ -1,15 +1,17 @@
 """The open decoder families as data: config.json fields -> Pre-LN options, HF tensor names -> ours.
 
-Every family (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo, olmo2, gpt2, gpt_neox, phi3)
-becomes one `preln` DepthModel whose typed options (`depthtools.arch.backbone`) express it; there is no
-per-family forward code. A `Family` says:
+Every family (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo, olmo2, gpt2, gpt_neox, phi3, phi,
+and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe, olmoe) becomes one `preln` DepthModel whose typed
+options (`depthtools.arch.backbone`: scaled RoPE and MoE MLPs included) express it; there is no per-family
+forward code. A `Family` says:
 
 * `shape`: ModelConfig's fields from config.json keys, with transformers' own config-class defaults
   (tests/test_families.py checks each default against the installed config class);
 * `options`: Pre-LN options, constants or functions of the config (`Reader`);
 * `refuse`: config values our block cannot express, each refused in one line naming the field and value;
-* `tensors`: our parameter name -> `Src` (HF name, with "{i}" the layer; a transpose for GPT-2's Conv1D;
-  a split of a fused tensor: Phi-3's qkv and gate_up, GPT-2's c_attn, NeoX's per-head interleaved qkv).
+* `tensors`: our parameter name -> `Src` (HF name, with "{i}" the layer and "{e}" an MoE expert; a
+  transpose for GPT-2's Conv1D; a split of a fused tensor: Phi-3's qkv and gate_up, GPT-2's c_attn, NeoX's
+  per-head interleaved qkv). An MoE family's expert count is checked against its weights (`experts_key`).
 
 What transformers does, read from its 5.x sources (modeling_<family>.py), is the reference: e.g. which
 config keys a family's forward actually reads (Llama ignores `sliding_window`; Mistral applies it even
@@ -82,6 +84,7 @@ class Family:
     refuse: tuple[Refuse, ...] = ()
     ignored: tuple[str, ...] = ("rotary_emb.inv_freq",)  # HF buffers some checkpoints saved; recomputed
     windows: Callable[["Reader", int], list[int]] | None = None  # per-layer sliding window (0: full)
+    experts_key: str = ""  # config.json's expert count (MoE families), named when the weights disagree
 
 
 class Reader:
@@ -119,25 +122,97 @@ def activation(r: Reader, *keys: str, default: str = "silu") -> str:
 
 DEFAULT_ROPE_TYPES = (None, "default")
 LAYER_TYPE_KEYS = ("full_attention", "sliding_attention")
+SCALED_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")  # depthtools.arch.rope
+# rope-parameter key -> our option, per scaled type (the keys transformers' _compute_<type>_parameters read)
+ROPE_KEYS = {"linear": {"factor": "rope_factor"},
+             "dynamic": {"factor": "rope_factor"},
+             "yarn": {"factor": "rope_factor", "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+                      "attention_factor": "rope_attention_factor", "truncate": "rope_truncate"},
+             "longrope": {"factor": "rope_factor", "attention_factor": "rope_attention_factor",
+                          "short_factor": "rope_short_factor", "long_factor": "rope_long_factor"},
+             "llama3": {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                        "high_freq_factor": "rope_high_freq_factor"}}
+ROPE_REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "yarn": (), "longrope": ("short_factor", "long_factor"),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 
 
-def _plain_rope(params: Any, where: str) -> dict[str, Any]:
-    """A rope-parameters dict checked to be plain RoPE (rope_type default), or a refusal naming `where`."""
+def _rope_kind(params: Any, where: str, aliases: dict[str, str] | None = None) -> str:
+    """The rope_type of a rope-parameters dict ("default" when absent), or a refusal naming `where`."""
     if not isinstance(params, dict):
         raise refusal(where, params, "expected a dict or null")
     kind = params.get("rope_type", params.get("type"))
-    if kind not in DEFAULT_ROPE_TYPES:
-        raise refusal(f"{where}.rope_type", kind, "depthtools implements plain RoPE only (rope_type 'default')")
-    return params
+    kind = (aliases or {}).get(kind, kind)
+    if kind in DEFAULT_ROPE_TYPES:
+        return "default"
+    if kind not in SCALED_ROPE_TYPES:
+        raise refusal(f"{where}.rope_type", kind, f"supported: default, {', '.join(SCALED_ROPE_TYPES)}")
+    return kind
+
+
+def _rope_value(value: Any, where: str, option: str) -> Any:
+    """A RoPE parameter as our option's kind (a bool, a list of numbers or a number), or a refusal naming it."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if option == "rope_truncate":
+        if not isinstance(value, bool):
+            raise refusal(where, value, "expected true or false")
+        return value
+    if option in ("rope_short_factor", "rope_long_factor"):
+        if not isinstance(value, list) or not all(number(v) and v > 0 for v in value):
+            raise refusal(where, value, "expected a list of positive numbers")
+        return value
+    if not number(value):
+        raise refusal(where, value, "expected a number")
+    return float(value)
+
+
+def _scaled_rope(r: Reader, params: dict[str, Any], kind: str, where: str,
+                 original_default: int | None = None) -> dict[str, Any]:
+    """Our rope_* options for a scaled RoPE dict, with transformers' defaults: the pretraining context is
+    a top-level `original_max_position_embeddings` (Phi-3 always has one), else the dict's, else
+    max_position_embeddings (dynamic: always max_position_embeddings); a yarn/longrope factor absent is
+    max_position_embeddings / that context; yarn's attention factor from mscale / mscale_all_dim."""
+    if kind == "default":
+        return {}
+    missing = [key for key in ROPE_REQUIRED[kind] if params.get(key) is None]
+    if missing:
+        raise refusal(f"{where}.{missing[0]}", None, f"rope_type {kind!r} needs it")
+    max_pos = r.read(r.family.shape["max_seq_len"])
+    out: dict[str, Any] = {"rope_type": kind}
+    if kind == "dynamic":
+        out["rope_original_context"] = max_pos
+    elif kind != "linear":
+        context = r.hf.get("original_max_position_embeddings", original_default)
+        context = params.get("original_max_position_embeddings") if context is None else context
+        context = max_pos if context is None else context
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise refusal(f"{where}.original_max_position_embeddings", context, "expected a positive integer")
+        out["rope_original_context"] = context
+    for key, option in ROPE_KEYS[kind].items():
+        if params.get(key) is not None:
+            out[option] = _rope_value(params[key], f"{where}.{key}", option)
+    if kind in ("yarn", "longrope") and "rope_factor" not in out:
+        out["rope_factor"] = max_pos / out["rope_original_context"]
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    if kind == "yarn" and params.get("attention_factor") is None and mscale and mscale_all:
+        def get_mscale(scale: float, m: float) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        out["rope_attention_factor"] = get_mscale(out["rope_factor"], mscale) / get_mscale(out["rope_factor"], mscale_all)
+    return out
 
 
 def rope(r: Reader, default_theta: float = 10000.0, legacy_theta: str = "rope_theta",
-         legacy_fraction: tuple[str, float] | None = None, per_layer: bool = False) -> dict[str, float]:
-    """{"rope_theta", "rotary_fraction", "rope_theta_sliding"} from v5 `rope_parameters` (flat, or keyed by
-    layer type where `per_layer`) or v4 `rope_theta`/`rope_scaling` (and legacy keys); scaled RoPE is refused."""
+         legacy_fraction: tuple[str, float] | None = None, per_layer: bool = False,
+         aliases: dict[str, str] | None = None, original_default: int | None = None) -> dict[str, Any]:
+    """{"rope_theta", "rotary_fraction", "rope_theta_sliding", rope_* scaling options} from v5
+    `rope_parameters` (flat, or keyed by layer type where `per_layer`: Gemma-3, whose full layers may be
+    scaled and whose sliding layers are plain) or v4 `rope_theta`/`rope_scaling` (which wins over
+    rope_parameters, as in transformers) and legacy keys. `aliases`: a family's other names of a type
+    (Phi-3 reads 'su' and 'yarn' as longrope)."""
     params = r.hf.get("rope_parameters")
     scaling = r.hf.get("rope_scaling")
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     keyed = isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values())
     if keyed:
         if not per_layer:
@@ -145,21 +220,27 @@ def rope(r: Reader, default_theta: float = 10000.0, legacy_theta: str = "rope_th
         unknown = sorted(set(params) - set(LAYER_TYPE_KEYS))
         if unknown:
             raise refusal("rope_parameters", unknown, f"layer types known: {', '.join(LAYER_TYPE_KEYS)}")
-        full = _plain_rope(params.get("full_attention", {}), "rope_parameters.full_attention")
-        local = _plain_rope(params.get("sliding_attention", {}), "rope_parameters.sliding_attention")
+        full, local = params.get("full_attention", {}), params.get("sliding_attention", {})
+        where = "rope_parameters.full_attention"
+        out.update(_scaled_rope(r, full, _rope_kind(full, where, aliases), where, original_default))
+        if _rope_kind(local, "rope_parameters.sliding_attention") != "default":
+            raise refusal("rope_parameters.sliding_attention.rope_type", local.get("rope_type", local.get("type")),
+                          "scaled RoPE on sliding layers is not supported (only on full-attention layers)")
         out["rope_theta"] = float(full.get("rope_theta", default_theta))
         out["rope_theta_sliding"] = float(local.get("rope_theta", 10000.0))
         fraction = 1.0
     else:
-        flat = _plain_rope(params or {}, "rope_parameters")
-        if scaling is not None:
-            _plain_rope(scaling, "rope_scaling")
-        out["rope_theta"] = float(flat.get("rope_theta", r.get(legacy_theta, default_theta)))
-        fraction = flat.get("partial_rotary_factor", r.hf.get("partial_rotary_factor"))
+        flat = params if isinstance(params, dict) else ({} if params is None else params)
+        where = "rope_scaling" if scaling else "rope_parameters"
+        chosen = scaling or flat
+        out.update(_scaled_rope(r, chosen, _rope_kind(chosen, where, aliases), where, original_default))
+        theta = chosen.get("rope_theta", flat.get("rope_theta") if isinstance(flat, dict) else None)
+        out["rope_theta"] = float(theta if theta is not None else r.get(legacy_theta, default_theta))
+        fraction = chosen.get("partial_rotary_factor", r.hf.get("partial_rotary_factor"))
         if fraction is None and legacy_fraction is not None:
             fraction = r.get(legacy_fraction[0], legacy_fraction[1])
         fraction = 1.0 if fraction is None else fraction
-        if per_layer:  # v4 Gemma-3: rope_local_base_freq
+        if per_layer:  # v4 Gemma-3: rope_local_base_freq (its rope_scaling scales the full layers only)
             out["rope_theta_sliding"] = float(r.get("rope_local_base_freq", 10000.0))
     theta = out["rope_theta"]
     if isinstance(theta, bool) or not math.isfinite(theta) or theta <= 0:
@@ -192,9 +273,8 @@ def typed_layers_window(default_window: int | None, default_types: Callable[[Rea
     """Qwen2/3, Gemma-2/3: `layer_types` (absent: the family's default pattern) marks sliding layers; the
     window is `sliding_window`, and for Qwen only when `use_sliding_window` (`flag`) is true."""
     def windows(r: Reader, n_layer: int) -> list[int]:
-        window = _window_value(r, "sliding_window", default_window)
-        if flag is not None and not r.get(flag, False):
-            window = None
+        off = flag is not None and not r.get(flag, False)  # (Qwen2-MoE writes sliding_window 0 when off)
+        window = None if off else _window_value(r, "sliding_window", default_window)
         types = r.hf.get("layer_types") or default_types(r, n_layer)
         if not isinstance(types, list) or len(types) != n_layer:
             raise refusal("layer_types", types, f"expected one entry per layer ({n_layer})")
@@ -210,6 +290,17 @@ def _qwen_types(r: Reader, n_layer: int) -> list[str]:
     return ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
 
 
+def _qwen2_moe_types(r: Reader, n_layer: int) -> list[str]:  # Qwen2-MoE: odd-numbered layers below max_window_layers
+    first = r.get("max_window_layers", 28)
+    return ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(n_layer)]
+
+
+def _flagged_all_layers_window(r: Reader, n_layer: int) -> list[int]:
+    """Qwen3-MoE: `sliding_window` (default 4096) on every layer, only when `use_sliding_window`."""
+    window = _window_value(r, "sliding_window", 4096) if r.get("use_sliding_window", False) else None
+    return [window or 0] * n_layer
+
+
 def _every_other(r: Reader, n_layer: int) -> list[str]:  # Gemma-2: even layers slide
     return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layer)]
 
@@ -221,6 +312,73 @@ def _gemma3_types(r: Reader, n_layer: int) -> list[str]:  # Gemma-3: every slidi
 
 def truthy(value: Any) -> bool:
     return bool(value)
+
+
+PHI_LAYER = "model.layers.{i}."
+# Phi-1/1.5/2: one input LayerNorm feeds both parallel sublayers (our attn_norm and mlp_norm both read it), biased
+# q/k/v/dense, fc1/fc2, optional per-head q/k LayerNorms, a final LayerNorm and a biased head
+PHI_TENSORS = {
+    "tok_embed.weight": Src("model.embed_tokens.weight"), "unembed.weight": Src("lm_head.weight"),
+    "unembed.bias": Src("lm_head.bias"),
+    **{f"ln_final.{kind}": Src(f"model.final_layernorm.{kind}") for kind in ("weight", "bias")},
+    **{f"blocks.{{i}}.{ours}_norm.{kind}": Src(f"{PHI_LAYER}input_layernorm.{kind}")
+       for ours in ("attn", "mlp") for kind in ("weight", "bias")},
+    **{f"blocks.{{i}}.attn.{ours}.{kind}": Src(f"{PHI_LAYER}self_attn.{hf}.{kind}")
+       for ours, hf in (("w_q", "q_proj"), ("w_k", "k_proj"), ("w_v", "v_proj"), ("w_o", "dense"),
+                        ("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")) for kind in ("weight", "bias")},
+    **{f"blocks.{{i}}.mlp.{ours}.{kind}": Src(f"{PHI_LAYER}mlp.{hf}.{kind}")
+       for ours, hf in (("w1", "fc1"), ("w2", "fc2")) for kind in ("weight", "bias")},
+}
+
+
+# -- mixture of experts (depthtools.arch.moe) ---------------------------------------------------------
+def _sparse_layers(r: Reader, n_layer: int) -> str:
+    """Qwen-MoE's per-layer MoE pattern: layer l is sparse unless listed in `mlp_only_layers` or
+    (l + 1) is not a multiple of `decoder_sparse_step` (transformers' Qwen2/3-MoE decoder layer)."""
+    dense = r.get("mlp_only_layers", [])
+    step = r.get("decoder_sparse_step", 1)
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise refusal("mlp_only_layers", dense, "expected a list of layer indices")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise refusal("decoder_sparse_step", step, "expected a positive integer")
+    pattern = "".join("d" if (i in dense or (i + 1) % step) else "m" for i in range(n_layer))
+    return "" if set(pattern) == {"m"} else pattern
+
+
+def moe(experts: Field, top_k_default: int, norm_topk: bool | None, ff: Field | None = None,
+        shared_ff: Field | None = None, per_layer: bool = False):
+    """The moe_* options of a family: expert count, top-k, expert width, whether the top-k weights are
+    renormalised (a constant, or None: config.json's `norm_topk_prob`, default False), a gated shared expert."""
+    def options(r: Reader) -> dict[str, Any]:
+        out = {"moe_experts": r.read(experts), "moe_top_k": r.get("num_experts_per_tok", top_k_default),
+               "moe_norm_topk": bool(r.get("norm_topk_prob", False)) if norm_topk is None else norm_topk}
+        if ff is not None:
+            out["moe_ff"] = r.read(ff)
+        if shared_ff is not None and r.read(shared_ff):
+            out["moe_shared_ff"] = r.read(shared_ff)
+        if per_layer:
+            out["moe_layers"] = _sparse_layers(r, r.read(r.family.shape["n_layer"]))
+        return {k: v for k, v in out.items() if v != ""}
+    return options
+
+
+def moe_tensors(prefix: str, router: str, w1: str, w3: str, w2: str) -> dict[str, Src]:
+    """Our router and per-expert MLP names ("{e}": the expert) -> HF names under `prefix` ("{i}": the layer)."""
+    return {"blocks.{i}.mlp.router.weight": Src(prefix + router),
+            **{f"blocks.{{i}}.mlp.experts.{{e}}.{ours}.weight": Src(f"{prefix}experts.{{e}}.{hf}.weight")
+               for ours, hf in (("w1", w1), ("w3", w3), ("w2", w2))}}
+
+
+# MoE settings our block does not implement, which some checkpoints of other MoE families set: refused in one
+# line rather than imported as a model that routes differently
+MOE_REFUSALS = (
+    Refuse("scoring_func", lambda v: v not in (None, "softmax"), "depthtools routes by a softmax over the experts"),
+    Refuse("routed_scaling_factor", lambda v: v not in (None, 1, 1.0), "routing weights are not rescaled here"),
+    Refuse("n_group", lambda v: v not in (None, 1), "grouped top-k routing is not implemented"),
+    Refuse("topk_group", lambda v: v not in (None, 1), "grouped top-k routing is not implemented"),
+    Refuse("first_k_dense_replace", truthy, "use mlp_only_layers (Qwen-MoE) for dense layers"),
+    Refuse("n_shared_experts", truthy, "only Qwen2-MoE's one gated shared expert is implemented"),
+)
 
 
 # -- the maps --------------------------------------------------------------------------------------
@@ -272,6 +430,7 @@ def _head_dim(r: Reader) -> int:
     return r.get("head_dim", 0) or 0
 
 
+PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi3Config renames these types to longrope
 NOT_BIDIRECTIONAL = Refuse("use_bidirectional_attention", truthy, "depthtools models are causal decoders")
 GEMMA_SANDWICH = {"blocks.{i}.attn_out_norm.weight": Src("model.layers.{i}.post_attention_layernorm.weight"),
                   "blocks.{i}.mlp_out_norm.weight": Src("model.layers.{i}.post_feedforward_layernorm.weight")}
@@ -383,7 +542,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                for ours, hf in (("w1", "dense_h_to_4h"), ("w2", "dense_4h_to_h")) for kind in ("weight", "bias")}},
            ignored=("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")),
     Family("phi3", _with(LLAMA_SHAPE, norm_eps=Field("rms_norm_eps", default=1e-5)),
-           {"head_dim": _head_dim, "mlp_act": lambda r: activation(r, "hidden_act"), "_rope": rope},
+           {"head_dim": _head_dim, "mlp_act": lambda r: activation(r, "hidden_act"),
+            "_rope": lambda r: rope(r, aliases=PHI3_ROPE_ALIASES, original_default=4096)},
            llama_tensors(**{f"blocks.{{i}}.attn.w_{ours}.weight": Src("model.layers.{i}.self_attn.qkv_proj.weight",
                                                                       split="qkv", part=n)
                             for n, ours in enumerate("qkv")},
@@ -391,6 +551,51 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                                                    split="halves", part=n)
                             for n, ours in enumerate(("w1", "w3"))}),
            windows=all_layers_window(None)),
+    Family("phi", _with(LLAMA_SHAPE, norm_eps=Field("layer_norm_eps", default=1e-5)),
+           {"norm": "layer", "norm_bias": True, "parallel": True, "mlp": "plain", "mlp_bias": True,
+            "qkv_bias": True, "attn_out_bias": True, "head_bias": True,
+            "qk_norm": lambda r: "head" if r.get("qk_layernorm", False) else "none",
+            "mlp_act": lambda r: activation(r, "hidden_act", default="gelu_new"),
+            "_rope": lambda r: rope(r, legacy_fraction=("partial_rotary_factor", 0.5))},
+           PHI_TENSORS),
+    Family("mixtral", _with(LLAMA_SHAPE, norm_eps=Field("rms_norm_eps", default=1e-5),
+                            max_seq_len=Field("max_position_embeddings", default=4096 * 32)),
+           {"head_dim": _head_dim, "mlp_act": lambda r: activation(r, "hidden_act"),
+            "_moe": moe(Field("num_local_experts", default=8), 2, True),
+            "_rope": lambda r: rope(r, default_theta=1e6)},
+           _with(llama_tensors(), **moe_tensors("model.layers.{i}.block_sparse_moe.", "gate.weight", "w1", "w3", "w2")),
+           refuse=MOE_REFUSALS, windows=all_layers_window(None), experts_key="num_local_experts"),
+    Family("qwen2_moe", _with(LLAMA_SHAPE, max_seq_len=Field("max_position_embeddings", default=32768)),
+           {"head_dim": _head_dim, "qkv_bias": lambda r: bool(r.get("qkv_bias", True)),
+            "mlp_act": lambda r: activation(r, "hidden_act"),
+            "_moe": moe(Field("num_experts", "num_local_experts", default=60), 4, None,
+                        Field("moe_intermediate_size", default=1408),
+                        Field("shared_expert_intermediate_size", default=5632), per_layer=True),
+            "_rope": rope},
+           _with(llama_tensors(), **moe_tensors("model.layers.{i}.mlp.", "gate.weight", "gate_proj", "up_proj",
+                                                "down_proj"),
+                 **{f"blocks.{{i}}.mlp.shared.{ours}.weight": Src(f"model.layers.{{i}}.mlp.shared_expert.{hf}.weight")
+                    for ours, hf in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))},
+                 **{"blocks.{i}.mlp.shared_gate.weight": Src("model.layers.{i}.mlp.shared_expert_gate.weight")}),
+           refuse=MOE_REFUSALS, windows=typed_layers_window(4096, _qwen2_moe_types, flag="use_sliding_window"),
+           experts_key="num_experts"),
+    Family("qwen3_moe", _with(LLAMA_SHAPE, max_seq_len=Field("max_position_embeddings", default=32768)),
+           {"head_dim": _head_dim, "qk_norm": "head", "_": _llama_options,
+            "_moe": moe(Field("num_experts", "num_local_experts", default=128), 8, None,
+                        Field("moe_intermediate_size", default=768), per_layer=True),
+            "_rope": rope},
+           _with(llama_tensors(), **moe_tensors("model.layers.{i}.mlp.", "gate.weight", "gate_proj", "up_proj",
+                                                "down_proj")),
+           refuse=MOE_REFUSALS, windows=_flagged_all_layers_window, experts_key="num_experts"),
+    Family("olmoe", _with(LLAMA_SHAPE, norm_eps=Field("rms_norm_eps", default=1e-5),
+                          max_seq_len=Field("max_position_embeddings", default=4096)),
+           {"qk_norm": "full", "qkv_clip": lambda r: float(r.get("clip_qkv", 0.0)), "_": _llama_options,
+            "clip_after_norm": lambda r: bool(r.get("clip_qkv")),  # OLMoE clamps the normed q, k
+            "_moe": moe(Field("num_experts", "num_local_experts", default=64), 8, None),
+            "_rope": rope},
+           _with(llama_tensors(), **moe_tensors("model.layers.{i}.mlp.", "gate.weight", "gate_proj", "up_proj",
+                                                "down_proj")),
+           refuse=MOE_REFUSALS, experts_key="num_experts"),
 )}
 # gpt_neox names its head embed_out in old checkpoints and lm_head in transformers 5 (see `hf_state`)
 ALIASES = {"embed_out.weight": ("lm_head.weight",)}
@@ -443,10 +648,11 @@ def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> Mo
     if max_seq_len is not None:
         shape["max_seq_len"] = int(max_seq_len)
     _set_windows(family, r, shape["n_layer"], options)
-    defaults = {"qkv_bias": False, "attn_out_bias": False, "mlp_bias": False, "mlp_act": "silu", "qkv_clip": 0.0,
+    defaults = {"qkv_bias": False, "attn_out_bias": False, "mlp_bias": False, "mlp_act": "silu", "qkv_clip": 0.0, "clip_after_norm": False,
                 "attn_softcap": 0.0, "final_softcap": 0.0, "rotary_fraction": 1.0, "rope_theta_sliding": 0.0}
     options = {k: v for k, v in options.items() if not (k in defaults and v == defaults[k])}
-    if options.get("rope_theta_sliding") == shape["rope_theta"] or not options.get("sliding_window"):
+    plain_theta_sliding = options.get("rope_theta_sliding") == shape["rope_theta"] and "rope_type" not in options
+    if plain_theta_sliding or not options.get("sliding_window"):
         options.pop("rope_theta_sliding", None)
     if options == {"family": "llama"}:  # a plain Llama is `preln` itself (an export re-imports to the same config)
         options = {}
@@ -492,6 +698,31 @@ def _split(tensor: torch.Tensor, src: Src, cfg: ModelConfig, where: str) -> torc
     return tensor[start: start + sizes[src.part]]
 
 
+def _template(ours: str) -> tuple[str, dict[str, str]]:
+    """Our name as its map's key ("blocks.{i}.", and an expert's "experts.{e}.") and the values to fill in."""
+    parts, fill = ours.split("."), {}
+    if parts[0] == "blocks":
+        fill["i"], parts[1] = parts[1], "{i}"
+        if len(parts) > 4 and parts[3] == "experts":
+            fill["e"], parts[4] = parts[4], "{e}"
+    return ".".join(parts), fill
+
+
+def _check_expert_count(tensors: dict[str, torch.Tensor], cfg: ModelConfig, family: Family) -> None:
+    """An MoE family's weights hold as many experts per layer as config.json says (one line naming both)."""
+    experts = cfg.options.get("moe_experts", 0)
+    src = family.tensors.get("blocks.{i}.mlp.experts.{e}.w1.weight")
+    if not experts or src is None:
+        return
+    head, tail = src.name.split("{e}")
+    for layer in range(cfg.n_layer):
+        prefix, suffix = head.format(i=layer), tail.format(i=layer)
+        found = {k[len(prefix):-len(suffix)] for k in tensors if k.startswith(prefix) and k.endswith(suffix)}
+        if found and len(found) != experts:
+            raise DepthToolsError(f"Hugging Face weights hold {len(found)} experts in layer {layer} "
+                                  f"({prefix}*{suffix}), config.json's {family.experts_key} says {experts}")
+
+
 def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[str, tuple[int, ...]],
              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our state dict (names and shapes `expected`) from a family's HF tensors, cast to `dtype`; every HF
@@ -500,13 +731,13 @@ def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[
     used: set[str] = set()
     state: dict[str, torch.Tensor] = {}
     missing: list[str] = []
+    _check_expert_count(tensors, cfg, family)
     for ours, shape in expected.items():
-        layer = ours.split(".")[1] if ours.startswith("blocks.") else None
-        template = ours if layer is None else ours.replace(f"blocks.{layer}.", "blocks.{i}.", 1)
+        template, fill = _template(ours)
         src = family.tensors.get(template)
         if src is None:
             raise DepthToolsError(f"internal: the {family.model_type} map has no source for {ours}")
-        name = src.name.format(i=layer)
+        name = src.name.format(**fill)
         if name not in tensors:
             name = next((alias for alias in ALIASES.get(name, ()) if alias in tensors), name)
         if name not in tensors:

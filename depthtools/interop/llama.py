@@ -7,7 +7,8 @@ tied head. The export map is a pure renaming; no tensor is transposed or permute
 followed by an import gives back every weight bit for bit. Export writes Llama only.
 
 Import reads every family of `depthtools.interop.families` (Llama, Mistral, Qwen2/3, Gemma 1/2/3,
-OLMo 1/2, GPT-2, GPT-NeoX, Phi-3) into `preln` with the Pre-LN block options that express it.
+OLMo 1/2, GPT-2, GPT-NeoX, Phi-3, Phi-1/1.5/2, and the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)
+into `preln` with the Pre-LN block options that express it (scaled RoPE included).
 Only safetensors and JSON are read (never pickles), and `transformers` is not needed for either
 direction; it is only needed to *use* an exported directory. Configs our model cannot express
 exactly are refused with a one-line `DepthToolsError` naming the field. Sliding windows (Mistral,
@@ -101,7 +102,8 @@ def transformers_sliding_window(hf: dict[str, Any]) -> int | None:
 
 def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
     """The `preln` ModelConfig equivalent to a supported family's `config.json` (Llama, Mistral, Qwen2/3,
-    Gemma 1/2/3, OLMo 1/2, GPT-2, GPT-NeoX, Phi-3: depthtools.interop.families), or a one-line refusal."""
+    Gemma 1/2/3, OLMo 1/2, GPT-2, GPT-NeoX, Phi-3, Phi, Mixtral, Qwen2/3-MoE, OLMoE:
+    depthtools.interop.families), or a one-line refusal."""
     return family_config(hf, max_seq_len)
 
 

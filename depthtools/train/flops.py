@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from depthtools.arch import get_arch
+from depthtools.arch.backbone import backbone
 from depthtools.config import ModelConfig
 
 PEAK_BF16_FLOPS = {  # dense bf16 tensor-core peak, by substring of torch.cuda.get_device_name()
@@ -34,9 +35,23 @@ def scheme_extra_flops(cfg: ModelConfig) -> float:
         return float(get_arch(cfg.arch).build_scheme(cfg).extra_flops())
 
 
+def inactive_expert_params(cfg: ModelConfig) -> int:
+    """Parameters of the experts a token is not routed to (a mixture-of-experts MLP runs top-k of E experts
+    per token): Σ over MoE blocks of (E − k) × one expert's parameters; 0 for dense models."""
+    bb = backbone(cfg)
+    if not bb.moe_experts:
+        return 0
+    width = bb.moe_ff or cfg.d_ff
+    matrices = 3 if bb.mlp == "gated" else 2
+    expert = matrices * cfg.d_model * width + ((matrices - 1) * width + cfg.d_model if bb.mlp_bias else 0)
+    return sum((bb.moe_experts - bb.moe_top_k) * expert for layer in range(cfg.n_layer) if bb.is_moe(layer))
+
+
 def flops_per_token(cfg: ModelConfig, params_total: int, seq_len: int) -> float:
-    """Approximate training (forward + backward) FLOPs per token (see the module docstring)."""
+    """Approximate training (forward + backward) FLOPs per token (see the module docstring); a mixture of
+    experts counts the experts a token runs through (`inactive_expert_params` left out)."""
     backbone = params_total - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model) - get_arch(cfg.arch).extra_params(cfg)
+    backbone -= inactive_expert_params(cfg)
     return 6.0 * backbone + 12.0 * cfg.n_layer * cfg.d_model * seq_len + 3.0 * scheme_extra_flops(cfg)
 
 
