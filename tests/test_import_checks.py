@@ -8,6 +8,7 @@ written: no checkpoint folder, and a forced re-import over a good checkpoint lea
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -196,3 +197,63 @@ def test_the_checks_are_callable_on_their_own(tmp_path):
     validate_tokenizer(tmp_path, 256)
     with pytest.raises(DepthToolsError, match="up to 255"):
         validate_tokenizer(tmp_path, 200)
+
+
+# -- issue 43 item 2: a forced re-import is all or nothing -------------------------------------------------------
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_forced_reimport_that_fails_part_way_leaves_the_old_checkpoint_intact(good_hf, tmp_path, monkeypatch):
+    """The disk fills up after the new tokenizer is written: the old checkpoint (weights, config, tokenizer) is
+    left byte for byte, and no half-built folder stays behind."""
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    old = Path(import_hf(good_hf, name="kept")["checkpoint"])
+    before = _snapshot(old)
+    other = tmp_path / "other"
+    hf_llama(other, layers=3, seed=1)
+    _byte_tokenizer_file(other, extra=["<|new|>"])
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 257}))
+    tensors = load_file(str(other / WEIGHTS))
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[key] = torch.cat([tensors[key], tensors[key][:1]])
+    save_file(tensors, str(other / WEIGHTS), metadata={"format": "pt"})
+
+    real = ck.atomic_save_tensors
+    seen: list[str] = []
+
+    def full_disk(path, tensors, metadata=None):
+        seen.extend(p.name for p in Path(path).parent.iterdir())  # the new tokenizer is already written
+        real(path, dict(list(tensors.items())[:1]), metadata)  # a part of the weights lands ...
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))  # ... then the disk is full
+
+    monkeypatch.setattr(ck, "atomic_save_tensors", full_disk)
+    result = runner.invoke(app, ["import-hf", str(other), "--name", "kept", "--force"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "No space left on device" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "tokenizer.json" in seen
+    assert _snapshot(old) == before
+    assert sorted(p.name for p in old.parent.iterdir()) == ["kept"]  # no staging folder left
+
+    monkeypatch.setattr(ck, "atomic_save_tensors", real)  # with room on the disk the same import replaces it
+    assert runner.invoke(app, ["import-hf", str(other), "--name", "kept", "--force"]).exit_code == 0
+    assert ck.load(old).config.n_layer == 3 and json.loads((old / "tokenizer.json").read_text()) != json.loads(
+        before["tokenizer.json"])
+    assert sorted(p.name for p in old.parent.iterdir()) == ["kept"]
+
+
+def test_an_import_never_replaces_a_folder_of_other_files(good_hf, tmp_path):
+    """An import swaps in a whole folder, so --out naming a folder of other files is refused, even with --force."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for force in ([], ["--force"]):
+        result = runner.invoke(app, ["import-hf", str(good_hf), "--out", str(out), *force])
+        assert result.exit_code == 2 and "holds no checkpoint" in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert runner.invoke(app, ["import-hf", str(good_hf), "--out", str(empty)]).exit_code == 0
+    assert (empty / "model.safetensors").is_file()

@@ -26,7 +26,6 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from depthtools.checkpoint import CONFIG, atomic_write_json, read_json
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import file_sha256
 from depthtools.interop.llama import import_hf
@@ -232,23 +231,19 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
     path = Path(path)
     hf, tensors, meta = read_gguf(path)
     tokenizer, why = gguf_tokenizer(meta, hf["vocab_size"])
+    source = {"format": f"gguf-{meta.get('general.architecture')}", "path": str(path.resolve()), "hf_config": hf,
+              "gguf_sha256": file_sha256(path), "quantization": sorted({t.tensor_type.name for t in open_gguf(path).tensors})}
     staging = Path(tempfile.mkdtemp(prefix="depthtools-gguf-"))
     try:
         (staging / "config.json").write_text(json.dumps(hf), encoding="utf-8")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"))
         if tokenizer is not None:
             tokenizer.save(str(staging / "tokenizer.json"))
-        summary = import_hf(staging, name=name, out=out, force=force, max_seq_len=max_seq_len)
+        summary = import_hf(staging, name=name, out=out, force=force, max_seq_len=max_seq_len, source=source)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    target = Path(summary["checkpoint"])
-    config = read_json(target / CONFIG)
-    config["source"] = {"format": f"gguf-{meta.get('general.architecture')}", "path": str(path.resolve()),
-                        "hf_config": hf, "gguf_sha256": file_sha256(path),
-                        "quantization": sorted({t.tensor_type.name for t in open_gguf(path).tensors})}
-    atomic_write_json(target / CONFIG, config)
     summary["source"] = str(path)
-    summary["notes"] = [] if tokenizer is not None else [f"no tokenizer was carried: {why}"]
+    summary["notes"] = [*summary.get("notes", []), *([] if tokenizer is not None else [f"no tokenizer was carried: {why}"])]
     return summary
 
 
