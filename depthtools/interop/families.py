@@ -471,6 +471,32 @@ def _set_windows(family: Family, r: Reader, n_layer: int, options: dict[str, Any
         options["layer_types"] = "".join("s" if w else "f" for w in windows)
 
 
+# -- a tied config whose file holds its own head -------------------------------------------------------------
+def head_from_file(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelConfig:
+    """`cfg` untied when it says tie_word_embeddings but the weights hold a head that differs from the embedding.
+
+    transformers 5.x ties only a head the file lacks: `from_pretrained` of a tied config whose file holds a
+    different lm_head.weight keeps the file's head (checked for every family with 5.25: tests/test_families.py
+    builds each model, saves a different head and loads it). A head equal to the embedding stays tied (the
+    same function either way)."""
+    if not cfg.tie_embeddings:
+        return cfg
+    family = FAMILIES[cfg.options.get("family") or "llama"]
+    head_name = family.tensors["unembed.weight"].name
+    head = next((tensors[n] for n in (head_name, *ALIASES.get(head_name, ())) if n in tensors), None)
+    embed = tensors.get(family.tensors["tok_embed.weight"].name)
+    if head is None or (embed is not None and head.shape == embed.shape and head.dtype == embed.dtype
+                        and torch.equal(head, embed)):
+        return cfg
+    return cfg.replace(tie_embeddings=False)
+
+
+def untied_note(hf: dict[str, Any]) -> str:
+    """The one line an import prints when `head_from_file` untied the config."""
+    return (f"config.json says tie_word_embeddings but the weights hold a different output head: imported "
+            f"untied, with the file's head, as transformers 5.x loads a {hf.get('model_type')} folder")
+
+
 # -- tensors -------------------------------------------------------------------------------------------
 def _split(tensor: torch.Tensor, src: Src, cfg: ModelConfig, where: str) -> torch.Tensor:
     """The `src.part`-th piece of a fused tensor (rows; a bias splits the same way)."""
@@ -539,4 +565,4 @@ def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[
 
 
 __all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Field", "Src", "Refuse", "hf_to_model_config",
-           "hf_state", "family_of", "refusal"]
+           "hf_state", "family_of", "refusal", "head_from_file", "untied_note"]
