@@ -31,6 +31,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+from depthtools.interop.schema import check_config
 
 REQUIRED = object()  # a Field without a default: config.json must have it
 
@@ -404,7 +405,7 @@ GENERIC_REFUSALS = (
 # -- config -> ModelConfig ---------------------------------------------------------------------------
 def family_of(hf: dict[str, Any]) -> Family:
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise refusal("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return FAMILIES[model_type]
 
@@ -412,6 +413,7 @@ def family_of(hf: dict[str, Any]) -> Family:
 def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
     """The `preln` ModelConfig equivalent to a supported family's `config.json`, or a one-line refusal."""
     family = family_of(hf)
+    check_config(hf, family.model_type)  # types and ranges first: nothing below computes with a bad value
     r = Reader(hf, family)
     for check in (*GENERIC_REFUSALS, *family.refuse):
         value = hf.get(check.key)
