@@ -24,7 +24,7 @@ from depthtools.interop.families import FAMILIES, hf_to_model_config
 from depthtools.interop.schema import SCHEMAS
 
 transformers = pytest.importorskip("transformers")
-from test_families import CONFIG_CLASS, VOCAB, build_hf  # noqa: E402
+from test_families import CONFIG_CLASS, VOCAB, build_hf
 
 runner = CliRunner()
 

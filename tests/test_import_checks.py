@@ -257,3 +257,47 @@ def test_an_import_never_replaces_a_folder_of_other_files(good_hf, tmp_path):
     empty.mkdir()
     assert runner.invoke(app, ["import-hf", str(good_hf), "--out", str(empty)]).exit_code == 0
     assert (empty / "model.safetensors").is_file()
+
+
+# -- issue 43 items 5, 11: the shard index ------------------------------------------------------------------------
+def _sharded(good_hf: Path, folder: Path, outside: Path) -> dict[str, str]:
+    """`good_hf` as a two-shard folder; the second shard also saved at `outside` (beside the folder)."""
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((good_hf / name).read_bytes())
+    tensors = load_file(str(good_hf / WEIGHTS))
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    save_file({k: tensors[k] for k in first}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in second}, str(folder / "model-00002-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in second}, str(outside))
+    return {**{k: "model-00001-of-00002.safetensors" for k in first},
+            **{k: "model-00002-of-00002.safetensors" for k in second}}
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("parent", "outside the model folder: '../x.safetensors'"),
+    ("absolute", "outside the model folder: '/"),
+    ("list", "weight_map must be an object"),
+    ("number", "weight_map must be an object"),
+])
+def test_a_shard_index_is_checked_before_any_shard_is_read(how, needle, good_hf, tmp_path):
+    """An index naming a shard outside the folder is refused, as transformers refuses it (not read); a
+    weight_map that is not an object of names is one line, not a traceback."""
+    folder = tmp_path / "hf"
+    weight_map = _sharded(good_hf, folder, tmp_path / "x.safetensors")
+    if how == "parent":
+        weight_map = {k: ("../x.safetensors" if v.startswith("model-00002") else v) for k, v in weight_map.items()}
+    elif how == "absolute":
+        weight_map = {k: (str(tmp_path / "x.safetensors") if v.startswith("model-00002") else v)
+                      for k, v in weight_map.items()}
+    elif how == "list":
+        weight_map = sorted(weight_map.items())
+    else:
+        weight_map = {k: 2 for k in weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    result = runner.invoke(app, ["import-hf", str(folder), "--out", str(tmp_path / "ck")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "model.safetensors.index.json" in lines[0], result.stderr
+    assert not (tmp_path / "ck").exists()

@@ -157,15 +157,32 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return hf
 
 
+def read_weight_map(path: str | Path) -> dict[str, str] | None:
+    """The `weight_map` of a folder's model.safetensors.index.json (None: no index), checked before any shard is
+    opened: an object of tensor name -> shard file name, each shard inside the folder. Like transformers
+    (`_check_shard_filenames_stay_in_model_dir`), an absolute name or one with a `..` part is refused, not
+    resolved (hub-cache shards are symlinks)."""
+    index = Path(path) / HF_INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise DepthToolsError(f"corrupt {index}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise DepthToolsError(f"corrupt {index}: weight_map must be an object of tensor name -> shard file name")
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).anchor or ".." in Path(shard).parts:
+            raise DepthToolsError(f"{index} names a shard outside the model folder: {shard!r} (shards must be files "
+                                  "of the folder)")
+    return weight_map
+
+
 def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors HF checkpoint; pickled weights are refused."""
     path = Path(path)
-    index = path / HF_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DepthToolsError(f"corrupt {index}: {exc}") from None
+    weight_map = read_weight_map(path)
+    if weight_map is not None:
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
             tensors.update(read_tensors(path / shard))
@@ -183,12 +200,7 @@ def hf_weights_file(path: str | Path) -> Callable[[str], Path]:
     """Tensor name -> the safetensors file of `path` that holds it (the index's shard, else model.safetensors),
     so an error about one tensor names the file to look at."""
     path = Path(path)
-    weight_map: dict[str, str] = {}
-    if (path / HF_INDEX).is_file():
-        try:
-            weight_map = json.loads((path / HF_INDEX).read_text(encoding="utf-8")).get("weight_map") or {}
-        except (OSError, ValueError, AttributeError):
-            weight_map = {}
+    weight_map = read_weight_map(path) or {}
     return lambda name: path / str(weight_map.get(name, HF_WEIGHTS))
 
 
