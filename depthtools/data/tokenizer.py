@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import file_sha256
 
 TOKENIZER_FILE = "tokenizer.json"
 SEPARATOR = "<|endoftext|>"
@@ -154,7 +155,10 @@ class BPETokenizer:
         """The tokenizer.json in `directory`, with the separator and name recorded beside it (a data
         folder's meta.json or a checkpoint's config.json), if any."""
         record = _recorded_tokenizer(Path(directory))
-        return cls.from_file(Path(directory) / TOKENIZER_FILE, sep_token=record.get("sep_token"), name=record.get("name"))
+        file = Path(directory) / TOKENIZER_FILE
+        if file.is_file():
+            check_tokenizer_file(file, record.get("fingerprint"), f"{record.get('from')} in {directory}")
+        return cls.from_file(file, sep_token=record.get("sep_token"), name=record.get("name"))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, sep_token: str | None = None, name: str | None = None) -> "BPETokenizer":
@@ -189,6 +193,23 @@ def tokenizer_file_fingerprint(path: str | os.PathLike) -> str | None:
         return None
 
 
+def check_tokenizer_file(path: str | os.PathLike, recorded: object, where: str) -> None:
+    """Refuse a tokenizer file that is not the one recorded beside it (config.json's or meta.json's tokenizer
+    fingerprint), e.g. a tokenizer.json a re-import replaced before it failed half-way: a model must never read
+    text through another model's tokenizer. The record is the data-prepare fingerprint (`tokenizers_fingerprint`)
+    or, for a tokenizer.model and checkpoints imported before both shared one, the file's sha256. No record: no
+    check."""
+    if not isinstance(recorded, str) or not recorded:
+        return
+    path = Path(path)
+    found = tokenizer_file_fingerprint(path)
+    if recorded == found or recorded == file_sha256(path):
+        return
+    raise DepthToolsError(f"{path} is not the tokenizer {where} records (fingerprint {str(found or file_sha256(path))[:12]}, "
+                          f"recorded {recorded[:12]}): the file was replaced after the record was written (a re-import "
+                          "or copy that failed half-way?); restore it, or re-import the model with --force")
+
+
 def file_tokenizer_name(path: str | os.PathLike, vocab_size: int) -> str:
     """A readable name for a user's tokenizer file: its folder (for .../gpt-neox-20b/tokenizer.json) or stem."""
     path = Path(path).expanduser()
@@ -205,7 +226,8 @@ def _recorded_tokenizer(directory: Path) -> dict:
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(record, dict):
-            return {k: record[k] for k in ("sep_token", "name") if isinstance(record.get(k), str)}
+            return {"from": name, **{k: record[k] for k in ("sep_token", "name", "fingerprint")
+                                     if isinstance(record.get(k), str)}}
     return {}
 
 
