@@ -137,6 +137,10 @@ HOSTILE = [  # (config.json changes, the key the one line names)  -- the issue's
     ({"vocab_size": 61.0}, "vocab_size=61.0"),
     ({"num_hidden_layers": True}, "num_hidden_layers=True"),
     ({"model_type": "phi3", "partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
+    ({"model_type": "qwen2", "num_hidden_layers": 10**9}, "num_hidden_layers=1000000000"),  # not a 10**9 list
+    ({"model_type": "mistral", "sliding_window": "4096"}, "sliding_window='4096'"),
+    ({"rope_parameters": {"rope_theta": float("nan")}}, "rope_parameters.rope_theta=nan"),
+    ({"pad_token_id": 1.5}, "pad_token_id=1.5"),
 ]
 
 

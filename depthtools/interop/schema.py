@@ -101,6 +101,9 @@ def invalid(key: str, value: Any, expected: str) -> DepthToolsError:
 BOOL = Check("bool")
 STR = Check("str")
 SIZE = Check("int", low=1)  # a count or a dimension
+# A sanity bound, not transformers' (the largest published decoders have < 200 layers): a config saying 10**9
+# layers would have per-layer lists and a 10**9-block model built before the weights could contradict it.
+LAYERS = Check("int", low=1, high=10_000)
 COUNT0 = Check("int", low=0)
 POSITIVE = Check("number", low=0, open_low=True)
 FRACTION = Check("number", low=0, high=1, open_low=True)
@@ -118,7 +121,7 @@ COMMON = {  # keys read for every family (families.GENERIC_REFUSALS, checks.chec
     "partial_rotary_factor": FRACTION,
 }
 LLAMA = {
-    **COMMON, "hidden_size": SIZE, "num_hidden_layers": SIZE, "num_attention_heads": SIZE,
+    **COMMON, "hidden_size": SIZE, "num_hidden_layers": LAYERS, "num_attention_heads": SIZE,
     "num_key_value_heads": SIZE, "intermediate_size": SIZE, "max_position_embeddings": SIZE,
     "rms_norm_eps": POSITIVE, "head_dim": COUNT0, "attention_bias": BOOL, "mlp_bias": BOOL, "hidden_act": STR,
 }
@@ -138,7 +141,7 @@ SCHEMAS: dict[str, dict[str, Check]] = {  # model_type -> config.json key -> rul
     "gemma3_text": {**GEMMA2, "rope_local_base_freq": POSITIVE, "sliding_window_pattern": SIZE},
     "olmo": {**LLAMA, "clip_qkv": POSITIVE},
     "olmo2": LLAMA,
-    "gpt2": {**COMMON, "n_embd": SIZE, "hidden_size": SIZE, "n_layer": SIZE, "num_hidden_layers": SIZE,
+    "gpt2": {**COMMON, "n_embd": SIZE, "hidden_size": SIZE, "n_layer": LAYERS, "num_hidden_layers": LAYERS,
              "n_head": SIZE, "num_attention_heads": SIZE, "n_inner": SIZE, "n_positions": SIZE,
              "max_position_embeddings": SIZE, "layer_norm_epsilon": POSITIVE, "activation_function": STR,
              "scale_attn_by_inverse_layer_idx": BOOL, "scale_attn_weights": BOOL, "add_cross_attention": BOOL},
