@@ -139,16 +139,19 @@ def _need(meta: dict[str, Any], key: str, path: Path) -> Any:
     return meta[key]
 
 
-def _number(meta: dict[str, Any], key: str, path: Path, kind: type, default: Any = None, minimum: float = 1) -> Any:
+def _number(meta: dict[str, Any], key: str, path: Path, kind: type, default: Any = None, minimum: float = 1,
+            layered: bool = False) -> Any:
     """A GGUF metadata value as an int (kind int) or a float (kind float, an integer accepted) >= `minimum`;
-    `default` when absent (None: required). llama.cpp writes a per-layer array where layers differ (head counts
-    of some models): an array of equal entries is that one value, others are refused, as are strings and bools."""
+    `default` when absent (None: required). For a `layered` key llama.cpp writes a per-layer array where layers
+    differ (head counts, FFN sizes of some models): an array of equal entries is that one value, others are
+    refused, as are strings, bools and arrays of other keys."""
     value = _need(meta, key, path) if default is None else meta.get(key, default)
     per_layer = isinstance(value, list)
-    if per_layer and value and all(v == value[0] for v in value):
+    if per_layer and layered and value and all(v == value[0] for v in value):
         value = value[0]
     if per_layer and isinstance(value, list):
-        why = "per-layer values that differ are not supported" if value else "an empty array"
+        why = ("per-layer values that differ are not supported" if value and layered else "an empty array" if layered
+               else f"expected {'an integer' if kind is int else 'a number'}, not an array")
     elif isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         why = f"expected {'an integer' if kind is int else 'a number'}"
     elif not math.isfinite(value) or value < minimum:
@@ -179,7 +182,7 @@ def hf_config(meta: dict[str, Any], vocab_rows: int, tied: bool, path: Path) -> 
     if scaling not in (None, "none"):
         raise DepthToolsError(f"{path}: GGUF {arch}.rope.scaling.type={scaling!r} is not supported (scaled RoPE "
                               "cannot be expressed exactly)")
-    heads = _number(meta, f"{arch}.attention.head_count", path, int)
+    heads = _number(meta, f"{arch}.attention.head_count", path, int, layered=True)
     d_model = _number(meta, f"{arch}.embedding_length", path, int)
     head_dim = _number(meta, f"{arch}.attention.key_length", path, int, default=max(1, d_model // heads))
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
@@ -190,10 +193,10 @@ def hf_config(meta: dict[str, Any], vocab_rows: int, tied: bool, path: Path) -> 
         "model_type": ARCHITECTURES[arch][0],
         "vocab_size": vocab_rows,
         "hidden_size": d_model,
-        "intermediate_size": _number(meta, f"{arch}.feed_forward_length", path, int),
+        "intermediate_size": _number(meta, f"{arch}.feed_forward_length", path, int, layered=True),
         "num_hidden_layers": _number(meta, f"{arch}.block_count", path, int),
         "num_attention_heads": heads,
-        "num_key_value_heads": _number(meta, f"{arch}.attention.head_count_kv", path, int, default=heads),
+        "num_key_value_heads": _number(meta, f"{arch}.attention.head_count_kv", path, int, default=heads, layered=True),
         "head_dim": head_dim,
         "max_position_embeddings": _number(meta, f"{arch}.context_length", path, int),
         "rms_norm_eps": _number(meta, f"{arch}.attention.layer_norm_rms_epsilon", path, float, minimum=0),
