@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,8 +73,6 @@ def peek_architecture(path: Path) -> str | None:
     The gguf package's reader parses every metadata array when it opens a file, which takes minutes for a
     256k-token vocabulary; an architecture we refuse anyway is refused before that. Walks the key/value
     pairs (little-endian GGUF v2/v3) until the key; the writer puts it first."""
-    import struct
-
     try:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] not in (2, 3):
