@@ -301,3 +301,27 @@ def test_a_shard_index_is_checked_before_any_shard_is_read(how, needle, good_hf,
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "model.safetensors.index.json" in lines[0], result.stderr
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_swap_whose_second_rename_fails_puts_the_old_checkpoint_back(good_hf, tmp_path, monkeypatch):
+    """fsutil.replace_dir moves the old folder aside, then the new one in: if that second rename fails, the old
+    folder is renamed back, so the checkpoint is never missing."""
+    import os
+
+    from depthtools import fsutil
+
+    old = Path(import_hf(good_hf, out=tmp_path / "ck")["checkpoint"])
+    before = _snapshot(old)
+    real, calls = os.replace, []
+
+    def second_fails(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(fsutil.os, "replace", second_fails)
+    with pytest.raises(OSError):
+        import_hf(good_hf, out=tmp_path / "ck", force=True)
+    monkeypatch.setattr(fsutil.os, "replace", real)
+    assert _snapshot(old) == before and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
