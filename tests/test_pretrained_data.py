@@ -146,3 +146,6 @@ def test_a_replaced_tokenizer_file_is_refused_wherever_it_is_read(tmp_path, monk
     assert not (tmp_path / "out").exists()
     with pytest.raises(DepthToolsError, match="is not the tokenizer"):
         load_tokenizer(ckpt)
+    result = runner.invoke(app, ["data", "prepare", "--input", str(text), "--tokenizer", str(ckpt / "tokenizer.json"),
+                                 "--name", "t", "--out", str(tmp_path / "data")])
+    assert result.exit_code == 2 and "is not the tokenizer" in result.stderr, result.output

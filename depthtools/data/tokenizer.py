@@ -155,10 +155,7 @@ class BPETokenizer:
         """The tokenizer.json in `directory`, with the separator and name recorded beside it (a data
         folder's meta.json or a checkpoint's config.json), if any."""
         record = _recorded_tokenizer(Path(directory))
-        file = Path(directory) / TOKENIZER_FILE
-        if file.is_file():
-            check_tokenizer_file(file, record.get("fingerprint"), f"{record.get('from')} in {directory}")
-        return cls.from_file(file, sep_token=record.get("sep_token"), name=record.get("name"))
+        return cls.from_file(Path(directory) / TOKENIZER_FILE, sep_token=record.get("sep_token"), name=record.get("name"))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, sep_token: str | None = None, name: str | None = None) -> "BPETokenizer":
@@ -168,6 +165,9 @@ class BPETokenizer:
             path = path / TOKENIZER_FILE
         if not path.is_file():
             raise DepthToolsError(f"tokenizer file {path} not found; pass a local tokenizer.json (nothing is downloaded)")
+        beside = _recorded_tokenizer(path.parent)  # a data folder's or checkpoint's own file: the one it records
+        if beside.get("file", TOKENIZER_FILE) == path.name:
+            check_tokenizer_file(path, beside.get("fingerprint"), f"{beside.get('from')} in {path.parent}")
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises plain Exception subclasses on bad JSON
@@ -226,7 +226,7 @@ def _recorded_tokenizer(directory: Path) -> dict:
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(record, dict):
-            return {"from": name, **{k: record[k] for k in ("sep_token", "name", "fingerprint")
+            return {"from": name, **{k: record[k] for k in ("sep_token", "name", "fingerprint", "file")
                                      if isinstance(record.get(k), str)}}
     return {}
 
