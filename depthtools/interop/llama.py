@@ -232,7 +232,9 @@ def from_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype
     `path` holds config.json + model.safetensors (or a safetensors index with shards). Half-precision
     weights are cast to `dtype` (float32 by default: exact). `max_seq_len` overrides
     `max_position_embeddings` (the longest sequence the model accepts); for a Mistral whose sliding
-    window is shorter than that context, pass max_seq_len <= the window (otherwise refused).
+    window is shorter than that context, pass max_seq_len <= the window (otherwise refused). A tied config
+    whose weights hold a different head is read untied with the file's head, as transformers 5.x loads it
+    (`families.head_from_file`).
     """
     path = Path(path)
     cfg = hf_to_model_config(read_hf_config(path), max_seq_len)
