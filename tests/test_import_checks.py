@@ -250,9 +250,14 @@ def test_an_import_never_replaces_a_folder_of_other_files(good_hf, tmp_path):
     (out / "notes.txt").write_text("mine")
     for force in ([], ["--force"]):
         result = runner.invoke(app, ["import-hf", str(good_hf), "--out", str(out), *force])
-        assert result.exit_code == 2 and "holds no checkpoint" in result.stderr, result.output
+        assert result.exit_code == 2 and "holds no depthtools checkpoint" in result.stderr, result.output
         assert len(result.stderr.strip().splitlines()) == 1
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    source = _copy(good_hf, tmp_path / "hf")  # nor the Hugging Face folder itself (its config.json is not ours)
+    before = _snapshot(source)
+    result = runner.invoke(app, ["import-hf", str(source), "--out", str(source), "--force"])
+    assert result.exit_code == 2 and "holds no depthtools checkpoint" in result.stderr, result.output
+    assert _snapshot(source) == before
     empty = tmp_path / "empty"
     empty.mkdir()
     assert runner.invoke(app, ["import-hf", str(good_hf), "--out", str(empty)]).exit_code == 0

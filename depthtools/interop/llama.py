@@ -315,15 +315,25 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
 
 
 def _check_import_target(target: Path, force: bool) -> None:
-    """The import may replace `target`: a new or empty folder, or (with `force`) a checkpoint. A folder that
-    holds other files is refused even with `force`: the swap would delete them."""
+    """The import may replace `target`: a new or empty folder, or (with `force`) a depthtools checkpoint. Any
+    other folder (files of the user's, a Hugging Face folder, the folder being imported) is refused even with
+    `force`: the swap would delete it."""
     check_dir_target(target, "checkpoint folder (--out)")
-    if (target / CONFIG).is_file():
+    if _is_checkpoint(target):
         if not force:
             raise DepthToolsError(f"{target} already holds a checkpoint; pass --force to overwrite it")
     elif target.is_dir() and any(target.iterdir()):
-        raise DepthToolsError(f"{target} is a non-empty folder that holds no checkpoint (no {CONFIG}); an import "
+        raise DepthToolsError(f"{target} is a non-empty folder that holds no depthtools checkpoint; an import "
                               "replaces its whole folder, so choose a new or empty one")
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether `folder` holds a depthtools checkpoint (a config.json with its model section)."""
+    try:
+        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("model"), dict)
 
 
 # -- export --------------------------------------------------------------------------------------
