@@ -28,7 +28,7 @@ def import_hf_command(
     name: Optional[str] = typer.Option(None, "--name", help="Checkpoint name under $DEPTHTOOLS_CHECKPOINTS."),
     out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint to this directory instead."),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: max_position_embeddings)."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing checkpoint (its whole folder; all or nothing: a failed import leaves the old one as it was)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Import a local transformers checkpoint as a `preln` depthtools checkpoint.

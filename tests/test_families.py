@@ -354,3 +354,38 @@ def test_export_stays_llama_only(built, tmp_path):
     result = runner.invoke(app, ["export-hf", "--ckpt", str(tmp_path / "gpt2"), str(tmp_path / "out")])
     assert result.exit_code == 2 and "gpt2" in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+# -- issue 43 item 4: a tied config whose file holds its own head ------------------------------------------------
+@pytest.mark.parametrize("case", ["gpt2", "phi3-fused-window-partial", "qwen3-qknorm", "neox-sequential"])
+def test_a_tied_config_with_a_different_head_in_the_file_keeps_the_head_as_transformers_does(case, tmp_path,
+                                                                                              monkeypatch):
+    """transformers 5.x loads the file's head (it ties only a head the file lacks); so does the import, and it
+    says so in one note. A head equal to the embedding stays tied."""
+    from safetensors.torch import load_file, save_file
+
+    config_cls, model_cls, kwargs, _ = CASES[case]
+    monkeypatch.setitem(CASES, case, (config_cls, model_cls, {**kwargs, "tie_word_embeddings": True}, {}))
+    folder = tmp_path / "hf"
+    build_hf(case, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    embed = next(k for k in tensors if k.endswith(("embed_tokens.weight", "wte.weight", "embed_in.weight")))
+    head = "embed_out.weight" if case.startswith("neox") else "lm_head.weight"
+    assert head not in tensors  # transformers saved the tied head once
+    tensors[head] = torch.randn(tensors[embed].shape, generator=torch.Generator().manual_seed(3))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    theirs = getattr(transformers, model_cls).from_pretrained(folder).eval()
+    assert torch.equal(theirs.get_output_embeddings().weight, tensors[head])  # transformers keeps the file's head
+    x = tokens()
+    summary = import_hf(folder, out=tmp_path / "ck")
+    ours = ck.load(summary["checkpoint"])
+    assert not ours.config.tie_embeddings
+    with torch.no_grad():
+        assert (ours(x) - theirs(x).logits).abs().max().item() <= TOL
+    assert len(summary["notes"]) == 1 and "tie_word_embeddings" in summary["notes"][0]
+
+    tensors[head] = tensors[embed].clone()  # the same head as the embedding: tied, no note
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    summary = import_hf(folder, out=tmp_path / "same")
+    assert ck.load(summary["checkpoint"]).config.tie_embeddings and summary["notes"] == []

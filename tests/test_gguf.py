@@ -91,16 +91,25 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(model, arch: str, path: Path, qtype: str = "F32", tokenizer: bool = True) -> dict[str, np.ndarray]:
+def write_gguf(model, arch: str, path: Path, qtype: str = "F32", tokenizer: bool = True, heads=None,
+               bpe: tuple[list[str], list[str]] | None = None) -> dict[str, np.ndarray]:
     """Write `model` as a GGUF file with GGUFWriter; returns the float32 values the file holds per tensor
-    (dequantized by gguf itself for quantized ones)."""
+    (dequantized by gguf itself for quantized ones). `heads`: another attention.head_count value (an int, a
+    per-layer list, a string); `bpe`: other (tokens, merges)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
+    if heads is None:
+        writer.add_head_count(cfg.num_attention_heads)
+    elif isinstance(heads, list):
+        writer.add_array(f"{arch}.attention.head_count", heads)
+    elif isinstance(heads, str):
+        writer.add_string(f"{arch}.attention.head_count", heads)
+    else:
+        writer.add_uint32(f"{arch}.attention.head_count", heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
@@ -109,7 +118,7 @@ def write_gguf(model, arch: str, path: Path, qtype: str = "F32", tokenizer: bool
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     if tokenizer:
-        tokens, merges = byte_bpe()
+        tokens, merges = bpe or byte_bpe()
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("gpt2")
         writer.add_token_list(tokens)
@@ -283,3 +292,99 @@ def test_without_the_gguf_package_one_line_names_the_extra(tmp_path, monkeypatch
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     monkeypatch.setattr(builtins, "__import__", no_gguf)
     _refused([str(tmp_path / "m.gguf")], 'pip install -e ".[gguf]"', tmp_path / "o")
+
+
+# -- issue 43 item 12: hostile GGUF metadata -------------------------------------------------------------------
+@pytest.mark.parametrize("heads,needle", [
+    (0, "llama.attention.head_count=0 (expected a value >= 1)"),
+    ([4, 4, 2, 2], "llama.attention.head_count=[4, 4, 2, 2] (per-layer values that differ are not supported)"),
+    ("four", "llama.attention.head_count='four' (expected an integer)"),
+])
+def test_hostile_head_counts_are_one_line_naming_the_file(heads, needle, tmp_path):
+    write_gguf(build("llama"), "llama", tmp_path / "m.gguf", heads=heads)
+    _refused([str(tmp_path / "m.gguf")], needle, tmp_path / "ck")
+    result = runner.invoke(app, ["import-hf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "ck")])
+    assert result.stderr.startswith(f"error: {tmp_path / 'm.gguf'}: "), result.stderr
+
+
+def test_a_per_layer_head_count_array_of_equal_entries_is_that_count(tmp_path):
+    model = build("qwen2")
+    write_gguf(model, "qwen2", tmp_path / "m.gguf", heads=[4, 4])
+    result = runner.invoke(app, ["import-hf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "ck")])
+    assert result.exit_code == 0, result.output
+    x = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        assert (our_logits(tmp_path / "ck", x) - model(x).logits).abs().max().item() <= 1e-4
+
+
+def _no_space(bpe):
+    return bpe[0], [*bpe[1], "Ġthe"]
+
+
+def _unknown_part(bpe):
+    return bpe[0], [*bpe[1], "x qq"]
+
+
+def _duplicate(bpe):
+    return [*bpe[0], "he"], bpe[1]
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (_no_space, "merges entry 'Ġthe' is not two tokens separated by one space"),
+    (_unknown_part, "merges entry 'x qq' merges into or from 'qq', which is not in tokenizer.ggml.tokens"),
+    (_duplicate, "tokenizer.ggml.tokens lists 'he' twice (ids 257 and 261)"),
+], ids=["merge-without-space", "merge-of-unknown-token", "duplicate-token"])
+def test_hostile_gguf_vocabularies_are_one_line_naming_the_file(edit, needle, tmp_path):
+    write_gguf(build("qwen2"), "qwen2", tmp_path / "m.gguf", bpe=edit(byte_bpe()))
+    _refused([str(tmp_path / "m.gguf")], needle, tmp_path / "ck")
+    result = runner.invoke(app, ["import-hf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "ck")])
+    assert result.stderr.startswith(f"error: {tmp_path / 'm.gguf'}: "), result.stderr
+
+
+def test_a_refusal_inside_the_conversion_names_the_gguf_not_the_temporary_folder(tmp_path):
+    model = build("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    write_gguf(model, "llama", tmp_path / "m.gguf")
+    result = runner.invoke(app, ["import-hf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "ck")])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip()
+    assert line.startswith(f"error: {tmp_path / 'm.gguf'}: ") and "non-finite" in line and "depthtools-gguf-" not in line, line
+    assert len(line.splitlines()) == 1 and not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("arch,converts", [("gemma2", True), ("gemma", False), ("falcon", False)])
+def test_an_unsupported_architecture_is_refused_before_the_vocabulary_is_parsed(arch, converts, tmp_path,
+                                                                              monkeypatch):
+    """The architecture key is read from the header: the gguf reader (which parses every metadata array, minutes
+    for a 256k vocabulary) is never opened. Where transformers converts the file, the line says how."""
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}" for i in range(5000)])
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+
+    def never(*args, **kwargs):
+        raise AssertionError("the GGUF reader was opened")
+
+    monkeypatch.setattr(gguf, "GGUFReader", never)
+    result = runner.invoke(app, ["import-hf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "ck")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = result.stderr.strip()
+    assert f"{tmp_path / 'm.gguf'}: GGUF architecture {arch!r} is not supported" in line
+    assert len(line.splitlines()) == 1 and not (tmp_path / "ck").exists()
+    assert (f"transformers converts a {arch} GGUF to a Hugging Face folder" in line) == converts, line
+
+
+def test_the_architectures_said_to_convert_are_transformers_and_import_families():
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from depthtools.interop.families import FAMILIES
+    from depthtools.interop.gguf_import import ARCHITECTURES, TRANSFORMERS_CONVERTS
+
+    hf_type = {"gemma3": "gemma3_text"}  # transformers' GGUF loader renames it
+    assert set(TRANSFORMERS_CONVERTS) <= set(GGUF_SUPPORTED_ARCHITECTURES)
+    assert all(hf_type.get(a, a) in FAMILIES for a in TRANSFORMERS_CONVERTS)
+    assert not set(TRANSFORMERS_CONVERTS) & set(ARCHITECTURES)
+    missed = {a for a in GGUF_SUPPORTED_ARCHITECTURES if hf_type.get(a, a) in FAMILIES} - set(ARCHITECTURES)
+    assert missed == set(TRANSFORMERS_CONVERTS)

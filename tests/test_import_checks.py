@@ -8,6 +8,7 @@ written: no checkpoint folder, and a forced re-import over a good checkpoint lea
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -196,3 +197,136 @@ def test_the_checks_are_callable_on_their_own(tmp_path):
     validate_tokenizer(tmp_path, 256)
     with pytest.raises(DepthToolsError, match="up to 255"):
         validate_tokenizer(tmp_path, 200)
+
+
+# -- issue 43 item 2: a forced re-import is all or nothing -------------------------------------------------------
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_forced_reimport_that_fails_part_way_leaves_the_old_checkpoint_intact(good_hf, tmp_path, monkeypatch):
+    """The disk fills up after the new tokenizer is written: the old checkpoint (weights, config, tokenizer) is
+    left byte for byte, and no half-built folder stays behind."""
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    old = Path(import_hf(good_hf, name="kept")["checkpoint"])
+    before = _snapshot(old)
+    other = tmp_path / "other"
+    hf_llama(other, layers=3, seed=1)
+    _byte_tokenizer_file(other, extra=["<|new|>"])
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 257}))
+    tensors = load_file(str(other / WEIGHTS))
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[key] = torch.cat([tensors[key], tensors[key][:1]])
+    save_file(tensors, str(other / WEIGHTS), metadata={"format": "pt"})
+
+    real = ck.atomic_save_tensors
+    seen: list[str] = []
+
+    def full_disk(path, tensors, metadata=None):
+        seen.extend(p.name for p in Path(path).parent.iterdir())  # the new tokenizer is already written
+        real(path, dict(list(tensors.items())[:1]), metadata)  # a part of the weights lands ...
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))  # ... then the disk is full
+
+    monkeypatch.setattr(ck, "atomic_save_tensors", full_disk)
+    result = runner.invoke(app, ["import-hf", str(other), "--name", "kept", "--force"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "No space left on device" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "tokenizer.json" in seen
+    assert _snapshot(old) == before
+    assert sorted(p.name for p in old.parent.iterdir()) == ["kept"]  # no staging folder left
+
+    monkeypatch.setattr(ck, "atomic_save_tensors", real)  # with room on the disk the same import replaces it
+    assert runner.invoke(app, ["import-hf", str(other), "--name", "kept", "--force"]).exit_code == 0
+    assert ck.load(old).config.n_layer == 3 and json.loads((old / "tokenizer.json").read_text()) != json.loads(
+        before["tokenizer.json"])
+    assert sorted(p.name for p in old.parent.iterdir()) == ["kept"]
+
+
+def test_an_import_never_replaces_a_folder_of_other_files(good_hf, tmp_path):
+    """An import swaps in a whole folder, so --out naming a folder of other files is refused, even with --force."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for force in ([], ["--force"]):
+        result = runner.invoke(app, ["import-hf", str(good_hf), "--out", str(out), *force])
+        assert result.exit_code == 2 and "holds no depthtools checkpoint" in result.stderr, result.output
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    source = _copy(good_hf, tmp_path / "hf")  # nor the Hugging Face folder itself (its config.json is not ours)
+    before = _snapshot(source)
+    result = runner.invoke(app, ["import-hf", str(source), "--out", str(source), "--force"])
+    assert result.exit_code == 2 and "holds no depthtools checkpoint" in result.stderr, result.output
+    assert _snapshot(source) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert runner.invoke(app, ["import-hf", str(good_hf), "--out", str(empty)]).exit_code == 0
+    assert (empty / "model.safetensors").is_file()
+
+
+# -- issue 43 items 5, 11: the shard index ------------------------------------------------------------------------
+def _sharded(good_hf: Path, folder: Path, outside: Path) -> dict[str, str]:
+    """`good_hf` as a two-shard folder; the second shard also saved at `outside` (beside the folder)."""
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((good_hf / name).read_bytes())
+    tensors = load_file(str(good_hf / WEIGHTS))
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    save_file({k: tensors[k] for k in first}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in second}, str(folder / "model-00002-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in second}, str(outside))
+    return {**{k: "model-00001-of-00002.safetensors" for k in first},
+            **{k: "model-00002-of-00002.safetensors" for k in second}}
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("parent", "outside the model folder: '../x.safetensors'"),
+    ("absolute", "outside the model folder: '/"),
+    ("list", "weight_map must be an object"),
+    ("number", "weight_map must be an object"),
+])
+def test_a_shard_index_is_checked_before_any_shard_is_read(how, needle, good_hf, tmp_path):
+    """An index naming a shard outside the folder is refused, as transformers refuses it (not read); a
+    weight_map that is not an object of names is one line, not a traceback."""
+    folder = tmp_path / "hf"
+    weight_map = _sharded(good_hf, folder, tmp_path / "x.safetensors")
+    if how == "parent":
+        weight_map = {k: ("../x.safetensors" if v.startswith("model-00002") else v) for k, v in weight_map.items()}
+    elif how == "absolute":
+        weight_map = {k: (str(tmp_path / "x.safetensors") if v.startswith("model-00002") else v)
+                      for k, v in weight_map.items()}
+    elif how == "list":
+        weight_map = sorted(weight_map.items())
+    else:
+        weight_map = {k: 2 for k in weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    result = runner.invoke(app, ["import-hf", str(folder), "--out", str(tmp_path / "ck")])
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "model.safetensors.index.json" in lines[0], result.stderr
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_swap_whose_second_rename_fails_puts_the_old_checkpoint_back(good_hf, tmp_path, monkeypatch):
+    """fsutil.replace_dir moves the old folder aside, then the new one in: if that second rename fails, the old
+    folder is renamed back, so the checkpoint is never missing."""
+    import os
+
+    from depthtools import fsutil
+
+    old = Path(import_hf(good_hf, out=tmp_path / "ck")["checkpoint"])
+    before = _snapshot(old)
+    real, calls = os.replace, []
+
+    def second_fails(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(dst))
+        return real(src, dst)
+
+    monkeypatch.setattr(fsutil.os, "replace", second_fails)
+    with pytest.raises(OSError):
+        import_hf(good_hf, out=tmp_path / "ck", force=True)
+    monkeypatch.setattr(fsutil.os, "replace", real)
+    assert _snapshot(old) == before and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

@@ -113,3 +113,39 @@ def test_text_option_tokenizes_with_the_models_tokenizer(tmp_path, monkeypatch):
     tuned = runner.invoke(app, ["lens", "--ckpt", "tiny", "--text", str(text), "--tuned", "--seq-len", "32",
                                 "--n-tokens", "64"])
     assert tuned.exit_code == 2 and "pass --data DIR" in tuned.output, tuned.output
+
+
+def test_a_replaced_tokenizer_file_is_refused_wherever_it_is_read(tmp_path, monkeypatch):
+    """issue 43 item 8: a checkpoint whose tokenizer.json is not the one its config.json records (a forced
+    re-import that failed half-way used to leave one) is refused by --text, export-hf and load_tokenizer, in one
+    line; the same tokenizer saved in another layout (compact JSON) is still accepted."""
+    from tokenizers import Tokenizer
+
+    from depthtools.data import load_tokenizer
+    from depthtools.errors import DepthToolsError
+    from depthtools.interop.tokenizer import byte_tokenizer
+
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    folder = hf_folder(tmp_path)
+    assert runner.invoke(app, ["import-hf", str(folder), "--name", "tiny"]).exit_code == 0
+    ckpt = tmp_path / "ckpts" / "tiny"
+    text = tmp_path / "eval.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    lens = ["lens", "--ckpt", "tiny", "--text", str(text), "--n-tokens", "64", "--seq-len", "32"]
+
+    (ckpt / "tokenizer.json").write_text(Tokenizer.from_file(str(folder / "tokenizer.json")).to_str())  # compact
+    assert runner.invoke(app, lens).exit_code == 0
+    assert load_tokenizer(ckpt).vocab_size == 300
+
+    byte_tokenizer().save(str(ckpt / "tokenizer.json"))  # another model's tokenizer (it fits the vocabulary)
+    for command in (lens, ["export-hf", "--ckpt", "tiny", str(tmp_path / "out")]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2, (command, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "tokenizer.json is not the tokenizer" in lines[0] and "recorded" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(DepthToolsError, match="is not the tokenizer"):
+        load_tokenizer(ckpt)
+    result = runner.invoke(app, ["data", "prepare", "--input", str(text), "--tokenizer", str(ckpt / "tokenizer.json"),
+                                 "--name", "t", "--out", str(tmp_path / "data")])
+    assert result.exit_code == 2 and "is not the tokenizer" in result.stderr, result.output

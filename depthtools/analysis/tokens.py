@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from depthtools.checkpoint import CONFIG, imported_from, read_json
 from depthtools.data import load_split, read_meta
-from depthtools.data.tokenizer import TOKENIZER_SPECS, tokenizer_file_fingerprint
+from depthtools.data.tokenizer import TOKENIZER_SPECS, check_tokenizer_file, tokenizer_file_fingerprint
 from depthtools.errors import DepthToolsError
 
 FIRST_SCORED = 1  # position 0 is never scored
@@ -76,6 +76,7 @@ def text_windows(ckpt_dir: Path, text_file: Path, n_tokens: int, seq_len: int, s
             tok = Tokenizer.from_file(str(file))
         except Exception as exc:  # tokenizers raises plain Exception subclasses
             raise DepthToolsError(f"{file}: not a valid tokenizer file ({str(exc).splitlines()[0]})") from None
+        check_tokenizer_file(file, record.get("fingerprint"), f"checkpoint {ckpt_dir.name}'s config.json")
         tok.encode_special_tokens = True  # special tokens written in the text are text, as in data prepare
         ids = tok.encode(text, add_special_tokens=False).ids
     if isinstance(sep, int) and not isinstance(sep, bool):

@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import file_sha256
 
 TOKENIZER_FILE = "tokenizer.json"
 SEPARATOR = "<|endoftext|>"
@@ -164,6 +165,9 @@ class BPETokenizer:
             path = path / TOKENIZER_FILE
         if not path.is_file():
             raise DepthToolsError(f"tokenizer file {path} not found; pass a local tokenizer.json (nothing is downloaded)")
+        beside = _recorded_tokenizer(path.parent)  # a data folder's or checkpoint's own file: the one it records
+        if beside.get("file", TOKENIZER_FILE) == path.name:
+            check_tokenizer_file(path, beside.get("fingerprint"), f"{beside.get('from')} in {path.parent}")
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises plain Exception subclasses on bad JSON
@@ -189,6 +193,23 @@ def tokenizer_file_fingerprint(path: str | os.PathLike) -> str | None:
         return None
 
 
+def check_tokenizer_file(path: str | os.PathLike, recorded: object, where: str) -> None:
+    """Refuse a tokenizer file that is not the one recorded beside it (config.json's or meta.json's tokenizer
+    fingerprint), e.g. a tokenizer.json a re-import replaced before it failed half-way: a model must never read
+    text through another model's tokenizer. The record is the data-prepare fingerprint (`tokenizers_fingerprint`)
+    or, for a tokenizer.model and checkpoints imported before both shared one, the file's sha256. No record: no
+    check."""
+    if not isinstance(recorded, str) or not recorded:
+        return
+    path = Path(path)
+    found = tokenizer_file_fingerprint(path)
+    if recorded == found or recorded == file_sha256(path):
+        return
+    raise DepthToolsError(f"{path} is not the tokenizer {where} records (fingerprint {str(found or file_sha256(path))[:12]}, "
+                          f"recorded {recorded[:12]}): the file was replaced after the record was written (a re-import "
+                          "or copy that failed half-way?); restore it, or re-import the model with --force")
+
+
 def file_tokenizer_name(path: str | os.PathLike, vocab_size: int) -> str:
     """A readable name for a user's tokenizer file: its folder (for .../gpt-neox-20b/tokenizer.json) or stem."""
     path = Path(path).expanduser()
@@ -205,7 +226,8 @@ def _recorded_tokenizer(directory: Path) -> dict:
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(record, dict):
-            return {k: record[k] for k in ("sep_token", "name") if isinstance(record.get(k), str)}
+            return {"from": name, **{k: record[k] for k in ("sep_token", "name", "fingerprint", "file")
+                                     if isinstance(record.get(k), str)}}
     return {}
 
 

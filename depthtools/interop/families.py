@@ -33,6 +33,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+from depthtools.interop.schema import check_config
 
 REQUIRED = object()  # a Field without a default: config.json must have it
 
@@ -609,7 +610,7 @@ GENERIC_REFUSALS = (
 # -- config -> ModelConfig ---------------------------------------------------------------------------
 def family_of(hf: dict[str, Any]) -> Family:
     model_type = hf.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise refusal("model_type", model_type, f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return FAMILIES[model_type]
 
@@ -617,6 +618,7 @@ def family_of(hf: dict[str, Any]) -> Family:
 def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
     """The `preln` ModelConfig equivalent to a supported family's `config.json`, or a one-line refusal."""
     family = family_of(hf)
+    check_config(hf, family.model_type)  # types and ranges first: nothing below computes with a bad value
     r = Reader(hf, family)
     for check in (*GENERIC_REFUSALS, *family.refuse):
         value = hf.get(check.key)
@@ -675,6 +677,32 @@ def _set_windows(family: Family, r: Reader, n_layer: int, options: dict[str, Any
     options["sliding_window"] = sizes[0]
     if not all(windows):
         options["layer_types"] = "".join("s" if w else "f" for w in windows)
+
+
+# -- a tied config whose file holds its own head -------------------------------------------------------------
+def head_from_file(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> ModelConfig:
+    """`cfg` untied when it says tie_word_embeddings but the weights hold a head that differs from the embedding.
+
+    transformers 5.x ties only a head the file lacks: `from_pretrained` of a tied config whose file holds a
+    different lm_head.weight keeps the file's head (checked for every family with 5.25: tests/test_families.py
+    builds each model, saves a different head and loads it). A head equal to the embedding stays tied (the
+    same function either way)."""
+    if not cfg.tie_embeddings:
+        return cfg
+    family = FAMILIES[cfg.options.get("family") or "llama"]
+    head_name = family.tensors["unembed.weight"].name
+    head = next((tensors[n] for n in (head_name, *ALIASES.get(head_name, ())) if n in tensors), None)
+    embed = tensors.get(family.tensors["tok_embed.weight"].name)
+    if head is None or (embed is not None and head.shape == embed.shape and head.dtype == embed.dtype
+                        and torch.equal(head, embed)):
+        return cfg
+    return cfg.replace(tie_embeddings=False)
+
+
+def untied_note(hf: dict[str, Any]) -> str:
+    """The one line an import prints when `head_from_file` untied the config."""
+    return (f"config.json says tie_word_embeddings but the weights hold a different output head: imported "
+            f"untied, with the file's head, as transformers 5.x loads a {hf.get('model_type')} folder")
 
 
 # -- tensors -------------------------------------------------------------------------------------------
@@ -770,4 +798,4 @@ def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[
 
 
 __all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Field", "Src", "Refuse", "hf_to_model_config",
-           "hf_state", "family_of", "refusal"]
+           "hf_state", "family_of", "refusal", "head_from_file", "untied_note"]

@@ -16,8 +16,12 @@ GGUF layout differs further (Gemma's norms stored as 1 + w, fused tensors, ...) 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import struct
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,6 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from depthtools.checkpoint import CONFIG, atomic_write_json, read_json
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import file_sha256
 from depthtools.interop.llama import import_hf
@@ -34,6 +37,9 @@ from depthtools.interop.llama import import_hf
 GGUF_EXTRA = 'pip install -e ".[gguf]"'
 # GGUF general.architecture -> HF model_type, and whether llama.cpp permuted q/k rows.
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+# GGUF architectures transformers 5.x's GGUF loader converts to a family import-hf reads (its
+# GGUF_SUPPORTED_ARCHITECTURES; tests/test_gguf.py checks the list): a refusal of one of them says how
+TRANSFORMERS_CONVERTS = ("mistral", "phi3", "gpt2", "gemma2", "gemma3")
 LAYER_TENSORS = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
@@ -55,6 +61,50 @@ def _gguf():
     except ImportError:
         raise DepthToolsError(f"reading a .gguf file needs the gguf package: {GGUF_EXTRA}") from None
     return gguf
+
+
+# GGUF value type -> byte size of a scalar (8: string, 9: array are walked), from the GGUF specification
+GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def peek_architecture(path: Path) -> str | None:
+    """`general.architecture` read from the file's header alone (None if it cannot be found this way).
+
+    The gguf package's reader parses every metadata array when it opens a file, which takes minutes for a
+    256k-token vocabulary; an architecture we refuse anyway is refused before that. Walks the key/value
+    pairs (little-endian GGUF v2/v3) until the key; the writer puts it first."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF" or struct.unpack("<I", f.read(4))[0] not in (2, 3):
+                return None
+            _tensors, pairs = struct.unpack("<QQ", f.read(16))
+
+            def string() -> bytes:
+                return f.read(struct.unpack("<Q", f.read(8))[0])
+
+            def skip(kind: int) -> None:
+                if kind == 8:
+                    string()
+                elif kind == 9:
+                    item, count = struct.unpack("<IQ", f.read(12))
+                    if item in GGUF_SCALAR_SIZES:
+                        f.seek(count * GGUF_SCALAR_SIZES[item], 1)
+                    else:
+                        for _ in range(count):
+                            skip(item)
+                elif kind in GGUF_SCALAR_SIZES:
+                    f.seek(GGUF_SCALAR_SIZES[kind], 1)
+                else:
+                    raise ValueError(kind)
+
+            for _ in range(min(pairs, 4096)):
+                key, kind = string(), struct.unpack("<I", f.read(4))[0]
+                if key == b"general.architecture":
+                    return string().decode("utf-8") if kind == 8 else None
+                skip(kind)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError, OverflowError):
+        return None
+    return None
 
 
 def open_gguf(path: Path):
@@ -88,35 +138,68 @@ def _need(meta: dict[str, Any], key: str, path: Path) -> Any:
     return meta[key]
 
 
+def _number(meta: dict[str, Any], key: str, path: Path, kind: type, default: Any = None, minimum: float = 1,
+            layered: bool = False) -> Any:
+    """A GGUF metadata value as an int (kind int) or a float (kind float, an integer accepted) >= `minimum`;
+    `default` when absent (None: required). For a `layered` key llama.cpp writes a per-layer array where layers
+    differ (head counts, FFN sizes of some models): an array of equal entries is that one value, others are
+    refused, as are strings, bools and arrays of other keys."""
+    value = _need(meta, key, path) if default is None else meta.get(key, default)
+    per_layer = isinstance(value, list)
+    if per_layer and layered and value and all(v == value[0] for v in value):
+        value = value[0]
+    if per_layer and isinstance(value, list):
+        why = ("per-layer values that differ are not supported" if value and layered else "an empty array" if layered
+               else f"expected {'an integer' if kind is int else 'a number'}, not an array")
+    elif isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        why = f"expected {'an integer' if kind is int else 'a number'}"
+    elif not math.isfinite(value) or value < minimum:
+        why = f"expected a {'number' if kind is float else 'value'} >= {minimum:g}"
+    else:
+        return kind(value)
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise DepthToolsError(f"{path}: GGUF metadata {key}={shown} ({why})")
+
+
+def unsupported_architecture(arch: Any, path: Path) -> DepthToolsError:
+    """The refusal of a GGUF architecture this importer does not read; where transformers' GGUF loader converts
+    it to a family import-hf reads (`TRANSFORMERS_CONVERTS`), it says how."""
+    line = f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+    if isinstance(arch, str) and arch in TRANSFORMERS_CONVERTS:
+        line += (f"; transformers converts a {arch} GGUF to a Hugging Face folder, which import-hf reads: "
+                 f"AutoModelForCausalLM.from_pretrained(DIR, gguf_file={path.name!r}).save_pretrained(OUT) (and "
+                 f"AutoTokenizer the same way), then depthtools import-hf OUT")
+    return DepthToolsError(line)
+
+
 def hf_config(meta: dict[str, Any], vocab_rows: int, tied: bool, path: Path) -> dict[str, Any]:
-    """The HF config.json equivalent to the GGUF metadata (llama/qwen2/qwen3), or a one-line refusal."""
+    """The HF config.json equivalent to the GGUF metadata (llama/qwen2/qwen3), or a one-line refusal naming the file."""
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise DepthToolsError(f"{path}: GGUF architecture {arch!r} is not supported "
-                              f"(supported: {', '.join(ARCHITECTURES)})")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise unsupported_architecture(arch, path)
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise DepthToolsError(f"{path}: GGUF {arch}.rope.scaling.type={scaling!r} is not supported (scaled RoPE "
                               "cannot be expressed exactly)")
-    heads = int(_need(meta, f"{arch}.attention.head_count", path))
-    d_model = int(_need(meta, f"{arch}.embedding_length", path))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", d_model // heads))
+    heads = _number(meta, f"{arch}.attention.head_count", path, int, layered=True)
+    d_model = _number(meta, f"{arch}.embedding_length", path, int)
+    head_dim = _number(meta, f"{arch}.attention.key_length", path, int, default=max(1, d_model // heads))
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    if rope_dims is not None and _number(meta, f"{arch}.rope.dimension_count", path, int) != head_dim:
         raise DepthToolsError(f"{path}: GGUF {arch}.rope.dimension_count={rope_dims} (partial rotary) is not "
                               f"supported for {arch}; expected {head_dim}")
     hf = {
         "model_type": ARCHITECTURES[arch][0],
         "vocab_size": vocab_rows,
         "hidden_size": d_model,
-        "intermediate_size": int(_need(meta, f"{arch}.feed_forward_length", path)),
-        "num_hidden_layers": int(_need(meta, f"{arch}.block_count", path)),
+        "intermediate_size": _number(meta, f"{arch}.feed_forward_length", path, int, layered=True),
+        "num_hidden_layers": _number(meta, f"{arch}.block_count", path, int),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "num_key_value_heads": _number(meta, f"{arch}.attention.head_count_kv", path, int, default=heads, layered=True),
         "head_dim": head_dim,
-        "max_position_embeddings": int(_need(meta, f"{arch}.context_length", path)),
-        "rms_norm_eps": float(_need(meta, f"{arch}.attention.layer_norm_rms_epsilon", path)),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": _number(meta, f"{arch}.context_length", path, int),
+        "rms_norm_eps": _number(meta, f"{arch}.attention.layer_norm_rms_epsilon", path, float, minimum=0),
+        "rope_theta": _number(meta, f"{arch}.rope.freq_base", path, float, default=10000.0, minimum=0),
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
     }
@@ -124,7 +207,7 @@ def hf_config(meta: dict[str, Any], vocab_rows: int, tied: bool, path: Path) -> 
         hf["attention_bias"] = False
     for ours, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if key in meta:
-            hf[ours] = int(meta[key])
+            hf[ours] = _number(meta, key, path, int, minimum=0)
     return hf
 
 
@@ -179,6 +262,31 @@ def hf_tensors(reader, hf: dict[str, Any], permuted: bool, path: Path) -> dict[s
     return out
 
 
+def bpe_parts(tokens: list[Any], merges: list[Any]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(vocabulary, merge pairs) of a GGUF byte-level BPE, or a one-line refusal of what `tokenizers` would choke
+    on or silently get wrong: a token listed twice (one id would vanish), a merge that is not two tokens
+    separated by a space, a merge of (or into) a token the list lacks."""
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        if not isinstance(token, str):
+            raise DepthToolsError(f"GGUF tokenizer.ggml.tokens[{i}]={token!r} is not a string")
+        if token in vocab:
+            raise DepthToolsError(f"GGUF tokenizer.ggml.tokens lists {token!r} twice (ids {vocab[token]} and {i}); "
+                                  "each token must have one id")
+        vocab[token] = i
+    pairs: list[tuple[str, str]] = []
+    for merge in merges:
+        parts = merge.split(" ") if isinstance(merge, str) else []
+        if len(parts) != 2 or not all(parts):
+            raise DepthToolsError(f"GGUF tokenizer.ggml.merges entry {merge!r} is not two tokens separated by one space")
+        unknown = next((t for t in (*parts, "".join(parts)) if t not in vocab), None)
+        if unknown is not None:
+            raise DepthToolsError(f"GGUF tokenizer.ggml.merges entry {merge!r} merges into or from {unknown!r}, which "
+                                  "is not in tokenizer.ggml.tokens")
+        pairs.append((parts[0], parts[1]))
+    return vocab, pairs
+
+
 def gguf_tokenizer(meta: dict[str, Any], vocab_size: int):
     """(tokenizers.Tokenizer, None) rebuilt exactly from the file's metadata, or (None, why not).
 
@@ -199,8 +307,7 @@ def gguf_tokenizer(meta: dict[str, Any], vocab_size: int):
     if len(tokens) > vocab_size:
         raise DepthToolsError(f"GGUF tokenizer has {len(tokens)} tokens but the embedding has only {vocab_size} rows")
 
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    vocab, pairs = bpe_parts(tokens, merges)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -210,6 +317,10 @@ def gguf_tokenizer(meta: dict[str, Any], vocab_size: int):
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """(HF config dict, HF-named float32 tensors, metadata) of a GGUF file."""
     path = Path(path)
+    _gguf()
+    arch = peek_architecture(path) if path.is_file() else None
+    if arch is not None and arch not in ARCHITECTURES:  # before the reader parses the whole vocabulary
+        raise unsupported_architecture(arch, path)
     reader = open_gguf(path)
     meta = metadata(reader)
     names = {t.name: t for t in reader.tensors}
@@ -221,6 +332,21 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
     return hf, hf_tensors(reader, hf, permuted, path), meta
 
 
+@contextmanager
+def _naming(path: Path, staging: Path | None = None):
+    """Refusals raised inside name the .gguf file, never the temporary folder it was converted into (deleted by
+    the time the user reads the line): `staging/x` reads as `x`, and a line without the file's name is prefixed."""
+    try:
+        yield
+    except DepthToolsError as exc:
+        line = str(exc)
+        if staging is not None:
+            line = line.replace(f"{staging}{os.sep}", "").replace(str(staging), "the converted model")
+        if str(path) not in line:
+            line = f"{path}: {line}"
+        raise DepthToolsError(line) from None
+
+
 def import_gguf(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
                 max_seq_len: int | None = None) -> dict[str, Any]:
     """Convert a GGUF file into a depthtools checkpoint (as `import_hf` does a folder); returns a summary.
@@ -230,25 +356,23 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
     write of the HF path apply; the provenance then names the GGUF file.
     """
     path = Path(path)
-    hf, tensors, meta = read_gguf(path)
-    tokenizer, why = gguf_tokenizer(meta, hf["vocab_size"])
+    with _naming(path):
+        hf, tensors, meta = read_gguf(path)
+        tokenizer, why = gguf_tokenizer(meta, hf["vocab_size"])
+    source = {"format": f"gguf-{meta.get('general.architecture')}", "path": str(path.resolve()), "hf_config": hf,
+              "gguf_sha256": file_sha256(path), "quantization": sorted({t.tensor_type.name for t in open_gguf(path).tensors})}
     staging = Path(tempfile.mkdtemp(prefix="depthtools-gguf-"))
     try:
         (staging / "config.json").write_text(json.dumps(hf), encoding="utf-8")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"))
         if tokenizer is not None:
             tokenizer.save(str(staging / "tokenizer.json"))
-        summary = import_hf(staging, name=name, out=out, force=force, max_seq_len=max_seq_len)
+        with _naming(path, staging):
+            summary = import_hf(staging, name=name, out=out, force=force, max_seq_len=max_seq_len, source=source)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    target = Path(summary["checkpoint"])
-    config = read_json(target / CONFIG)
-    config["source"] = {"format": f"gguf-{meta.get('general.architecture')}", "path": str(path.resolve()),
-                        "hf_config": hf, "gguf_sha256": file_sha256(path),
-                        "quantization": sorted({t.tensor_type.name for t in open_gguf(path).tensors})}
-    atomic_write_json(target / CONFIG, config)
     summary["source"] = str(path)
-    summary["notes"] = [] if tokenizer is not None else [f"no tokenizer was carried: {why}"]
+    summary["notes"] = [*summary.get("notes", []), *([] if tokenizer is not None else [f"no tokenizer was carried: {why}"])]
     return summary
 
 

@@ -23,7 +23,6 @@ benchmarks/import_accuracy.py and benchmarks/RESULTS.md). With float32 tables th
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -40,7 +39,7 @@ from depthtools.data.tokenizer import tokenizer_file_fingerprint
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name, dir_mode, file_sha256, replace_dir
 from depthtools.interop.checks import check_special_ids, validate_imported_weights, validate_tokenizer
-from depthtools.interop.families import hf_state, hf_to_model_config as family_config
+from depthtools.interop.families import head_from_file, hf_state, hf_to_model_config as family_config, untied_note
 from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, resolve_tokenizer
 
 HF_CONFIG = "config.json"
@@ -160,15 +159,32 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return hf
 
 
+def read_weight_map(path: str | Path) -> dict[str, str] | None:
+    """The `weight_map` of a folder's model.safetensors.index.json (None: no index), checked before any shard is
+    opened: an object of tensor name -> shard file name, each shard inside the folder. Like transformers
+    (`_check_shard_filenames_stay_in_model_dir`), an absolute name or one with a `..` part is refused, not
+    resolved (hub-cache shards are symlinks)."""
+    index = Path(path) / HF_INDEX
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise DepthToolsError(f"corrupt {index}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise DepthToolsError(f"corrupt {index}: weight_map must be an object of tensor name -> shard file name")
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).anchor or ".." in Path(shard).parts:
+            raise DepthToolsError(f"{index} names a shard outside the model folder: {shard!r} (shards must be files "
+                                  "of the folder)")
+    return weight_map
+
+
 def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors HF checkpoint; pickled weights are refused."""
     path = Path(path)
-    index = path / HF_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DepthToolsError(f"corrupt {index}: {exc}") from None
+    weight_map = read_weight_map(path)
+    if weight_map is not None:
         tensors: dict[str, torch.Tensor] = {}
         for shard in sorted(set(weight_map.values())):
             tensors.update(read_tensors(path / shard))
@@ -186,12 +202,7 @@ def hf_weights_file(path: str | Path) -> Callable[[str], Path]:
     """Tensor name -> the safetensors file of `path` that holds it (the index's shard, else model.safetensors),
     so an error about one tensor names the file to look at."""
     path = Path(path)
-    weight_map: dict[str, str] = {}
-    if (path / HF_INDEX).is_file():
-        try:
-            weight_map = json.loads((path / HF_INDEX).read_text(encoding="utf-8")).get("weight_map") or {}
-        except (OSError, ValueError, AttributeError):
-            weight_map = {}
+    weight_map = read_weight_map(path) or {}
     return lambda name: path / str(weight_map.get(name, HF_WEIGHTS))
 
 
@@ -223,11 +234,15 @@ def from_hf(path: str | Path, max_seq_len: int | None = None, dtype: torch.dtype
     `path` holds config.json + model.safetensors (or a safetensors index with shards). Half-precision
     weights are cast to `dtype` (float32 by default: exact). `max_seq_len` overrides
     `max_position_embeddings` (the longest sequence the model accepts); for a Mistral whose sliding
-    window is shorter than that context, pass max_seq_len <= the window (otherwise refused).
+    window is shorter than that context, pass max_seq_len <= the window (otherwise refused). A tied config
+    whose weights hold a different head is read untied with the file's head, as transformers 5.x loads it
+    (`families.head_from_file`).
     """
     path = Path(path)
     cfg = hf_to_model_config(read_hf_config(path), max_seq_len)
-    state = hf_state_to_depthtools(read_hf_tensors(path), cfg, dtype, source=path)
+    tensors = read_hf_tensors(path)
+    cfg = head_from_file(tensors, cfg)  # a tied config with its own head in the file: transformers keeps the head
+    state = hf_state_to_depthtools(tensors, cfg, dtype, source=path)
     check_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, path)  # before a model of cfg's size exists
     model = DepthModel(cfg)
     _load_state(model, state, str(path))
@@ -250,12 +265,15 @@ def _tokenizer_fingerprint(file: Path) -> str:
 
 
 def import_hf(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
-              max_seq_len: int | None = None) -> dict[str, Any]:
+              max_seq_len: int | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
     """Convert a local HF Llama directory into a depthtools checkpoint; returns a summary dict.
 
     The checkpoint lands in `out`, or `$DEPTHTOOLS_CHECKPOINTS/<name>`. Tokenizer files (and
     generation_config.json) are copied beside the weights; config.json records the HF config under
-    "source" and the tokenizer under "tokenizer". An existing checkpoint is kept unless `force`.
+    "source" (or `source`, the provenance a converting caller such as `import_gguf` gives) and the
+    tokenizer under "tokenizer". An existing checkpoint is kept unless `force`; with `force` the whole
+    folder is replaced. All or nothing: the new checkpoint is written in a hidden folder beside the
+    target and swapped in by renames, so a failure at any point (a full disk) leaves the old one intact.
     """
     path = Path(path)
     hf = read_hf_config(path)
@@ -264,9 +282,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     if name is not None:  # one folder under $DEPTHTOOLS_CHECKPOINTS
         check_name(name, "checkpoint name (--name)")
     target = Path(out) if out is not None else checkpoints_root() / str(name)
-    check_dir_target(target, "checkpoint folder (--out)")
-    if (target / CONFIG).is_file() and not force:
-        raise DepthToolsError(f"{target} already holds a checkpoint; pass --force to overwrite it")
+    _check_import_target(target, force)
     carried = [f for f in HF_CARRIED_FILES if (path / f).is_file()]
     cfg = hf_to_model_config(hf, max_seq_len)
     # Everything is checked before the target is touched: a refusal leaves no half-written checkpoint
@@ -274,12 +290,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     check_special_ids(hf, cfg.vocab_size, path / HF_CONFIG)
     validate_tokenizer(path, cfg.vocab_size, tuple(carried))
     model = from_hf(path, max_seq_len)
-    target.mkdir(parents=True, exist_ok=True)
-    for file in HF_CARRIED_FILES:  # a forced re-import must not keep another model's tokenizer files
-        if file not in carried:
-            (target / file).unlink(missing_ok=True)
-    for file in carried:
-        _copy_atomic(path / file, target / file)
+    notes = [untied_note(hf)] if model.config.tie_embeddings != cfg.tie_embeddings else []
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file():
         main = "tokenizer.json" if (path / "tokenizer.json").is_file() else "tokenizer.model"
@@ -287,11 +298,44 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
         tokenizer = {"name": "huggingface", "format": "huggingface", "file": main, "files": [
             f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _tokenizer_fingerprint(path / main),
             "vocab_size": size, "sep_id": hf.get("eos_token_id")}
-    source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
-              "weights_sha256": {f.name: file_sha256(f) for f in sorted(path.glob("*.safetensors"))}}
-    save(model, target, extra={"source": source, "tokenizer": tokenizer, "train": None})
+    if source is None:
+        source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
+                  "weights_sha256": {f.name: file_sha256(f) for f in sorted(path.glob("*.safetensors"))}}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".import.tmp"))
+    staging.chmod(dir_mode())  # mkdtemp's 0700 would make the checkpoint private whatever the umask
+    try:
+        for file in carried:
+            shutil.copyfile(path / file, staging / file)
+        save(model, staging, extra={"source": source, "tokenizer": tokenizer, "train": None})
+        replace_dir(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return {"checkpoint": str(target), "model": model.config.to_dict(), "params": model.param_counts(),
-            "tokenizer_files": [f for f in carried if f in HF_TOKENIZER_FILES], "carried": carried}
+            "tokenizer_files": [f for f in carried if f in HF_TOKENIZER_FILES], "carried": carried, "notes": notes}
+
+
+def _check_import_target(target: Path, force: bool) -> None:
+    """The import may replace `target`: a new or empty folder, or (with `force`) a depthtools checkpoint. Any
+    other folder (files of the user's, a Hugging Face folder, the folder being imported) is refused even with
+    `force`: the swap would delete it."""
+    check_dir_target(target, "checkpoint folder (--out)")
+    if _is_checkpoint(target):
+        if not force:
+            raise DepthToolsError(f"{target} already holds a checkpoint; pass --force to overwrite it")
+    elif target.is_dir() and any(target.iterdir()):
+        raise DepthToolsError(f"{target} is a non-empty folder that holds no depthtools checkpoint; an import "
+                              "replaces its whole folder, so choose a new or empty one")
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    """Whether `folder` holds a depthtools checkpoint (a config.json with its model section)."""
+    try:
+        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("model"), dict)
 
 
 # -- export --------------------------------------------------------------------------------------
@@ -365,12 +409,6 @@ def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = 
         raise
     return {"out": str(out), "checkpoint": str(directory), "arch": model.config.arch,
             "tensors": len(tensors), "tokenizer": plan.describe(), "notes": list(plan.notes)}
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
 
 
 __all__ = [

@@ -33,7 +33,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from depthtools.analysis.tokens import recorded_data_dir
 from depthtools.checkpoint import atomic_write_bytes
-from depthtools.data.tokenizer import BPETokenizer
+from depthtools.data.tokenizer import BPETokenizer, check_tokenizer_file
 from depthtools.errors import DepthToolsError
 
 # Files carried from an imported HF directory into the checkpoint (and back out on export).
@@ -308,6 +308,9 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
     recorded = config.get("tokenizer") or {}
     if recorded.get("format") == "huggingface" or (not recorded and _is_hf_tokenizer_dir(ckpt_dir)):
         source = (config.get("source") or {}).get("hf_config")
+        main = recorded.get("file") if recorded.get("file") in ("tokenizer.model", TOKENIZER_JSON) else TOKENIZER_JSON
+        if (ckpt_dir / main).is_file():  # the carried file must be the one the import recorded
+            check_tokenizer_file(ckpt_dir / main, recorded.get("fingerprint"), f"checkpoint {ckpt_dir.name}'s config.json")
         return hf_plan(ckpt_dir, vocab, source)
     if recorded.get("name") == "byte":
         return byte_plan(max_len, "byte (recorded)")

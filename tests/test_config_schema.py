@@ -1,0 +1,170 @@
+"""config.json values are type-checked the way transformers' config classes check them (issue 43 items 3, 11).
+
+Every key a family's map reads has a rule in `depthtools.interop.schema.SCHEMAS` (found by recording the keys
+`hf_to_model_config` reads), each rule agrees with the installed transformers config class's annotation, and
+each hostile value found by the issue's runs is one line naming the key: `"false"` is refused, not read as
+true; 0 heads, `"abc"` thetas and a negative `query_pre_attn_scalar` never reach a division or a power.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from depthtools.errors import DepthToolsError
+from depthtools.interop.families import FAMILIES, hf_to_model_config
+from depthtools.interop.schema import SCHEMAS
+
+transformers = pytest.importorskip("transformers")
+from test_families import CONFIG_CLASS, VOCAB, build_hf
+
+runner = CliRunner()
+
+
+def sizes(family: str) -> dict:
+    out = ({"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4} if family == "gpt2" else
+           {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2 if family != "gpt_neox" else 4})
+    if family.startswith("gemma"):
+        out["head_dim"] = 16
+    return out
+
+
+class Recording(dict):
+    """A config.json dict that records every key read from it."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+def test_every_family_has_a_schema_row():
+    assert set(SCHEMAS) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_key_a_family_reads_has_a_rule(family):
+    full = getattr(transformers, CONFIG_CLASS[family])(**sizes(family)).to_dict()
+    read: set[str] = set()
+    for config in (full, {"model_type": family, **sizes(family)}):
+        recording = Recording(config)
+        hf_to_model_config(recording, max_seq_len=64)
+        read |= recording.read
+    assert read - set(SCHEMAS[family]) == set()
+
+
+KINDS = {bool: {"bool"}, int: {"int", "id"}, float: {"number"}, str: {"str"}, dict: {"dict", "rope"}}
+
+
+def _kinds(annotation) -> set[str]:
+    """Our rule kinds compatible with a transformers field annotation (None dropped: null is absent)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] if isinstance(
+        annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else [annotation]
+    if any(typing.get_origin(a) is list and typing.get_args(a) == (int,) for a in args):
+        return {"ids"}
+    if any(typing.get_origin(a) is list for a in args):
+        return {"strs"}
+    if float in args:
+        return {"number"}
+    kinds: set[str] = set()
+    for a in args:
+        kinds |= KINDS.get(a, {"rope"} if "Rope" in str(a) else set())
+    return kinds
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_rules_mirror_the_config_class(family):
+    """Each rule's kind is the class field's annotation; the class's own default passes the rule."""
+    cls = getattr(transformers, CONFIG_CLASS[family])
+    fields, hints = {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls, localns={"torch": torch})
+    checked = 0
+    for key, rule in SCHEMAS[family].items():
+        if key not in fields:
+            continue  # a legacy (4.x) key the family still reads
+        assert rule.kind in _kinds(hints[key]), (key, hints[key], rule.kind)
+        default = fields[key].default
+        if default is not None and not isinstance(default, dataclasses._MISSING_TYPE):
+            assert rule.ok(default), (key, default)
+        checked += 1
+    assert checked >= 8
+
+
+HOSTILE = [  # (config.json changes, the key the one line names)  -- the issue's inputs, then more
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false'"),
+    ({"model_type": "gpt_neox", "use_parallel_residual": "false"}, "use_parallel_residual='false'"),
+    ({"bos_token_id": "1"}, "bos_token_id='1'"),
+    ({"model_type": ["llama"]}, "model_type=['llama']"),
+    ({"model_type": {"name": "llama"}}, "model_type={'name': 'llama'}"),
+    ({"model_type": "qwen3", "num_key_value_heads": 0}, "num_key_value_heads=0"),
+    ({"model_type": "qwen3", "num_attention_heads": 0}, "num_attention_heads=0"),
+    ({"rope_theta": "abc"}, "rope_theta='abc'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": [1, 2]}}, "rope_parameters.rope_theta=[1, 2]"),
+    ({"model_type": "gpt_neox", "rotary_emb_base": "abc"}, "rotary_emb_base='abc'"),
+    ({"model_type": "qwen2", "max_window_layers": "x"}, "max_window_layers='x'"),
+    ({"model_type": "gemma2", "query_pre_attn_scalar": 0}, "query_pre_attn_scalar=0"),
+    ({"model_type": "gemma2", "query_pre_attn_scalar": -4}, "query_pre_attn_scalar=-4"),
+    ({"model_type": "gemma2", "final_logit_softcapping": "abc"}, "final_logit_softcapping='abc'"),
+    ({"eos_token_id": [1, "2"]}, "eos_token_id=[1, '2']"),
+    ({"hidden_act": ["silu"]}, "hidden_act=['silu']"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps=0"),
+    ({"initializer_range": 5}, "initializer_range=5"),
+    ({"model_type": "olmo", "clip_qkv": "0.3"}, "clip_qkv='0.3'"),
+    ({"model_type": "gpt2", "n_inner": "48"}, "n_inner='48'"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_theta": "x"},
+                                                       "sliding_attention": {}}},
+     "rope_parameters.full_attention.rope_theta='x'"),
+    ({"model_type": "qwen2", "layer_types": ["full_attention", "global"]}, "layer_types=['full_attention', 'global']"),
+    ({"vocab_size": 61.0}, "vocab_size=61.0"),
+    ({"num_hidden_layers": True}, "num_hidden_layers=True"),
+    ({"model_type": "phi3", "partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
+    ({"model_type": "qwen2", "num_hidden_layers": 10**9}, "num_hidden_layers=1000000000"),  # not a 10**9 list
+    ({"model_type": "mistral", "sliding_window": "4096"}, "sliding_window='4096'"),
+    ({"rope_parameters": {"rope_theta": float("nan")}}, "rope_parameters.rope_theta=nan"),
+    ({"pad_token_id": 1.5}, "pad_token_id=1.5"),
+]
+
+
+@pytest.mark.parametrize("change,needle", HOSTILE, ids=lambda v: v if isinstance(v, str) else None)
+def test_hostile_values_are_one_line_naming_the_key(change, needle):
+    family = change.get("model_type") if isinstance(change.get("model_type"), str) else "llama"
+    config = {"model_type": family, **sizes(family), **change}
+    with pytest.raises(DepthToolsError) as err:
+        hf_to_model_config(config)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert "j)" not in str(err.value)  # no complex number
+
+
+def test_a_false_string_on_the_command_line_is_exit_2_and_writes_nothing(tmp_path):
+    folder = tmp_path / "hf"
+    build_hf("gpt2", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": "false"}))
+    result = runner.invoke(app, ["import-hf", str(folder), "--out", str(tmp_path / "ck")])
+    assert result.exit_code == 2 and "tie_word_embeddings='false'" in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1 and not Path(tmp_path / "ck").exists()
+
+
+def test_real_configs_still_pass():
+    """The full config.json transformers writes for each family, with its defaults, passes every rule."""
+    for family in FAMILIES:
+        hf_to_model_config(getattr(transformers, CONFIG_CLASS[family])(**sizes(family)).to_dict(), max_seq_len=64)
