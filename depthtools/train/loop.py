@@ -47,12 +47,13 @@ from torch import nn
 from depthtools import profiles
 from depthtools.analysis.tasks import answer_accuracy
 from depthtools.arch import DepthModel, compiled
-from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, read_metrics, save
+from depthtools.checkpoint import (CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, imported_from, read_json,
+                                   read_metrics, save, weights_problem)
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
 from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, write_error
+from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, json_section, write_error
 from depthtools.grid import count_params
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
@@ -113,6 +114,53 @@ def data_location(data_dir: str | Path, out_dir: str | Path) -> dict[str, str]:
 def is_finished(out_dir: str | Path) -> bool:
     """A cell is finished when eval.json exists (written after the final weights and config)."""
     return (Path(out_dir) / EVAL).is_file()
+
+
+def held_checkpoint(out_dir: str | Path) -> dict[str, str] | None:
+    """What a training run into `out_dir` would replace: None, or {"state": finished | imported | damaged,
+    "detail": one line}. The one rule of `train`, `grid train` (every launcher) and `grid status`:
+
+    finished: eval.json, a readable config.json, and weights whose header matches it (`weights_problem`);
+    imported: config.json records a "source" (`import-hf`; no eval.json), weights matching it;
+    damaged: eval.json (or an import's config.json) but weights that are missing, cut short, of a
+    non-float dtype or of other names or shapes than the config, or an eval.json or config.json that
+    cannot be read. None of them is trained over without force."""
+    out_dir = Path(out_dir)
+    config_path = out_dir / CONFIG
+    config, config_problem = None, None
+    if config_path.is_file():
+        try:
+            config = read_json(config_path)
+            model = json_section(config, "model", config_path, dict, CheckpointError)
+        except DepthToolsError as exc:
+            config_problem = str(exc)
+    provenance = imported_from(config) if config is not None else None
+    if not is_finished(out_dir) and provenance is None:
+        return None
+    kind = "finished" if is_finished(out_dir) else "imported"
+    problem = (eval_problem(out_dir / EVAL) if kind == "finished" else None) or config_problem
+    if problem is None and config is None:
+        problem = f"{CONFIG} is missing in {out_dir}"
+    if problem is None:
+        problem = weights_problem(out_dir / WEIGHTS, model)
+    if problem is not None:
+        return {"state": "damaged", "detail": problem}
+    return {"state": kind, "detail": provenance or "finished run"}
+
+
+def eval_problem(path: Path) -> str | None:
+    """Why a cell's eval.json is not one `finish` wrote (None: it is): an object whose "step" is an
+    integer and whose "val_loss" is a finite number or null (no validation split)."""
+    try:
+        evals = read_json(path)
+    except DepthToolsError as exc:
+        return str(exc)
+    step, loss = evals.get("step"), evals.get("val_loss")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f"{path}: 'step' is {step!r}, not an integer (not written by the trainer)"[:300]
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss)):
+        return f"{path}: 'val_loss' is {loss!r}, not a finite number (not written by the trainer)"[:300]
+    return None
 
 
 # -- small pieces --------------------------------------------------------------------------------
@@ -717,8 +765,35 @@ def tidy_finished(out_dir: str | Path) -> list[str]:
         lock.release()
 
 
+def refuse_held(out_dir: Path) -> None:
+    """CellFinishedError, in one line, when `out_dir` holds a checkpoint a run would replace
+    (`held_checkpoint`: a finished run, an imported model, or a damaged one of them); a finished cell
+    first loses what a kill in its final writes left (`tidy_finished`)."""
+    held = held_checkpoint(out_dir)
+    if held is None:
+        return
+    if held["state"] == "finished":
+        tidy_finished(out_dir)
+        raise CellFinishedError(f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it")
+    if held["state"] == "imported":
+        raise CellFinishedError(f"{out_dir} holds a model {held['detail']}; training would replace it: choose another "
+                                "--out, or pass force=True (--force) to replace it")
+    raise CellFinishedError(f"{out_dir} holds a damaged checkpoint ({held['detail']}); pass force=True (--force) "
+                            "to retrain it")
+
+
 def clear_cell(out_dir: Path) -> None:
-    """Remove a previous run's outputs (for force=True); other files in the folder are left alone."""
+    """Remove a previous run's outputs (for force=True), and an imported model's tokenizer and generation
+    files (a trained model must not sit beside another model's tokenizer); other files are left alone."""
+    try:
+        imported = imported_from(read_json(out_dir / CONFIG)) is not None
+    except DepthToolsError:
+        imported = False
+    if imported:
+        from depthtools.interop.tokenizer import HF_CARRIED_FILES  # lazy: only a forced run over an import needs it
+
+        for name in HF_CARRIED_FILES:
+            (out_dir / name).unlink(missing_ok=True)
     for name in (EVAL, WEIGHTS, CONFIG, METRICS, HEARTBEAT):
         (out_dir / name).unlink(missing_ok=True)
     shutil.rmtree(out_dir / STATE_DIR, ignore_errors=True)
@@ -739,10 +814,8 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     """
     out_dir = Path(out_dir)
     check_dir_target(out_dir, "cell folder (--out)")
-    finished = f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it"
-    if is_finished(out_dir) and not force:
-        tidy_finished(out_dir)
-        raise CellFinishedError(finished)
+    if not force:
+        refuse_held(out_dir)
     # refuse unusable inputs before the cell folder, its lock or a heartbeat exist: a refused start writes nothing
     check_inputs(model_cfg, train_cfg, read_meta(Path(data_dir)), Path(data_dir), out_dir.name, warn=False)
     dist = distributed.setup(resolve_device(train_cfg).type, train_cfg.parallel)  # torchrun: join the group
@@ -751,8 +824,8 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
         if dist.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             lock = acquire_lock(out_dir / LOCK, f"cell {out_dir}", error=CellLockedError, log=logger.warning)
-            if is_finished(out_dir) and not force:  # finished by the process that held the lock a moment ago
-                raise CellFinishedError(finished)
+            if not force:  # finished by the process that held the lock a moment ago
+                refuse_held(out_dir)
             if force:
                 clear_cell(out_dir)
         distributed.barrier(dist)
@@ -797,5 +870,5 @@ def _train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir, out_dir: Pa
     return summary
 
 
-__all__ = ["CellFinishedError", "CellLockedError", "TrainingDivergedError", "is_finished", "tidy_finished", "train_cell",
-           "write_heartbeat"]
+__all__ = ["CellFinishedError", "CellLockedError", "TrainingDivergedError", "held_checkpoint", "is_finished",
+           "tidy_finished", "train_cell", "write_heartbeat"]
