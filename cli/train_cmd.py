@@ -447,4 +447,5 @@ def grid_status_command(
         f"grid {spec.get('name')} in {root / spec.get('name', 'grid')}", ["cell", "state", "step", "detail"],
         [[r["cell"], Text(r["state"], style=colour[r["state"]]), step(r), r["detail"]] for r in rows],
     ))
-    console.print(", ".join(f"{state} {n}" for state, n in counts.items()))
+    console.print(", ".join(f"{state} {n}" for state, n in counts.items()  # imported/damaged only when there are some
+                            if n or state not in ("imported", "damaged")))

@@ -51,6 +51,7 @@ from depthtools.checkpoint import (CONFIG, WEIGHTS, atomic_write_bytes, atomic_w
                                    read_metrics, save, weights_problem)
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
+from depthtools.data.prepare import check_data_files
 from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
 from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, json_section, write_error
@@ -817,7 +818,9 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     if not force:
         refuse_held(out_dir)
     # refuse unusable inputs before the cell folder, its lock or a heartbeat exist: a refused start writes nothing
-    check_inputs(model_cfg, train_cfg, read_meta(Path(data_dir)), Path(data_dir), out_dir.name, warn=False)
+    meta = read_meta(Path(data_dir))
+    check_inputs(model_cfg, train_cfg, meta, Path(data_dir), out_dir.name, warn=False)
+    check_data_files(data_dir, meta)  # what the run reads is what the data fingerprint vouches for
     dist = distributed.setup(resolve_device(train_cfg).type, train_cfg.parallel)  # torchrun: join the group
     ok, lock = False, None
     try:
