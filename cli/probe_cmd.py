@@ -97,7 +97,10 @@ class ProbeCommand(TyperCommand):
     def invoke(self, ctx):
         """Run the command under the analysis dtype (--dtype) with --text FILE travelling as the data argument
         (a file there means text to tokenize with the checkpoint's own tokenizer: suite.eval_tokens)."""
-        text = ctx.params.get("text")
+        text, data = ctx.params.get("text"), ctx.params.get("data")
+        if data is not None and Path(data).is_file():  # --data names a folder; only --text FILE is tokenized as text
+            raise DepthToolsError(f"--data {data} is a file, not a prepared data folder (one with meta.json); to "
+                                  f"evaluate on a text file pass --text {data}")
         if text is not None:
             if ctx.params.get("data") is not None:
                 raise DepthToolsError("give --data DIR or --text FILE, not both")

@@ -125,3 +125,24 @@ def test_a_run_refuses_data_changed_after_preparation(layout, prepared, sharded,
 def test_untouched_data_trains(prepared, tmp_path):
     result = runner.invoke(app, [*TRAIN, "--data", str(prepared), "--out", str(tmp_path / "cell")])
     assert result.exit_code == 0, (result.output, result.exception)
+
+
+@pytest.mark.parametrize("command", [["lens"], ["analyze", "--only", "lens_logit"]])
+def test_data_naming_a_file_is_refused_and_points_to_text(command, tmp_path):
+    """Item 6: `--data FILE` (the help says a prepared data folder) was tokenized as text, silently."""
+    from depthtools import checkpoint as ck
+    from depthtools.arch import DepthModel
+    from depthtools.config import ModelConfig
+    from tiny_models import SMALL
+
+    cell = ck.save(DepthModel(ModelConfig(arch="preln", **SMALL)), tmp_path / "cell",
+                   extra={"tokenizer": {"name": "byte", "vocab_size": 256, "sep_id": 0}})
+    text = tmp_path / "notes.txt"
+    text.write_text("A plain text file, not a prepared dataset folder. " * 20)
+    result = runner.invoke(app, [*command, "--ckpt", str(cell), "--data", str(text), "--n-tokens", "32",
+                                 "--seq-len", "16"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert len(result.stderr.strip().splitlines()) == 1 and f"--text {text}" in result.stderr, result.stderr
+    assert not (cell / "analysis").exists()
+    ran = runner.invoke(app, [*command, "--ckpt", str(cell), "--text", str(text), "--n-tokens", "32", "--seq-len", "16"])
+    assert ran.exit_code == 0, (ran.output, ran.exception)
