@@ -300,8 +300,22 @@ def resolve(name: str | Path, root: str | Path | None = None) -> Path:
     if len(matches) > 1:
         listed = ", ".join(str(m) for m in matches)
         raise CheckpointError(f"checkpoint name {name!r} is ambiguous under {root}: {listed}")
-    known = ", ".join(c.name for c in candidates[:20]) or "none"
-    raise CheckpointError(f"unknown checkpoint {name!r} (searched {root}); available: {known}")
+    raise CheckpointError(f"unknown checkpoint {name!r} (searched {root}); available: {_listing(candidates, root)}")
+
+
+def _listing(candidates: list[Path], root: Path, most: int = 20) -> str:
+    """The checkpoints under root as unique names with the folders holding them ("preln_L2 (in g1, g2),
+    hc_L2 (in g1)"): a cell name shared by several grids is listed once, with where to find each."""
+    folders: dict[str, list[str]] = {}
+    for c in candidates:
+        parent = c.parent.relative_to(root) if c.parent != root and c.is_relative_to(root) else None
+        folders.setdefault(c.name, []).append("." if parent is None else str(parent))
+    if not folders:
+        return "none"
+    shown = [f"{n} (in {', '.join(where)})" if where != ["."] else n for n, where in list(folders.items())[:most]]
+    more = f", ... {len(folders) - most} more" if len(folders) > most else ""
+    return ", ".join(shown) + more + (" (pass the path, or GRID/NAME)" if any(len(w) > 1 for w in folders.values())
+                                      else "")
 
 
 def read_config(name: str | Path) -> dict[str, Any]:

@@ -193,3 +193,15 @@ def test_grid_status_shows_an_imported_checkpoint_in_a_cell_folder_as_imported(d
     assert ran.exit_code == 0, (ran.output, ran.exception)
     assert _snapshot(out) == before and "--force replaces it" in ran.stdout.replace("\n", " ")
     assert _status(grid, root)[cells[1].name]["state"] == "done"
+
+
+def test_unknown_checkpoint_lists_each_name_once_with_its_folders(tmp_path):
+    """Smaller item: the listing repeated a name once per grid (`available: preln_L2, preln_L2, ...`)."""
+    for where in ("g1/preln_L2", "g2/preln_L2", "g1/hc_L2", "loose"):
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "config.json").write_text("{}")
+    with pytest.raises(ck.CheckpointError) as exc:
+        ck.resolve("preln_L9", root=tmp_path)
+    listing = str(exc.value).split("available: ", 1)[1]
+    assert listing.count("preln_L2") == 1 and "preln_L2 (in g1, g2)" in listing and "hc_L2 (in g1)" in listing
+    assert "loose" in listing and "GRID/NAME" in listing

@@ -64,7 +64,7 @@ from depthtools.train.optim import build_optimizer, depth_scaling
 from depthtools.train.precision import NAMES, bf16_weights_supported, cast_params, resolve_param_dtype
 from depthtools.train.probe import DepthProbe
 from depthtools.train.schedule import lr_multiplier
-from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state,
+from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state, remove_partial_writes,
                                     roll_back_train_state, save_train_state)
 
 EVAL = "eval.json"
@@ -187,10 +187,18 @@ def run_fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, data_fingerp
 
     without_lr: the same hash leaving out the learning rates, so a resume with a changed LR can
     check that nothing else changed."""
+    text = json.dumps(run_record(model_cfg, train_cfg, data_fingerprint, without_lr), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_record(model_cfg: ModelConfig, train_cfg: TrainConfig, data_fingerprint: str,
+               without_lr: bool = False) -> dict[str, Any]:
+    """What `run_fingerprint` hashes, as JSON: the model config, the recipe without its cadence fields
+    (and learning rates, `without_lr`) and the data fingerprint. Saved with each train state, so a
+    refused resume names the fields that differ (`depthtools.train.state.run_differences`)."""
     skip = CADENCE_FIELDS + (LR_FIELDS if without_lr else ())
     recipe = {k: v for k, v in train_cfg.to_dict().items() if k not in skip}
-    text = json.dumps({"model": model_cfg.to_dict(), "train": recipe, "data": data_fingerprint}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return json.loads(json.dumps({"model": model_cfg.to_dict(), "train": recipe, "data": data_fingerprint}))
 
 
 def forward_loss(model, inputs: torch.Tensor, targets: torch.Tensor, probe: DepthProbe | None = None) -> torch.Tensor:
@@ -258,6 +266,7 @@ class Run:
     progress: Progress | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     lr_free_fingerprint: str = ""
+    record: dict[str, Any] = field(default_factory=dict)  # run_record: saved with each train state
     min_train_loss: float = math.inf  # lowest logged train loss so far (carried through resumes)
     lr_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes with a changed LR
     dist: Dist = field(default_factory=Dist)
@@ -329,7 +338,9 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
     params_total = model.param_counts()["total"]
     fingerprint = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"])
     lr_free = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"], without_lr=True)
-    info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint, lr_free, allow_lr_change)
+    record = run_record(model_cfg, train_cfg, meta["data_fingerprint"])
+    info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint, lr_free, allow_lr_change,
+                            record={**record, "param_dtype": NAMES[param_dtype]})
     saved_dtype = info.get("param_dtype", "float32") if info else None  # states before param_dtype: float32
     if saved_dtype is not None and saved_dtype != NAMES[param_dtype]:  # "auto" on another device
         raise CheckpointError(f"{out_dir / STATE_DIR} holds {saved_dtype} weights, but this run's param_dtype="
@@ -385,7 +396,7 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
         dtype=resolve_dtype(train_cfg, device), model=model, optimizer=optimizer,
         param_names=names, batches=batches,
         eval_sets=eval_sets, domains=domains, total_steps=total_steps,
-        peak_lr=peak_lr, fingerprint=fingerprint, lr_free_fingerprint=lr_free, lr_changes=lr_changes,
+        peak_lr=peak_lr, fingerprint=fingerprint, lr_free_fingerprint=lr_free, lr_changes=lr_changes, record=record,
         min_train_loss=float(min_loss) if isinstance(min_loss, (int, float)) else math.inf,
         flops_per_token=flops_per_token(model_cfg, params_total, train_cfg.seq_len),
         peak_flops=peak and peak * dist.world_size,  # tokens/s are the whole world's
@@ -513,7 +524,7 @@ def _checkpoint(run: Run, step: int, keep: int | None = None) -> None:
     """Rank 0 writes train_state, keeping step `keep`'s pair too (under FSDP every rank first helps
     gather the full state)."""
     info = {"tokens": step * run.tokens_per_step, "total_steps": run.total_steps, "fingerprint": run.fingerprint,
-            "fingerprint_without_lr": run.lr_free_fingerprint, "peak_lr": run.peak_lr,
+            "fingerprint_without_lr": run.lr_free_fingerprint, "run": run.record, "peak_lr": run.peak_lr,
             "lr_overrides": dict(run.train_cfg.lr_overrides), "lr_changes": run.lr_changes,
             "min_train_loss": run.min_train_loss if math.isfinite(run.min_train_loss) else None,
             **({"param_dtype": NAMES[run.param_dtype]} if run.param_dtype != torch.float32 else {}),
@@ -831,6 +842,7 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
                 refuse_held(out_dir)
             if force:
                 clear_cell(out_dir)
+            remove_partial_writes(out_dir / STATE_DIR)  # a kill inside a checkpoint write left them
         distributed.barrier(dist)
         summary = _train(model_cfg, train_cfg, data_dir, out_dir, progress, dist, allow_lr_change)
         ok = True
