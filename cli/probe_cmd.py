@@ -383,7 +383,7 @@ def causal_command(
     if check_protocol(protocol):  # DepthBench's causal_score with its skip rule, + mean/max/top-10
         if rule is not None:
             raise DepthToolsError("--rule does not apply to --protocol depthbench (DepthBench's skip rule is fixed "
-                                  "per family: identity, MoDA zero, AttnRes next-output)")
+                                  "per family: identity, MoDA zero, Full and Block AttnRes depthbench)")
         return run_depthbench_probe("causal", None, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size,
                                     device, as_json, out, save)
     cut_list = parse_list(cuts, "int", "--cuts", "8,16")
@@ -507,7 +507,7 @@ def depthbench_command(
 ):
     """DepthBench's metrics as its analysis scripts compute them (= analyze --protocol depthbench).
 
-    Its skip rules (AttnRes next-output, MoDA zero), its depth states (HC streams concatenated or folded),
+    Its skip rules (Full and Block AttnRes `depthbench`, MoDA zero), its depth states (HC streams concatenated or folded),
     all-pairs permutation with its mean, causal mean/max/top-10, every position of its windows.
 
     Example: depthtools depthbench --ckpt attnres_L8 --metrics causal_score,layer_pruning --n-tokens 4096
