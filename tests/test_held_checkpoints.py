@@ -205,3 +205,17 @@ def test_unknown_checkpoint_lists_each_name_once_with_its_folders(tmp_path):
     listing = str(exc.value).split("available: ", 1)[1]
     assert listing.count("preln_L2") == 1 and "preln_L2 (in g1, g2)" in listing and "hc_L2 (in g1)" in listing
     assert "loose" in listing and "GRID/NAME" in listing
+
+
+def test_train_refuses_a_finished_cell_whose_weights_are_damaged(data_dir, tmp_path):
+    """The same rule for `train --out`: a finished cell with damaged weights is refused without --force
+    (and named damaged), and retrained with it."""
+    out = _finished(tmp_path / "cell")
+    (out / ck.WEIGHTS).write_bytes((out / ck.WEIGHTS).read_bytes()[:-10])
+    before = _snapshot(out)
+    refused = runner.invoke(app, ["train", *TRAIN, "--data", str(data_dir), "--out", str(out)])
+    _one_line_refusal(refused, "damaged checkpoint", "truncated", "--force")
+    assert _snapshot(out) == before
+    forced = runner.invoke(app, ["train", *TRAIN, "--data", str(data_dir), "--out", str(out), "--force"])
+    assert forced.exit_code == 0, (forced.output, forced.exception)
+    ck.load(out)
