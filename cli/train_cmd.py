@@ -103,6 +103,9 @@ def _data_dir(data: str, tokenizer: str, data_root: Path) -> Path:
 
     if (Path(data) / "meta.json").is_file():
         return Path(data)
+    if Path(data).is_file():  # not a corpus name: the user's own text, which training reads only once prepared
+        raise DepthToolsError(f"--data {data} is a file, not a corpus name or a prepared data folder (one with "
+                              f"meta.json); prepare it first: depthtools data prepare --input {data}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks must not prepare the same folder at once
         raise DepthToolsError(f"under torchrun --data must be a prepared folder (with meta.json), got {data!r}; "
                               f"prepare it first: depthtools data prepare --corpus {data} --tokenizer {tokenizer}")

@@ -146,3 +146,12 @@ def test_data_naming_a_file_is_refused_and_points_to_text(command, tmp_path):
     assert not (cell / "analysis").exists()
     ran = runner.invoke(app, [*command, "--ckpt", str(cell), "--text", str(text), "--n-tokens", "32", "--seq-len", "16"])
     assert ran.exit_code == 0, (ran.output, ran.exception)
+
+
+def test_train_data_naming_a_file_points_to_data_prepare(tmp_path):
+    """`train --data FILE` was refused as an unknown corpus; it now says how to make the file a dataset."""
+    text = tmp_path / "notes.txt"
+    text.write_text("Some text. " * 50)
+    result = runner.invoke(app, [*TRAIN, "--data", str(text), "--out", str(tmp_path / "cell")])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert f"depthtools data prepare --input {text}" in result.stderr and not (tmp_path / "cell").exists()
