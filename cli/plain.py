@@ -65,7 +65,8 @@ class PlainTrainDisplay:
         cell, kind = str(event.get("cell", "?")), event["event"]
         where = f"cell {event.get('cell_index', 0) + 1}/{self.n_cells} {cell}"
         if kind == "skip":
-            self.log(f"{where}: already finished, skipped")
+            why = event.get("why", "finished")
+            self.log(f"{where}: already finished, skipped" if why == "finished" else f"{where}: skipped: {why}")
         elif kind == "start":
             self.total_steps[cell], self.started[cell] = event.get("total_steps", 0), time.monotonic()
             step = event.get("step", 0)

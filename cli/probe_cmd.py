@@ -98,7 +98,10 @@ class ProbeCommand(TyperCommand):
     def invoke(self, ctx):
         """Run the command under the analysis dtype (--dtype) with --text FILE travelling as the data argument
         (a file there means text to tokenize with the checkpoint's own tokenizer: suite.eval_tokens)."""
-        text = ctx.params.get("text")
+        text, data = ctx.params.get("text"), ctx.params.get("data")
+        if data is not None and Path(data).is_file():  # --data names a folder; only --text FILE is tokenized as text
+            raise DepthToolsError(f"--data {data} is a file, not a prepared data folder (one with meta.json); to "
+                                  f"evaluate on a text file pass --text {data}")
         if text is not None:
             if ctx.params.get("data") is not None:
                 raise DepthToolsError("give --data DIR or --text FILE, not both")
@@ -381,7 +384,7 @@ def causal_command(
     if check_protocol(protocol):  # DepthBench's causal_score with its skip rule, + mean/max/top-10
         if rule is not None:
             raise DepthToolsError("--rule does not apply to --protocol depthbench (DepthBench's skip rule is fixed "
-                                  "per family: identity, MoDA zero, AttnRes next-output)")
+                                  "per family: identity, MoDA zero, Full and Block AttnRes depthbench)")
         return run_depthbench_probe("causal", None, ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size,
                                     device, as_json, out, save)
     cut_list = parse_list(cuts, "int", "--cuts", "8,16")
@@ -525,7 +528,7 @@ def depthbench_command(
 ):
     """DepthBench's metrics as its analysis scripts compute them (= analyze --protocol depthbench).
 
-    Its skip rules (AttnRes next-output, MoDA zero), its depth states (HC streams concatenated or folded),
+    Its skip rules (Full and Block AttnRes `depthbench`, MoDA zero), its depth states (HC streams concatenated or folded),
     all-pairs permutation with its mean, causal mean/max/top-10, every position of its windows.
 
     Example: depthtools depthbench --ckpt attnres_L8 --metrics causal_score,layer_pruning --n-tokens 4096

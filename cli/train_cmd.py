@@ -50,7 +50,8 @@ class TrainDisplay:
         index = event.get("cell_index", 0) + 1
         kind = event["event"]
         if kind == "skip":
-            console.print(f"[dim]skip[/] {escape(str(event['cell']))} (finished)")
+            console.print(f"[dim]skip[/] {escape(str(event['cell']))} ({escape(str(event.get('why', 'finished')))})",
+                          highlight=False)
             return
         if kind == "start":
             if self.cell is not None:
@@ -103,6 +104,9 @@ def _data_dir(data: str, tokenizer: str, data_root: Path) -> Path:
 
     if (Path(data) / "meta.json").is_file():
         return Path(data)
+    if Path(data).is_file():  # not a corpus name: the user's own text, which training reads only once prepared
+        raise DepthToolsError(f"--data {data} is a file, not a corpus name or a prepared data folder (one with "
+                              f"meta.json); prepare it first: depthtools data prepare --input {data}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks must not prepare the same folder at once
         raise DepthToolsError(f"under torchrun --data must be a prepared folder (with meta.json), got {data!r}; "
                               f"prepare it first: depthtools data prepare --corpus {data} --tokenizer {tokenizer}")
@@ -351,13 +355,13 @@ def _launcher_log():
 def _grid_here(spec, root: Path, data_root: Path, threads: Optional[int], force: bool, as_json: bool):
     """All cells one after another in this process, with the progress display."""
     from depthtools.config import TrainConfig  # lazy: keeps the CLI torch-free
-    from depthtools.train import is_finished, train_grid  # lazy: keeps the CLI torch-free
+    from depthtools.train import held_checkpoint, train_grid  # lazy: keeps the CLI torch-free
 
     if threads:
         spec = {**spec, "train": {**(spec.get("train") or {}), "threads": threads}}
     recipe = TrainConfig.from_dict(spec.get("train") or {})
     grid_dir = root / spec.get("name", "grid")
-    todo = [c for c in spec["cells"] if force or not is_finished(grid_dir / c.name)]
+    todo = [c for c in spec["cells"] if force or held_checkpoint(grid_dir / c.name) is None]
     total = sum(recipe.total_steps(c.params_total) * recipe.batch_size * recipe.seq_len for c in todo)
     with _interruptible(), _display(total, len(spec["cells"]), quiet=as_json) as display:
         return train_grid(spec, root=root, force=force, progress=display, data_root=data_root)
@@ -386,7 +390,7 @@ def _status_word(summary: dict[str, Any]) -> str:
     if summary.get("error"):
         return f"failed: {summary['error']}"
     if summary.get("skipped"):
-        return "skipped"
+        return "skipped" if summary.get("state", "finished") == "finished" else f"skipped: {summary['why']}"
     return "resumed" if summary.get("resumed_from") else "trained"
 
 
@@ -437,7 +441,8 @@ def grid_status_command(
         print_json(rows)
         return
     counts = {state: sum(r["state"] == state for r in rows) for state in STATES}
-    colour = {"done": "green", "running": "cyan", "failed": "red", "pending": "dim"}
+    colour = {"done": "green", "imported": "blue", "damaged": "bold red", "running": "cyan", "failed": "red",
+              "pending": "dim"}
 
     def step(r):
         return "" if r["step"] is None else f"{r['step']}" + (f"/{r['total_steps']}" if r.get("total_steps") else "")
@@ -446,4 +451,5 @@ def grid_status_command(
         f"grid {spec.get('name')} in {root / spec.get('name', 'grid')}", ["cell", "state", "step", "detail"],
         [[r["cell"], Text(r["state"], style=colour[r["state"]]), step(r), r["detail"]] for r in rows],
     ))
-    console.print(", ".join(f"{state} {n}" for state, n in counts.items()))
+    console.print(", ".join(f"{state} {n}" for state, n in counts.items()  # imported/damaged only when there are some
+                            if n or state not in ("imported", "damaged")))

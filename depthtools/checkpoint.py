@@ -126,32 +126,64 @@ _SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2"
                             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
-def weights_problem(path: str | Path) -> str | None:
-    """Why a safetensors file cannot be loaded, from its header alone (None: it looks whole).
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors dtypes a trained model's weights can have
+
+
+def weights_problem(path: str | Path, model: dict[str, Any] | None = None) -> str | None:
+    """Why a safetensors file cannot be the checkpoint's weights, from its header alone (None: it looks whole).
 
     Reads the 8-byte header length and the JSON header, and compares the file's size with the end of
     the last tensor's data_offsets (and each tensor's byte range with its dtype and shape): a missing,
-    empty, truncated or padded file is caught without reading the weights. For `info` and `report`,
-    which otherwise call a cell whose eval.json exists finished."""
-    path = Path(path)
+    empty, truncated or padded file is caught without reading the weights. Every tensor must have a
+    floating-point dtype (an int64 file would load as a meaningless model). Given `model` (config.json's
+    "model" section), the tensor names and shapes must be the ones that config builds (`check_shapes`).
+    The one check of `info`, `report`, `grid status` and `grid train`, which otherwise call a cell whose
+    eval.json exists finished."""
+    header, problem = _header_of(Path(path))
+    if problem is not None:
+        return problem
+    for name, info in header.items():
+        if name != "__metadata__" and info.get("dtype") not in FLOAT_DTYPES:
+            return (f"weights file {path} does not hold a trained model: tensor {name} has dtype {info.get('dtype')}, "
+                    f"not a floating-point dtype ({', '.join(FLOAT_DTYPES)})")
+    if model is None:
+        return None
+    return _config_problem(Path(path), model, {k: tuple(int(d) for d in v["shape"]) for k, v in header.items()
+                                                if k != "__metadata__"})
+
+
+def _config_problem(path: Path, model: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Why the tensor names and shapes in `shapes` are not those config.json's `model` builds (None: they are)."""
+    from depthtools.arch.hyper import legacy_options  # lazy: TransformerLens (~2.5 s) only where a model is built
+
+    try:
+        cfg = ModelConfig.from_dict(legacy_options(model))
+        check_shapes(cfg, shapes, path.parent)
+    except (DepthToolsError, KeyError, TypeError, ValueError) as exc:
+        return f"weights file {path} does not match config.json: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+    return None
+
+
+def _header_of(path: Path) -> tuple[dict[str, Any], str | None]:
+    """(safetensors header, None) of a whole-looking file, or ({}, why it is missing or damaged)."""
     if not path.is_file():
-        return f"weights file {path} is missing"
+        return {}, f"weights file {path} is missing"
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
             head = handle.read(8)
             if len(head) < 8:
-                return f"weights file {path} is damaged: {size} bytes, too short for a safetensors header"
+                return {}, f"weights file {path} is damaged: {size} bytes, too short for a safetensors header"
             (length,) = struct.unpack("<Q", head)
             if length > size - 8:
-                return f"weights file {path} is damaged (truncated): {size:,} bytes, its header alone claims {length + 8:,}"
+                return {}, f"weights file {path} is damaged (truncated): {size:,} bytes, its header alone claims {length + 8:,}"
             header = json.loads(handle.read(length).decode("utf-8"))
     except OSError as exc:
-        return f"weights file {path} cannot be read: {exc.strerror or exc}"
+        return {}, f"weights file {path} cannot be read: {exc.strerror or exc}"
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return f"weights file {path} is damaged: its header is not valid safetensors JSON"
+        return {}, f"weights file {path} is damaged: its header is not valid safetensors JSON"
     if not isinstance(header, dict):
-        return f"weights file {path} is damaged: its header is not a JSON object"
+        return {}, f"weights file {path} is damaged: its header is not a JSON object"
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
@@ -160,14 +192,14 @@ def weights_problem(path: str | Path) -> str | None:
             begin, stop = (int(v) for v in info["data_offsets"])
             expected = math.prod(int(d) for d in info["shape"]) * _SAFETENSORS_DTYPE_BYTES.get(info["dtype"], 0)
         except (KeyError, TypeError, ValueError):
-            return f"weights file {path} is damaged: its header entry for {name} is not valid"
+            return {}, f"weights file {path} is damaged: its header entry for {name} is not valid"
         if stop < begin or (expected and stop - begin != expected):
-            return f"weights file {path} is damaged: tensor {name} spans bytes {begin}..{stop}, its shape needs {expected}"
+            return {}, f"weights file {path} is damaged: tensor {name} spans bytes {begin}..{stop}, its shape needs {expected}"
         end = max(end, stop)
     if size != 8 + length + end:
         kind = "truncated" if size < 8 + length + end else "extra bytes at the end"
-        return f"weights file {path} is damaged ({kind}): {size:,} bytes, its header says {8 + length + end:,}"
-    return None
+        return {}, f"weights file {path} is damaged ({kind}): {size:,} bytes, its header says {8 + length + end:,}"
+    return header, None
 
 
 def _block_count(names) -> int | None:
@@ -268,8 +300,22 @@ def resolve(name: str | Path, root: str | Path | None = None) -> Path:
     if len(matches) > 1:
         listed = ", ".join(str(m) for m in matches)
         raise CheckpointError(f"checkpoint name {name!r} is ambiguous under {root}: {listed}")
-    known = ", ".join(c.name for c in candidates[:20]) or "none"
-    raise CheckpointError(f"unknown checkpoint {name!r} (searched {root}); available: {known}")
+    raise CheckpointError(f"unknown checkpoint {name!r} (searched {root}); available: {_listing(candidates, root)}")
+
+
+def _listing(candidates: list[Path], root: Path, most: int = 20) -> str:
+    """The checkpoints under root as unique names with the folders holding them ("preln_L2 (in g1, g2),
+    hc_L2 (in g1)"): a cell name shared by several grids is listed once, with where to find each."""
+    folders: dict[str, list[str]] = {}
+    for c in candidates:
+        parent = c.parent.relative_to(root) if c.parent != root and c.is_relative_to(root) else None
+        folders.setdefault(c.name, []).append("." if parent is None else str(parent))
+    if not folders:
+        return "none"
+    shown = [f"{n} (in {', '.join(where)})" if where != ["."] else n for n, where in list(folders.items())[:most]]
+    more = f", ... {len(folders) - most} more" if len(folders) > most else ""
+    return ", ".join(shown) + more + (" (pass the path, or GRID/NAME)" if any(len(w) > 1 for w in folders.values())
+                                      else "")
 
 
 def read_config(name: str | Path) -> dict[str, Any]:
@@ -286,6 +332,23 @@ def tensor_problem(key: str, tensor: torch.Tensor) -> str | None:
     if not bool(torch.isfinite(tensor).all()):
         bad = int((~torch.isfinite(tensor)).sum())
         return f"tensor {key} has {bad} non-finite (NaN/inf) value(s) of {tensor.numel()}; the weights are unusable"
+    return None
+
+
+def weights_values_problem(path: str | Path) -> str | None:
+    """The first tensor of a whole safetensors file (`weights_problem` is None) whose values make it
+    unusable (`tensor_problem`: NaN/inf entries), reading one tensor at a time so that memory stays at
+    the largest tensor; None when every value is finite. For `info`, which reads one checkpoint: the
+    header alone cannot show an all-NaN file."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():
+                problem = tensor_problem(key, handle.get_tensor(key))
+                if problem is not None:
+                    return f"weights file {path} does not hold a usable model: {problem}"
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        return str(_weights_error(path, exc))
     return None
 
 
@@ -356,11 +419,13 @@ def imported_from(config: dict[str, Any]) -> str | None:
     return f"imported from {source.get('format') or 'an external model'} {source['path']}"
 
 
-def checkpoint_summary(name: str | Path) -> dict[str, Any]:
-    """Config, sizes and training/eval summary of a checkpoint, without loading its weights.
+def checkpoint_summary(name: str | Path, scan_values: bool = True) -> dict[str, Any]:
+    """Config, sizes and training/eval summary of a checkpoint, without building its model.
 
-    "weights" is "ok" or why the weights file cannot be loaded (`weights_problem`, a header read);
-    "finished" is True only when training finished (eval.json) and the weights are whole."""
+    "weights" is "ok" or why the weights file cannot be this checkpoint's model: `weights_problem` (the
+    header: damage, dtype, tensor names and shapes against config.json) and, with `scan_values`,
+    `weights_values_problem` (NaN/inf values, read one tensor at a time); "finished" is True only when
+    training finished (eval.json) or the model was imported, and the weights pass both."""
     directory = resolve(name)
     config = read_json(directory / CONFIG)
     model = model_section(config, directory)
@@ -368,7 +433,9 @@ def checkpoint_summary(name: str | Path) -> dict[str, Any]:
     metrics = read_metrics(directory)
     eval_path = directory / "eval.json"
     last = metrics[-1] if metrics else {}
-    damaged = weights_problem(directory / WEIGHTS)
+    damaged = weights_problem(directory / WEIGHTS, model)
+    if damaged is None and scan_values:
+        damaged = weights_values_problem(directory / WEIGHTS)
     provenance = imported_from(config)
     summary = {
         "name": directory.name,

@@ -442,3 +442,42 @@ def test_cli_protocol_depthbench(tmp_path, data_dir):
     dense = _cell(tmp_path, data_dir, "denseformer")
     res = runner.invoke(app, ["analyze", "--protocol", "depthbench", "--ckpt", str(dense), "--n-tokens", "48"])
     assert res.exit_code == 2 and "denseformer" in res.output and "depthbench" in res.output
+
+
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_logit_lens_of_a_normed_sum_head_decodes_the_norm_of_the_stream_sum(ids, arch):
+    """Issue 43: under readout "normed_sum" (the depthbench profile's HC head: the final norm on every
+    stream, then the sum) DepthBench's lens still decodes Norm(Σ_s H_s), so its last-depth KL to the
+    model's output is not 0. Reference: the streams from the hooks, ln_final and unembed by hand."""
+    model = tiny(arch, n_layer=N_LAYER, readout="normed_sum")
+    final = model(ids)  # the model's own output: Σ_s ln_final(H_s), unembedded
+    names = ["hook_embed"] + [f"blocks.{l}.hook_streams_post" for l in range(N_LAYER)]
+    _, cache = model.run_with_cache(ids, names_filter=lambda name: name in names)
+    n = model.scheme.opts.n_streams
+    streams = [cache["hook_embed"].unsqueeze(-2).expand(*ids.shape, n, -1)] + [
+        cache[f"blocks.{l}.hook_streams_post"] for l in range(N_LAYER)]
+    flp = torch.log_softmax(final[:, :-1].double(), -1)
+    _, got = db.logit_lens(model, ids, micro_batch_size=2)
+    for l, h in enumerate(streams):
+        lp = torch.log_softmax(model.unembed(model.ln_final(h.sum(-2)))[:, :-1].double(), -1)
+        kl = float((flp.exp() * (flp - lp)).sum(-1).mean())
+        assert got[l]["kl_to_final"] == pytest.approx(kl, abs=TOL), l
+    assert got[-1]["kl_to_final"] > 1e-6  # the last depth is not the model's output under this head
+
+
+def test_usefulness_fit_is_repeatable_where_block_0_is_rank_deficient():
+    """Issue 43: block 0's inputs are the embeddings of a few distinct tokens (rank 8 < d + 1 = 33), where
+    float32 lstsq gave another W, and another loss ratio, from call to call. The fit is now the float64
+    minimum-norm solution: the same every call, and equal to pinv([x, 1]) y computed independently."""
+    model = tiny("preln", n_layer=2, vocab=64).float()
+    few = windows(8, 24, vocab=8)
+    x, y = db.layer_io(model, few, 0)
+    a = torch.cat([x, x.new_ones(x.shape[0], 1)], 1).double()
+    assert int(torch.linalg.matrix_rank(a)) == 8
+    ref = torch.linalg.pinv(a) @ y.double()
+    fits = [db.fit_affine(*db.layer_io(model, few, 0)) for _ in range(3)]
+    for W, b in fits:
+        assert torch.equal(W, fits[0][0]) and torch.equal(b, fits[0][1])
+        assert torch.allclose(W.double(), ref[:-1], atol=1e-5) and torch.allclose(b.double(), ref[-1], atol=1e-5)
+    ratios = {db.usefulness_score(model, few)["layer_metrics"][0]["loss_ratio"] for _ in range(5)}
+    assert len(ratios) == 1, ratios

@@ -297,8 +297,14 @@ def layer_io(model, input_ids, layer: int, micro_batch_size: int = 2) -> tuple[t
 
 
 def fit_affine(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fit_linear_mapping`: least squares [x, 1] @ [W; b] ≈ y; (W [d,d], b [d])."""
-    params = torch.linalg.lstsq(torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1), y).solution
+    """`fit_linear_mapping`: least squares [x, 1] @ [W; b] ≈ y; (W [d,d], b [d]) in x's dtype.
+
+    Solved in float64 on the CPU with the SVD driver (gelsd: the minimum-norm solution), where
+    DepthBench calls float32 `lstsq`: block 0's inputs are embeddings, as many distinct rows as distinct
+    tokens, so the system is often rank-deficient, and float32's solution then changed from call to call
+    (a loss ratio by ~4e-4 in the issue's runs). The float64 minimum-norm fit gives the same W every call."""
+    a = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1).to("cpu", torch.float64)
+    params = torch.linalg.lstsq(a, y.to("cpu", torch.float64), driver="gelsd").solution.to(x.device, x.dtype)
     return params[:-1], params[-1]
 
 
@@ -415,6 +421,17 @@ def jacobian_norms(model, input_ids, micro_batch_size: int = 2) -> list[float]:
 
 
 # -- logit lens -------------------------------------------------------------------------------
+def lens_logits(model, state) -> torch.Tensor:
+    """[B,T,V] `compute_logit_lens.py` decodes at a depth: head(Norm(r_l)), the model's head on the state.
+    HC/mHC whose head norms every stream before the sum (readout "normed_sum", the depthbench profile's
+    HC head) are the exception: the lens still decodes Norm(Σ_s H_s), so at l = L it is not the model's
+    output (kl_to_final > 0 there, as in DepthBench)."""
+    if family(model) == HYPER and getattr(model.scheme.opts, "readout", None) == "normed_sum" \
+            and getattr(model.scheme, "head_fn", None) is None:
+        return model.readout_logits(state.sum(-2))
+    return model.head(state)
+
+
 @torch.no_grad()
 def logit_lens(model, input_ids, micro_batch_size: int = 4, top_k: int = 5) -> tuple[float, list[dict]]:
     """`compute_logit_lens.py`: per depth state, early_exit_ce, kl_to_final = KL(p_final ‖ p_l) and
@@ -432,7 +449,7 @@ def logit_lens(model, input_ids, micro_batch_size: int = 4, top_k: int = 5) -> t
         flp = F.log_softmax(_wide(final[:, :-1]), dim=-1).flatten(0, 1)
         ftop = flp.topk(top_k, dim=-1).indices
         for l, z in enumerate(states):
-            lp = F.log_softmax(_wide(model.head(z)[:, :-1]), dim=-1).flatten(0, 1)
+            lp = F.log_softmax(_wide(lens_logits(model, z)[:, :-1]), dim=-1).flatten(0, 1)
             top = lp.topk(top_k, dim=-1).indices
             sums[l, 0] += F.nll_loss(lp, targets, reduction="sum").item()
             sums[l, 1] += (flp.exp() * (flp - lp)).sum().item()

@@ -34,8 +34,8 @@ from depthtools.data.sharded_tokens import load_sharded
 from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, file_tokenizer_name,
                                        is_tokenizer_file)
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import (check_dir_target, check_name, dir_mode, exclusive_lock, json_section, read_json_object,
-                               replace_dir, write_error)
+from depthtools.fsutil import (check_dir_target, check_name, dir_mode, exclusive_lock, file_sha256, json_section,
+                               read_json_object, replace_dir, write_error)
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
@@ -357,13 +357,13 @@ def _write_split(folder: Path, key: str, tok, docs) -> dict:
 
 
 def _meta(name: str, parts: list[_Part], tok, settings: dict, splits: dict) -> dict:
-    data_fp = hashlib.sha256("\0".join([tok.fingerprint(), splits["train"]["sha256"], splits["val"]["sha256"]]).encode()).hexdigest()
+    data_fp = data_fingerprint(tok.fingerprint(), splits)
     return {
         "format": FORMAT, "name": name, "settings": settings, "dtype": "uint16",
         "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "sep_id": tok.sep_id,
                       "fingerprint": tok.fingerprint(), "file": "tokenizer.json"},
         "separator": f"token {tok.sep_id} precedes every document",
-        "data_fingerprint": data_fp,
+        "data_fingerprint": data_fp, "fingerprint_scope": FINGERPRINT_SCOPE,
         "sources": [p.source_info for p in parts],
         "package_versions": {p.corpus.name: p.source_info["package_version"] for p in parts},
         "domains": sorted({s["domain"] for s in splits.values() if "domain" in s}),
@@ -401,9 +401,101 @@ def read_meta(data_dir: str | os.PathLike) -> dict:
     if not isinstance(tokenizer.get("vocab_size"), int) or isinstance(tokenizer.get("vocab_size"), bool):
         raise DepthToolsError(f"{path}: tokenizer.vocab_size must be an integer, got {tokenizer.get('vocab_size')!r}; "
                               "prepare it again")
+    files = _split_files(splits, path)
     if tokenizer.get("file") is not None:  # a run copies it into its cell: it must stay a name inside the folder
         check_name(tokenizer["file"], f"{path}: tokenizer.file")
+        if tokenizer["file"] in (META_FILE, SPLITS_FILE, *files):
+            raise DepthToolsError(f"{path}: tokenizer.file {tokenizer['file']!r} names the dataset's own "
+                                  f"{'metadata' if tokenizer['file'] in (META_FILE, SPLITS_FILE) else 'token'} file, "
+                                  "not a tokenizer; prepare it again")
+    for domain, name in (meta.get("val_domain_files") or {}).items():
+        _data_file_name(name, f"{path}: val_domain_files[{domain!r}]")
+    check_data_fingerprint(meta, path)
     return meta
+
+
+def _data_file_name(name, where: str) -> str:
+    """A data file named in meta.json, confined to the dataset folder: a relative path whose every
+    component passes `check_name` ('train.bin', 'train/00000.bin'; not '../x', '/abs' or 'a//b')."""
+    if not isinstance(name, str):
+        raise DepthToolsError(f"{where} must be a file name, not {type(name).__name__} {name!r}"[:300])
+    for part in name.split("/"):
+        check_name(part, f"{where} ({name!r}, a file inside the dataset folder)")
+    return name
+
+
+def _split_files(splits: dict, path: Path) -> list[str]:
+    """Every token and index file the splits name (each confined by `_data_file_name`)."""
+    files = []
+    for key, split in splits.items():
+        if "shards" in split:
+            shards = split["shards"]
+            if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("tokens"), int)
+                                                       for s in shards):
+                raise DepthToolsError(f"{path}: splits.{key}.shards is not a list of shard records; prepare it again")
+            for i, shard in enumerate(shards):
+                files.append(_data_file_name(shard.get("file"), f"{path}: splits.{key}.shards[{i}].file"))
+                if "index" in shard:
+                    files.append(_data_file_name(shard["index"], f"{path}: splits.{key}.shards[{i}].index"))
+        else:
+            files.append(_data_file_name(split.get("file"), f"{path}: splits.{key}.file"))
+    return files
+
+
+FINGERPRINT_SCOPE = "tokenizer+splits"  # meta.json "fingerprint_scope" of datasets whose fingerprint covers every split
+
+
+def data_fingerprint(tokenizer_fingerprint: str, splits: dict) -> str:
+    """The dataset's fingerprint, which checkpoints record and resume compares: the sha256 of the
+    tokenizer's fingerprint and, for every split, its name, sha256 and the name and sha256 of each of
+    its files, so that another file (renamed, or its contents changed) gives another fingerprint."""
+    parts = [tokenizer_fingerprint]
+    for key in sorted(splits):
+        split = splits[key]
+        parts += [key, str(split.get("sha256"))]
+        for shard in split.get("shards", [split]):
+            parts += [str(shard.get("file")), str(shard.get("sha256"))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def check_data_fingerprint(meta: dict, path: Path) -> None:
+    """meta.json's data_fingerprint must be the one its records give (`data_fingerprint`; datasets
+    prepared before it covered every split: the tokenizer, train and val sha256s only), so a split
+    record edited by hand (another file, another sha256) is refused rather than trained on under the
+    old fingerprint."""
+    splits, tok = meta["splits"], meta["tokenizer"]
+    if meta.get("fingerprint_scope") == FINGERPRINT_SCOPE:
+        expected = data_fingerprint(str(tok.get("fingerprint")), splits)
+    else:
+        expected = hashlib.sha256("\0".join([str(tok.get("fingerprint")), str(splits["train"].get("sha256")),
+                                              str((splits.get("val") or {}).get("sha256"))]).encode()).hexdigest()
+    if meta.get("data_fingerprint") != expected:
+        raise DepthToolsError(f"{path}: data_fingerprint {str(meta.get('data_fingerprint'))[:12]!r} is not the one its "
+                              f"tokenizer and split records give ({expected[:12]}): meta.json was edited; prepare it again")
+
+
+def changed_data_files(data_dir: str | os.PathLike, meta: dict | None = None) -> list[str]:
+    """The data files whose sha256 differs from the one meta.json records (missing ones included):
+    every shard of a sharded dataset, every split file of a single-file one. Reads all the data once."""
+    data_dir = Path(data_dir)
+    meta = meta if meta is not None else read_meta(data_dir)
+    bad = []
+    for split in meta["splits"].values():
+        for record in split.get("shards", [split]):
+            path = data_dir / record["file"]
+            if not path.is_file() or file_sha256(path) != record.get("sha256"):
+                bad.append(record["file"])
+    return bad
+
+
+def check_data_files(data_dir: str | os.PathLike, meta: dict | None = None) -> None:
+    """One line naming the data files that changed since the dataset was prepared (`changed_data_files`):
+    a run that starts reads its data against the recorded sha256s before training on it."""
+    bad = changed_data_files(data_dir, meta)
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise DepthToolsError(f"{data_dir}: {', '.join(bad[:3])}{more} differ from the sha256 meta.json records "
+                              "(changed since the data was prepared); prepare it again")
 
 
 def load_split(data_dir: str | os.PathLike, split: str = "train") -> np.ndarray:

@@ -44,12 +44,13 @@ from tokenizers import Tokenizer
 
 from depthtools.data.inputs import (UNIT_BYTES, FieldReader, Unit, expand_inputs, plan_units, read_unit, sources_state,
                                     zstd_without_checksum)
-from depthtools.data.prepare import FORMAT_SHARDS, check_overwrite, dataset_lock, is_prepared, read_meta
+from depthtools.data.prepare import (FINGERPRINT_SCOPE, FORMAT_SHARDS, changed_data_files, check_overwrite, data_fingerprint,
+                                     dataset_lock, is_prepared)
 from depthtools.data.sharded_tokens import ShardedTokens, load_sharded  # noqa: F401  (re-exported)
 from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, file_tokenizer_name,
                                        is_tokenizer_file)
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, check_name, file_sha256, replace_dir
+from depthtools.fsutil import check_dir_target, check_name, replace_dir
 
 SHARD_TOKENS = 100_000_000  # as nanoGPT's FineWeb script: 200 MB per uint16 shard
 MAX_DOMAINS = 256
@@ -526,7 +527,7 @@ def _assemble(out: Path, work: Path, records: list[dict], tok, settings: dict, s
     for r in records:
         for d, n in r["train_domain_documents"].items():
             train_domains[d] = train_domains.get(d, 0) + n
-    data_fp = hashlib.sha256("\0".join([tok.fingerprint(), splits["train"]["sha256"], splits["val"]["sha256"]]).encode()).hexdigest()
+    data_fp = data_fingerprint(tok.fingerprint(), splits)
     return {
         "format": FORMAT_SHARDS, "name": name, "settings": settings, "dtype": np.dtype(dtype).name,
         "layout": "shards", "shard_tokens": shard_tokens,
@@ -534,7 +535,7 @@ def _assemble(out: Path, work: Path, records: list[dict], tok, settings: dict, s
                       "sep_token": None if tok.name == "byte" else tok.sep_token,
                       "fingerprint": tok.fingerprint(), "file": "tokenizer.json"},
         "separator": f"token {tok.sep_id} precedes every document",
-        "data_fingerprint": data_fp,
+        "data_fingerprint": data_fp, "fingerprint_scope": FINGERPRINT_SCOPE,
         "sources": [{"kind": k, "files": len(files), "bytes": sum(f.stat().st_size for f in files),
                      "first": str(files[0])} for k, files in sources],
         "documents": sum(r["documents"] for r in records),
@@ -643,12 +644,5 @@ def default_name(sources, tok) -> str:
 # ---------------------------------------------------------------- reading back
 
 def verify(data_dir: str | os.PathLike) -> list[str]:
-    """Recompute every shard's sha256 against the manifest; returns the files that differ."""
-    data_dir = Path(data_dir)
-    meta = read_meta(data_dir)
-    bad = []
-    for split in meta["splits"].values():
-        for shard in split.get("shards", []):
-            if file_sha256(data_dir / shard["file"]) != shard["sha256"]:
-                bad.append(shard["file"])
-    return bad
+    """Recompute every data file's sha256 against the manifest; returns the files that differ."""
+    return changed_data_files(data_dir)

@@ -30,8 +30,8 @@ from typing import Any, Callable
 import torch
 
 from depthtools.errors import DepthToolsError
-from depthtools.train.loop import is_finished, tidy_finished
-from depthtools.train.sweep import cell_specs, load_spec, prepare_grid_data, run_cell
+from depthtools.train.loop import held_checkpoint, tidy_finished
+from depthtools.train.sweep import cell_specs, load_spec, prepare_grid_data, run_cell, skipped_summary
 
 Log = Callable[[str], None]
 
@@ -42,7 +42,7 @@ def pending_specs(spec: dict[str, Any], root: str | Path, force: bool = False, t
     todo = []
     for c in cell_specs(spec):
         out_dir = Path(root) / c["grid"] / c["cell"]["name"]
-        if force or not is_finished(out_dir):
+        if force or held_checkpoint(out_dir) is None:
             todo.append(c)
         elif tidy:
             tidy_finished(out_dir)
@@ -124,14 +124,31 @@ def launch_local(grid, root: str | Path = "checkpoints", data_root: str | Path =
                 results[name] = {"name": name, "error": f"{type(exc).__name__}: {exc}", "skipped": False}
             if log is not None:
                 log(_describe(results[name]))
-    return [results.get(c.name, {"name": c.name, "skipped": True}) for c in spec["cells"]]
+    return _with_skipped(spec, root, results, log)
+
+
+def _with_skipped(spec: dict[str, Any], root: str | Path, results: dict[str, dict[str, Any]],
+                  log: Log | None) -> list[dict[str, Any]]:
+    """One summary per cell in spec order: the run's results, and for each cell the launcher left alone
+    why (`held_checkpoint`: finished, imported, or damaged and so not retrained without --force), logged."""
+    out = []
+    for cell in spec["cells"]:
+        if cell.name not in results:
+            out_dir = Path(root) / spec.get("name", "grid") / cell.name
+            held = held_checkpoint(out_dir)
+            results[cell.name] = ({"name": cell.name, "skipped": True} if held is None
+                                  else skipped_summary(cell.name, out_dir, held))
+            if log is not None:
+                log(_describe(results[cell.name]))
+        out.append(results[cell.name])
+    return out
 
 
 def _describe(summary: dict[str, Any]) -> str:
     if summary.get("error"):
         return f"failed {summary['name']}: {summary['error']}"
     if summary.get("skipped"):
-        return f"skip {summary['name']} (finished)"
+        return f"skip {summary['name']} ({summary.get('why', 'finished')})"
     return f"done {summary['name']}: val loss {summary['val_loss']:.4f} ({summary['elapsed_s']:.0f}s)"
 
 
@@ -278,7 +295,7 @@ def launch_ray(grid, root: str | Path = "checkpoints", data_root: str | Path = "
             results[name] = {"name": name, "error": f"{type(exc).__name__}: {exc}", "skipped": False}
         if log is not None:
             log(_describe(results[name]))
-    return [results.get(c.name, {"name": c.name, "skipped": True}) for c in spec["cells"]]
+    return _with_skipped(spec, root, results, log)
 
 
 __all__ = ["CellJob", "SlurmResources", "dry_run", "dry_run_lines", "launch_local", "launch_ray", "parse_time",

@@ -47,12 +47,14 @@ from torch import nn
 from depthtools import profiles
 from depthtools.analysis.tasks import answer_accuracy
 from depthtools.arch import DepthModel, compiled
-from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, read_metrics, save
+from depthtools.checkpoint import (CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, imported_from, read_json,
+                                   read_metrics, save, weights_problem)
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
+from depthtools.data.prepare import check_data_files
 from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, write_error
+from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, json_section, write_error
 from depthtools.grid import count_params
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
@@ -62,7 +64,7 @@ from depthtools.train.optim import build_optimizer, depth_scaling
 from depthtools.train.precision import NAMES, bf16_weights_supported, cast_params, resolve_param_dtype
 from depthtools.train.probe import DepthProbe
 from depthtools.train.schedule import lr_multiplier
-from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state,
+from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state, remove_partial_writes,
                                     roll_back_train_state, save_train_state)
 
 EVAL = "eval.json"
@@ -115,6 +117,53 @@ def is_finished(out_dir: str | Path) -> bool:
     return (Path(out_dir) / EVAL).is_file()
 
 
+def held_checkpoint(out_dir: str | Path) -> dict[str, str] | None:
+    """What a training run into `out_dir` would replace: None, or {"state": finished | imported | damaged,
+    "detail": one line}. The one rule of `train`, `grid train` (every launcher) and `grid status`:
+
+    finished: eval.json, a readable config.json, and weights whose header matches it (`weights_problem`);
+    imported: config.json records a "source" (`import-hf`; no eval.json), weights matching it;
+    damaged: eval.json (or an import's config.json) but weights that are missing, cut short, of a
+    non-float dtype or of other names or shapes than the config, or an eval.json or config.json that
+    cannot be read. None of them is trained over without force."""
+    out_dir = Path(out_dir)
+    config_path = out_dir / CONFIG
+    config, config_problem = None, None
+    if config_path.is_file():
+        try:
+            config = read_json(config_path)
+            model = json_section(config, "model", config_path, dict, CheckpointError)
+        except DepthToolsError as exc:
+            config_problem = str(exc)
+    provenance = imported_from(config) if config is not None else None
+    if not is_finished(out_dir) and provenance is None:
+        return None
+    kind = "finished" if is_finished(out_dir) else "imported"
+    problem = (eval_problem(out_dir / EVAL) if kind == "finished" else None) or config_problem
+    if problem is None and config is None:
+        problem = f"{CONFIG} is missing in {out_dir}"
+    if problem is None:
+        problem = weights_problem(out_dir / WEIGHTS, model)
+    if problem is not None:
+        return {"state": "damaged", "detail": problem}
+    return {"state": kind, "detail": provenance or "finished run"}
+
+
+def eval_problem(path: Path) -> str | None:
+    """Why a cell's eval.json is not one `finish` wrote (None: it is): an object whose "step" is an
+    integer and whose "val_loss" is a finite number or null (no validation split)."""
+    try:
+        evals = read_json(path)
+    except DepthToolsError as exc:
+        return str(exc)
+    step, loss = evals.get("step"), evals.get("val_loss")
+    if isinstance(step, bool) or not isinstance(step, int):
+        return f"{path}: 'step' is {step!r}, not an integer (not written by the trainer)"[:300]
+    if loss is not None and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss)):
+        return f"{path}: 'val_loss' is {loss!r}, not a finite number (not written by the trainer)"[:300]
+    return None
+
+
 # -- small pieces --------------------------------------------------------------------------------
 def resolve_device(train_cfg: TrainConfig) -> torch.device:
     """'auto' = CUDA if available, else CPU; asking for CUDA without one is an error."""
@@ -138,10 +187,18 @@ def run_fingerprint(model_cfg: ModelConfig, train_cfg: TrainConfig, data_fingerp
 
     without_lr: the same hash leaving out the learning rates, so a resume with a changed LR can
     check that nothing else changed."""
+    text = json.dumps(run_record(model_cfg, train_cfg, data_fingerprint, without_lr), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_record(model_cfg: ModelConfig, train_cfg: TrainConfig, data_fingerprint: str,
+               without_lr: bool = False) -> dict[str, Any]:
+    """What `run_fingerprint` hashes, as JSON: the model config, the recipe without its cadence fields
+    (and learning rates, `without_lr`) and the data fingerprint. Saved with each train state, so a
+    refused resume names the fields that differ (`depthtools.train.state.run_differences`)."""
     skip = CADENCE_FIELDS + (LR_FIELDS if without_lr else ())
     recipe = {k: v for k, v in train_cfg.to_dict().items() if k not in skip}
-    text = json.dumps({"model": model_cfg.to_dict(), "train": recipe, "data": data_fingerprint}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return json.loads(json.dumps({"model": model_cfg.to_dict(), "train": recipe, "data": data_fingerprint}))
 
 
 def forward_loss(model, inputs: torch.Tensor, targets: torch.Tensor, probe: DepthProbe | None = None) -> torch.Tensor:
@@ -209,6 +266,7 @@ class Run:
     progress: Progress | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     lr_free_fingerprint: str = ""
+    record: dict[str, Any] = field(default_factory=dict)  # run_record: saved with each train state
     min_train_loss: float = math.inf  # lowest logged train loss so far (carried through resumes)
     lr_changes: list[dict[str, Any]] = field(default_factory=list)  # resumes with a changed LR
     dist: Dist = field(default_factory=Dist)
@@ -280,7 +338,9 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
     params_total = model.param_counts()["total"]
     fingerprint = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"])
     lr_free = run_fingerprint(model_cfg, train_cfg, meta["data_fingerprint"], without_lr=True)
-    info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint, lr_free, allow_lr_change)
+    record = run_record(model_cfg, train_cfg, meta["data_fingerprint"])
+    info = load_train_state(out_dir / STATE_DIR, model, optimizer, names, fingerprint, lr_free, allow_lr_change,
+                            record={**record, "param_dtype": NAMES[param_dtype]})
     saved_dtype = info.get("param_dtype", "float32") if info else None  # states before param_dtype: float32
     if saved_dtype is not None and saved_dtype != NAMES[param_dtype]:  # "auto" on another device
         raise CheckpointError(f"{out_dir / STATE_DIR} holds {saved_dtype} weights, but this run's param_dtype="
@@ -336,7 +396,7 @@ def prepare_run(model_cfg, train_cfg, data_dir, out_dir, progress, dist: Dist = 
         dtype=resolve_dtype(train_cfg, device), model=model, optimizer=optimizer,
         param_names=names, batches=batches,
         eval_sets=eval_sets, domains=domains, total_steps=total_steps,
-        peak_lr=peak_lr, fingerprint=fingerprint, lr_free_fingerprint=lr_free, lr_changes=lr_changes,
+        peak_lr=peak_lr, fingerprint=fingerprint, lr_free_fingerprint=lr_free, lr_changes=lr_changes, record=record,
         min_train_loss=float(min_loss) if isinstance(min_loss, (int, float)) else math.inf,
         flops_per_token=flops_per_token(model_cfg, params_total, train_cfg.seq_len),
         peak_flops=peak and peak * dist.world_size,  # tokens/s are the whole world's
@@ -464,7 +524,7 @@ def _checkpoint(run: Run, step: int, keep: int | None = None) -> None:
     """Rank 0 writes train_state, keeping step `keep`'s pair too (under FSDP every rank first helps
     gather the full state)."""
     info = {"tokens": step * run.tokens_per_step, "total_steps": run.total_steps, "fingerprint": run.fingerprint,
-            "fingerprint_without_lr": run.lr_free_fingerprint, "peak_lr": run.peak_lr,
+            "fingerprint_without_lr": run.lr_free_fingerprint, "run": run.record, "peak_lr": run.peak_lr,
             "lr_overrides": dict(run.train_cfg.lr_overrides), "lr_changes": run.lr_changes,
             "min_train_loss": run.min_train_loss if math.isfinite(run.min_train_loss) else None,
             **({"param_dtype": NAMES[run.param_dtype]} if run.param_dtype != torch.float32 else {}),
@@ -717,8 +777,35 @@ def tidy_finished(out_dir: str | Path) -> list[str]:
         lock.release()
 
 
+def refuse_held(out_dir: Path) -> None:
+    """CellFinishedError, in one line, when `out_dir` holds a checkpoint a run would replace
+    (`held_checkpoint`: a finished run, an imported model, or a damaged one of them); a finished cell
+    first loses what a kill in its final writes left (`tidy_finished`)."""
+    held = held_checkpoint(out_dir)
+    if held is None:
+        return
+    if held["state"] == "finished":
+        tidy_finished(out_dir)
+        raise CellFinishedError(f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it")
+    if held["state"] == "imported":
+        raise CellFinishedError(f"{out_dir} holds a model {held['detail']}; training would replace it: choose another "
+                                "--out, or pass force=True (--force) to replace it")
+    raise CellFinishedError(f"{out_dir} holds a damaged checkpoint ({held['detail']}); pass force=True (--force) "
+                            "to retrain it")
+
+
 def clear_cell(out_dir: Path) -> None:
-    """Remove a previous run's outputs (for force=True); other files in the folder are left alone."""
+    """Remove a previous run's outputs (for force=True), and an imported model's tokenizer and generation
+    files (a trained model must not sit beside another model's tokenizer); other files are left alone."""
+    try:
+        imported = imported_from(read_json(out_dir / CONFIG)) is not None
+    except DepthToolsError:
+        imported = False
+    if imported:
+        from depthtools.interop.tokenizer import HF_CARRIED_FILES  # lazy: only a forced run over an import needs it
+
+        for name in HF_CARRIED_FILES:
+            (out_dir / name).unlink(missing_ok=True)
     for name in (EVAL, WEIGHTS, CONFIG, METRICS, HEARTBEAT):
         (out_dir / name).unlink(missing_ok=True)
     shutil.rmtree(out_dir / STATE_DIR, ignore_errors=True)
@@ -739,22 +826,23 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     """
     out_dir = Path(out_dir)
     check_dir_target(out_dir, "cell folder (--out)")
-    finished = f"{out_dir} already holds a finished run; pass force=True (--force) to retrain it"
-    if is_finished(out_dir) and not force:
-        tidy_finished(out_dir)
-        raise CellFinishedError(finished)
+    if not force:
+        refuse_held(out_dir)
     # refuse unusable inputs before the cell folder, its lock or a heartbeat exist: a refused start writes nothing
-    check_inputs(model_cfg, train_cfg, read_meta(Path(data_dir)), Path(data_dir), out_dir.name, warn=False)
+    meta = read_meta(Path(data_dir))
+    check_inputs(model_cfg, train_cfg, meta, Path(data_dir), out_dir.name, warn=False)
+    check_data_files(data_dir, meta)  # what the run reads is what the data fingerprint vouches for
     dist = distributed.setup(resolve_device(train_cfg).type, train_cfg.parallel)  # torchrun: join the group
     ok, lock = False, None
     try:
         if dist.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             lock = acquire_lock(out_dir / LOCK, f"cell {out_dir}", error=CellLockedError, log=logger.warning)
-            if is_finished(out_dir) and not force:  # finished by the process that held the lock a moment ago
-                raise CellFinishedError(finished)
+            if not force:  # finished by the process that held the lock a moment ago
+                refuse_held(out_dir)
             if force:
                 clear_cell(out_dir)
+            remove_partial_writes(out_dir / STATE_DIR)  # a kill inside a checkpoint write left them
         distributed.barrier(dist)
         summary = _train(model_cfg, train_cfg, data_dir, out_dir, progress, dist, allow_lr_change)
         ok = True
@@ -797,5 +885,5 @@ def _train(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir, out_dir: Pa
     return summary
 
 
-__all__ = ["CellFinishedError", "CellLockedError", "TrainingDivergedError", "is_finished", "tidy_finished", "train_cell",
-           "write_heartbeat"]
+__all__ = ["CellFinishedError", "CellLockedError", "TrainingDivergedError", "held_checkpoint", "is_finished",
+           "tidy_finished", "train_cell", "write_heartbeat"]

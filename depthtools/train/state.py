@@ -53,6 +53,20 @@ def save_train_state(directory: Path, step: int, model, optimizer, names: list[s
     return directory
 
 
+def remove_partial_writes(directory: Path) -> list[str]:
+    """Remove the hidden temporary files (`.<name>.<random>.tmp`) that atomic writes leave when the process
+    is killed inside one: a kill inside a checkpoint write left them in train_state/ until the run
+    finished. Called by the one process holding the cell's lock, when a run starts or resumes."""
+    removed = []
+    for path in sorted(Path(directory).glob(".*.tmp")) if Path(directory).is_dir() else []:
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        logger.info("%s: removed %d temporary file(s) of an interrupted write", directory, len(removed))
+    return removed
+
+
 def prune_train_state(directory: Path, step: int, keep: int | None = None) -> None:
     """Remove every step pair but `step`'s (and `keep`'s)."""
     kept = {_stem(step)} | ({_stem(keep)} if keep is not None else set())
@@ -154,14 +168,42 @@ def _latest_pair(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
                           "to resume from; pass force=True (--force) to discard it and start over")
 
 
+def run_differences(saved: dict[str, Any], info: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The fields in which the run that saved a train state (`info`, its "run" record: model config,
+    recipe, data fingerprint) differs from `current` (the same record of this run, plus the weights'
+    param_dtype), as "train.param_dtype 'float32' -> 'bfloat16'" lines. States saved before the record
+    existed name only the weights dtype (their "param_dtype", float32 when absent) and peak lr."""
+    missing = object()
+
+    def show(value: Any) -> str:
+        if value is missing:
+            return "(default)"
+        return repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+
+    if isinstance(saved, dict) and saved:
+        out = []
+        for section in ("model", "train"):
+            old, new = saved.get(section) or {}, current.get(section) or {}
+            out += [f"{section}.{k} {show(old.get(k, missing))} -> {show(new.get(k, missing))}"
+                    for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)]
+        if saved.get("data") != current.get("data"):
+            out.append(f"data fingerprint {str(saved.get('data'))[:12]} -> {str(current.get('data'))[:12]}")
+        return out
+    dtype = info.get("param_dtype", "float32")
+    return [f"train.param_dtype (the weights) {dtype!r} -> {current['param_dtype']!r}"] \
+        if "param_dtype" in current and dtype != current["param_dtype"] else []
+
+
 def load_train_state(directory: Path, model, optimizer, names: list[str], fingerprint: str,
-                     lr_free_fingerprint: str | None = None, allow_lr_change: bool = False) -> dict[str, Any] | None:
+                     lr_free_fingerprint: str | None = None, allow_lr_change: bool = False,
+                     record: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Restore model, optimizer and RNG from the latest state; returns its JSON (None if no state).
 
     An unreadable latest.json falls back to the newest intact step pair (logged), or is refused
     (CheckpointError) when none is intact. Refuses a state written by a different run (model, recipe or
     data) — except, with allow_lr_change, one whose run differs only in its learning rate (the saved
-    `fingerprint_without_lr` equals `lr_free_fingerprint`): the caller records that change.
+    `fingerprint_without_lr` equals `lr_free_fingerprint`): the caller records that change. `record`
+    (this run's `run_record` and param_dtype) lets the refusal name the fields that differ.
     """
     directory = Path(directory)
     pair = _latest_pair(directory)
@@ -183,10 +225,12 @@ def load_train_state(directory: Path, model, optimizer, names: list[str], finger
                 "force=True (--force) to start over"
             )
         if not only_lr:
+            changed = run_differences(info.get("run"), info, record) if record is not None else []
+            what = f": {'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}" if changed else ""
             raise CheckpointError(
-                f"{directory} belongs to a run with a different model, recipe or data"
+                f"{directory} belongs to a run with a different model, recipe or data{what}"
                 + (" (more than the learning rate changed)" if allow_lr_change else "")
-                + "; pass force=True (--force) to discard it and start over"
+                + "; rerun with the saved settings to resume, or pass force=True (--force) to discard it and start over"
             )
     weights = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     missing = sorted(set(model_state(model)) - set(weights))

@@ -30,7 +30,7 @@ from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name
 from depthtools.grid import DATA_NOTES, Cell, check_cell, check_data_section, check_spec, load_grid
 from depthtools.profiles import apply_to_spec
-from depthtools.train.loop import HEARTBEAT, METRICS, Progress, is_finished, tidy_finished, train_cell
+from depthtools.train.loop import EVAL, HEARTBEAT, METRICS, Progress, held_checkpoint, tidy_finished, train_cell
 from depthtools.train.state import STATE_DIR, latest_step
 
 DEFAULT_DATA = {"corpus": "default", "tokenizer": "byte"}
@@ -172,15 +172,31 @@ def train_grid(grid: str | Path | dict[str, Any], root: str | Path = "checkpoint
     for index, (cell, model_cfg, train_cfg) in enumerate(zip(spec["cells"], model_cfgs, train_cfgs)):
         out_dir = grid_dir / cell.name
         tag = {"cell_index": index, "n_cells": len(spec["cells"])}
-        if is_finished(out_dir) and not force:
+        held = None if force else held_checkpoint(out_dir)
+        if held is not None:
             tidy_finished(out_dir)
-            summaries.append({"name": cell.name, "out_dir": str(out_dir), "skipped": True})
+            summaries.append(skipped_summary(cell.name, out_dir, held))
             if progress is not None:
-                progress({"event": "skip", "cell": cell.name, **tag})
+                progress({"event": "skip", "cell": cell.name, "why": skip_reason(held), **tag})
             continue
         relay = None if progress is None else (lambda event, tag=tag: progress({**event, **tag}))
         summaries.append(train_cell(model_cfg, train_cfg, data_dir, out_dir, force=force, progress=relay))
     return summaries
+
+
+def skip_reason(held: dict[str, str]) -> str:
+    """Why a launcher leaves a cell alone (`held_checkpoint`), in words for its skip line: a damaged
+    cell is not counted as done, and the line says that --force retrains it."""
+    if held["state"] == "finished":
+        return "finished"
+    if held["state"] == "imported":
+        return f"holds a model {held['detail']}; --force replaces it"
+    return f"DAMAGED, not retrained: {held['detail']}; --force retrains it"
+
+
+def skipped_summary(name: str, out_dir: Path, held: dict[str, str]) -> dict[str, Any]:
+    """The summary of a cell a launcher skipped, with its state and the reason (`skip_reason`)."""
+    return {"name": name, "out_dir": str(out_dir), "skipped": True, "state": held["state"], "why": skip_reason(held)}
 
 
 # -- one cell, as every launcher runs it ---------------------------------------------------------
@@ -208,15 +224,16 @@ def run_cell(spec_cell: dict[str, Any], root: str | Path, data_root: str | Path 
     cell = check_cell(spec_cell["cell"])
     recipe = cell_recipe(spec_cell.get("train"), cell, threads)
     out_dir = Path(root) / check_name(spec_cell["grid"], "grid name") / cell.name
-    if is_finished(out_dir) and not force:
+    held = None if force else held_checkpoint(out_dir)
+    if held is not None:
         tidy_finished(out_dir)
-        return {"name": cell.name, "out_dir": str(out_dir), "skipped": True}
+        return skipped_summary(cell.name, out_dir, held)
     data_dir = grid_data_dir({"data": spec_cell.get("data")}, data_root)
     return train_cell(cell.model_config(), recipe, data_dir, out_dir, force=force)
 
 
 # -- status from the folders alone ---------------------------------------------------------------
-STATES = ("done", "running", "failed", "pending")
+STATES = ("done", "imported", "damaged", "running", "failed", "pending")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -234,19 +251,25 @@ def _pid_alive(pid: int) -> bool:
 
 
 def cell_status(out_dir: str | Path, stale_after: float = 900.0) -> dict[str, Any]:
-    """{"state": done|running|failed|pending, "step", "total_steps", "detail"} of one cell folder.
+    """{"state": done|imported|damaged|running|failed|pending, "step", "total_steps", "detail"} of one cell folder.
 
-    done: eval.json. running: heartbeat.json of a live pid on this host, or (another host) one
-    updated within `stale_after` seconds. failed: a recorded error (NaN stop, exception), a stale
-    heartbeat (killed, timed out), or an interrupted run without one. pending: nothing there yet.
+    done: eval.json and whole weights that match config.json; imported: a model `import-hf` wrote there;
+    damaged: either of them with weights (or eval.json, config.json) that are missing or do not match
+    (`held_checkpoint`, the rule `grid train` skips cells by). running: heartbeat.json of a live pid on
+    this host, or (another host) one updated within `stale_after` seconds. failed: a recorded error
+    (NaN stop, exception), a stale heartbeat (killed, timed out), or an interrupted run without one.
+    pending: nothing there yet.
     """
     out_dir = Path(out_dir)
-    saved = latest_step(out_dir / STATE_DIR)
-    if is_finished(out_dir):
-        evals = read_json(out_dir / "eval.json")
+    held = held_checkpoint(out_dir)
+    if held is not None and held["state"] == "finished":
+        evals = read_json(out_dir / EVAL)  # eval_problem checked its step and val_loss
         loss = evals.get("val_loss")
-        return {"state": "done", "step": evals.get("step"), "total_steps": evals.get("step"),
+        return {"state": "done", "step": evals["step"], "total_steps": evals["step"],
                 "detail": f"val loss {loss:.4f}" if loss is not None else ""}
+    if held is not None:
+        return {"state": held["state"], "step": None, "total_steps": None, "detail": held["detail"]}
+    saved = latest_step(out_dir / STATE_DIR)
     beat = _read_heartbeat(out_dir)
     if beat is not None:
         status = {"step": beat.get("step", saved), "total_steps": beat.get("total_steps")}
