@@ -138,3 +138,90 @@ def test_seq_len_beyond_the_context_is_refused_before_load(imported):
     break_weights(ckpt)
     refused_before_load(invoke("lens", "--ckpt", "tiny", "--text", root / "text.txt", "--seq-len", "65", "--no-save"),
                         "exceeds the context 64")
+
+
+# -- one separator rule (items 2 and 3) ------------------------------------------------------------------------
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def gemma_tokenizer():
+    """A Gemma-style tokenizer.json built locally: SentencePiece-like BPE ("▁" for spaces, byte fallback
+    <0x00>..<0xFF>, unk fused), <pad> <eos> <bos> ... as special added tokens at ids 0.., and an ordinary
+    vocabulary token "</s>" (as Gemma's id 212: text encodes to it, so it cannot separate documents)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.normalizer = normalizers.Replace(" ", "▁")
+    trained.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=120, show_progress=False))
+    head = json.loads(trained.to_str())
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIALS)}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for token in sorted(head["model"]["vocab"], key=head["model"]["vocab"].get):
+        vocab.setdefault(token, len(vocab))
+    vocab["</s>"] = len(vocab)
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in head["model"]["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA_SPECIALS])
+    return tok
+
+
+def gemma3_folder(root: Path, n_layer: int = 3, name: str = "gemma") -> Path:
+    """A tiny random Gemma-3 (text) folder as save_pretrained writes it, with the Gemma-style tokenizer and
+    Gemma's tokenizer_config.json (eos <eos> id 1, bos <bos> id 2)."""
+    torch.manual_seed(0)
+    tok = gemma_tokenizer()
+    cfg = transformers.Gemma3TextConfig(vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=n_layer,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        max_position_embeddings=128, sliding_window=8, pad_token_id=0, eos_token_id=1,
+                                        bos_token_id=2)
+    folder = root / name
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    (folder / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}), encoding="utf-8")
+    return folder
+
+
+def test_gemma_tokenizer_is_accepted_by_data_prepare_with_its_eos(tmp_path):
+    folder = gemma3_folder(tmp_path)
+    assert gemma_tokenizer().token_to_id("</s>") is not None  # the ordinary token the old rule picked
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    data = prepare(tmp_path / "text.txt", folder / "tokenizer.json", tmp_path / "data", "g")
+    meta = json.loads((data / "meta.json").read_text())
+    assert (meta["tokenizer"]["sep_id"], meta["tokenizer"]["sep_token"]) == (1, "<eos>")
+
+
+def test_without_declared_tokens_a_special_candidate_beats_an_ordinary_one(tmp_path):
+    """A bare tokenizer.json (no config beside it): the special "<eos>" is chosen over the ordinary "</s>"."""
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "tokenizer.json").write_text(gemma_tokenizer().to_str(), encoding="utf-8")
+    from depthtools.data.tokenizer import BPETokenizer
+
+    tok = BPETokenizer.from_file(tmp_path / "bare" / "tokenizer.json")
+    assert (tok.sep_token, tok.sep_id) == ("<eos>", 1)
+
+
+@pytest.mark.parametrize("eos", [2, 0])
+def test_import_and_data_prepare_choose_one_separator(tmp_path, monkeypatch, eos):
+    """SmolLM2-like: <|endoftext|> id 0 and <|im_end|> id 2 are both special; the config declares eos. Both
+    routes record the declared one, and --text and --data windows start with it."""
+    from depthtools.analysis.suite import eval_tokens
+    from depthtools.data import load_split
+
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    folder = llama_folder(tmp_path, bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]), eos_token_id=eos,
+                          bos_token_id=1)
+    assert invoke("import-hf", folder, "--name", "smol").exit_code == 0
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    data = prepare(tmp_path / "text.txt", folder / "tokenizer.json", tmp_path / "data", "s")
+    record = json.loads((tmp_path / "ckpts" / "smol" / "config.json").read_text())["tokenizer"]
+    meta = json.loads((data / "meta.json").read_text())["tokenizer"]
+    assert record["sep_id"] == meta["sep_id"] == eos
+    assert int(load_split(data, "train")[0]) == eos  # --data: every document starts with the separator
+    windows = eval_tokens(tmp_path / "ckpts" / "smol", tmp_path / "text.txt", 10**6, 100, cap=True)  # from offset 0
+    assert int(windows[0, 0]) == eos  # --text: the same separator first

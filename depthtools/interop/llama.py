@@ -40,7 +40,7 @@ from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name, dir_mode, file_sha256, replace_dir
 from depthtools.interop.checks import check_special_ids, validate_imported_weights, validate_tokenizer
 from depthtools.interop.families import hf_state, hf_to_model_config as family_config
-from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, resolve_tokenizer
+from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, import_separator, resolve_tokenizer
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -284,7 +284,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
         size = _tokenizer_size(path / main) if main == "tokenizer.json" else None
         tokenizer = {"name": "huggingface", "format": "huggingface", "file": main, "files": [
             f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _tokenizer_fingerprint(path / main),
-            "vocab_size": size, "sep_id": hf.get("eos_token_id")}
+            "vocab_size": size, **import_separator(path, hf)}  # data prepare's separator rule
     source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
               "weights_sha256": {f.name: file_sha256(f) for f in sorted(path.glob("*.safetensors"))}}
     save(model, target, extra={"source": source, "tokenizer": tokenizer, "train": None})

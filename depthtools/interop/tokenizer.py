@@ -227,6 +227,25 @@ def hf_plan(directory: Path, vocab_size: int, recorded_ids: dict[str, Any] | Non
     return TokenizerPlan("huggingface", str(directory), _hf_special_ids(directory, recorded_ids), copies=copies)
 
 
+def import_separator(directory: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """The document separator an imported checkpoint records ({"sep_id", "sep_token"}): chosen from the
+    folder's tokenizer.json by the rule `data prepare` uses (`depthtools.data.tokenizer.choose_separator`:
+    the model's declared eos/bos special token first), so `--text` windows (which start with the recorded
+    separator) and `--data` windows prepared with that tokenizer.json start with the same token. A folder
+    without a readable tokenizer.json (a SentencePiece tokenizer.model) records the config's eos_token_id."""
+    file = Path(directory) / TOKENIZER_JSON
+    if file.is_file():
+        try:
+            tok = BPETokenizer.from_file(file)
+        except DepthToolsError:  # no separator candidate at all: the config's eos, as before
+            pass
+        else:
+            return {"sep_id": tok.sep_id, "sep_token": tok.sep_token}
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return {"sep_id": eos if isinstance(eos, int) and not isinstance(eos, bool) else None}
+
+
 def _is_hf_tokenizer_dir(directory: Path) -> bool:
     file = directory / TOKENIZER_JSON
     if file.is_file():
@@ -328,5 +347,5 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
     return TokenizerPlan("none", notes=[f"no tokenizer recorded and vocabulary {vocab} < 256: no tokenizer written"])
 
 
-__all__ = ["TokenizerPlan", "byte_tokenizer", "bytes_to_unicode", "resolve_tokenizer", "tokenizer_config",
+__all__ = ["TokenizerPlan", "byte_tokenizer", "import_separator", "bytes_to_unicode", "resolve_tokenizer", "tokenizer_config",
            "BYTE_SEPARATOR", "SEPARATOR"]
