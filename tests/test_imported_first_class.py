@@ -225,3 +225,75 @@ def test_import_and_data_prepare_choose_one_separator(tmp_path, monkeypatch, eos
     assert int(load_split(data, "train")[0]) == eos  # --data: every document starts with the separator
     windows = eval_tokens(tmp_path / "ckpts" / "smol", tmp_path / "text.txt", 10**6, 100, cap=True)  # from offset 0
     assert int(windows[0, 0]) == eos  # --text: the same separator first
+
+
+# -- a GGUF import without a tokenizer knows its vocabulary (item 5) --------------------------------------------
+def gguf_without_tokenizer(root: Path, tok) -> Path:
+    """A llama GGUF (GGUFWriter) whose tokenizer metadata is `tok`'s vocabulary with llama.cpp's "llama-bpe"
+    pre-tokenizer: the import cannot rebuild it, so it carries no tokenizer.json."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get) + ["[PAD300]", "[PAD301]"]  # llama.cpp pads to the embedding rows
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tokens), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg)
+    path = root / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_context_length, 64), (writer.add_embedding_length, 32), (writer.add_block_count, 2),
+                       (writer.add_feed_forward_length, 48), (writer.add_head_count, 4), (writer.add_head_count_kv, 4),
+                       (writer.add_layer_norm_rms_eps, 1e-6), (writer.add_rope_freq_base, 10000.0),
+                       (writer.add_key_length, 8), (writer.add_value_length, 8), (writer.add_rope_dimension_count, 8)):
+        add(value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                             for m in json.loads(tok.to_str())["model"]["merges"]])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, p in model.state_dict().items():
+        w = p.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", w)
+        elif name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", w)
+        elif name == "lm_head.weight":
+            writer.add_tensor("output.weight", w)
+        else:
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's interleaved RoPE rows
+                w = w.reshape(4, 2, w.shape[0] // 8, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+            writer.add_tensor(f"blk.{i}.{names[module]}.{kind}", np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_import_without_tokenizer_refuses_data_of_another_vocabulary(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    tok = bpe(["<|endoftext|>"])
+    path = gguf_without_tokenizer(tmp_path, tok)
+    result = invoke("import-hf", path, "--name", "g")
+    assert result.exit_code == 0 and "no tokenizer was carried" in result.output, result.output
+    ckpt = tmp_path / "ckpts" / "g"
+    assert not (ckpt / "tokenizer.json").exists()
+    (tmp_path / "own").mkdir()
+    (tmp_path / "own" / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+    other = bpe(["<|endoftext|>"], vocab_size=290)  # ids that fit the model, another vocabulary
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokenizer.json").write_text(other.to_str(), encoding="utf-8")
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    own = prepare(tmp_path / "text.txt", tmp_path / "own" / "tokenizer.json", tmp_path / "data", "own")
+    wrong = prepare(tmp_path / "text.txt", tmp_path / "other" / "tokenizer.json", tmp_path / "data", "other")
+    result = invoke("lens", "--ckpt", "g", "--data", own, "--n-tokens", "64", "--seq-len", "32", "--no-save")
+    assert result.exit_code == 0, result.output  # the model's own vocabulary: accepted
+    break_weights(ckpt)
+    for data in (wrong, prepare(tmp_path / "text.txt", "byte", tmp_path / "data", "bytes")):
+        refused_before_load(invoke("lens", "--ckpt", "g", "--data", data, "--no-save"), "vocabulary of its GGUF file")

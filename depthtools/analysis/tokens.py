@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from depthtools.checkpoint import CONFIG, imported_from, read_json
 from depthtools.config import ModelConfig
 from depthtools.data import load_split, read_meta
-from depthtools.data.tokenizer import TOKENIZER_SPECS, tokenizer_file_fingerprint
+from depthtools.data.tokenizer import TOKENIZER_SPECS, tokenizer_file_fingerprint, tokenizer_vocab_fingerprint
 from depthtools.errors import DepthToolsError
 
 FIRST_SCORED = 1  # position 0 is never scored
@@ -287,7 +287,9 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
     config = read_json(ckpt_dir / CONFIG) if (ckpt_dir / CONFIG).is_file() else {}
     config = config if isinstance(config, dict) else {}
     trained, given = config.get("tokenizer"), meta.get("tokenizer") or {}
-    if isinstance(trained, dict) and trained.get("name") is not None:
+    if isinstance(trained, dict) and trained.get("vocab_fingerprint") and not trained.get("fingerprint"):
+        _check_vocabulary(ckpt_dir, trained, data_dir, given)
+    elif isinstance(trained, dict) and trained.get("name") is not None:
         if trained.get("fingerprint") and given.get("fingerprint"):
             same = given["fingerprint"] in (trained["fingerprint"], _carried_fingerprint(ckpt_dir, trained))
         else:
@@ -313,6 +315,25 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
             "again with other settings; restore it, or prepare the new data under another name and pass --data"
         )
     return data_dir
+
+
+def _check_vocabulary(ckpt_dir: Path, trained: dict, data_dir: Path, given: dict) -> None:
+    """A checkpoint that knows only its vocabulary (a GGUF import whose tokenizer could not be rebuilt:
+    `vocab_fingerprint` of the file's token list) accepts data whose tokenizer.json has that vocabulary,
+    and refuses any other in one line, whatever its ids happen to fit."""
+    file = data_dir / str(given.get("file") or "tokenizer.json")
+    found = None
+    if given.get("name") != "byte" and file.is_file():
+        try:
+            found = tokenizer_vocab_fingerprint(Tokenizer.from_file(str(file)))
+        except Exception:  # tokenizers raises plain Exception subclasses; an unreadable file is no match
+            found = None
+    if found != trained["vocab_fingerprint"]:
+        what = f"vocabulary {found[:12]}" if found else f"tokenizer {given.get('name')!r}"
+        raise DepthToolsError(
+            f"checkpoint {ckpt_dir.name} was imported with the vocabulary of its GGUF file "
+            f"({str(trained['vocab_fingerprint'])[:12]}, {trained.get('vocab_size')} tokens) but {data_dir} is "
+            f"tokenized with {what}; pass --data a folder prepared with the model's original tokenizer.json")
 
 
 def _same_dir(a: Path, b: Path) -> bool:

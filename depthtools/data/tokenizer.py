@@ -231,6 +231,24 @@ def tokenizers_fingerprint(tok) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def vocab_fingerprint(tokens: Iterable[str | None]) -> str:
+    """A fingerprint of a vocabulary alone: sha256 of its (id, token text) pairs in id order. What a GGUF file
+    (`tokenizer.ggml.tokens`) and a tokenizer.json share when the tokenizer itself cannot be rebuilt from
+    the GGUF, so data prepared with another vocabulary is still told apart. llama.cpp pads a vocabulary
+    with "[PAD<id>]" entries for ids the tokenizer lacks; those, and ids without a token, are left out."""
+    pairs = [[i, t] for i, t in enumerate(tokens) if isinstance(t, str) and t != f"[PAD{i}]"]
+    return hashlib.sha256(json.dumps(pairs, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+
+
+def tokenizer_vocab_fingerprint(tok) -> str:
+    """`vocab_fingerprint` of a `tokenizers` Tokenizer (its vocabulary with the added tokens, by id)."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    return vocab_fingerprint(tokens)
+
+
 def tokenizer_file_fingerprint(path: str | os.PathLike) -> str | None:
     """`tokenizers_fingerprint` of a tokenizer.json file (None when it cannot be read as one)."""
     try:

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from depthtools.checkpoint import CONFIG, atomic_write_json, read_json
+from depthtools.data.tokenizer import vocab_fingerprint
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import file_sha256
 from depthtools.interop.llama import import_hf
@@ -207,6 +208,17 @@ def gguf_tokenizer(meta: dict[str, Any], vocab_size: int):
     return tok, None
 
 
+def vocab_record(meta: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer record of a GGUF import whose tokenizer could not be rebuilt: the vocabulary's identity
+    (`vocab_fingerprint` of `tokenizer.ggml.tokens`), so `--data` prepared with another tokenizer is refused
+    in one line (depthtools.analysis.tokens.checkpoint_data_dir) instead of being read as this model's ids.
+    No file and no `fingerprint`: --text needs a tokenizer.json and is refused."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    return {"name": f"gguf-{meta.get('tokenizer.ggml.model')}-{len(tokens)}", "format": "gguf-vocab",
+            "file": None, "vocab_fingerprint": vocab_fingerprint(tokens), "vocab_size": len(tokens),
+            "sep_id": hf.get("eos_token_id")}
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """(HF config dict, HF-named float32 tensors, metadata) of a GGUF file."""
     path = Path(path)
@@ -246,6 +258,8 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
     config["source"] = {"format": f"gguf-{meta.get('general.architecture')}", "path": str(path.resolve()),
                         "hf_config": hf, "gguf_sha256": file_sha256(path),
                         "quantization": sorted({t.tensor_type.name for t in open_gguf(path).tensors})}
+    if tokenizer is None and meta.get("tokenizer.ggml.tokens"):
+        config["tokenizer"] = vocab_record(meta, hf)
     atomic_write_json(target / CONFIG, config)
     summary["source"] = str(path)
     summary["notes"] = [] if tokenizer is not None else [f"no tokenizer was carried: {why}"]

@@ -261,7 +261,8 @@ def _is_depthtools_bpe(head: dict) -> bool:
 def _depthtools_record(config: dict[str, Any]) -> dict[str, Any] | None:
     """The checkpoint's tokenizer record when depthtools prepared its data with a tokenizer file."""
     record = config.get("tokenizer")
-    if isinstance(record, dict) and record and record.get("format") != "huggingface" and record.get("name") != "byte":
+    if (isinstance(record, dict) and record and record.get("format") not in ("huggingface", "gguf-vocab")
+            and record.get("name") != "byte"):
         return record
     return None
 
@@ -328,6 +329,9 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
     if recorded.get("format") == "huggingface" or (not recorded and _is_hf_tokenizer_dir(ckpt_dir)):
         source = (config.get("source") or {}).get("hf_config")
         return hf_plan(ckpt_dir, vocab, source)
+    if recorded.get("format") == "gguf-vocab":  # a GGUF import that knows only its vocabulary
+        return TokenizerPlan("none", notes=["the GGUF import carried no tokenizer (its vocabulary alone is "
+                                            "recorded); no tokenizer written: copy the model's own tokenizer files"])
     if recorded.get("name") == "byte":
         return byte_plan(max_len, "byte (recorded)")
     if record:
