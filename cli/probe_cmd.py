@@ -118,11 +118,10 @@ class ProbeCommand(TyperCommand):
 
     @staticmethod
     def given(ctx, name: str) -> bool:
-        """Whether option `name` was given on the command line (not its default)."""
-        import click  # lazy: typer's own dependency
-
+        """Whether option `name` was given on the command line (not its default). Compared by name: typer may
+        run its own copy of click, whose ParameterSource enum is not `click.core`'s."""
         source = ctx.get_parameter_source(name)
-        return source is not None and source != click.core.ParameterSource.DEFAULT
+        return source is not None and getattr(source, "name", str(source)) not in ("DEFAULT", "DEFAULT_MAP")
 
 
 CKPT = typer.Option(None, "--ckpt", help="Checkpoint path or cell name (repeatable), e.g. preln_L4.")

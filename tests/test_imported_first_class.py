@@ -297,3 +297,25 @@ def test_gguf_import_without_tokenizer_refuses_data_of_another_vocabulary(tmp_pa
     break_weights(ckpt)
     for data in (wrong, prepare(tmp_path / "text.txt", "byte", tmp_path / "data", "bytes")):
         refused_before_load(invoke("lens", "--ckpt", "g", "--data", data, "--no-save"), "vocabulary of its GGUF file")
+
+
+# -- a short validation split is said, and capped unless --n-tokens is given (item 4) ---------------------------
+def test_short_split_is_capped_by_default_and_said(imported):
+    from depthtools.analysis.suite import checkpoint_tokens
+    from depthtools.data import load_split
+
+    root, folder, ckpt = imported
+    data = prepare(root / "text.txt", folder / "tokenizer.json", root / "data", "d")
+    held = len(load_split(data, "val"))
+    assert 33 * 2 < held < 4096  # one long text: a few hundred tokens of validation
+    capped = checkpoint_tokens(ckpt, data, 4096, 32, cap=True)
+    assert tuple(capped.shape) == (held // 33, 33)  # the whole windows the split holds, none twice
+    val = torch.from_numpy(load_split(data, "val").astype("int64"))
+    assert torch.equal(capped.reshape(-1), val[:capped.numel()])
+    result = invoke("lens", "--ckpt", "tiny", "--data", data, "--seq-len", "32", "--no-save")
+    assert result.exit_code == 0, result.output
+    assert f"holds {held:,} tokens: evaluating on {held // 33} window(s) of 32" in result.output
+    result = invoke("lens", "--ckpt", "tiny", "--data", data, "--seq-len", "32", "--n-tokens", "4096", "--no-save")
+    assert result.exit_code == 0, result.output
+    assert f"holds {held:,} tokens: the 4,096 tokens asked resample it about" in result.output
+    assert len(checkpoint_tokens(ckpt, data, 4096, 32)) == 128  # asked for: given, overlapping
