@@ -319,3 +319,9 @@ def test_short_split_is_capped_by_default_and_said(imported):
     assert result.exit_code == 0, result.output
     assert f"holds {held:,} tokens: the 4,096 tokens asked resample it about" in result.output
     assert len(checkpoint_tokens(ckpt, data, 4096, 32)) == 128  # asked for: given, overlapping
+
+
+def test_import_help_names_the_gguf_extra():
+    result = runner.invoke(app, ["import-hf", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert 'pip install -e ".[gguf]"' in result.output, result.output
