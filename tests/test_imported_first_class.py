@@ -325,3 +325,39 @@ def test_import_help_names_the_gguf_extra():
     result = runner.invoke(app, ["import-hf", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert 'pip install -e ".[gguf]"' in result.output, result.output
+
+
+# -- docs/pretrained.md's recipe, verbatim, on a Gemma-3 folder -------------------------------------------------
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "pretrained.md"
+
+
+def recipe_commands() -> list[list[str]]:
+    """The depthtools commands of docs/pretrained.md's opening recipe (its first bash block and the `data
+    prepare` line after it, then a probe on that data), as argument lists."""
+    import re
+    import shlex
+
+    text = DOCS.read_text(encoding="utf-8").split("## GGUF files")[0]
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    commands = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.startswith("depthtools ")]
+    prepare = re.search(r"`(depthtools data prepare [^`]+)`", text).group(1)
+    data = re.search(r"`--data (data/[^`]+)`", text).group(1)
+    ckpt = commands[0][4]
+    return commands + [shlex.split(prepare), ["depthtools", "lens", "--ckpt", ckpt, "--data", data]]
+
+
+def test_docs_recipe_works_verbatim_for_a_gemma3_folder(tmp_path, monkeypatch):
+    commands = recipe_commands()
+    folder = commands[0][2]  # the recipe's model folder, e.g. ./pythia-160m
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "checkpoints"))
+    gemma3_folder(tmp_path, name=Path(folder).name)
+    Path("my_text.txt").write_text(TEXT * 10, encoding="utf-8")  # ~3,300 tokens: a validation split of ~330
+    Path("text.txt").write_text(TEXT * 10, encoding="utf-8")
+    for command in commands:
+        assert command[0] == "depthtools"
+        result = runner.invoke(app, command[1:])
+        assert result.exit_code == 0, f"{' '.join(command)}:\n{result.output}"
+    config = json.loads((tmp_path / "checkpoints" / commands[0][4] / "config.json").read_text())
+    assert config["model"]["options"]["family"] == "gemma3_text"
+    assert config["tokenizer"]["sep_token"] == "<eos>"
