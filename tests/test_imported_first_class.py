@@ -361,3 +361,67 @@ def test_docs_recipe_works_verbatim_for_a_gemma3_folder(tmp_path, monkeypatch):
     config = json.loads((tmp_path / "checkpoints" / commands[0][4] / "config.json").read_text())
     assert config["model"]["options"]["family"] == "gemma3_text"
     assert config["tokenizer"]["sep_token"] == "<eos>"
+
+
+# -- the report of an imported model (item 6) --------------------------------------------------------------------
+def section_ids(html: str) -> set[str]:
+    import re
+
+    return set(re.findall(r'<section[^>]*id="([^"]+)"', html))
+
+
+def test_report_of_an_imported_model_is_written_for_it(imported):
+    """No training curve, recipe, depth-task or routing section; family and provenance shown; the missing-table
+    advice names the checkpoint and --text (not `analyze --grid` over every model); DepthBench's table shown."""
+    from depthtools.report import model_report
+
+    root, folder, ckpt = imported
+    empty = (model_report([ckpt], root / "empty.html")).read_text(encoding="utf-8")
+    assert f"depthtools analyze --ckpt {ckpt} --text YOUR_TEXT.txt" in empty
+    assert "analyze --grid" not in empty
+    for args in (["lens"], ["causal", "--protocol", "depthbench"]):
+        result = invoke(*args, "--ckpt", "tiny", "--text", root / "text.txt", "--n-tokens", "64", "--seq-len", "32")
+        assert result.exit_code == 0, result.output
+    html = model_report([ckpt], root / "report.html").read_text(encoding="utf-8")
+    ids = section_ids(html)
+    assert {"overview", "lens", "depthbench"} <= ids, ids
+    assert not ids & {"training", "depth-tasks", "routing"}, ids
+    for absent in ("Training recipe", "No training curve", "tasks eval", "<td>preln</td>", ">preln<"):
+        assert absent not in html, absent
+    assert "Provenance" in html and "huggingface-llama" in html and str(folder.resolve()) in html
+    assert 'data-v="llama">llama</td>' in html  # the family, where a trained model shows its architecture
+    assert "mean_causal_score" in html  # DepthBench's summaries
+
+
+def test_report_advice_for_a_gguf_import_without_tokenizer_names_data_prepare(tmp_path, monkeypatch):
+    from depthtools.report.data import read_cell
+
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    assert invoke("import-hf", gguf_without_tokenizer(tmp_path, bpe(["<|endoftext|>"])), "--name", "g").exit_code == 0
+    advice = {how for _, how in read_cell(tmp_path / "ckpts" / "g").missing}
+    assert len(advice) == 1 and "--data DIR" in advice.pop()
+
+
+def test_skip_bar_labels_of_a_deep_model_stay_legible():
+    import pandas as pd
+
+    from depthtools.report import figures
+
+    skip = pd.DataFrame({"model": "m", "layer": range(30), "delta_ce": [0.1] * 30, "kl_intact_ablated": [0.1] * 30})
+    fig = figures.plot_skip_bars(skip, ["m"])
+    for ax in fig.axes[:2]:
+        labels = [t.get_text() for t in ax.get_xticklabels()]
+        assert 3 <= len(labels) <= figures.MAX_TICK_LABELS and labels[0] == "0", labels
+
+
+def test_block_zero_does_not_set_the_contribution_range():
+    import pandas as pd
+
+    from depthtools.report import figures
+
+    values = [40.0] + [0.1 + 0.01 * l for l in range(1, 30)]  # block 0 rewrites the (scaled) embedding
+    contrib = pd.DataFrame({"model": "m", "metric": "relative_contribution", "unit": "block", "layer": range(30),
+                            "rel_depth": [(l + 1) / 30 for l in range(30)], "value": values})
+    ax = figures.plot_contributions(contrib, ["m"]).axes[0]
+    assert ax.get_ylim()[1] < 1.0  # the other 29 blocks fill the panel
+    assert any("block 0 off scale: 40" in t.get_text() for t in ax.texts)
