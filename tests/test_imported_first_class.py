@@ -377,7 +377,8 @@ def test_report_of_an_imported_model_is_written_for_it(imported):
 
     root, folder, ckpt = imported
     empty = (model_report([ckpt], root / "empty.html")).read_text(encoding="utf-8")
-    assert f"depthtools analyze --ckpt {ckpt} --text YOUR_TEXT.txt" in empty
+    assert "depthtools analyze --ckpt tiny --text YOUR_TEXT.txt" in empty  # found by name under $DEPTHTOOLS_CHECKPOINTS
+    assert "routing.parquet" not in empty  # a plain residual stream: no routing to miss
     assert "analyze --grid" not in empty
     for args in (["lens"], ["causal", "--protocol", "depthbench"]):
         result = invoke(*args, "--ckpt", "tiny", "--text", root / "text.txt", "--n-tokens", "64", "--seq-len", "32")

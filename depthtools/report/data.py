@@ -128,10 +128,22 @@ def analyze_advice(directory: Path, config: dict[str, Any], grid: str | Path | N
     if imported_from(config) is None:
         return f"run `depthtools analyze --grid {grid if grid is not None else directory.parent}`"
     record = config.get("tokenizer") if isinstance(config.get("tokenizer"), dict) else {}
+    ckpt = _ckpt_argument(directory)
     if record.get("file") == "tokenizer.json" and (directory / "tokenizer.json").is_file():
-        return f"run `depthtools analyze --ckpt {directory} --text YOUR_TEXT.txt` (tokenized with the model's own tokenizer)"
-    return (f"run `depthtools analyze --ckpt {directory} --data DIR`, DIR prepared with the model's original "
+        return f"run `depthtools analyze --ckpt {ckpt} --text YOUR_TEXT.txt` (tokenized with the model's own tokenizer)"
+    return (f"run `depthtools analyze --ckpt {ckpt} --data DIR`, DIR prepared with the model's original "
             "tokenizer: `depthtools data prepare --input YOUR_TEXT.txt --tokenizer .../tokenizer.json`")
+
+
+def _ckpt_argument(directory: Path) -> str:
+    """The shortest --ckpt that finds `directory`: its name when that resolves to it under
+    $DEPTHTOOLS_CHECKPOINTS (where import-hf --name puts it), else its path."""
+    try:
+        if resolve(directory.name).resolve() == directory.resolve():
+            return directory.name
+    except (DepthToolsError, OSError):
+        pass
+    return str(directory)
 
 
 def read_cell(directory: str | Path, name: str | None = None, grid: str | Path | None = None) -> CellData:
@@ -163,7 +175,7 @@ def read_cell(directory: str | Path, name: str | None = None, grid: str | Path |
         df = _read_table(directory, table)
         if df is not None:
             cell.tables[table] = _relabel(df, cell)
-        elif table in SUITE_TABLES:
+        elif table in SUITE_TABLES and not (imported and table == "routing"):  # imported: a plain residual stream
             cell.missing.append((f"{ANALYSIS_DIR}/{table}.parquet", advice))
     return cell
 
