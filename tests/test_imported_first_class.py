@@ -338,7 +338,7 @@ def recipe_commands() -> list[list[str]]:
     import shlex
 
     text = DOCS.read_text(encoding="utf-8").split("## GGUF files")[0]
-    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", text, re.DOTALL).group(1)
     commands = [shlex.split(line.split("#")[0]) for line in block.splitlines() if line.startswith("depthtools ")]
     prepare = re.search(r"`(depthtools data prepare [^`]+)`", text).group(1)
     data = re.search(r"`--data (data/[^`]+)`", text).group(1)

@@ -330,8 +330,8 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
         source = (config.get("source") or {}).get("hf_config")
         return hf_plan(ckpt_dir, vocab, source)
     if recorded.get("format") == "gguf-vocab":  # a GGUF import that knows only its vocabulary
-        return TokenizerPlan("none", notes=["the GGUF import carried no tokenizer (its vocabulary alone is "
-                                            "recorded); no tokenizer written: copy the model's own tokenizer files"])
+        return TokenizerPlan("none", notes=[("the GGUF import carried no tokenizer (its vocabulary alone is "
+                                             "recorded); no tokenizer written: copy the model's own tokenizer files")])
     if recorded.get("name") == "byte":
         return byte_plan(max_len, "byte (recorded)")
     if record:
@@ -351,5 +351,5 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
     return TokenizerPlan("none", notes=[f"no tokenizer recorded and vocabulary {vocab} < 256: no tokenizer written"])
 
 
-__all__ = ["TokenizerPlan", "byte_tokenizer", "import_separator", "bytes_to_unicode", "resolve_tokenizer", "tokenizer_config",
+__all__ = ["TokenizerPlan", "byte_tokenizer", "bytes_to_unicode", "import_separator", "resolve_tokenizer", "tokenizer_config",
            "BYTE_SEPARATOR", "SEPARATOR"]
