@@ -426,3 +426,12 @@ def test_block_zero_does_not_set_the_contribution_range():
     ax = figures.plot_contributions(contrib, ["m"]).axes[0]
     assert ax.get_ylim()[1] < 1.0  # the other 29 blocks fill the panel
     assert any("block 0 off scale: 40" in t.get_text() for t in ax.texts)
+
+
+def test_depthbench_says_when_it_resamples_a_short_split(imported):
+    root, folder, ckpt = imported
+    data = prepare(root / "text.txt", folder / "tokenizer.json", root / "data", "d")
+    result = invoke("causal", "--protocol", "depthbench", "--ckpt", "tiny", "--data", data, "--seq-len", "32",
+                    "--n-tokens", "2048", "--no-save")
+    assert result.exit_code == 0, result.output
+    assert "resample it about" in result.output

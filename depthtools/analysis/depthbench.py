@@ -547,8 +547,9 @@ def depthbench_checkpoint(ckpt_dir, data=None, n_tokens: int = 16 * SEQ_LEN, seq
     df = depthbench_metrics(model, ids, names, micro_batch_size)
     for key, value in model_columns(model).items():
         df[key] = value
-    df.attrs["notes"] = [] if seq_len == SEQ_LEN else [
-        f"windows of {seq_len} tokens (DepthBench: {SEQ_LEN}; the model's context is {context})"]
+    df.attrs["notes"] = ([] if seq_len == SEQ_LEN else [
+        f"windows of {seq_len} tokens (DepthBench: {SEQ_LEN}; the model's context is {context})"]) + list(
+        getattr(ids, "notes", []))  # a split shorter than the tokens asked: resampled, said (tokens.split_note)
     if save:
         args = {"protocol": "depthbench", "metrics": names, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
         save_table(df, ckpt_dir, "depthbench", table_settings("depthbench", args, model, ids))
