@@ -435,3 +435,17 @@ def test_depthbench_says_when_it_resamples_a_short_split(imported):
                     "--n-tokens", "2048", "--no-save")
     assert result.exit_code == 0, result.output
     assert "resample it about" in result.output
+
+
+def test_data_of_another_separator_is_noted(tmp_path, monkeypatch):
+    """Data prepared with --sep-token other than the separator the import records (as data prepared before
+    the one rule could be): accepted (same tokenizer), with a note that its windows start differently."""
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    folder = llama_folder(tmp_path, bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]), eos_token_id=2)
+    assert invoke("import-hf", folder, "--name", "smol").exit_code == 0
+    (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
+    data = prepare(tmp_path / "text.txt", folder / "tokenizer.json", tmp_path / "data", "old", "--sep-token",
+                   "<|endoftext|>")
+    result = invoke("lens", "--ckpt", "smol", "--data", data, "--seq-len", "32", "--no-save")
+    assert result.exit_code == 0, result.output
+    assert "separates documents with token 0, but checkpoint smol records 2" in result.output

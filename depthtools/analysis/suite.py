@@ -65,8 +65,13 @@ def eval_tokens(ckpt_dir: str | Path, data: str | Path | None, n_tokens: int, se
             raise DepthToolsError(f"--text {data} gives evaluation windows only; the tuned lens (and --split train) "
                                   "need a prepared dataset's train split: pass --data DIR")
         return text_windows(Path(ckpt_dir), Path(data), n_tokens, seq_len, seed=seed, cap=cap)
+    from depthtools.analysis.tokens import separator_note  # lazy
+
     data_dir = checkpoint_data_dir(Path(ckpt_dir), data)
-    return sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed, cap=cap)
+    windows = sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed, cap=cap)
+    note = separator_note(ckpt_dir, data_dir)
+    windows.notes = [*windows.notes, *([note] if note else [])]
+    return windows
 
 
 def checkpoint_tokens(ckpt_dir: str | Path, data: str | Path | None = None, n_tokens: int = N_TOKENS,

@@ -336,6 +336,21 @@ def _check_vocabulary(ckpt_dir: Path, trained: dict, data_dir: Path, given: dict
             f"tokenized with {what}; pass --data a folder prepared with the model's original tokenizer.json")
 
 
+def separator_note(ckpt_dir: str | Path, data_dir: str | Path) -> str | None:
+    """A note when the data's document separator is not the one the checkpoint records (data of an imported
+    model prepared before `import-hf` and `data prepare` chose it by one rule): its windows then start with
+    another token than the `--text` windows do. Not a refusal: the tokenizer is the same."""
+    try:
+        record = (read_json(Path(ckpt_dir) / CONFIG).get("tokenizer") or {}).get("sep_id")
+        given = (read_meta(data_dir).get("tokenizer") or {}).get("sep_id")
+    except (DepthToolsError, AttributeError):
+        return None
+    if isinstance(record, int) and isinstance(given, int) and record != given:
+        return (f"{data_dir} separates documents with token {given}, but checkpoint {Path(ckpt_dir).name} records "
+                f"{record} (what --text puts first): prepare the data again for windows that start alike")
+    return None
+
+
 def _same_dir(a: Path, b: Path) -> bool:
     try:
         return Path(a).resolve() == Path(b).resolve()
