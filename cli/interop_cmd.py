@@ -38,12 +38,13 @@ def import_hf_command(
     Unsupported configs (scaled RoPE, unknown activations, ...) are refused, naming the field.
 
     A .gguf file (llama.cpp) of a llama, qwen2 or qwen3 model is dequantized with the gguf package
-    (pip install -e ".[gguf]") and imported the same way; its tokenizer is rebuilt from the file's
+    (pip install -e ".\\[gguf]") and imported the same way; its tokenizer is rebuilt from the file's
     metadata where that is exact, otherwise a note says none was carried.
 
     Example: depthtools import-hf ./TinyLlama --name tinyllama
     Example: depthtools import-hf ./tiny-q8_0.gguf --name tiny-gguf
     """
+    # (the docstring's "\\[gguf]": rich would read a bare [gguf] as markup and print `pip install -e "."`)
     from depthtools.interop import import_hf  # lazy: keeps the CLI torch-free
 
     if directory.suffix.lower() == ".gguf":

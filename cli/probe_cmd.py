@@ -34,7 +34,8 @@ from cli.app import app
 from cli.common import check_device, console, err_console, fmt, parse_list, print_json, table, write_out
 from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
 from depthtools.analysis.suite import (N_TOKENS, SEQ_LEN, ablate_analysis, analysis_args, cast_model, check_dtype,
-                                       check_sizes, checkpoint_dirs, plan, probe_tokens, progress_total, run_analysis)
+                                       check_sizes, checkpoint_dirs, checkpoint_tokens, plan, probe_tokens,
+                                       progress_total, run_analysis)
 from depthtools.errors import DepthToolsError
 
 # -- the shared option vocabulary --------------------------------------------------------------------
@@ -43,6 +44,9 @@ DEPRECATED = {"--tokens": "--n-tokens", "--force": "--recompute", "--swap-pairs"
 
 # --dtype of the running probe command (ProbeCommand adds the option to every probe command and sets this).
 ANALYSIS_DTYPE: contextvars.ContextVar[str] = contextvars.ContextVar("analysis_dtype", default="float32")
+# Whether the running command was given --n-tokens: if not, a split shorter than the default evaluates on the
+# windows it holds (tokens.split_note) instead of resampling it.
+N_TOKENS_GIVEN: contextvars.ContextVar[bool] = contextvars.ContextVar("n_tokens_given", default=True)
 
 
 class ProbeCommand(TyperCommand):
@@ -109,10 +113,19 @@ class ProbeCommand(TyperCommand):
                 raise DepthToolsError(f"--text {text} is not a file (expected a UTF-8 text file)")
             ctx.params["data"], ctx.params["text"] = Path(text), None
         token = ANALYSIS_DTYPE.set(check_dtype(ctx.meta.get("depthtools.dtype", "float32")))
+        given = N_TOKENS_GIVEN.set(self.given(ctx, "n_tokens"))
         try:
             return super().invoke(ctx)
         finally:
             ANALYSIS_DTYPE.reset(token)
+            N_TOKENS_GIVEN.reset(given)
+
+    @staticmethod
+    def given(ctx, name: str) -> bool:
+        """Whether option `name` was given on the command line (not its default). Compared by name: typer may
+        run its own copy of click, whose ParameterSource enum is not `click.core`'s."""
+        source = ctx.get_parameter_source(name)
+        return source is not None and getattr(source, "name", str(source)) not in ("DEFAULT", "DEFAULT_MAP")
 
 
 CKPT = typer.Option(None, "--ckpt", help="Checkpoint path or cell name (repeatable), e.g. preln_L4.")
@@ -177,8 +190,19 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
     options = dict(options, batch_size=batch_size, seed=seed)
     done, skipped = [], []
     for ckpt_dir in dirs:
+        try:  # windows, data and tokenizer checked against config.json before the weights are read
+            windows = checkpoint_tokens(ckpt_dir, data, n_tokens, seq_len, split, seed, cap=not N_TOKENS_GIVEN.get(),
+                                        train_tokens=options.get("lens_tokens") if "lens_tuned" in names else None)
+        except DepthToolsError as exc:
+            if len(dirs) == 1:
+                raise
+            skipped.append(str(exc))
+            err_console.print(f"[yellow]skipped:[/] {escape(str(exc))}", highlight=False)
+            continue
         model = cast_model(load(ckpt_dir, device=device), ANALYSIS_DTYPE.get())
-        tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
+        tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed, tokens=windows)
+        for note in tokens.notes:
+            err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
         err_console.print(plan(names, model, tokens, recompute, **options), markup=False, highlight=False,
                           soft_wrap=True)
         results = {}

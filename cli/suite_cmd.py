@@ -21,8 +21,8 @@ from cli.common import check_device, console, fmt, parse_list, print_json, table
 from cli.plain import PlainLog, is_plain
 from depthtools.analysis.suite import analyze_grid, check_sizes, checkpoint_dirs
 from depthtools.errors import DepthToolsError
-from cli.probe_cmd import (ANALYSIS_DTYPE, BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_OPT, RECOMPUTE,
-                           SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, TEXT, ProbeCommand)
+from cli.probe_cmd import (ANALYSIS_DTYPE, BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_GIVEN, N_TOKENS_OPT,
+                           RECOMPUTE, SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, TEXT, ProbeCommand)
 
 
 @app.command("analyze", cls=ProbeCommand)
@@ -68,7 +68,7 @@ def analyze_command(
     settings = dict(data=data, n_tokens=n_tokens, seq_len=seq_len, split=split, seed=seed, batch_size=batch_size,
                     exclude_first=exclude_first, only=only, pairs=pairs, tau=tau, tuned=tuned, recompute=recompute,
                     device=device, ckpts=ckpt, lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr,
-                    dtype=ANALYSIS_DTYPE.get(), on_plan=lambda line: console.print(line, markup=False, highlight=False,
+                    dtype=ANALYSIS_DTYPE.get(), cap=not N_TOKENS_GIVEN.get(), on_plan=lambda line: console.print(line, markup=False, highlight=False,
                                                                                   soft_wrap=True),
                     **({} if swap_pairs_max is None else {"swap_pairs_max": swap_pairs_max}))
     if is_plain():  # a log file, nohup, Slurm: rich's bar would print nothing until the end

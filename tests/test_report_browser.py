@@ -145,3 +145,44 @@ def test_hostile_names_stay_text_in_the_browser(tiny_grid: TinyGrid, browser, tm
         assert watched.problems() == [] and watched.dialogs == []
     finally:
         watched.context.close()
+
+
+def test_report_of_an_imported_30_layer_model_in_chromium(browser, tmp_path, monkeypatch):
+    """Issue 48: an imported 30-layer Gemma-3's report shows its family and provenance, no section that does not
+    apply to a model trained elsewhere, and every figure laid out; the screenshot is saved for a look."""
+    pytest.importorskip("transformers")
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from depthtools.report import model_report
+    from test_imported_first_class import TEXT, gemma3_folder
+
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    runner = CliRunner()
+    folder = gemma3_folder(tmp_path, n_layer=30)
+    assert runner.invoke(app, ["import-hf", str(folder), "--name", "gemma30"]).exit_code == 0
+    (tmp_path / "text.txt").write_text(TEXT * 3, encoding="utf-8")
+    for args in (["lens"], ["ablate", "--mode", "skip"], ["contrib", "--no-jacobian"]):
+        result = runner.invoke(app, [*args, "--ckpt", "gemma30", "--text", str(tmp_path / "text.txt"),
+                                     "--n-tokens", "64", "--seq-len", "32"])
+        assert result.exit_code == 0, result.output
+    report = model_report(["gemma30"], tmp_path / "gemma30.html")
+    watched = Watched(browser)
+    page = watched.open(report)
+    try:
+        sections = page.eval_on_selector_all("main section[id]", "els => els.map(e => e.id)")
+        assert {"overview", "lens", "ablation", "contributions", "missing"} <= set(sections), sections
+        assert not {"training", "depth-tasks", "routing"} & set(sections), sections
+        assert "gemma3_text model imported from huggingface-gemma3_text" in page.inner_text("header")
+        assert column(page, "table-models", "family") == ["gemma3_text"]
+        assert page.is_visible("#table-provenance")
+        images = page.eval_on_selector_all("figure img", "els => els.map(e => e.complete && e.naturalWidth > 0)")
+        assert images and all(images)
+        missing = page.inner_text("#missing")
+        assert "--ckpt" in missing and "--text" in missing and "--grid" not in missing
+        artifacts = Path(os.environ.get("DEPTHTOOLS_ARTIFACTS") or tmp_path)
+        artifacts.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(artifacts / "imported_report.png"), full_page=True)
+        assert watched.problems() == [] and watched.external_requests() == []
+    finally:
+        watched.context.close()

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from depthtools.analysis.suite import eval_tokens, table_settings
 from depthtools.analysis.tables import model_columns, save_table
+from depthtools.analysis.tokens import config_limits
 from depthtools.arch.attnres import AttnResScheme
 from depthtools.arch.hyper import HyperScheme
 from depthtools.arch.moda import MoDAScheme
@@ -544,22 +545,28 @@ def depthbench_checkpoint(ckpt_dir, data=None, n_tokens: int = 16 * SEQ_LEN, seq
     (default: DepthBench's 512, or the model's context if shorter), every position scored. Saved as
     `analysis/depthbench.parquet` with its settings. A family or metric DepthBench does not define is a
     one-line DepthToolsError."""
-    model = model if model is not None else load(ckpt_dir, device=device)
     names = parse_metrics(metrics)
-    for m in names or []:
-        check_defined(model, m)
-    family(model)
-    context = model.config.max_seq_len
+    # The windows (data folder, tokenizer, split length, context, vocabulary) are checked against config.json
+    # before the weights are read: a refusal that needs no model never waits for one to load.
+    context, vocab, label = config_limits(ckpt_dir)
     seq_len = min(SEQ_LEN, context) if seq_len is None else seq_len
     if not 2 <= seq_len <= context:
         raise DepthToolsError(f"--seq-len for --protocol depthbench must lie in 2..{context} (the model's context), "
                               f"got {seq_len}")
     ids = eval_tokens(ckpt_dir, data, n_tokens, seq_len - 1, split, seed)  # [N, seq_len]: targets inside
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:  # the vocabulary check of tokens.check_token_set
+        raise DepthToolsError(f"token ids {int(ids.min())}..{int(ids.max())} do not fit the vocabulary 0..{vocab - 1} "
+                              f"of {label} (wrong tokenizer or data dir?)")
+    model = model if model is not None else load(ckpt_dir, device=device)
+    for m in names or []:
+        check_defined(model, m)
+    family(model)
     df = depthbench_metrics(model, ids, names, micro_batch_size)
     for key, value in model_columns(model).items():
         df[key] = value
-    df.attrs["notes"] = [] if seq_len == SEQ_LEN else [
-        f"windows of {seq_len} tokens (DepthBench: {SEQ_LEN}; the model's context is {context})"]
+    df.attrs["notes"] = ([] if seq_len == SEQ_LEN else [
+        f"windows of {seq_len} tokens (DepthBench: {SEQ_LEN}; the model's context is {context})"]) + list(
+        getattr(ids, "notes", []))  # a split shorter than the tokens asked: resampled, said (tokens.split_note)
     if save:
         args = {"protocol": "depthbench", "metrics": names, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
         save_table(df, ckpt_dir, "depthbench", table_settings("depthbench", args, model, ids))

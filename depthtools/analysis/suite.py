@@ -52,9 +52,10 @@ SWAP_PAIRS_MAX = 64
 # -- the evaluation token set and what a saved table depends on ------------------------------------
 
 def eval_tokens(ckpt_dir: str | Path, data: str | Path | None, n_tokens: int, seq_len: int, split: str = "val",
-                seed: int = 0):
+                seed: int = 0, cap: bool = False):
     """The fixed evaluation windows [n, seq_len] of a checkpoint (from `data` or its recorded data dir,
-    checked against the checkpoint's tokenizer and data fingerprint: `tokens.checkpoint_data_dir`)."""
+    checked against the checkpoint's tokenizer and data fingerprint: `tokens.checkpoint_data_dir`).
+    `cap`: fewer windows when the split holds fewer tokens than asked (`tokens.split_note`)."""
     from depthtools.analysis.tokens import checkpoint_data_dir, sample_windows  # lazy
 
     if data is not None and Path(data).is_file():  # --text FILE: the model's own tokenizer, no dataset
@@ -63,9 +64,34 @@ def eval_tokens(ckpt_dir: str | Path, data: str | Path | None, n_tokens: int, se
         if split == "train":
             raise DepthToolsError(f"--text {data} gives evaluation windows only; the tuned lens (and --split train) "
                                   "need a prepared dataset's train split: pass --data DIR")
-        return text_windows(Path(ckpt_dir), Path(data), n_tokens, seq_len, seed=seed)
+        return text_windows(Path(ckpt_dir), Path(data), n_tokens, seq_len, seed=seed, cap=cap)
+    from depthtools.analysis.tokens import separator_note  # lazy
+
     data_dir = checkpoint_data_dir(Path(ckpt_dir), data)
-    return sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed)
+    windows = sample_windows(data_dir, n_tokens, seq_len, split=split, seed=seed, cap=cap)
+    note = separator_note(ckpt_dir, data_dir)
+    windows.notes = [*windows.notes, *([note] if note else [])]
+    return windows
+
+
+def checkpoint_tokens(ckpt_dir: str | Path, data: str | Path | None = None, n_tokens: int = N_TOKENS,
+                      seq_len: int | None = None, split: str = "val", seed: int = 0, cap: bool = False,
+                      train_tokens: int | None = None):
+    """The evaluation windows of a checkpoint, checked against its config.json only -- before its weights
+    are read. Everything a probe can refuse without the model (no such data folder, another tokenizer, a
+    checkpoint with no tokenizer for --text, a split shorter than one window, a --seq-len beyond the
+    context, ids outside the vocabulary) is refused here in one line, not after minutes of loading.
+    `train_tokens`: also check that the train split gives the tuned lens its windows (`--text` has none).
+    `probe_tokens(model, tokens=...)` then moves the windows to the loaded model."""
+    from depthtools.analysis.tokens import check_token_set, config_limits  # lazy
+
+    context, vocab, label = config_limits(ckpt_dir)
+    length = _window_length(context, seq_len, Path(ckpt_dir).name)
+    tokens = eval_tokens(ckpt_dir, data, n_tokens, length, split, seed, cap)
+    check_token_set(tokens, context, vocab, label)
+    if train_tokens is not None:
+        check_token_set(eval_tokens(ckpt_dir, data, train_tokens, length, "train", seed), context, vocab, label)
+    return tokens
 
 
 def check_sizes(n_tokens: int, seq_len: int | None, batch_size: int) -> None:
@@ -80,27 +106,35 @@ def check_sizes(n_tokens: int, seq_len: int | None, batch_size: int) -> None:
 
 def window_length(model, seq_len: int | None) -> int:
     """--seq-len, or min(SEQ_LEN, the model's context) when not given; longer than the context is an error."""
-    context = model.config.max_seq_len
+    from depthtools.analysis.tables import model_columns  # lazy
+
+    return _window_length(model.config.max_seq_len, seq_len, model_columns(model)["model"])
+
+
+def _window_length(context: int, seq_len: int | None, name: str) -> int:
     if seq_len is None:
         return min(SEQ_LEN, context)
     if seq_len > context:
-        from depthtools.analysis.tables import model_columns  # lazy
-
-        raise DepthToolsError(f"--seq-len {seq_len} exceeds the context {context} of {model_columns(model)['model']}; "
+        raise DepthToolsError(f"--seq-len {seq_len} exceeds the context {context} of {name}; "
                               f"use --seq-len <= {context}")
     return seq_len
 
 
 def probe_tokens(model, data: str | Path | None = None, n_tokens: int = N_TOKENS, seq_len: int | None = None,
-                 split: str = "val", seed: int = 0):
-    """The evaluation windows every probe of `model` reads, validated and on the model's device."""
+                 split: str = "val", seed: int = 0, tokens=None):
+    """The evaluation windows every probe of `model` reads, validated and on the model's device.
+    `tokens`: the windows `checkpoint_tokens` drew before the model was loaded (else drawn here)."""
     from depthtools.analysis.tokens import check_tokens  # lazy
 
     ckpt_dir = getattr(model, "checkpoint_dir", None)
     if ckpt_dir is None:
         raise DepthToolsError("the model was not loaded from a checkpoint; load it with depthtools.checkpoint.load")
-    tokens = check_tokens(model, eval_tokens(ckpt_dir, data, n_tokens, window_length(model, seq_len), split, seed))
+    if tokens is None:
+        tokens = eval_tokens(ckpt_dir, data, n_tokens, window_length(model, seq_len), split, seed)
+    notes = getattr(tokens, "notes", [])
+    tokens = check_tokens(model, tokens)
     tokens.source = token_source(ckpt_dir, data, split)  # read by run_analysis: recorded beside saved tables
+    tokens.notes = notes
     return tokens
 
 
@@ -421,6 +455,11 @@ def checkpoint_dirs(ckpts: list[str | Path] | None = None, grid: str | Path | No
     return list(unique.values())
 
 
+def _train_tokens(names: list[str], options: dict[str, Any]) -> int | None:
+    """The train-split tokens the tuned lens will draw, when it is among `names` (else None)."""
+    return analysis_args("lens_tuned", **options)["lens_tokens"] if "lens_tuned" in names else None
+
+
 RENAMED = {"swap_pairs": "pairs", "tuned_lens": "tuned", "force": "recompute"}  # analyze_grid arguments before issue 19
 
 
@@ -430,7 +469,7 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
                  tuned: bool = False, recompute: bool = False, device: str = "cpu",
                  ckpts: list[str | Path] | None = None,
                  progress: Callable[[str, int, int], None] | None = None, dtype: str | None = None,
-                 on_plan: Callable[[str], None] | None = None, **options) -> AnalyzeReport:
+                 on_plan: Callable[[str], None] | None = None, cap: bool = False, **options) -> AnalyzeReport:
     """Run the suite over every checkpoint of a grid directory (and/or `ckpts`); tables saved with
     identical settings are reused.
 
@@ -438,7 +477,9 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     An analysis that does not apply to an architecture (e.g. linear ablation of a bank state) is
     recorded in `not_applicable`, not raised. `options` are further analysis arguments (lens_steps, ...).
     `dtype` casts each model for the analyses (`cast_model`); `on_plan(line)` receives each checkpoint's
-    one-line cost plan (`plan`) before its analyses run.
+    one-line cost plan (`plan`) before its analyses run, and any note on its evaluation windows. Each
+    checkpoint's windows are drawn and checked against its config.json before its weights are loaded
+    (`checkpoint_tokens`); `cap` takes fewer windows from a split shorter than `n_tokens` (`tokens.split_note`).
     """
     from depthtools.checkpoint import load  # lazy
 
@@ -458,9 +499,13 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     for name in chosen:  # a bad option is an error here, not a "not applicable" line per checkpoint
         analysis_args(name, **options)
     for ckpt_dir in dirs:
+        windows = checkpoint_tokens(ckpt_dir, data, n_tokens, seq_len, split, seed, cap,
+                                    train_tokens=_train_tokens(chosen, options))
         model = cast_model(load(ckpt_dir, device=device), dtype)
-        tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
+        tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed, tokens=windows)
         if on_plan is not None:
+            for note in tokens.notes:
+                on_plan(f"note: {note}")
             on_plan(plan(chosen, model, tokens, recompute, **options))
         for name in chosen:
             if progress is not None:

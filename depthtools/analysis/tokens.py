@@ -10,6 +10,7 @@ so every model of a grid that shares a tokenizer sees exactly the same tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -21,39 +22,35 @@ import torch
 from tokenizers import Tokenizer
 
 from depthtools.checkpoint import CONFIG, imported_from, read_json
+from depthtools.config import ModelConfig
 from depthtools.data import load_split, read_meta
-from depthtools.data.tokenizer import TOKENIZER_SPECS, check_tokenizer_file, tokenizer_file_fingerprint
+from depthtools.data.tokenizer import (TOKENIZER_SPECS, check_tokenizer_file, tokenizer_file_fingerprint,
+                                     tokenizer_vocab_fingerprint)
 from depthtools.errors import DepthToolsError
 
 FIRST_SCORED = 1  # position 0 is never scored
 
 
 def sample_windows(
-    data_dir: str | Path, n_tokens: int, seq_len: int, split: str = "val", seed: int = 0
+    data_dir: str | Path, n_tokens: int, seq_len: int, split: str = "val", seed: int = 0, cap: bool = False
 ) -> torch.LongTensor:
     """ceil(n_tokens / seq_len) windows [N, seq_len+1] at seeded random offsets of one split.
 
     Offsets come from `numpy.random.default_rng(seed)` and are sorted, so the same arguments give the
-    same tokens on every machine. A split shorter than one window is a clear error.
+    same tokens on every machine. A split shorter than one window is a clear error. A split that holds
+    fewer tokens than asked is said in `windows.notes` (`split_note`); `cap` then takes only the windows
+    it holds without overlap (the CLI's default when --n-tokens is not given).
     """
     if n_tokens < 1:
         raise DepthToolsError(f"empty token set: --tokens must be >= 1, got {n_tokens}")
     if seq_len < 2:
         raise DepthToolsError(f"seq_len must be >= 2 (position 0 is not scored), got {seq_len}")
     ids = load_split(data_dir, split)
-    n_windows = math.ceil(n_tokens / seq_len)
-    span = seq_len + 1
-    if len(ids) < span:
-        raise DepthToolsError(
-            f"empty token set: split {split!r} of {data_dir} has {len(ids)} tokens, fewer than one window of {span}"
-        )
-    rng = np.random.default_rng(seed)
-    offsets = np.sort(rng.integers(0, len(ids) - span + 1, size=n_windows))
-    windows = np.stack([np.asarray(ids[o:o + span], dtype=np.int64) for o in offsets])
-    return torch.from_numpy(windows)
+    return _windows(ids, n_tokens, seq_len, seed, f"split {split!r} of {data_dir}", cap)
 
 
-def text_windows(ckpt_dir: Path, text_file: Path, n_tokens: int, seq_len: int, seed: int = 0) -> torch.LongTensor:
+def text_windows(ckpt_dir: Path, text_file: Path, n_tokens: int, seq_len: int, seed: int = 0,
+                 cap: bool = False) -> torch.LongTensor:
     """Evaluation windows from a UTF-8 text file tokenized with the checkpoint's own tokenizer (the byte
     tokenizer, or the tokenizer.json it carries), the document separator first as `data prepare` writes it;
     windows at seeded offsets as `sample_windows`. A checkpoint without a tokenizer is refused."""
@@ -81,22 +78,55 @@ def text_windows(ckpt_dir: Path, text_file: Path, n_tokens: int, seq_len: int, s
         ids = tok.encode(text, add_special_tokens=False).ids
     if isinstance(sep, int) and not isinstance(sep, bool):
         ids = [sep, *ids]
-    return _windows(np.asarray(ids, dtype=np.int64), n_tokens, seq_len, seed, f"--text {text_file}")
+    return _windows(np.asarray(ids, dtype=np.int64), n_tokens, seq_len, seed, f"--text {text_file}", cap)
 
 
-def _windows(ids, n_tokens: int, seq_len: int, seed: int, where: str) -> torch.LongTensor:
-    """ceil(n_tokens / seq_len) windows [N, seq_len+1] of `ids` at sorted seeded offsets."""
-    n_windows = math.ceil(n_tokens / seq_len)
+def split_note(where: str, held: int, n_tokens: int, seq_len: int, cap: bool) -> tuple[int, str | None]:
+    """(windows to draw, a note or None) when `held` tokens cannot give n_tokens without overlap.
+
+    ceil(n_tokens / seq_len) windows of seq_len + 1 tokens need that many tokens; a shorter source (one
+    long text file leaves a validation split of a few hundred tokens) would be resampled over and over,
+    which looks like a bigger evaluation set than it is. `cap` takes the whole windows it holds instead."""
+    span = seq_len + 1
+    asked = math.ceil(n_tokens / seq_len)
+    fit = held // span
+    if asked <= fit:
+        return asked, None
+    if cap:
+        return max(1, fit), (f"{where} holds {held:,} tokens: evaluating on {max(1, fit)} window(s) of {seq_len} "
+                             f"({max(1, fit) * seq_len:,} tokens) instead of the default {n_tokens:,}; pass "
+                             "--n-tokens N to sample more (overlapping) windows of it")
+    return asked, (f"{where} holds {held:,} tokens: the {n_tokens:,} tokens asked resample it about "
+                   f"{asked * span / held:.0f} times (overlapping windows, not more evidence)")
+
+
+def _windows(ids, n_tokens: int, seq_len: int, seed: int, where: str, cap: bool = False) -> torch.LongTensor:
+    """ceil(n_tokens / seq_len) windows [N, seq_len+1] of `ids` at sorted seeded offsets (capped by
+    `split_note`); the note, if any, in the result's `notes`."""
     span = seq_len + 1
     if len(ids) < span:
         raise DepthToolsError(f"empty token set: {where} has {len(ids)} tokens, fewer than one window of {span}")
-    rng = np.random.default_rng(seed)
-    offsets = np.sort(rng.integers(0, len(ids) - span + 1, size=n_windows))
-    return torch.from_numpy(np.stack([np.asarray(ids[o:o + span], dtype=np.int64) for o in offsets]))
+    n_windows, note = split_note(where, len(ids), n_tokens, seq_len, cap)
+    if note and cap:  # the whole windows the source holds, side by side: no token counted twice
+        offsets = np.arange(n_windows) * span
+    else:
+        offsets = np.sort(np.random.default_rng(seed).integers(0, len(ids) - span + 1, size=n_windows))
+    windows = torch.from_numpy(np.stack([np.asarray(ids[o:o + span], dtype=np.int64) for o in offsets]))
+    windows.notes = [note] if note else []
+    return windows
 
 
 def check_tokens(model, tokens: torch.Tensor) -> torch.LongTensor:
     """Validate a token set for `model` and return it as int64 on the model's device."""
+    check_token_set(tokens, model.config.max_seq_len, model.config.vocab_size,
+                    f"{model.config.arch}, L={model.n_layer}")
+    device = next(model.parameters()).device
+    return tokens.to(device=device, dtype=torch.long)
+
+
+def check_token_set(tokens: torch.Tensor, context: int, vocab: int, label: str) -> None:
+    """Refuse a token set a model of this context and vocabulary cannot read (one line each). Needs only
+    the model's config, so a probe checks its windows before the weights are loaded (`config_limits`)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise DepthToolsError(f"tokens must be a LongTensor [N, T+1], got {shape}")
@@ -109,20 +139,31 @@ def check_tokens(model, tokens: torch.Tensor) -> torch.LongTensor:
             f"token windows of length {tokens.shape[1]} leave no scored position; need T+1 >= 3 "
             "(position 0 is excluded)"
         )
-    context = model.config.max_seq_len
     if tokens.shape[1] - 1 > context:
         raise DepthToolsError(
             f"seq-len {tokens.shape[1] - 1} exceeds the model's context {context} "
-            f"({model.config.arch}, L={model.n_layer}); use --seq-len <= {context}"
+            f"({label}); use --seq-len <= {context}"
         )
-    vocab = model.config.vocab_size
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
         raise DepthToolsError(
             f"token ids {int(tokens.min())}..{int(tokens.max())} do not fit the model's vocabulary 0..{vocab - 1} "
             "(wrong tokenizer or data dir?)"
         )
-    device = next(model.parameters()).device
-    return tokens.to(device=device, dtype=torch.long)
+
+
+def config_limits(ckpt_dir: str | Path) -> tuple[int, int, str]:
+    """(context, vocabulary size, "arch, L=n") from a checkpoint's config.json, without reading its weights:
+    what `check_token_set` needs to refuse windows before a model is loaded."""
+    ckpt_dir = Path(ckpt_dir)
+    section = read_json(ckpt_dir / CONFIG).get("model")
+    section = section if isinstance(section, dict) else {}
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}  # what `load` fills in for a missing key
+    values = {k: section.get(k, defaults[k]) for k in ("max_seq_len", "vocab_size", "n_layer")}
+    bad = [k for k in ("max_seq_len", "vocab_size") if not isinstance(values[k], int) or isinstance(values[k], bool)
+           or values[k] < 1]
+    if bad:
+        raise DepthToolsError(f"config.json in {ckpt_dir} has no valid model.{bad[0]} ({values[bad[0]]!r})")
+    return values["max_seq_len"], values["vocab_size"], f"{section.get('arch')}, L={values['n_layer']}"
 
 
 def split_inputs(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +289,9 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
     config = read_json(ckpt_dir / CONFIG) if (ckpt_dir / CONFIG).is_file() else {}
     config = config if isinstance(config, dict) else {}
     trained, given = config.get("tokenizer"), meta.get("tokenizer") or {}
-    if isinstance(trained, dict) and trained.get("name") is not None:
+    if isinstance(trained, dict) and trained.get("vocab_fingerprint") and not trained.get("fingerprint"):
+        _check_vocabulary(ckpt_dir, trained, data_dir, given)
+    elif isinstance(trained, dict) and trained.get("name") is not None:
         if trained.get("fingerprint") and given.get("fingerprint"):
             same = given["fingerprint"] in (trained["fingerprint"], _carried_fingerprint(ckpt_dir, trained))
         else:
@@ -274,6 +317,40 @@ def checkpoint_data_dir(ckpt_dir: str | Path, data: str | Path | None = None) ->
             "again with other settings; restore it, or prepare the new data under another name and pass --data"
         )
     return data_dir
+
+
+def _check_vocabulary(ckpt_dir: Path, trained: dict, data_dir: Path, given: dict) -> None:
+    """A checkpoint that knows only its vocabulary (a GGUF import whose tokenizer could not be rebuilt:
+    `vocab_fingerprint` of the file's token list) accepts data whose tokenizer.json has that vocabulary,
+    and refuses any other in one line, whatever its ids happen to fit."""
+    file = data_dir / str(given.get("file") or "tokenizer.json")
+    found = None
+    if given.get("name") != "byte" and file.is_file():
+        try:
+            found = tokenizer_vocab_fingerprint(Tokenizer.from_file(str(file)))
+        except Exception:  # tokenizers raises plain Exception subclasses; an unreadable file is no match
+            found = None
+    if found != trained["vocab_fingerprint"]:
+        what = f"vocabulary {found[:12]}" if found else f"tokenizer {given.get('name')!r}"
+        raise DepthToolsError(
+            f"checkpoint {ckpt_dir.name} was imported with the vocabulary of its GGUF file "
+            f"({str(trained['vocab_fingerprint'])[:12]}, {trained.get('vocab_size')} tokens) but {data_dir} is "
+            f"tokenized with {what}; pass --data a folder prepared with the model's original tokenizer.json")
+
+
+def separator_note(ckpt_dir: str | Path, data_dir: str | Path) -> str | None:
+    """A note when the data's document separator is not the one the checkpoint records (data of an imported
+    model prepared before `import-hf` and `data prepare` chose it by one rule): its windows then start with
+    another token than the `--text` windows do. Not a refusal: the tokenizer is the same."""
+    try:
+        record = (read_json(Path(ckpt_dir) / CONFIG).get("tokenizer") or {}).get("sep_id")
+        given = (read_meta(data_dir).get("tokenizer") or {}).get("sep_id")
+    except (DepthToolsError, AttributeError):
+        return None
+    if isinstance(record, int) and isinstance(given, int) and record != given:
+        return (f"{data_dir} separates documents with token {given}, but checkpoint {Path(ckpt_dir).name} records "
+                f"{record} (what --text puts first): prepare the data again for windows that start alike")
+    return None
 
 
 def _same_dir(a: Path, b: Path) -> bool:

@@ -3,8 +3,9 @@ dataset, or any local `tokenizers` file (`tokenizer.json`, e.g. a GPT-NeoX/OLMo 
 
 Each has a document separator `sep_id`: for bytes the NUL byte (id 0), which the corpus cleaner
 strips from every text, so it can never be confused with content; for BPE the special token
-`<|endoftext|>` (id 0 for the ones depthtools trains); for a user's file the first of
-SEPARATOR_CANDIDATES it defines (or the token named by `sep_token`). Special tokens written in a
+`<|endoftext|>` (id 0 for the ones depthtools trains); for a user's file the token named by `sep_token`,
+else the model's declared eos/bos special token, else the first special one of SEPARATOR_CANDIDATES
+(`choose_separator`: the one rule `import-hf` records too). Special tokens written in a
 text are encoded as text, never as the separator. `fingerprint()` is a sha256 of the tokenizer
 definition, so a checkpoint can prove which tokenizer its data used. `dtype` is the smallest
 unsigned type holding every id (uint16 up to 65,536 tokens, else uint32).
@@ -82,23 +83,17 @@ class ByteTokenizer:
 class BPETokenizer:
     """A HuggingFace `tokenizers` tokenizer: byte-level BPE trained on the train split, or a user's file.
 
-    `sep_token` names the document separator; None takes the first of SEPARATOR_CANDIDATES present.
+    `sep_token` names the document separator; None chooses it by `choose_separator` (the model's declared
+    eos/bos special token first: `declared`, read by `from_file` from the files beside the tokenizer).
     """
 
-    def __init__(self, tokenizer, name: str | None = None, sep_token: str | None = None):
+    def __init__(self, tokenizer, name: str | None = None, sep_token: str | None = None,
+                 declared: tuple[str, ...] = ()):
         self._tok = tokenizer
         tokenizer.encode_special_tokens = True  # a literal "<|endoftext|>" in text is text, not a separator
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(tokenizer.get_vocab_size(), max(vocab.values(), default=-1) + 1)
-        candidates = (sep_token,) if sep_token else SEPARATOR_CANDIDATES
-        found = [t for t in candidates if tokenizer.token_to_id(t) is not None]
-        if not found:
-            if sep_token:
-                raise DepthToolsError(f"tokenizer has no token {sep_token!r} to separate documents; "
-                                      f"pass --sep-token with one of its special tokens")
-            raise DepthToolsError(f"tokenizer defines none of {', '.join(SEPARATOR_CANDIDATES)} to separate documents; "
-                                  "pass --sep-token NAME (its end-of-text token)")
-        self.sep_token = found[0]
+        self.sep_token = choose_separator(tokenizer, declared, sep_token)
         self.sep_id = tokenizer.token_to_id(self.sep_token)
         self.dtype = token_dtype(self.vocab_size)
         self.name = name or _bpe_name(self.vocab_size)
@@ -172,7 +167,62 @@ class BPETokenizer:
             tok = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises plain Exception subclasses on bad JSON
             raise DepthToolsError(f"{path}: not a valid tokenizer file ({str(err).splitlines()[0]})") from None
-        return cls(tok, name=name, sep_token=sep_token)
+        return cls(tok, name=name, sep_token=sep_token, declared=() if sep_token else declared_specials(path.parent, tok))
+
+
+def choose_separator(tok, declared: Iterable[str] = (), sep_token: str | None = None) -> str:
+    """The document separator of a `tokenizers` tokenizer: the one rule `data prepare` and `import-hf` share,
+    so `--data` and `--text` windows start with the same token.
+
+    `sep_token` when given (it must exist). Otherwise the first special token (an added token marked
+    special, which text never encodes to) among the model's declared eos then bos tokens (`declared`:
+    `declared_specials`), then SEPARATOR_CANDIDATES; failing a special one, the first candidate present
+    (`BPETokenizer.check_separator` then refuses it where data is written). Gemma's vocabulary holds an
+    ordinary "</s>" (id 212) besides its special "<eos>": the declared eos, or the special candidate, wins."""
+    if sep_token:
+        if tok.token_to_id(sep_token) is None:
+            raise DepthToolsError(f"tokenizer has no token {sep_token!r} to separate documents; "
+                                  f"pass --sep-token with one of its special tokens")
+        return sep_token
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    candidates = [t for t in dict.fromkeys([*declared, *SEPARATOR_CANDIDATES]) if tok.token_to_id(t) is not None]
+    for token in candidates:
+        if token in specials:
+            return token
+    if not candidates:
+        raise DepthToolsError(f"tokenizer defines none of {', '.join(SEPARATOR_CANDIDATES)} to separate documents; "
+                              "pass --sep-token NAME (its end-of-text token)")
+    return candidates[0]
+
+
+# Where a model folder declares its special tokens: (file, key), eos before bos, the model's config first.
+DECLARED = (("config.json", "eos_token_id"), ("generation_config.json", "eos_token_id"), ("tokenizer_config.json", "eos_token"),
+            ("config.json", "bos_token_id"), ("generation_config.json", "bos_token_id"), ("tokenizer_config.json", "bos_token"))
+
+
+def declared_specials(folder: str | os.PathLike, tok) -> tuple[str, ...]:
+    """The eos then bos tokens a model folder declares (config.json / generation_config.json ids, a list's
+    first; tokenizer_config.json texts), as token texts of `tok`. A depthtools checkpoint imported from such a
+    folder declares them in config.json under source.hf_config. Unreadable files declare nothing."""
+    out: list[str] = []
+    for name, key in DECLARED:
+        try:
+            head = json.loads((Path(folder) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(head, dict):
+            continue
+        source = head.get("source") if name == "config.json" and key not in head else None
+        if isinstance(source, dict) and isinstance(source.get("hf_config"), dict):
+            head = source["hf_config"]
+        value = head.get(key)
+        value = value[0] if isinstance(value, list) and value else value
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = tok.id_to_token(value)
+        if isinstance(value, str) and value not in out:
+            out.append(value)
+    return tuple(out)
 
 
 def tokenizers_fingerprint(tok) -> str:
@@ -183,6 +233,24 @@ def tokenizers_fingerprint(tok) -> str:
     tok.encode_special_tokens = True
     canonical = json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def vocab_fingerprint(tokens: Iterable[str | None]) -> str:
+    """A fingerprint of a vocabulary alone: sha256 of its (id, token text) pairs in id order. What a GGUF file
+    (`tokenizer.ggml.tokens`) and a tokenizer.json share when the tokenizer itself cannot be rebuilt from
+    the GGUF, so data prepared with another vocabulary is still told apart. llama.cpp pads a vocabulary
+    with "[PAD<id>]" entries for ids the tokenizer lacks; those, and ids without a token, are left out."""
+    pairs = [[i, t] for i, t in enumerate(tokens) if isinstance(t, str) and t != f"[PAD{i}]"]
+    return hashlib.sha256(json.dumps(pairs, ensure_ascii=False, separators=(",", ":")).encode()).hexdigest()
+
+
+def tokenizer_vocab_fingerprint(tok) -> str:
+    """`vocab_fingerprint` of a `tokenizers` Tokenizer (its vocabulary with the added tokens, by id)."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens: list[str | None] = [None] * (max(vocab.values(), default=-1) + 1)
+    for text, i in vocab.items():
+        tokens[i] = text
+    return vocab_fingerprint(tokens)
 
 
 def tokenizer_file_fingerprint(path: str | os.PathLike) -> str | None:

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from depthtools.data.tokenizer import vocab_fingerprint
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import file_sha256
 from depthtools.interop.llama import import_hf
@@ -314,6 +315,17 @@ def gguf_tokenizer(meta: dict[str, Any], vocab_size: int):
     return tok, None
 
 
+def vocab_record(meta: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer record of a GGUF import whose tokenizer could not be rebuilt: the vocabulary's identity
+    (`vocab_fingerprint` of `tokenizer.ggml.tokens`), so `--data` prepared with another tokenizer is refused
+    in one line (depthtools.analysis.tokens.checkpoint_data_dir) instead of being read as this model's ids.
+    No file and no `fingerprint`: --text needs a tokenizer.json and is refused."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    return {"name": f"gguf-{meta.get('tokenizer.ggml.model')}-{len(tokens)}", "format": "gguf-vocab",
+            "file": None, "vocab_fingerprint": vocab_fingerprint(tokens), "vocab_size": len(tokens),
+            "sep_id": hf.get("eos_token_id")}
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """(HF config dict, HF-named float32 tensors, metadata) of a GGUF file."""
     path = Path(path)
@@ -368,7 +380,9 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
         if tokenizer is not None:
             tokenizer.save(str(staging / "tokenizer.json"))
         with _naming(path, staging):
-            summary = import_hf(staging, name=name, out=out, force=force, max_seq_len=max_seq_len, source=source)
+            record = vocab_record(meta, hf) if tokenizer is None and meta.get("tokenizer.ggml.tokens") else None
+            summary = import_hf(staging, name=name, out=out, force=force, max_seq_len=max_seq_len, source=source,
+                                tokenizer_record=record)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     summary["source"] = str(path)

@@ -40,7 +40,7 @@ from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name, dir_mode, file_sha256, replace_dir
 from depthtools.interop.checks import check_special_ids, validate_imported_weights, validate_tokenizer
 from depthtools.interop.families import head_from_file, hf_state, hf_to_model_config as family_config, untied_note
-from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, resolve_tokenizer
+from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, import_separator, resolve_tokenizer
 
 HF_CONFIG = "config.json"
 HF_WEIGHTS = "model.safetensors"
@@ -265,13 +265,15 @@ def _tokenizer_fingerprint(file: Path) -> str:
 
 
 def import_hf(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
-              max_seq_len: int | None = None, source: dict[str, Any] | None = None) -> dict[str, Any]:
+              max_seq_len: int | None = None, source: dict[str, Any] | None = None,
+              tokenizer_record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Convert a local HF Llama directory into a depthtools checkpoint; returns a summary dict.
 
     The checkpoint lands in `out`, or `$DEPTHTOOLS_CHECKPOINTS/<name>`. Tokenizer files (and
     generation_config.json) are copied beside the weights; config.json records the HF config under
     "source" (or `source`, the provenance a converting caller such as `import_gguf` gives) and the
-    tokenizer under "tokenizer". An existing checkpoint is kept unless `force`; with `force` the whole
+    tokenizer under "tokenizer" (or `tokenizer_record` when no tokenizer file is carried: a GGUF import's
+    vocabulary fingerprint). An existing checkpoint is kept unless `force`; with `force` the whole
     folder is replaced. All or nothing: the new checkpoint is written in a hidden folder beside the
     target and swapped in by renames, so a failure at any point (a full disk) leaves the old one intact.
     """
@@ -291,13 +293,13 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     validate_tokenizer(path, cfg.vocab_size, tuple(carried))
     model = from_hf(path, max_seq_len)
     notes = [untied_note(hf)] if model.config.tie_embeddings != cfg.tie_embeddings else []
-    tokenizer = None
+    tokenizer = tokenizer_record
     if (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file():
         main = "tokenizer.json" if (path / "tokenizer.json").is_file() else "tokenizer.model"
         size = _tokenizer_size(path / main) if main == "tokenizer.json" else None
         tokenizer = {"name": "huggingface", "format": "huggingface", "file": main, "files": [
             f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _tokenizer_fingerprint(path / main),
-            "vocab_size": size, "sep_id": hf.get("eos_token_id")}
+            "vocab_size": size, **import_separator(path, hf)}  # data prepare's separator rule
     if source is None:
         source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
                   "weights_sha256": {f.name: file_sha256(f) for f in sorted(path.glob("*.safetensors"))}}

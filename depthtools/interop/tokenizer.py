@@ -227,6 +227,25 @@ def hf_plan(directory: Path, vocab_size: int, recorded_ids: dict[str, Any] | Non
     return TokenizerPlan("huggingface", str(directory), _hf_special_ids(directory, recorded_ids), copies=copies)
 
 
+def import_separator(directory: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """The document separator an imported checkpoint records ({"sep_id", "sep_token"}): chosen from the
+    folder's tokenizer.json by the rule `data prepare` uses (`depthtools.data.tokenizer.choose_separator`:
+    the model's declared eos/bos special token first), so `--text` windows (which start with the recorded
+    separator) and `--data` windows prepared with that tokenizer.json start with the same token. A folder
+    without a readable tokenizer.json (a SentencePiece tokenizer.model) records the config's eos_token_id."""
+    file = Path(directory) / TOKENIZER_JSON
+    if file.is_file():
+        try:
+            tok = BPETokenizer.from_file(file)
+        except DepthToolsError:  # no separator candidate at all: the config's eos, as before
+            pass
+        else:
+            return {"sep_id": tok.sep_id, "sep_token": tok.sep_token}
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    return {"sep_id": eos if isinstance(eos, int) and not isinstance(eos, bool) else None}
+
+
 def _is_hf_tokenizer_dir(directory: Path) -> bool:
     file = directory / TOKENIZER_JSON
     if file.is_file():
@@ -242,7 +261,8 @@ def _is_depthtools_bpe(head: dict) -> bool:
 def _depthtools_record(config: dict[str, Any]) -> dict[str, Any] | None:
     """The checkpoint's tokenizer record when depthtools prepared its data with a tokenizer file."""
     record = config.get("tokenizer")
-    if isinstance(record, dict) and record and record.get("format") != "huggingface" and record.get("name") != "byte":
+    if (isinstance(record, dict) and record and record.get("format") not in ("huggingface", "gguf-vocab")
+            and record.get("name") != "byte"):
         return record
     return None
 
@@ -312,6 +332,9 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
         if (ckpt_dir / main).is_file():  # the carried file must be the one the import recorded
             check_tokenizer_file(ckpt_dir / main, recorded.get("fingerprint"), f"checkpoint {ckpt_dir.name}'s config.json")
         return hf_plan(ckpt_dir, vocab, source)
+    if recorded.get("format") == "gguf-vocab":  # a GGUF import that knows only its vocabulary
+        return TokenizerPlan("none", notes=[("the GGUF import carried no tokenizer (its vocabulary alone is "
+                                             "recorded); no tokenizer written: copy the model's own tokenizer files")])
     if recorded.get("name") == "byte":
         return byte_plan(max_len, "byte (recorded)")
     if record:
@@ -331,5 +354,5 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
     return TokenizerPlan("none", notes=[f"no tokenizer recorded and vocabulary {vocab} < 256: no tokenizer written"])
 
 
-__all__ = ["TokenizerPlan", "byte_tokenizer", "bytes_to_unicode", "resolve_tokenizer", "tokenizer_config",
+__all__ = ["TokenizerPlan", "byte_tokenizer", "bytes_to_unicode", "import_separator", "resolve_tokenizer", "tokenizer_config",
            "BYTE_SEPARATOR", "SEPARATOR"]

@@ -430,26 +430,49 @@ def grid_report(grid_dir: str | Path, out_path: str | Path, title: str | None = 
 # -- model / compare report ---------------------------------------------------------------------------
 
 def _model_overview(cells: list[CellData]) -> Section:
+    """Who the models are: shape and losses of trained cells, family and provenance of imported ones (an
+    imported model has no training run here, so it gets no recipe row and no loss columns)."""
     cells_df = frames.cells_frame(cells)
+    imported = [c for c in cells if c.provenance]
     section = Section("overview", "Overview", f"{len(cells)} checkpoint(s): " +
-                      ", ".join(f"{c.name} ({c.directory})" for c in cells) + ".")
+                      ", ".join(f"{c.name} ({c.family + ', ' if c.family else ''}{c.provenance or c.directory})"
+                                for c in cells) + ".")
     section.add(_weights_note(cells))
-    section.add(table_block("table-models", "Models", cells_df, "One row per checkpoint: shape, parameters, "
-                            "training tokens and final losses (nats/token)."))
-    train = {c.name: (c.config.get("train") or {}) for c in cells}
-    keys = ["tokens", "batch_size", "seq_len", "lr", "schedule", "warmup_fraction", "weight_decay", "seed"]
-    recipe = pd.DataFrame([{"model": n, **{k: t.get(k) for k in keys}} for n, t in train.items()])
-    section.add(table_block("table-recipe", "Training recipe", recipe, "The recorded TrainConfig fields that "
-                            "matter most when comparing runs."))
+    if imported:
+        cells_df.insert(1, "family", [c.family or "–" for c in cells])
+    if len(imported) == len(cells):  # nothing trained here: no training tokens, losses, seed or recipe
+        cells_df = cells_df.drop(columns=[k for k in ("arch", "seed", "tokens", "train_loss", "val_loss")
+                                          if k in cells_df.columns])
+        section.add(table_block("table-models", "Models", cells_df, "One row per checkpoint: the family it was "
+                                "imported from, its shape and parameter count."))
+    else:
+        section.add(table_block("table-models", "Models", cells_df, "One row per checkpoint: shape, parameters, "
+                                "training tokens and final losses (nats/token)."))
+        trained = [c for c in cells if not c.provenance]
+        train = {c.name: (c.config.get("train") or {}) for c in trained}
+        keys = ["tokens", "batch_size", "seq_len", "lr", "schedule", "warmup_fraction", "weight_decay", "seed"]
+        recipe = pd.DataFrame([{"model": n, **{k: t.get(k) for k in keys}} for n, t in train.items()])
+        section.add(table_block("table-recipe", "Training recipe", recipe, "The recorded TrainConfig fields that "
+                                "matter most when comparing runs."))
+    if imported:
+        section.add(table_block("table-provenance", "Provenance", frames.provenance_frame(imported),
+                                "Where each imported model came from: its format and file or folder, the family "
+                                "its block options express, the weights it was read from, and the tokenizer (and "
+                                "document separator) it carries. It was not trained here: no training curve or "
+                                "recipe applies."))
     return section
 
 
-def _model_training(cells: list[CellData]) -> Section:
+def _model_training(cells: list[CellData]) -> Section | None:
+    """The training curves of the cells trained here; None when every cell was imported (nothing to show)."""
+    trained = [c for c in cells if not c.provenance]
+    if not trained:
+        return None
     section = Section("training", "Training curve", "Loss during training.")
-    curves = frames.curves_frame(cells)
+    curves = frames.curves_frame(trained)
     if curves.empty:
         return section.add(NoteBlock("No training curve (metrics.jsonl) was found.", level="missing"))
-    names = [c.name for c in cells]
+    names = [c.name for c in trained]
     return section.add(figure_block(
         "fig-training", "Loss vs training tokens", "Train loss (per log step) and validation loss (per evaluation), "
         "one colour per model.", figures.plot_model_training, curves, names))
@@ -539,12 +562,14 @@ def _contrib_section(cells: list[CellData], names: list[str]) -> Section:
         "is there); right: how far the block's Jacobian is from the identity.", figures.plot_contributions)])
 
 
-def _routing_section(cells: list[CellData], names: list[str]) -> Section:
+def _routing_section(cells: list[CellData], names: list[str]) -> Section | None:
     section = Section("routing", "Native depth routing", "Learned depth-mixing weights of architectures that "
                       "route between layers (HC/mHC, AttnRes, DenseFormer).")
     routing, absent = frames.table_of(cells, "routing")
     weights = routing[routing["metric"] == "routing_weight"] if len(routing) else routing
     native = [n for n in names if len(weights) and (weights["model"] == n).any()]
+    if not native and all(c.provenance for c in cells):
+        return None  # imported models are Pre-LN blocks: a plain residual stream, no routing to show
     if native:
         section.add(figure_block(
             "fig-routing", "Routing maps", "Row: a consumer (sublayer input, in sublayer depth); column: a source "
@@ -557,9 +582,11 @@ def _routing_section(cells: list[CellData], names: list[str]) -> Section:
     return section
 
 
-def _model_tasks_section(cells: list[CellData], names: list[str]) -> Section:
+def _model_tasks_section(cells: list[CellData], names: list[str]) -> Section | None:
     section = Section("depth-tasks", "Depth tasks", "Accuracy on synthetic tasks that need about k sequential steps.")
     tasks, absent = frames.table_of(cells, "tasks_eval")
+    if tasks.empty and all(c.provenance for c in cells):
+        return None  # depth tasks are trained into a grid's models; an imported model has none to evaluate
     if tasks.empty:
         return section.add(NoteBlock("Depth tasks were not run for these checkpoints. Run `depthtools tasks eval "
                                      "--grid DIR` on their grid and rebuild the report."))
@@ -599,11 +626,31 @@ def model_sections(cells: list[CellData]) -> list[Section]:
         items = findings.lowest_loss(frames.cells_frame(cells))[:1] + items
     found.add(ListBlock(items) if items else NoteBlock("No saved results to summarise yet.", level="missing"))
     missing = [(c.name, what, how) for c in cells for what, how in c.missing]
-    return [_model_overview(cells), found, _model_training(cells), _lens_section(cells, names),
-            _ablation_section(cells, names), _causal_section(cells, names), _similarity_section(cells, names),
-            _contrib_section(cells, names), _routing_section(cells, names), _model_tasks_section(cells, names),
-            _summary_section(cells),
-            _missing_section(missing, "checkpoint")]
+    sections = [_model_overview(cells), found, _model_training(cells), _lens_section(cells, names),
+                _ablation_section(cells, names), _causal_section(cells, names), _similarity_section(cells, names),
+                _contrib_section(cells, names), _routing_section(cells, names), _model_tasks_section(cells, names),
+                _depthbench_section(cells), _summary_section(cells),
+                _missing_section(missing, "checkpoint")]
+    return [s for s in sections if s is not None]  # sections that do not apply to these checkpoints are left out
+
+
+def _depthbench_section(cells: list[CellData]) -> Section | None:
+    """DepthBench's metrics (`--protocol depthbench`, analysis/depthbench.parquet) when any checkpoint has them:
+    its scalar summaries and its per-layer values, one column per model. None when none was computed."""
+    table, absent = frames.table_of(cells, "depthbench")
+    if table.empty:
+        return None
+    section = Section("depthbench", "DepthBench metrics", "DepthBench's metrics as its analysis scripts compute "
+                      "them (`--protocol depthbench`: its skip rules, windows and every position).")
+    scalars, per_layer = frames.depthbench_frames(table, [c.name for c in cells])
+    if len(scalars):
+        section.add(table_block("table-depthbench", "DepthBench summaries", scalars,
+                                "One row per metric, one column per model (means, maxima, fractions)."))
+    if len(per_layer):
+        section.add(table_block("table-depthbench-layers", "DepthBench per layer", per_layer,
+                                "One row per layer, one column per per-layer metric (pairwise values: --json or the "
+                                "parquet file)."))
+    return section.add(_left_out(absent, "depthbench table"))
 
 
 def model_report(ckpts: list[str | Path], out_path: str | Path, title: str | None = None) -> Path:
@@ -618,6 +665,8 @@ def model_report(ckpts: list[str | Path], out_path: str | Path, title: str | Non
     names = [c.name for c in cells]
     if len(cells) == 1:
         default, subtitle = f"Model report — {names[0]}", "Every depth probe of one checkpoint"
+        if cells[0].provenance:  # an imported model: say what it is before any number
+            subtitle = f"{cells[0].family or 'pretrained'} model {cells[0].provenance}; every depth probe of it"
     else:
         default, subtitle = "Compare — " + " vs ".join(names), "Depth probes side by side"
         sizes = [((c.config.get("params") or {}).get("total")) for c in cells]

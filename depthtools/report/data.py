@@ -27,7 +27,8 @@ METRICS = "metrics.jsonl"
 # Tables `depthtools analyze --grid` writes beside every checkpoint (lens_tuned only with --tuned).
 SUITE_TABLES = ("lens_logit", "lens_logit_summary", "ablate_skip", "ablate_prune", "ablate_swap", "similarity",
                 "causal", "contrib", "routing", "sequence_profile")
-OPTIONAL_TABLES = ("lens_tuned", "lens_tuned_summary", "tasks_eval", "tasks_depth_reached", "prediction_depth")
+OPTIONAL_TABLES = ("lens_tuned", "lens_tuned_summary", "tasks_eval", "tasks_depth_reached", "prediction_depth",
+                   "depthbench")
 
 @dataclass
 class CellData:
@@ -63,9 +64,28 @@ class CellData:
         """The training seed recorded in config.json (0 when none is)."""
         return training_seed(self.config)
 
+    @property
+    def provenance(self) -> str | None:
+        """'imported from <format> <path>' for a model `import-hf` wrote (no training run here), else None."""
+        return imported_from(self.config)
+
+    @property
+    def family(self) -> str | None:
+        """The pretrained family of an imported model (gemma3_text, llama, ...): the `family` its Pre-LN block
+        options record, else the model_type of the config it was imported from (a plain Llama block has no
+        options to record one). None for a model trained here."""
+        options = self.model_config.get("options")
+        family = options.get("family") if isinstance(options, dict) else None
+        source = self.config.get("source") if isinstance(self.config.get("source"), dict) else {}
+        hf = source.get("hf_config") if isinstance(source.get("hf_config"), dict) else {}
+        family = family or hf.get("model_type")
+        return str(family) if family and self.provenance else None
+
     def info(self) -> dict[str, Any]:
         """The identifying columns every report table starts with."""
-        return {"model": self.name, "arch": self.arch, "n_layer": self.n_layer, "d_model": self.d_model,
+        # an imported model is named by its family (gemma3_text), not by the Pre-LN block (preln) expressing it
+        arch = self.family if self.provenance and self.family else self.arch
+        return {"model": self.name, "arch": arch, "n_layer": self.n_layer, "d_model": self.d_model,
                 "seed": self.seed}
 
     def table(self, name: str) -> pd.DataFrame | None:
@@ -100,13 +120,39 @@ def _read_table(directory: Path, name: str) -> pd.DataFrame | None:
     return read_result(directory, name)
 
 
+def analyze_advice(directory: Path, config: dict[str, Any], grid: str | Path | None = None) -> str:
+    """How to write a checkpoint's missing tables. A trained cell: `analyze` over its grid. An
+    imported model has no grid and no recorded data: `analyze` of that checkpoint alone, on a text file
+    tokenized with the tokenizer it carries (`--text`), or on data prepared with its original tokenizer.json
+    when it carries none (a GGUF import that records its vocabulary only)."""
+    if imported_from(config) is None:
+        return f"run `depthtools analyze --grid {grid if grid is not None else directory.parent}`"
+    record = config.get("tokenizer") if isinstance(config.get("tokenizer"), dict) else {}
+    ckpt = _ckpt_argument(directory)
+    if record.get("file") == "tokenizer.json" and (directory / "tokenizer.json").is_file():
+        return f"run `depthtools analyze --ckpt {ckpt} --text YOUR_TEXT.txt` (tokenized with the model's own tokenizer)"
+    return (f"run `depthtools analyze --ckpt {ckpt} --data DIR`, DIR prepared with the model's original "
+            "tokenizer: `depthtools data prepare --input YOUR_TEXT.txt --tokenizer .../tokenizer.json`")
+
+
+def _ckpt_argument(directory: Path) -> str:
+    """The shortest --ckpt that finds `directory`: its name when that resolves to it under
+    $DEPTHTOOLS_CHECKPOINTS (where import-hf --name puts it), else its path."""
+    try:
+        if resolve(directory.name).resolve() == directory.resolve():
+            return directory.name
+    except (DepthToolsError, OSError):
+        pass
+    return str(directory)
+
+
 def read_cell(directory: str | Path, name: str | None = None, grid: str | Path | None = None) -> CellData:
     """Everything saved for one checkpoint directory (tables relabelled with `name`, default the dir name)."""
     directory = Path(directory)
-    command = f"depthtools analyze --grid {grid if grid is not None else directory.parent}"
     config = read_json(directory / CONFIG)
     if not isinstance(config, dict):
         raise DepthToolsError(f"{directory / CONFIG} is not a JSON object")
+    advice = analyze_advice(directory, config, grid)
     metrics = pd.DataFrame(read_metrics(directory))
     cell = CellData(name=name or directory.name, directory=directory, config=config, metrics=metrics, eval=None)
     cell.weights_problem = weights_problem(directory / WEIGHTS)
@@ -129,8 +175,8 @@ def read_cell(directory: str | Path, name: str | None = None, grid: str | Path |
         df = _read_table(directory, table)
         if df is not None:
             cell.tables[table] = _relabel(df, cell)
-        elif table in SUITE_TABLES:
-            cell.missing.append((f"{ANALYSIS_DIR}/{table}.parquet", f"run `{command}`"))
+        elif table in SUITE_TABLES and not (imported and table == "routing"):  # imported: a plain residual stream
+            cell.missing.append((f"{ANALYSIS_DIR}/{table}.parquet", advice))
     return cell
 
 

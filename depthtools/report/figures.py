@@ -334,12 +334,13 @@ def _model_hue(df: pd.DataFrame, models: Sequence[str], *more_labels: str):
 
 
 def _model_lines(data: pd.DataFrame, panels: Sequence[tuple[str, str]], x: str, xlabel: str, models: Sequence[str],
-                 style: str | None = None, width: float = PANEL_W, robust: Sequence[str] = ()) -> Figure:
+                 style: str | None = None, width: float = PANEL_W, robust: Sequence[str] = (),
+                 first: str = "depth 0") -> Figure:
     """Shared layout: one panel per (column, label), one line per model (hue), optional dash style.
 
     `robust`: columns whose y-range is set by the points after the first x (depth 0 of a lens: the
     embedding read through the unembedding, ~100 nats with tied embeddings, would flatten the rest);
-    a first point above that range is clipped and its value written on the panel."""
+    a first point above that range is clipped and its value written on the panel, named `first`."""
     data, order, palette = _model_hue(data, models)
     fig, axes = new_figure(len(panels), width=width)
     for i, (ax, (column, label)) in enumerate(zip(axes, panels)):
@@ -350,12 +351,12 @@ def _model_lines(data: pd.DataFrame, panels: Sequence[tuple[str, str]], x: str, 
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         if column in robust:
-            _clip_first(ax, sub, x, column)
+            _clip_first(ax, sub, x, column, first)
     _legend_outside(axes[-1])
     return fig
 
 
-def _clip_first(ax, sub: pd.DataFrame, x: str, column: str) -> None:
+def _clip_first(ax, sub: pd.DataFrame, x: str, column: str, first_name: str = "depth 0") -> None:
     """Y-range from the points after the smallest x; note the clipped first points' largest value."""
     if sub.empty:
         return
@@ -368,7 +369,7 @@ def _clip_first(ax, sub: pd.DataFrame, x: str, column: str) -> None:
         return  # the first point does not dominate the range
     pad = 0.08 * max(hi - lo, 1e-6)
     ax.set_ylim(min(lo, float(head.min())) - pad if head.min() < lo else lo - pad, hi + 3 * pad)
-    ax.annotate(f"depth 0 off scale: {head.max():.3g}", xy=(0.02, 0.97), xycoords="axes fraction", va="top",
+    ax.annotate(f"{first_name} off scale: {head.max():.3g}", xy=(0.02, 0.97), xycoords="axes fraction", va="top",
                 fontsize=7, color="0.3")
 
 
@@ -436,8 +437,23 @@ def plot_skip_bars(skip: pd.DataFrame, models: Sequence[str]) -> Figure:
                     errorbar=None, legend=i == len(panels) - 1)
         ax.set_xlabel("skipped block l")
         ax.set_ylabel(label)
+        thin_ticks(ax, sorted(data["block"].unique()))
     _legend_outside(axes[-1])
     return fig
+
+
+MAX_TICK_LABELS = 10  # a 3.4-inch panel fits about this many block numbers side by side
+
+
+def thin_ticks(ax, blocks: Sequence[int]) -> None:
+    """Label every k-th category of a bar axis (k = ceil(n / MAX_TICK_LABELS)), so a 30-block model's labels
+    stay legible instead of running together; bars keep their positions (seaborn's categorical 0..n-1)."""
+    step = max(1, -(-len(blocks) // MAX_TICK_LABELS))
+    if step == 1:
+        return
+    positions = list(range(0, len(blocks), step))
+    ax.set_xticks(positions)
+    ax.set_xticklabels([str(blocks[p]) for p in positions])
 
 
 @styled
@@ -545,7 +561,10 @@ def plot_contributions(contrib: pd.DataFrame, models: Sequence[str]) -> Figure:
     _require(contrib, ["model", "metric", "rel_depth", "value"], "contributions")
     wanted = (("relative_contribution", "‖Δ_l‖ / ‖z_{l−1}‖"), ("residual_cosine", "cos(Δ_l, z_{l−1})"),
               ("jacobian_deviation", "Jacobian identity deviation"))
-    return _long_lines(contrib, wanted, models, "block", "relative depth l/L (block output)")
+    # block 0 often writes an update as large as the embedding itself (Gemma's √d-scaled embedding, a first
+    # block that rewrites it): its point would flatten every other block's, so the range comes from the rest
+    return _long_lines(contrib, wanted, models, "block", "relative depth l/L (block output)",
+                       robust=("relative_contribution", "jacobian_deviation"), first="block 0")
 
 
 @styled
@@ -557,7 +576,8 @@ def plot_geometry(similarity: pd.DataFrame, models: Sequence[str]) -> Figure:
     return _long_lines(similarity, wanted, models, "state", "relative depth l/L")
 
 
-def _long_lines(df: pd.DataFrame, wanted, models, unit: str, xlabel: str) -> Figure:
+def _long_lines(df: pd.DataFrame, wanted, models, unit: str, xlabel: str, robust: Sequence[str] = (),
+                first: str = "depth 0") -> Figure:
     rows = df[(df["unit"] == unit) if "unit" in df.columns else slice(None)]
     if "layer_j" in rows.columns:
         rows = rows[rows["layer_j"].isna()]
@@ -566,4 +586,4 @@ def _long_lines(df: pd.DataFrame, wanted, models, unit: str, xlabel: str) -> Fig
     panels = [(c, l) for c, l in wanted if c in wide.columns and wide[c].notna().any()]
     if not panels:
         raise DepthToolsError(f"none of {[c for c, _ in wanted]} in the table")
-    return _model_lines(wide, panels, "rel_depth", xlabel, models)
+    return _model_lines(wide, panels, "rel_depth", xlabel, models, robust=robust, first=first)

@@ -78,6 +78,47 @@ def domain_frame(cells: Sequence[CellData]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def provenance_frame(cells: Sequence[CellData]) -> pd.DataFrame:
+    """One row per imported cell: source format and path, the weights' hashes (or GGUF quantization),
+    and the tokenizer it carries with its document separator (config.json "source" and "tokenizer")."""
+    rows = []
+    for c in cells:
+        source = c.config.get("source") if isinstance(c.config.get("source"), dict) else {}
+        tokenizer = c.config.get("tokenizer") if isinstance(c.config.get("tokenizer"), dict) else {}
+        weights = source.get("gguf_sha256") or ", ".join(
+            f"{name} {str(digest)[:12]}" for name, digest in (source.get("weights_sha256") or {}).items())
+        sep = tokenizer.get("sep_token") or tokenizer.get("sep_id")
+        carried = (tokenizer.get("file") or "vocabulary only (no tokenizer file)") if tokenizer else "none"
+        rows.append({"model": c.name, "format": source.get("format"), "source": source.get("path"),
+                     "weights": weights or None, "quantization": ", ".join(source.get("quantization") or []) or None,
+                     "tokenizer": carried, "separator": None if sep is None else str(sep),
+                     "imported by": c.config.get("depthtools_version")})
+    df = pd.DataFrame(rows)
+    return df.dropna(axis=1, how="all") if len(df) else df
+
+
+def depthbench_frames(table: pd.DataFrame, models: Sequence[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """DepthBench's long table (model, metric, layer, layer_j, value) as (scalars: metric × model, per layer:
+    layer × metric, "metric · model" with several models); pairwise rows (layer_j set) stay in the parquet file."""
+    rows = table[table["layer_j"].isna()] if "layer_j" in table.columns else table
+    order = [m for m in models if m in set(rows["model"])]
+
+    def wide(part: pd.DataFrame, index: list[str]) -> pd.DataFrame:
+        if part.empty:
+            return pd.DataFrame()
+        out = part.pivot_table(index=index, columns="model", values="value", aggfunc="first", sort=False)
+        return out[[m for m in order if m in out.columns]].reset_index()
+
+    scalars = wide(rows[rows["layer"].isna()], ["metric"])
+    layered = rows[rows["layer"].notna()]
+    if layered.empty:
+        return scalars, pd.DataFrame()
+    layered = layered.assign(layer=layered["layer"].astype(int),  # one column per metric (and model, when several)
+                             column=layered["metric"] if len(order) < 2 else layered["metric"] + " · " + layered["model"])
+    per_layer = layered.pivot_table(index="layer", columns="column", values="value", aggfunc="first", sort=False)
+    return scalars, per_layer.reset_index().rename_axis(columns=None)
+
+
 def curves_frame(cells: Sequence[CellData]) -> pd.DataFrame:
     """Long training curves: tokens, split (train/val), loss per logged record of every cell."""
     frames = []
