@@ -40,7 +40,7 @@ GGUF_EXTRA = 'pip install -e ".[gguf]"'
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 # GGUF architectures transformers 5.x's GGUF loader converts to a family import-hf reads (its
 # GGUF_SUPPORTED_ARCHITECTURES; tests/test_gguf.py checks the list): a refusal of one of them says how
-TRANSFORMERS_CONVERTS = ("mistral", "phi3", "gpt2", "gemma2", "gemma3")
+TRANSFORMERS_CONVERTS = ("mistral", "phi3", "gpt2", "gemma2", "gemma3", "qwen2moe", "qwen3moe")  # llama.cpp's names
 LAYER_TENSORS = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
