@@ -194,6 +194,8 @@ HOSTILE = [  # (config.json changes, the key the one line names)  -- the issue's
     ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": [2]},
                                                        "sliding_attention": {}}},
      "rope_parameters.full_attention.factor=[2]"),
+    ({"model_type": "gemma3_text", "rope_parameters": {"full_attention": "linear", "sliding_attention": {}}},
+     "rope_parameters.full_attention='linear'"),
 ]
 
 
@@ -262,3 +264,33 @@ def test_an_unknown_rope_type_is_one_refusal_naming_it():
         hf_to_model_config({"model_type": "llama", **sizes("llama"), "rope_parameters": {"rope_type": "ntk"}})
     assert str(err.value) == ("unsupported Hugging Face config: rope_parameters.rope_type='ntk' (supported: default, "
                               "linear, dynamic, yarn, longrope, llama3)")
+
+
+GEMMA3 = {"model_type": "gemma3_text", **sizes("gemma3_text")}
+
+
+@pytest.mark.parametrize("nested", [
+    {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}, "sliding_attention": None},
+    {"full_attention": None, "sliding_attention": {"rope_theta": 1e3}},
+])
+def test_a_null_layer_type_in_rope_parameters_reads_as_transformers_fills_it(nested):
+    """A layer type set to null keeps the dict per layer type (the other type's scaling is not dropped) and takes
+    that type's defaults, as Gemma3TextConfig fills them."""
+    cfg = hf_to_model_config({**GEMMA3, "rope_parameters": nested}, max_seq_len=64)
+    filled = transformers.Gemma3TextConfig(**sizes("gemma3_text"), rope_parameters=nested).rope_parameters
+    full, local = filled["full_attention"], filled["sliding_attention"]
+    assert cfg.rope_theta == full["rope_theta"] and cfg.options["rope_theta_sliding"] == local["rope_theta"]
+    assert cfg.options.get("rope_type", "default") == full["rope_type"] and local["rope_type"] == "default"
+    assert cfg.options.get("rope_factor") == full.get("factor")
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0}, "sliding_attention": {},
+                          "rope_type": "default"}}, "rope_parameters=['rope_type']"),
+    ({"rope_scaling": {"full_attention": {"rope_type": "linear", "factor": 8.0}}}, "rope_scaling=['full_attention']"),
+])
+def test_a_rope_dict_mixing_layer_types_and_parameters_is_refused_not_read_flat(change, needle):
+    """Such a dict was read as a flat, plain RoPE dict: the full layers' scaling silently dropped."""
+    with pytest.raises(DepthToolsError) as err:
+        hf_to_model_config({**GEMMA3, **change})
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)

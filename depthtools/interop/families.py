@@ -33,7 +33,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
-from depthtools.interop.schema import check_config
+from depthtools.interop.schema import check_config, nested_rope
 
 REQUIRED = object()  # a Field without a default: config.json must have it
 
@@ -201,14 +201,13 @@ def rope(r: Reader, default_theta: float = 10000.0, legacy_theta: str = "rope_th
     params = r.hf.get("rope_parameters")
     scaling = r.hf.get("rope_scaling")
     out: dict[str, Any] = {}
-    keyed = isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values())
-    if keyed:
+    if nested_rope(params):
         if not per_layer:
             raise refusal("rope_parameters", sorted(params), f"per-layer-type RoPE is not a {r.family.model_type} feature")
         unknown = sorted(set(params) - set(LAYER_TYPE_KEYS))
         if unknown:
             raise refusal("rope_parameters", unknown, f"layer types known: {', '.join(LAYER_TYPE_KEYS)}")
-        full, local = params.get("full_attention", {}), params.get("sliding_attention", {})
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}  # null: defaults
         where = "rope_parameters.full_attention"
         out.update(_scaled_rope(r, full, _rope_kind(full, where, aliases), where, original_default))
         if _rope_kind(local, "rope_parameters.sliding_attention") != "default":
@@ -218,6 +217,8 @@ def rope(r: Reader, default_theta: float = 10000.0, legacy_theta: str = "rope_th
         out["rope_theta_sliding"] = float(local.get("rope_theta", 10000.0))
         fraction = 1.0
     else:
+        if nested_rope(scaling):
+            raise refusal("rope_scaling", sorted(scaling), "per-layer-type RoPE is read from rope_parameters only")
         flat = params if isinstance(params, dict) else ({} if params is None else params)
         where = "rope_scaling" if scaling else "rope_parameters"
         chosen = scaling or flat

@@ -192,11 +192,22 @@ SCHEMAS: dict[str, dict[str, Check]] = {  # model_type -> config.json key -> rul
 }
 
 
+def nested_rope(value: Any) -> bool:
+    """Whether a RoPE dict is keyed by layer type: it names a layer type (as transformers' nested keys are the
+    layer types), or all its values are dicts (an unknown layer type, which families.rope refuses)."""
+    return isinstance(value, dict) and bool(value) and (
+        any(key in LAYER_TYPES.allowed for key in value) or all(isinstance(v, dict) for v in value.values()))
+
+
 def _rope(value: dict[str, Any], where: str) -> None:
-    """rope_parameters / rope_scaling: flat, or keyed by layer type (each value a flat dict); each sub-key the
-    families read checked by `ROPE_KEYS`, named as `<key>[.<layer type>].<sub-key>`."""
-    keyed = bool(value) and all(isinstance(v, dict) for v in value.values())
+    """rope_parameters / rope_scaling: flat, or keyed by layer type (each layer type's value a flat dict or
+    null); each sub-key the families read checked by `ROPE_KEYS`, named as `<key>[.<layer type>].<sub-key>`."""
+    keyed = nested_rope(value)
     for name, params in (value.items() if keyed else [("", value)]):
+        if keyed and (params is None or name not in LAYER_TYPES.allowed):
+            continue  # null: that layer type's defaults; a key that is no layer type: refused by families.rope
+        if not isinstance(params, dict):
+            raise invalid(f"{where}.{name}", params, "an object (dict) or null")
         for key, rule in ROPE_KEYS.items():
             sub = params.get(key)
             if sub is not None and not rule.ok(sub):
@@ -216,4 +227,4 @@ def check_config(hf: dict[str, Any], model_type: str) -> None:
             _rope(value, key)
 
 
-__all__ = ["SCHEMAS", "Check", "check_config", "invalid"]
+__all__ = ["SCHEMAS", "Check", "check_config", "invalid", "nested_rope"]
