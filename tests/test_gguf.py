@@ -353,7 +353,8 @@ def test_a_refusal_inside_the_conversion_names_the_gguf_not_the_temporary_folder
     assert len(line.splitlines()) == 1 and not (tmp_path / "ck").exists()
 
 
-@pytest.mark.parametrize("arch,converts", [("gemma2", True), ("gemma", False), ("falcon", False)])
+@pytest.mark.parametrize("arch,converts", [("gemma2", True), ("qwen2moe", True), ("qwen3moe", True), ("gemma", False),
+                                           ("falcon", False)])
 def test_an_unsupported_architecture_is_refused_before_the_vocabulary_is_parsed(arch, converts, tmp_path,
                                                                               monkeypatch):
     """The architecture key is read from the header: the gguf reader (which parses every metadata array, minutes
@@ -383,12 +384,8 @@ def test_the_architectures_said_to_convert_are_transformers_and_import_families(
     from depthtools.interop.gguf_import import ARCHITECTURES, TRANSFORMERS_CONVERTS
 
     hf_type = {"gemma3": "gemma3_text"}  # transformers' GGUF loader renames it
-    # llama.cpp writes the MoE architectures without the underscore transformers' list has
-    llama_cpp = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
-    transformers_name = {v: k for k, v in llama_cpp.items()}
-    said = {transformers_name.get(a, a) for a in TRANSFORMERS_CONVERTS}
-    assert said <= set(GGUF_SUPPORTED_ARCHITECTURES)
-    assert all(hf_type.get(a, a) in FAMILIES for a in said)
+    assert set(TRANSFORMERS_CONVERTS) <= set(GGUF_SUPPORTED_ARCHITECTURES)
+    assert all(hf_type.get(a, a) in FAMILIES for a in TRANSFORMERS_CONVERTS)
     assert not set(TRANSFORMERS_CONVERTS) & set(ARCHITECTURES)
-    missed = {llama_cpp.get(a, a) for a in GGUF_SUPPORTED_ARCHITECTURES if hf_type.get(a, a) in FAMILIES}
-    assert missed - set(ARCHITECTURES) == set(TRANSFORMERS_CONVERTS)
+    missed = {a for a in GGUF_SUPPORTED_ARCHITECTURES if hf_type.get(a, a) in FAMILIES} - set(ARCHITECTURES)
+    assert missed == set(TRANSFORMERS_CONVERTS)

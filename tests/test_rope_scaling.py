@@ -183,7 +183,7 @@ BASE = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_s
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 3,
                                                 "long_factor": [1.0] * 8}}, "rope_short_factor has 3 entries"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": "four", "rope_theta": 1e4}},
-     "rope_parameters.factor='four' (expected a number)"),
+     "rope_parameters.factor='four' (expected a number > 0)"),
     ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0, "x"],
                                                 "long_factor": [1.0] * 8}}, "rope_parameters.short_factor="),
     ({"model_type": "gemma3_text", "head_dim": 16,

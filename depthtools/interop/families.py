@@ -33,7 +33,7 @@ import torch
 
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
-from depthtools.interop.schema import check_config
+from depthtools.interop.schema import check_config, nested_rope
 
 REQUIRED = object()  # a Field without a default: config.json must have it
 
@@ -150,21 +150,11 @@ def _rope_kind(params: Any, where: str, aliases: dict[str, str] | None = None) -
     return kind
 
 
-def _rope_value(value: Any, where: str, option: str) -> Any:
-    """A RoPE parameter as our option's kind (a bool, a list of numbers or a number), or a refusal naming it."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    if option == "rope_truncate":
-        if not isinstance(value, bool):
-            raise refusal(where, value, "expected true or false")
+def _rope_value(value: Any, option: str) -> Any:
+    """A RoPE parameter as our option's kind: a bool (truncate), a list of numbers (longrope) or a float. Its
+    type and range were checked with the rest of config.json (`schema.ROPE_KEYS`)."""
+    if option == "rope_truncate" or option in ("rope_short_factor", "rope_long_factor"):
         return value
-    if option in ("rope_short_factor", "rope_long_factor"):
-        if not isinstance(value, list) or not all(number(v) and v > 0 for v in value):
-            raise refusal(where, value, "expected a list of positive numbers")
-        return value
-    if not number(value):
-        raise refusal(where, value, "expected a number")
     return float(value)
 
 
@@ -186,13 +176,10 @@ def _scaled_rope(r: Reader, params: dict[str, Any], kind: str, where: str,
     elif kind != "linear":
         context = r.hf.get("original_max_position_embeddings", original_default)
         context = params.get("original_max_position_embeddings") if context is None else context
-        context = max_pos if context is None else context
-        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-            raise refusal(f"{where}.original_max_position_embeddings", context, "expected a positive integer")
-        out["rope_original_context"] = context
+        out["rope_original_context"] = max_pos if context is None else context  # an int >= 1 (schema)
     for key, option in ROPE_KEYS[kind].items():
         if params.get(key) is not None:
-            out[option] = _rope_value(params[key], f"{where}.{key}", option)
+            out[option] = _rope_value(params[key], option)
     if kind in ("yarn", "longrope") and "rope_factor" not in out:
         out["rope_factor"] = max_pos / out["rope_original_context"]
     mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
@@ -214,14 +201,13 @@ def rope(r: Reader, default_theta: float = 10000.0, legacy_theta: str = "rope_th
     params = r.hf.get("rope_parameters")
     scaling = r.hf.get("rope_scaling")
     out: dict[str, Any] = {}
-    keyed = isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values())
-    if keyed:
+    if nested_rope(params):
         if not per_layer:
             raise refusal("rope_parameters", sorted(params), f"per-layer-type RoPE is not a {r.family.model_type} feature")
         unknown = sorted(set(params) - set(LAYER_TYPE_KEYS))
         if unknown:
             raise refusal("rope_parameters", unknown, f"layer types known: {', '.join(LAYER_TYPE_KEYS)}")
-        full, local = params.get("full_attention", {}), params.get("sliding_attention", {})
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}  # null: defaults
         where = "rope_parameters.full_attention"
         out.update(_scaled_rope(r, full, _rope_kind(full, where, aliases), where, original_default))
         if _rope_kind(local, "rope_parameters.sliding_attention") != "default":
@@ -231,6 +217,8 @@ def rope(r: Reader, default_theta: float = 10000.0, legacy_theta: str = "rope_th
         out["rope_theta_sliding"] = float(local.get("rope_theta", 10000.0))
         fraction = 1.0
     else:
+        if nested_rope(scaling):
+            raise refusal("rope_scaling", sorted(scaling), "per-layer-type RoPE is read from rope_parameters only")
         flat = params if isinstance(params, dict) else ({} if params is None else params)
         where = "rope_scaling" if scaling else "rope_parameters"
         chosen = scaling or flat
@@ -336,12 +324,8 @@ PHI_TENSORS = {
 def _sparse_layers(r: Reader, n_layer: int) -> str:
     """Qwen-MoE's per-layer MoE pattern: layer l is sparse unless listed in `mlp_only_layers` or
     (l + 1) is not a multiple of `decoder_sparse_step` (transformers' Qwen2/3-MoE decoder layer)."""
-    dense = r.get("mlp_only_layers", [])
+    dense = r.get("mlp_only_layers", [])  # a list of integers >= 0, and a step >= 1 (schema.QWEN_MOE)
     step = r.get("decoder_sparse_step", 1)
-    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
-        raise refusal("mlp_only_layers", dense, "expected a list of layer indices")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise refusal("decoder_sparse_step", step, "expected a positive integer")
     pattern = "".join("d" if (i in dense or (i + 1) % step) else "m" for i in range(n_layer))
     return "" if set(pattern) == {"m"} else pattern
 
@@ -353,6 +337,9 @@ def moe(experts: Field, top_k_default: int, norm_topk: bool | None, ff: Field | 
     def options(r: Reader) -> dict[str, Any]:
         out = {"moe_experts": r.read(experts), "moe_top_k": r.get("num_experts_per_tok", top_k_default),
                "moe_norm_topk": bool(r.get("norm_topk_prob", False)) if norm_topk is None else norm_topk}
+        if out["moe_top_k"] > out["moe_experts"]:  # transformers' torch.topk would fail in the first forward
+            key = next((k for k in experts.keys if r.hf.get(k) is not None), experts.keys[0])
+            raise refusal("num_experts_per_tok", out["moe_top_k"], f"exceeds {key}={out['moe_experts']}")
         if ff is not None:
             out["moe_ff"] = r.read(ff)
         if shared_ff is not None and r.read(shared_ff):

@@ -40,7 +40,9 @@ GGUF_EXTRA = 'pip install -e ".[gguf]"'
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
 # GGUF architectures transformers 5.x's GGUF loader converts to a family import-hf reads (its
 # GGUF_SUPPORTED_ARCHITECTURES; tests/test_gguf.py checks the list): a refusal of one of them says how
-TRANSFORMERS_CONVERTS = ("mistral", "phi3", "gpt2", "gemma2", "gemma3", "qwen2moe", "qwen3moe")  # llama.cpp's names
+TRANSFORMERS_CONVERTS = ("mistral", "phi3", "gpt2", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
+# llama.cpp's general.architecture of the MoE Qwens -> the name transformers' GGUF loader lists them under
+GGUF_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 LAYER_TENSORS = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
@@ -166,7 +168,7 @@ def unsupported_architecture(arch: Any, path: Path) -> DepthToolsError:
     """The refusal of a GGUF architecture this importer does not read; where transformers' GGUF loader converts
     it to a family import-hf reads (`TRANSFORMERS_CONVERTS`), it says how."""
     line = f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-    if isinstance(arch, str) and arch in TRANSFORMERS_CONVERTS:
+    if isinstance(arch, str) and GGUF_NAMES.get(arch, arch) in TRANSFORMERS_CONVERTS:
         line += (f"; transformers converts a {arch} GGUF to a Hugging Face folder, which import-hf reads: "
                  f"AutoModelForCausalLM.from_pretrained(DIR, gguf_file={path.name!r}).save_pretrained(OUT) (and "
                  f"AutoTokenizer the same way), then depthtools import-hf OUT")

@@ -14,6 +14,19 @@ checked. Legacy v4 keys the families still read (`rope_theta`, `rotary_emb_base`
 `rope_local_base_freq`, `sliding_window_pattern`) have rows too. `null` counts as absent everywhere (the
 families then apply transformers' default), as `families.Reader` reads it.
 
+The RoPE dicts (`rope_parameters`, flat or one per layer type, and v4 `rope_scaling`) have their sub-keys
+checked by `ROPE_KEYS`, whatever the dict's rope_type: transformers' `RopeParameters` gives each key one type
+for every RoPE type (tests/test_config_schema.py compares them), and the ranges are what the scaled-RoPE
+formulas need (`depthtools.arch.rope`): a positive factor, attention factor and beta_fast/beta_slow, a
+pretraining context of at least 1, non-negative mscale/mscale_all_dim (a negative one can make yarn's
+attention-factor quotient divide by zero), lists of positive numbers for longrope. An unknown rope_type, a
+required key missing and the cross-key rules (llama3's high_freq_factor > low_freq_factor, a longrope list's
+length) stay with `families.rope` and the backbone, one refusal each.
+
+The mixture-of-experts families (mixtral, qwen2_moe, qwen3_moe, olmoe) add their routing keys (`MOE`):
+expert counts and top-k of at least 1, widths, `norm_topk_prob`, Qwen-MoE's `decoder_sparse_step` and
+`mlp_only_layers`, and the keys of other MoE designs that `families.MOE_REFUSALS` reads to refuse.
+
 A new family adds one row to `SCHEMAS` (usually `{**LLAMA, <its own keys>}`).
 """
 
@@ -30,8 +43,9 @@ SHOWN = 60  # characters of a bad value quoted in a refusal
 
 @dataclass(frozen=True)
 class Check:
-    """One key's rule: `kind` (bool, int, number, str, id, ids, strs, dict, rope), an optional range
-    [low, high] (`open_low`: low itself excluded) and allowed values (of a str, or of each item of strs)."""
+    """One key's rule: `kind` (bool, int, number, str, id, ids, ints, numbers, strs, dict, rope), an optional
+    range [low, high] (`open_low`: low itself excluded; of each item of ints/numbers) and allowed values (of a
+    str, or of each item of strs)."""
 
     kind: str
     low: float | None = None
@@ -43,7 +57,10 @@ class Check:
         """What a valid value looks like, in words."""
         base = {"bool": "a JSON boolean, true or false", "int": "an integer", "number": "a number",
                 "str": "a string", "id": "an integer token id", "ids": "an integer token id or a list of them",
-                "strs": "a list of strings", "dict": "an object (dict)", "rope": "an object (dict)"}[self.kind]
+                "strs": "a list of strings", "dict": "an object (dict)", "rope": "an object (dict)",
+                "ints": "a list of integers", "numbers": "a list of numbers"}[self.kind]
+        if self.kind in ("ints", "numbers") and self.low is not None:
+            base += ", each"
         if self.low is not None and self.high is not None:
             base += f" in {'(' if self.open_low else '['}{_num(self.low)}, {_num(self.high)}]"
         elif self.low is not None:
@@ -65,6 +82,9 @@ class Check:
         if self.kind == "ids":
             values = value if isinstance(value, list) else [value]
             return all(_is_int(v) for v in values)
+        if self.kind in ("ints", "numbers"):
+            item = _is_int if self.kind == "ints" else _is_number
+            return isinstance(value, list) and all(item(v) and self._in_range(v) for v in value)
         if self.kind in ("int", "id"):
             return _is_int(value) and self._in_range(value)
         return _is_number(value) and self._in_range(value)
@@ -106,19 +126,27 @@ SIZE = Check("int", low=1)  # a count or a dimension
 LAYERS = Check("int", low=1, high=10_000)
 COUNT0 = Check("int", low=0)
 POSITIVE = Check("number", low=0, open_low=True)
+NONNEGATIVE = Check("number", low=0)
 FRACTION = Check("number", low=0, high=1, open_low=True)
 ID, IDS = Check("id"), Check("ids")
 ROPE = Check("rope")
 LAYER_TYPES = Check("strs", allowed=("full_attention", "sliding_attention"))
-# rope_parameters (flat, or one such dict per layer type): the sub-keys the families read
-ROPE_KEYS = {"rope_type": STR, "type": STR, "rope_theta": POSITIVE, "partial_rotary_factor": FRACTION}
+# rope_parameters (flat, or one such dict per layer type) and rope_scaling: the sub-keys the families read
+# (families.rope, families.ROPE_KEYS), typed as transformers' RopeParameters types them; `type`: v4's rope_type
+ROPE_KEYS = {
+    "rope_type": STR, "type": STR, "rope_theta": POSITIVE, "partial_rotary_factor": FRACTION,
+    "factor": POSITIVE, "original_max_position_embeddings": SIZE, "attention_factor": POSITIVE,
+    "beta_fast": POSITIVE, "beta_slow": POSITIVE, "mscale": NONNEGATIVE, "mscale_all_dim": NONNEGATIVE,
+    "truncate": BOOL, "low_freq_factor": POSITIVE, "high_freq_factor": POSITIVE,
+    "short_factor": Check("numbers", low=0, open_low=True), "long_factor": Check("numbers", low=0, open_low=True),
+}
 
 COMMON = {  # keys read for every family (families.GENERIC_REFUSALS, checks.check_special_ids)
     "model_type": STR, "quantization_config": Check("dict"), "is_encoder_decoder": BOOL,
     "bos_token_id": ID, "eos_token_id": IDS, "pad_token_id": ID, "tie_word_embeddings": BOOL,
     "vocab_size": SIZE, "initializer_range": Check("number", low=0, high=1),
-    "rope_parameters": ROPE, "rope_scaling": Check("dict"), "rope_theta": POSITIVE,
-    "partial_rotary_factor": FRACTION,
+    "rope_parameters": ROPE, "rope_scaling": ROPE, "rope_theta": POSITIVE, "partial_rotary_factor": FRACTION,
+    "original_max_position_embeddings": SIZE,  # scaled RoPE's pretraining context (Phi-3 keeps it at the top)
 }
 LLAMA = {
     **COMMON, "hidden_size": SIZE, "num_hidden_layers": LAYERS, "num_attention_heads": SIZE,
@@ -128,6 +156,12 @@ LLAMA = {
 WINDOWED = {"sliding_window": SIZE}
 QWEN = {**LLAMA, **WINDOWED, "use_sliding_window": BOOL, "max_window_layers": COUNT0, "layer_types": LAYER_TYPES}
 GEMMA = {**LLAMA, "head_dim": SIZE, "use_bidirectional_attention": BOOL}
+# mixture of experts: top-k, and the keys of other MoE designs families.MOE_REFUSALS reads (to refuse them)
+MOE = {"num_experts_per_tok": SIZE, "scoring_func": STR, "routed_scaling_factor": Check("number"),
+       "n_group": SIZE, "topk_group": SIZE, "first_k_dense_replace": COUNT0, "n_shared_experts": COUNT0}
+EXPERTS = {**MOE, "num_experts": SIZE, "num_local_experts": SIZE, "norm_topk_prob": BOOL}  # Qwen-MoE, OLMoE
+QWEN_MOE = {**EXPERTS, "moe_intermediate_size": SIZE, "decoder_sparse_step": SIZE,
+            "mlp_only_layers": Check("ints", low=0)}
 GEMMA2 = {**GEMMA, **WINDOWED, "hidden_activation": STR, "query_pre_attn_scalar": SIZE,
           "attn_logit_softcapping": POSITIVE, "final_logit_softcapping": POSITIVE, "layer_types": LAYER_TYPES}
 
@@ -148,13 +182,32 @@ SCHEMAS: dict[str, dict[str, Check]] = {  # model_type -> config.json key -> rul
     "gpt_neox": {**LLAMA, "layer_norm_eps": POSITIVE, "use_parallel_residual": BOOL, "rotary_emb_base": POSITIVE,
                  "rotary_pct": FRACTION},
     "phi3": {**LLAMA, **WINDOWED},
+    "phi": {**LLAMA, "layer_norm_eps": POSITIVE, "qk_layernorm": BOOL},
+    "mixtral": {**LLAMA, **WINDOWED, **MOE, "num_local_experts": SIZE},
+    # Qwen2MoeConfig writes sliding_window 0 when use_sliding_window is false (families reads it only when true)
+    "qwen2_moe": {**QWEN, **QWEN_MOE, "sliding_window": COUNT0, "shared_expert_intermediate_size": COUNT0,
+                  "qkv_bias": BOOL},
+    "qwen3_moe": {**LLAMA, **WINDOWED, **QWEN_MOE, "use_sliding_window": BOOL},
+    "olmoe": {**LLAMA, **EXPERTS, "clip_qkv": POSITIVE},
 }
 
 
+def nested_rope(value: Any) -> bool:
+    """Whether a RoPE dict is keyed by layer type: it names a layer type (as transformers' nested keys are the
+    layer types), or all its values are dicts (an unknown layer type, which families.rope refuses)."""
+    return isinstance(value, dict) and bool(value) and (
+        any(key in LAYER_TYPES.allowed for key in value) or all(isinstance(v, dict) for v in value.values()))
+
+
 def _rope(value: dict[str, Any], where: str) -> None:
-    """rope_parameters: flat, or keyed by layer type (each value a flat dict); its read sub-keys checked."""
-    keyed = bool(value) and all(isinstance(v, dict) for v in value.values())
+    """rope_parameters / rope_scaling: flat, or keyed by layer type (each layer type's value a flat dict or
+    null); each sub-key the families read checked by `ROPE_KEYS`, named as `<key>[.<layer type>].<sub-key>`."""
+    keyed = nested_rope(value)
     for name, params in (value.items() if keyed else [("", value)]):
+        if keyed and (params is None or name not in LAYER_TYPES.allowed):
+            continue  # null: that layer type's defaults; a key that is no layer type: refused by families.rope
+        if not isinstance(params, dict):
+            raise invalid(f"{where}.{name}", params, "an object (dict) or null")
         for key, rule in ROPE_KEYS.items():
             sub = params.get(key)
             if sub is not None and not rule.ok(sub):
@@ -174,4 +227,4 @@ def check_config(hf: dict[str, Any], model_type: str) -> None:
             _rope(value, key)
 
 
-__all__ = ["SCHEMAS", "Check", "check_config", "invalid"]
+__all__ = ["SCHEMAS", "Check", "check_config", "invalid", "nested_rope"]
