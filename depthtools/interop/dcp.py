@@ -412,11 +412,10 @@ def read_model_tensors(model_and_optim_dir: str | Path, prefix: str = "model.") 
         raise CheckpointError(f"{directory / METADATA} holds no tensors under {prefix!r} (top-level entries: "
                               f"{', '.join(found) or 'none'})")
     storage, files = _storage_index(meta), _Files(directory)
-    for name, entry in entries.items():  # every file and range first: a short file is refused before any read
-        for chunk in entry.chunks:
-            info = storage.get((name, tuple(chunk.offsets)))
-            if info is not None:
-                files.check(info, name)
+    # Every file and range the metadata records, optimizer's included, before any read: a short or missing
+    # file means a damaged copy, refused before anything is loaded (only the ranges are checked, not read).
+    for index, info in meta.storage_data.items():
+        files.check(info, index.fqn)
     return {name[len(prefix):]: _assemble(name, entry, storage, files) for name, entry in entries.items()}
 
 
