@@ -212,7 +212,7 @@ def info_command(
         print_json(summary)
         return
     rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict)]
-    for section in ("model", "params", "training", "eval"):
+    for section in ("model", "params", "training", "eval", "source"):
         for k, v in (summary.get(section) or {}).items():
             rows.append([f"{section}.{k}", v])
     console.print(table(f"checkpoint {summary['name']}", ["field", "value"], rows))

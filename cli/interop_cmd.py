@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.markup import escape
@@ -22,16 +22,22 @@ def _show(title: str, summary: dict) -> None:
         console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
 
 
-def _import(path: Path, name: Optional[str], out: Optional[Path], step: Optional[int], tokenizer: Optional[Path],
-            max_seq_len: Optional[int], force: bool, as_json: bool) -> None:
-    from depthtools.interop.formats import import_path  # lazy: keeps the CLI torch-free
+def _import(paths: list[Path], name: Optional[str], out: Optional[Path], step: Optional[int],
+            tokenizer: Optional[Path], max_seq_len: Optional[int], force: bool, as_json: bool,
+            grid: Optional[str] = None) -> None:
+    from depthtools.interop.formats import import_paths  # lazy: keeps the CLI torch-free
 
-    summary = import_path(path, name=name, out=out, force=force, step=step, tokenizer=tokenizer,
-                          max_seq_len=max_seq_len)
+    summary = import_paths(paths, name=name, out=out, force=force, step=step, tokenizer=tokenizer,
+                           max_seq_len=max_seq_len, grid=grid)
     if as_json:
         print_json(summary)
         return
-    _show(f"imported {path}", summary)
+    for cell in summary.get("cells", [summary]):
+        _show(f"imported {cell.get('source')}", cell)
+    if "cells" in summary:
+        console.print(f"grid {escape(summary['grid'])}: {len(summary['cells'])} cells", highlight=False)
+        for note in summary.get("notes", []):
+            console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
 
 
 PATH_HELP = ("An OLMo-core run folder (stepN/ folders) or one step folder, a local transformers model folder "
@@ -43,9 +49,10 @@ TOKENIZER_HELP = ("OLMo-core: a tokenizer.json (or a folder holding one) to carr
 
 @app.command("import")
 def import_command(
-    path: Path = typer.Argument(..., help=PATH_HELP),
+    paths: List[Path] = typer.Argument(..., help=PATH_HELP + " Several OLMo-core runs (one sweep): one grid (--grid)."),
     name: Optional[str] = typer.Option(None, "--name", help="Checkpoint name under $DEPTHTOOLS_CHECKPOINTS."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint to this directory instead."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint (with --grid: the grid) to this directory instead."),
+    grid: Optional[str] = typer.Option(None, "--grid", help="Import OLMo-core runs as the cells <arch>_L<n> of this grid under $DEPTHTOOLS_CHECKPOINTS."),
     step: Optional[int] = typer.Option(None, "--step", min=0, help=STEP_HELP),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: the source's)."),
@@ -67,8 +74,9 @@ def import_command(
     Example: depthtools import runs/hc_400m_L24 --name hc_L24
     Example: depthtools import runs/hc_400m_L24 --step 4000 --tokenizer gpt-neox-olmo-dolma.json --name hc_L24_s4000
     Example: depthtools import ./TinyLlama --name tinyllama
+    Example: depthtools import runs/hc_L16 runs/hc_L24 runs/hc_L32 --grid depthbench_hc   (one sweep, one grid)
     """
-    _import(path, name, out, step, tokenizer, max_seq_len, force, as_json)
+    _import(paths, name, out, step, tokenizer, max_seq_len, force, as_json, grid)
 
 
 @app.command("import-hf")
@@ -88,7 +96,7 @@ def import_hf_command(
     Example: depthtools import-hf ./TinyLlama --name tinyllama
     Example: depthtools import-hf ./tiny-q8_0.gguf --name tiny-gguf
     """
-    _import(path, name, out, step, tokenizer, max_seq_len, force, as_json)
+    _import([path], name, out, step, tokenizer, max_seq_len, force, as_json)
 
 
 @app.command("export-hf")

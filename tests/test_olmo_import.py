@@ -176,3 +176,20 @@ def test_import_path_refuses_olmo_only_options_for_other_formats(tmp_path):
     (tmp_path / "hf" / "config.json").write_text("{}")
     with pytest.raises(DepthToolsError, match="--tokenizer applies to OLMo-core checkpoints only"):
         import_path(tmp_path / "hf", out=tmp_path / "o", tokenizer=tmp_path / "t.json")
+
+
+def test_sweep_refusals_write_nothing(tmp_path, run):
+    other = tmp_path / "run2"
+    write_step(other, 50)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    result = runner.invoke(app, ["import", str(run), str(other)])
+    assert result.exit_code == 2 and "give a grid name (--grid)" in result.output
+    _refused([run, hf, "--grid", "g"], "only OLMo-core runs are imported as a grid", tmp_path / "g1")
+    _refused([run, other, "--name", "x"], "give --grid NAME", tmp_path / "g2")
+    _refused([run, other, "--grid", "../up"], "grid name (--grid)", tmp_path / "g3")
+    broken = tmp_path / "run3"
+    write_step(broken, 9)
+    (broken / "step9" / "model_and_optim" / "__0_0.distcp").unlink()
+    _refused([run, broken, "--grid", "g"], "__0_0.distcp is missing", tmp_path / "g4")  # checked before any cell

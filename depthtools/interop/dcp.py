@@ -397,6 +397,24 @@ def tensor_entries(meta: Metadata, prefix: str = "model.") -> dict[str, TensorMe
             if name.startswith(prefix) and isinstance(entry, TensorMeta)}
 
 
+def _check_ranges(directory: Path, meta: Metadata) -> _Files:
+    """Every file and byte range the metadata records, the optimizer's included: a short or missing file means
+    a damaged copy, refused before any tensor is read (ranges are checked against file sizes, nothing is read)."""
+    files = _Files(directory)
+    for index, info in meta.storage_data.items():
+        files.check(info, index.fqn)
+    return files
+
+
+def check_files(model_and_optim_dir: str | Path) -> Metadata:
+    """The metadata of a DCP folder, after checking that every `.distcp` file it records is present and long
+    enough; no tensor is read (cheap: a sweep checks all its runs before importing the first)."""
+    directory = Path(model_and_optim_dir)
+    meta = read_metadata(directory)
+    _check_ranges(directory, meta)
+    return meta
+
+
 def read_model_tensors(model_and_optim_dir: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """Every tensor under `prefix` in a DCP folder, whole, named without the prefix; nothing else is read.
 
@@ -411,12 +429,8 @@ def read_model_tensors(model_and_optim_dir: str | Path, prefix: str = "model.") 
         found = sorted({n.split(".")[0] for n in meta.state_dict_metadata})
         raise CheckpointError(f"{directory / METADATA} holds no tensors under {prefix!r} (top-level entries: "
                               f"{', '.join(found) or 'none'})")
-    storage, files = _storage_index(meta), _Files(directory)
-    # Every file and range the metadata records, optimizer's included, before any read: a short or missing
-    # file means a damaged copy, refused before anything is loaded (only the ranges are checked, not read).
-    for index, info in meta.storage_data.items():
-        files.check(info, index.fqn)
+    storage, files = _storage_index(meta), _check_ranges(directory, meta)
     return {name[len(prefix):]: _assemble(name, entry, storage, files) for name, entry in entries.items()}
 
 
-__all__ = ["read_model_tensors", "read_metadata", "tensor_entries", "METADATA", "Metadata", "TensorMeta"]
+__all__ = ["read_model_tensors", "read_metadata", "check_files", "tensor_entries", "METADATA", "Metadata", "TensorMeta"]

@@ -18,7 +18,7 @@ from typing import Any
 from depthtools.errors import DepthToolsError
 from depthtools.interop.gguf_import import import_gguf
 from depthtools.interop.llama import import_hf
-from depthtools.interop.olmo_import import is_run_dir, is_step_dir, import_olmo_core
+from depthtools.interop.olmo_import import import_olmo_core, import_sweep, is_run_dir, is_step_dir
 
 FORMATS = ("olmo-core-run", "olmo-core-step", "huggingface", "gguf")
 WHAT = ("an OLMo-core run folder (stepN/ folders) or step folder (config.json + model_and_optim/), a Hugging Face "
@@ -63,4 +63,26 @@ def import_path(path: str | Path, name: str | None = None, out: str | Path | Non
     return {**summary, "format": kind}
 
 
-__all__ = ["detect_format", "import_path", "FORMATS"]
+def import_paths(paths: list[str | Path], name: str | None = None, out: str | Path | None = None,
+                 force: bool = False, step: int | None = None, tokenizer: str | Path | None = None,
+                 max_seq_len: int | None = None, grid: str | None = None) -> dict[str, Any]:
+    """`depthtools import PATH...`: one PATH is `import_path`; several, or `grid`, are the OLMo-core runs of one
+    sweep imported as the cells of one grid (`olmo_import.import_sweep`; `out` is then the grid folder)."""
+    if len(paths) == 1 and grid is None:
+        return import_path(paths[0], name=name, out=out, force=force, step=step, tokenizer=tokenizer,
+                           max_seq_len=max_seq_len)
+    if not paths:
+        raise DepthToolsError("give at least one PATH to import")
+    if name is not None:
+        raise DepthToolsError("--name names one checkpoint; several runs are imported as a grid: give --grid NAME")
+    for path in paths:
+        kind = detect_format(path)
+        if not kind.startswith("olmo-core"):
+            raise DepthToolsError(f"{path} is a {kind} checkpoint; only OLMo-core runs are imported as a grid "
+                                  "(import it on its own with --name)")
+    summary = import_sweep(paths, grid=grid, out=out, force=force, step=step, tokenizer=tokenizer,
+                           max_seq_len=max_seq_len)
+    return {**summary, "format": "olmo-core-sweep"}
+
+
+__all__ = ["detect_format", "import_path", "import_paths", "FORMATS"]

@@ -31,7 +31,7 @@ from depthtools.data.tokenizer import tokenizer_file_fingerprint
 from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name, file_sha256, read_json_object, replace_dir
 from depthtools.interop.checks import _tokenizer_json
-from depthtools.interop.dcp import read_model_tensors
+from depthtools.interop.dcp import check_files, read_model_tensors
 from depthtools.interop.llama import _load_state, _tokenizer_size
 
 MODEL_DIR = "model_and_optim"
@@ -251,15 +251,27 @@ def write_checkpoint(model, target: Path, extra: dict[str, Any], tokenizer: Path
         raise
 
 
-def import_olmo_core(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
-                     step: int | None = None, tokenizer: str | Path | None = None,
-                     max_seq_len: int | None = None) -> dict[str, Any]:
-    """Import an OLMo-core run folder (its latest complete step, or `step`) or one step folder; returns a summary.
+@dataclass
+class Prepared:
+    """One OLMo-core checkpoint read, mapped and checked, ready to write: nothing has been written yet."""
 
-    The checkpoint lands in `out` or `$DEPTHTOOLS_CHECKPOINTS/<name>`; its config.json records the run, the
-    step, the digests of the files read and the mapping's provenance under "source" (`info` shows it)."""
+    path: Path
+    model: Any
+    extra: dict[str, Any]
+    tokenizer: Path | None
+    notes: list[str]
+
+    def summary(self, target: Path) -> dict[str, Any]:
+        return {"checkpoint": str(target), "source": str(self.path), "format": FORMAT,
+                "step": self.extra["source"]["step"], "model": self.model.config.to_dict(),
+                "params": self.model.param_counts(), "tokenizer": self.extra["tokenizer"], "notes": self.notes}
+
+
+def prepare_olmo_core(path: str | Path, step: int | None = None, tokenizer: str | Path | None = None,
+                      max_seq_len: int | None = None) -> Prepared:
+    """Read, map and check one OLMo-core run or step folder (`choose_step`, `read_step`, `build_model`, the
+    tokenizer rule); every refusal happens here, before anything is written."""
     path = Path(path)
-    target = target_folder(name, out, force)
     chosen, notes = choose_step(path, step)
     config, tensors = read_step(chosen)
     model, provenance = build_model(config, tensors, chosen, max_seq_len)
@@ -267,10 +279,61 @@ def import_olmo_core(path: str | Path, name: str | None = None, out: str | Path 
     record = tokenizer_record(carried, model.config.vocab_size, config) if carried is not None else None
     notes += list(provenance.get("notes") or []) + ([why] if why else [])
     extra = {"source": _source(path, chosen, provenance), "tokenizer": record, "train": None}
-    write_checkpoint(model, target, extra, carried)
-    return {"checkpoint": str(target), "source": str(path), "format": FORMAT, "step": extra["source"]["step"],
-            "model": model.config.to_dict(), "params": model.param_counts(), "tokenizer": record, "notes": notes}
+    return Prepared(path, model, extra, carried, notes)
 
 
-__all__ = ["import_olmo_core", "choose_step", "find_steps", "step_problem", "is_step_dir", "is_run_dir",
-           "find_tokenizer", "named_tokenizer", "target_folder", "Step", "FORMAT"]
+def import_olmo_core(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
+                     step: int | None = None, tokenizer: str | Path | None = None,
+                     max_seq_len: int | None = None) -> dict[str, Any]:
+    """Import an OLMo-core run folder (its latest complete step, or `step`) or one step folder; returns a summary.
+
+    The checkpoint lands in `out` or `$DEPTHTOOLS_CHECKPOINTS/<name>`; its config.json records the run, the
+    step, the digests of the files read and the mapping's provenance under "source" (`info` shows it)."""
+    target = target_folder(name, out, force)
+    prepared = prepare_olmo_core(path, step, tokenizer, max_seq_len)
+    write_checkpoint(prepared.model, target, prepared.extra, prepared.tokenizer)
+    return prepared.summary(target)
+
+
+def import_sweep(paths: list[str | Path], grid: str | None = None, out: str | Path | None = None,
+                 force: bool = False, step: int | None = None, tokenizer: str | Path | None = None,
+                 max_seq_len: int | None = None) -> dict[str, Any]:
+    """Import the run folders of one sweep (e.g. DepthBench's aspect ratios) as the cells of one grid.
+
+    Each run becomes `<grid folder>/<arch>_L<n_layer>` (the name a trained grid's cell has), so `analyze --grid`,
+    `summarize` and `report` read the sweep as they read a grid trained here. The grid folder is `out`, or
+    `$DEPTHTOOLS_CHECKPOINTS/<grid>`. Every run's step is chosen and every `.distcp` file checked before the first
+    cell is written; two runs giving one cell name (same architecture and depth) are refused. Each cell is
+    written whole or not at all (staging folder + rename)."""
+    if out is None and not grid:
+        raise DepthToolsError("give a grid name (--grid) or a grid folder (--out) to import several runs as one grid")
+    if grid is not None:
+        check_name(grid, "grid name (--grid)")
+    folder = Path(out) if out is not None else checkpoints_root() / str(grid)
+    check_dir_target(folder, "grid folder (--out)")
+    chosen = [choose_step(p, step)[0] for p in paths]  # every run has a complete step before anything is read
+    for found in chosen:
+        read_metadata_and_files(found)
+    cells: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        prepared = prepare_olmo_core(path, step, tokenizer, max_seq_len)
+        cfg = prepared.model.config
+        name = f"{cfg.arch}_L{cfg.n_layer}"
+        if name in cells:
+            raise DepthToolsError(f"{path} and {cells[name]['source']} both import as cell {name} (same architecture "
+                                  "and depth); import them into different grids")
+        target = target_folder(None, folder / name, force)
+        write_checkpoint(prepared.model, target, prepared.extra, prepared.tokenizer)
+        cells[name] = prepared.summary(target)
+        del prepared
+    return {"grid": str(folder), "cells": list(cells.values()),
+            "notes": ["one training seed per cell: the report says that no seed noise was measured"]}
+
+
+def read_metadata_and_files(step: Step) -> None:
+    """Check a step's DCP metadata and that every file it records is present and long enough, reading no tensor."""
+    check_files(step.path / MODEL_DIR)
+
+
+__all__ = ["import_olmo_core", "import_sweep", "prepare_olmo_core", "choose_step", "find_steps", "step_problem",
+           "is_step_dir", "is_run_dir", "find_tokenizer", "named_tokenizer", "target_folder", "Step", "FORMAT"]
