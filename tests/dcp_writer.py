@@ -1,10 +1,12 @@
 """Write a DCP checkpoint from every rank of a CPU gloo group, as FSDP2 training does (tests/test_dcp.py).
 
-Run under torchrun: `python -m torch.distributed.run --nproc_per_node=N tests/dcp_writer.py OUT`. The model
+Run under torchrun: `python -m torch.distributed.run --nproc_per_node=N tests/dcp_writer.py OUT [STATE]`. The model
 entries are DTensors sharded by rows (FSDP's layout) and by columns, with sizes that do not divide evenly, a
 replicated plain tensor (written once, by rank 0) and a bfloat16 tensor; beside them an optimizer section with
 sharded moments, a step tensor and plain Python values (pickled bytes entries), as a trainer saves them.
-`full_model()` gives the same model tensors whole, for the test to compare with.
+`full_model()` gives the same model tensors whole, for the test to compare with. With STATE (a safetensors file)
+the model entries are that file's tensors instead, every tensor of one or more dimensions sharded by rows (FSDP's
+layout; fewer rows than ranks leave some ranks an empty shard), as a DepthBench run's model state is saved.
 """
 
 from __future__ import annotations
@@ -46,17 +48,26 @@ def optimizer(mesh) -> dict:
             "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": ["embeddings.weight"]}]}
 
 
-def main(out: str) -> None:
+def rows_sharded(state: dict[str, torch.Tensor], mesh) -> dict:
+    """Every tensor of a state dict with at least one dimension sharded by rows; scalars replicated."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() else v for k, v in state.items()}
+
+
+def main(out: str, state_file: str | None = None) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    dcp.save({"model": sharded(full_model(), mesh), "optim": optimizer(mesh)}, checkpoint_id=out)
+    model = rows_sharded(load_file(state_file), mesh) if state_file else sharded(full_model(), mesh)
+    dcp.save({"model": model, "optim": optimizer(mesh)}, checkpoint_id=out)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
