@@ -214,3 +214,40 @@ def test_workflow_import_info_probes_and_sweep_report(tmp_path, monkeypatch):
     ok(["report", "--grid", grid, "--out", tmp_path / "db.html"])
     html = (tmp_path / "db.html").read_text()
     assert "preln_L2" in html and "preln_L4" in html and "no seed-noise estimate exists" in html
+
+
+def _refused(args: list, needle: str, out: Path) -> None:
+    result = runner.invoke(app, ["import", *map(str, args), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.*"))
+
+
+def test_bad_runs_are_one_line_and_write_nothing(tmp_path):
+    """The issue's hostile inputs that need the mapping: an unknown block type, NaN weights, a tensor whose shape
+    disagrees with the config, a tokenizer that is not the model's; each through the CLI."""
+    config = json.loads(json.dumps(fixture("keel")["config"]))
+    mapping = olmo_core_mapping(config)
+    forks = to_olmo_core(perturbed_model(mapping.cfg).state_dict(), mapping)
+
+    unknown = json.loads(json.dumps(config))
+    unknown["model"]["block"]["name"] = "mystery_block"
+    write_step(tmp_path / "unknown", 1, unknown, forks)
+    _refused([tmp_path / "unknown"], "model.block.name='mystery_block'", tmp_path / "o1")
+
+    nan = dict(forks, **{"blocks.1.attention_norm.weight": torch.full_like(forks["blocks.1.attention_norm.weight"],
+                                                                          float("nan"))})
+    write_step(tmp_path / "nan", 1, config, nan)
+    _refused([tmp_path / "nan"], "non-finite", tmp_path / "o2")
+
+    wide = dict(forks, **{"blocks.1.feed_forward.w1.weight": torch.zeros(47, 16)})
+    write_step(tmp_path / "shape", 1, config, wide)
+    _refused([tmp_path / "shape"], "blocks.1.feed_forward.w1.weight has shape (47, 16)", tmp_path / "o3")
+
+    write_step(tmp_path / "good", 1, config, forks)
+    big = tmp_path / "big.json"
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0")).save(str(big))  # 40 ids > 32
+    _refused([tmp_path / "good", "--tokenizer", big], "not this model's tokenizer", tmp_path / "o4")
