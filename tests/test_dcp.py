@@ -197,15 +197,32 @@ def _rewrite(directory: Path, edit) -> None:
     (directory / ".metadata").write_bytes(pickle.dumps(meta))
 
 
-def test_chunk_shape_disagreeing_with_metadata_is_refused(sharded, tmp_path):
+def _rekey(meta, name: str, old: tuple, new: tuple) -> None:
+    """Move the storage record of chunk `old` of `name` to offset `new` (the metadata indexes chunks by offset)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    key = next(k for k in meta.storage_data if k.fqn == name and tuple(k.offset) == old)
+    meta.storage_data[MetadataIndex(name, new, key.index)] = meta.storage_data.pop(key)
+
+
+def test_chunk_shape_or_dtype_disagreeing_with_metadata_is_refused(sharded, tmp_path):
     directory = shutil.copytree(sharded[2], tmp_path / "shape")
+    name = "model.embeddings.weight"
 
-    def grow_first_chunk(meta):
-        chunk = meta.state_dict_metadata["model.embeddings.weight"].chunks[0]
-        chunk.sizes = torch.Size([chunk.sizes[0] - 1, chunk.sizes[1]])
+    def reshape(meta):  # [7, 6] as [14, 3]: the same elements, in chunks of [8, 3] and [6, 3]
+        entry = meta.state_dict_metadata[name]
+        entry.size = torch.Size([14, 3])
+        entry.chunks[0].sizes, entry.chunks[1].sizes = torch.Size([8, 3]), torch.Size([6, 3])
+        entry.chunks[1].offsets = torch.Size([8, 0])
+        _rekey(meta, name, (4, 0), (8, 0))
 
-    _rewrite(directory, grow_first_chunk)
-    with pytest.raises(CheckpointError, match=r"'model\.embeddings\.weight' chunk \[0, 0\] holds \[4, 6\].*says \[3, 6\]"):
+    _rewrite(directory, reshape)
+    with pytest.raises(CheckpointError, match=r"'model\.embeddings\.weight' chunk \[0, 0\] holds \[4, 6\] "
+                                              r"torch\.float32, the metadata says \[8, 3\] torch\.float32"):
+        read_model_tensors(directory)
+    directory = shutil.copytree(sharded[2], tmp_path / "dtype")
+    _rewrite(directory, lambda meta: setattr(meta.state_dict_metadata[name].properties, "dtype", torch.bfloat16))
+    with pytest.raises(CheckpointError, match=r"holds \[4, 6\] torch\.float32, the metadata says \[4, 6\] torch\.bfloat16"):
         read_model_tensors(directory)
 
 
@@ -213,12 +230,56 @@ def test_chunks_that_do_not_tile_their_tensor_are_refused(sharded, tmp_path):
     directory = shutil.copytree(sharded[2], tmp_path / "gap")
 
     def grow_tensor(meta):
-        entry = meta.state_dict_metadata["model.embeddings.weight"]
-        entry.size = torch.Size([8, 6])
+        meta.state_dict_metadata["model.embeddings.weight"].size = torch.Size([8, 6])
 
     _rewrite(directory, grow_tensor)
-    with pytest.raises(CheckpointError, match=r"leave 6 element\(s\) unset"):
+    with pytest.raises(CheckpointError, match=r"chunks of 'model\.embeddings\.weight' hold 42 element\(s\), its size "
+                                              r"\[8, 6\] has 48"):
         read_model_tensors(directory)
+
+    def overlap(meta):  # the second chunk (rows 4..6) moved up one row: row 3 twice, row 6 never
+        meta.state_dict_metadata["model.embeddings.weight"].size = torch.Size([7, 6])
+        meta.state_dict_metadata["model.embeddings.weight"].chunks[1].offsets = torch.Size([3, 0])
+        _rekey(meta, "model.embeddings.weight", (4, 0), (3, 0))
+
+    _rewrite(directory, overlap)
+    with pytest.raises(CheckpointError, match=r"leave 6 element\(s\) unset and cover 6 more than once"):
+        read_model_tensors(directory)
+
+
+def test_a_huge_size_claim_is_refused_before_allocating(sharded, tmp_path):
+    directory = shutil.copytree(sharded[2], tmp_path / "huge")
+
+    def claim(meta):  # 10^12 rows: 24 TB if it were allocated
+        entry = meta.state_dict_metadata["model.embeddings.weight"]
+        entry.size = torch.Size([10**12, 6])
+        entry.chunks[0].sizes = torch.Size([10**12 - 3, 6])
+
+    _rewrite(directory, claim)
+    with pytest.raises(CheckpointError, match=r"needs 23999999999928 bytes, its stored range has \d+"):
+        read_model_tensors(directory)
+
+
+def test_a_compressed_archive_member_is_refused(tmp_path):
+    """torch.save stores its members uncompressed; a deflated one could inflate far beyond the file."""
+    import io
+    import zipfile
+
+    out = save_single(tmp_path / "one", {"model": {"w": torch.ones(4)}})
+    info = next(iter(read_metadata(out).storage_data.values()))
+    blob = (out / "__0_0.distcp").read_bytes()
+    src = zipfile.ZipFile(io.BytesIO(blob[info.offset:info.offset + info.length]))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for member in src.namelist():
+            dst.writestr(member, src.read(member))
+    (out / "__0_0.distcp").write_bytes(buffer.getvalue())
+    meta = pickle.loads((out / ".metadata").read_bytes())  # our own test file: trusted
+    for value in meta.storage_data.values():
+        value.offset, value.length = 0, len(buffer.getvalue())
+    (out / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointError, match="has compressed members"):
+        read_model_tensors(out)
 
 
 def test_no_model_entries_names_what_is_there(tmp_path):

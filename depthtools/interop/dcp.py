@@ -165,10 +165,13 @@ _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
+# torch's dtypes by attribute name, from the module's own namespace (vars: no lazy submodule is imported)
+TORCH_DTYPES = {name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+
+
 def _torch_dtype(module: str, name: str) -> torch.dtype | None:
     """`torch.float32` and friends are pickled as the global `torch.<name>`."""
-    value = getattr(torch, name, None) if module == "torch" and not name.startswith("_") else None
-    return value if isinstance(value, torch.dtype) else None
+    return TORCH_DTYPES.get(name) if module == "torch" else None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -296,9 +299,15 @@ def _archive_member(archive: zipfile.ZipFile, suffix: str) -> str | None:
 
 
 def _tensor_from_archive(blob: bytes, where: str) -> torch.Tensor:
-    """The one tensor of a `torch.save` zip archive held in `blob`, built from its raw storage bytes."""
+    """The one tensor of a `torch.save` zip archive held in `blob`, built from its raw storage bytes.
+
+    `torch.save` stores its members uncompressed; a compressed member (which could inflate far beyond the
+    file) is refused before it is read."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(blob))
+        packed = [i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED]
+        if packed:
+            raise CheckpointError(f"{where} has compressed members ({packed[0]}), which torch.save never writes")
         pkl = _archive_member(archive, "/data.pkl")
         if pkl is None:
             raise CheckpointError(f"{where} is not a torch.save archive (no data.pkl)")
@@ -360,9 +369,34 @@ def _storage_index(meta: Metadata) -> dict[tuple, StorageInfo]:
     return {index.key(): info for index, info in meta.storage_data.items()}
 
 
+def _numel(sizes) -> int:
+    count = 1
+    for size in sizes:
+        count *= int(size)
+    return count
+
+
+def _check_sizes(name: str, entry: TensorMeta, storage: dict[tuple, StorageInfo], files: _Files) -> None:
+    """Before anything of the tensor's size is allocated: its chunks hold as many elements as the tensor, and each
+    chunk's bytes fit in the byte range recorded for it (so a metadata claiming a huge tensor is refused, not
+    allocated)."""
+    item = torch.empty((), dtype=entry.properties.dtype).element_size()
+    chunk_total = sum(_numel(c.sizes) for c in entry.chunks)
+    if chunk_total != _numel(entry.size):
+        raise CheckpointError(f"{files.directory / METADATA}: the chunks of {name!r} hold {chunk_total} element(s), "
+                              f"its size {list(entry.size)} has {_numel(entry.size)}")
+    for chunk in entry.chunks:
+        info = storage.get((name, tuple(chunk.offsets)))
+        if info is not None and _numel(chunk.sizes) * item > info.length:
+            raise CheckpointError(f"{files.directory / info.relative_path}: chunk {list(chunk.offsets)} of {name!r} "
+                                  f"({list(chunk.sizes)}) needs {_numel(chunk.sizes) * item} bytes, its stored "
+                                  f"range has {info.length}")
+
+
 def _assemble(name: str, entry: TensorMeta, storage: dict[tuple, StorageInfo], files: _Files) -> torch.Tensor:
     """One whole tensor from its chunks, each placed at its recorded offsets; every element exactly once."""
     dtype = entry.properties.dtype
+    _check_sizes(name, entry, storage, files)
     whole = torch.empty(entry.size, dtype=dtype)
     covered = torch.zeros(entry.size, dtype=torch.uint8)
     for chunk in entry.chunks:
