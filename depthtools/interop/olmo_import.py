@@ -95,34 +95,48 @@ def choose_step(path: str | Path, step: int | None = None) -> tuple[Step, list[s
     complete. A step folder: itself (`step`, if given, must be its number). Refusals are one line."""
     path = Path(path)
     if not is_run_dir(path) or (path / MODEL_DIR).is_dir():
-        number = _step_number(path)
-        if step is not None and number is not None and step != number:
-            raise DepthToolsError(f"--step {step} does not match the step folder {path} (step {number}); give the "
-                                  "run folder to choose a step")
-        chosen = Step(number if number is not None else -1, path, step_problem(path))
-        if UNFINISHED_NAME.match(path.name):
-            chosen = Step(-1, path, "a stepN-tmp folder is a save OLMo-core had not finished")
-        if not chosen.complete:
-            raise CheckpointError(f"cannot import step folder {path}: {chosen.problem}")
-        return chosen, []
+        return _step_folder(path, step), []
     steps = find_steps(path)
-    unfinished = sorted(c.name for c in path.iterdir() if UNFINISHED_NAME.match(c.name))
     if step is not None:
-        match = [s for s in steps if s.number == step]
-        if not match:
-            known = ", ".join(str(s.number) for s in steps) or "none"
-            raise DepthToolsError(f"--step {step}: {path} has no step{step}/ folder (steps: {known})")
-        if not match[0].complete:
-            raise CheckpointError(f"cannot import {match[0].path}: {match[0].problem}")
-        return match[0], []
+        return _named_step(path, steps, step), [f"imported step{step}"]
+    return _latest_complete(path, steps)
+
+
+def _step_folder(path: Path, step: int | None) -> Step:
+    """A step folder given as PATH: complete, and of number `step` when that is given."""
+    number = _step_number(path)
+    if step is not None and number is not None and step != number:
+        raise DepthToolsError(f"--step {step} does not match the step folder {path} (step {number}); give the "
+                              "run folder to choose a step")
+    problem = ("a stepN-tmp folder is a save OLMo-core had not finished" if UNFINISHED_NAME.match(path.name)
+               else step_problem(path))
+    if problem is not None:
+        raise CheckpointError(f"cannot import step folder {path}: {problem}")
+    return Step(number if number is not None else -1, path, None)
+
+
+def _named_step(run: Path, steps: list[Step], step: int) -> Step:
+    """`--step N` of a run folder: it must exist and be complete."""
+    match = [s for s in steps if s.number == step]
+    if not match:
+        known = ", ".join(str(s.number) for s in steps) or "none"
+        raise DepthToolsError(f"--step {step}: {run} has no step{step}/ folder (steps: {known})")
+    if not match[0].complete:
+        raise CheckpointError(f"cannot import {match[0].path}: {match[0].problem}")
+    return match[0]
+
+
+def _latest_complete(run: Path, steps: list[Step]) -> tuple[Step, list[str]]:
+    """The newest complete step of a run folder, and a note for every newer or unfinished one passed over."""
     complete = [s for s in steps if s.complete]
     if not complete:
         why = "; ".join(f"{s.path.name}: {s.problem}" for s in steps) or "no stepN/ folder"
-        raise CheckpointError(f"{path} has no complete step to import ({why})")
+        raise CheckpointError(f"{run} has no complete step to import ({why})")
     chosen = complete[-1]
     notes = [f"passed over {s.path.name} (newer than {chosen.path.name}): {s.problem}"
              for s in steps if s.number > chosen.number]
-    notes += [f"passed over {name}: a save OLMo-core had not finished" for name in unfinished]
+    notes += [f"passed over {c.name}: a save OLMo-core had not finished"
+              for c in sorted(run.iterdir()) if UNFINISHED_NAME.match(c.name)]
     notes.append(f"imported {chosen.path.name}, the latest complete step of {len(steps)}")
     return chosen, notes
 
