@@ -251,3 +251,16 @@ def test_bad_runs_are_one_line_and_write_nothing(tmp_path):
 
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0")).save(str(big))  # 40 ids > 32
     _refused([tmp_path / "good", "--tokenizer", big], "not this model's tokenizer", tmp_path / "o4")
+
+
+def test_sweep_names_are_checked_before_the_first_cell_is_written(tmp_path):
+    for name, depth in (("a", 2), ("b", 3), ("c", 3)):
+        fork_run(tmp_path / name, "preln", n_layers=depth)
+    _refused([tmp_path / "a", tmp_path / "b", tmp_path / "c", "--grid", "g"], "both import as cell preln_L3",
+             tmp_path / "grid")
+    ok(["import", tmp_path / "b", "--grid", "g", "--out", tmp_path / "grid"])
+    before = (tmp_path / "grid" / "preln_L3" / "model.safetensors").read_bytes()
+    result = runner.invoke(app, ["import", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "grid")])
+    assert result.exit_code == 2 and "already holds a checkpoint; pass --force" in result.output
+    assert sorted(p.name for p in (tmp_path / "grid").iterdir()) == ["preln_L3"]  # preln_L2 was not written first
+    assert (tmp_path / "grid" / "preln_L3" / "model.safetensors").read_bytes() == before

@@ -192,4 +192,4 @@ def test_sweep_refusals_write_nothing(tmp_path, run):
     broken = tmp_path / "run3"
     write_step(broken, 9)
     (broken / "step9" / "model_and_optim" / "__0_0.distcp").unlink()
-    _refused([run, broken, "--grid", "g"], "__0_0.distcp is missing", tmp_path / "g4")  # checked before any cell
+    _refused([broken, run, "--grid", "g"], "__0_0.distcp is missing", tmp_path / "g4")  # checked before any cell

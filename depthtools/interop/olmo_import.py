@@ -316,37 +316,47 @@ def import_sweep(paths: list[str | Path], grid: str | None = None, out: str | Pa
 
     Each run becomes `<grid folder>/<arch>_L<n_layer>` (the name a trained grid's cell has), so `analyze --grid`,
     `summarize` and `report` read the sweep as they read a grid trained here. The grid folder is `out`, or
-    `$DEPTHTOOLS_CHECKPOINTS/<grid>`. Every run's step is chosen and every `.distcp` file checked before the first
-    cell is written; two runs giving one cell name (same architecture and depth) are refused. Each cell is
-    written whole or not at all (staging folder + rename)."""
+    `$DEPTHTOOLS_CHECKPOINTS/<grid>`. Before the first cell is written, every run's step is chosen, its `.distcp`
+    files checked and its cell name read from its config (`_cell_names`): two runs of one name (same architecture
+    and depth) and an existing cell (without `force`) are refused. Each cell is written whole or not at all
+    (staging folder + rename); a run whose weights are refused stops the import there."""
     if out is None and not grid:
         raise DepthToolsError("give a grid name (--grid) or a grid folder (--out) to import several runs as one grid")
     if grid is not None:
         check_name(grid, "grid name (--grid)")
     folder = Path(out) if out is not None else checkpoints_root() / str(grid)
     check_dir_target(folder, "grid folder (--out)")
-    chosen = [choose_step(p, step)[0] for p in paths]  # every run has a complete step before anything is read
-    for found in chosen:
-        read_metadata_and_files(found)
+    names = _cell_names(paths, step, folder, force)  # every refusal before the first cell is written
     cells: dict[str, dict[str, Any]] = {}
-    for path in paths:
+    for path, name in zip(paths, names):
         prepared = prepare_olmo_core(path, step, tokenizer, max_seq_len)
         cfg = prepared.model.config
-        name = f"{cfg.arch}_L{cfg.n_layer}"
-        if name in cells:
-            raise DepthToolsError(f"{path} and {cells[name]['source']} both import as cell {name} (same architecture "
-                                  "and depth); import them into different grids")
-        target = target_folder(None, folder / name, force)
-        write_checkpoint(prepared.model, target, prepared.extra, prepared.tokenizer)
-        cells[name] = prepared.summary(target)
+        if name != f"{cfg.arch}_L{cfg.n_layer}":  # the config did not change between the two reads
+            raise DepthToolsError(f"{path} changed while it was imported (cell {name} became {cfg.arch}_L{cfg.n_layer})")
+        write_checkpoint(prepared.model, folder / name, prepared.extra, prepared.tokenizer)
+        cells[name] = prepared.summary(folder / name)
         del prepared
     return {"grid": str(folder), "cells": list(cells.values()),
             "notes": ["one training seed per cell: the report says that no seed noise was measured"]}
 
 
-def read_metadata_and_files(step: Step) -> None:
-    """Check a step's DCP metadata and that every file it records is present and long enough, reading no tensor."""
-    check_files(step.path / MODEL_DIR)
+def _cell_names(paths: list[str | Path], step: int | None, folder: Path, force: bool) -> list[str]:
+    """The cell name `<arch>_L<n_layer>` of every run of a sweep, from its step's config alone, after checking its
+    DCP files (no tensor is read): two runs of one name, or a name whose folder holds a checkpoint (without
+    `force`) or other files, are refused before anything is written."""
+    names: dict[str, Path] = {}
+    for path in paths:
+        chosen = choose_step(path, step)[0]
+        check_files(chosen.path / MODEL_DIR)
+        config = read_json_object(chosen.path / CONFIG, "OLMo-core experiment config", DepthToolsError)
+        cfg = _mapping().olmo_core_mapping(config).cfg
+        name = f"{cfg.arch}_L{cfg.n_layer}"
+        if name in names:
+            raise DepthToolsError(f"{path} and {names[name]} both import as cell {name} (same architecture and "
+                                  "depth); import them into different grids")
+        target_folder(None, folder / name, force)
+        names[name] = Path(path)
+    return list(names)
 
 
 __all__ = ["import_olmo_core", "import_sweep", "prepare_olmo_core", "choose_step", "find_steps", "step_problem",
