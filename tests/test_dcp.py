@@ -11,6 +11,7 @@ metadata. Each is one CheckpointError line.
 from __future__ import annotations
 
 import os
+import re
 import pickle
 import shutil
 import socket
@@ -302,3 +303,18 @@ def test_olmo_core_writer_equals_the_module_state(tmp_path):
     ours = read_model_tensors(tmp_path / "model_and_optim")
     assert sorted(ours) == sorted(model.state_dict())
     assert all(torch.equal(ours[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda m: setattr(m.state_dict_metadata["model.w"].chunks[0], "offsets", ("a",)), "malformed size/chunk records"),
+    (lambda m: setattr(m.state_dict_metadata["model.w"], "size", [3]), "malformed size/chunk records"),
+    (lambda m: m.state_dict_metadata.update({"model.x": 5}), "'model.x' is not a tensor or bytes record"),
+    (lambda m: setattr(m, "storage_data", None), "no storage_data table"),
+    (lambda m: [setattr(i, "relative_path", "../../etc/passwd") for i in m.storage_data.values()], "points outside"),
+])
+def test_malformed_metadata_records_are_refused(tmp_path, edit, needle):
+    """Records of the allowed classes holding the wrong things: one line, never a traceback or a read elsewhere."""
+    out = save_single(tmp_path / "one", {"model": {"w": torch.ones(3)}})
+    _rewrite(out, edit)
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        read_model_tensors(out)

@@ -216,6 +216,11 @@ def read_metadata(directory: str | Path) -> Metadata:
     return meta
 
 
+def _dims(value: Any) -> bool:
+    """A shape or offset as DCP records it: a tuple of non-negative ints."""
+    return isinstance(value, tuple) and all(isinstance(v, int) and v >= 0 for v in value)
+
+
 def _check_metadata(meta: Any, path: Path) -> None:
     """The loaded records must have the types DCP writes; anything else is refused, naming the entry."""
     if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
@@ -227,9 +232,9 @@ def _check_metadata(meta: Any, path: Path) -> None:
             raise CheckpointError(f"refusing {path}: entry {name!r} is not a tensor or bytes record")
         if isinstance(entry, TensorMeta):
             ok = (isinstance(entry.properties, Properties) and isinstance(entry.properties.dtype, torch.dtype)
-                  and isinstance(entry.size, tuple) and isinstance(entry.chunks, list)
-                  and all(isinstance(c, Chunk) and len(c.offsets) == len(entry.size) == len(c.sizes)
-                          for c in entry.chunks))
+                  and _dims(entry.size) and isinstance(entry.chunks, list)
+                  and all(isinstance(c, Chunk) and _dims(c.offsets) and _dims(c.sizes)
+                          and len(c.offsets) == len(entry.size) == len(c.sizes) for c in entry.chunks))
             if not ok:
                 raise CheckpointError(f"refusing {path}: tensor entry {name!r} has malformed size/chunk records")
     for index, info in meta.storage_data.items():
@@ -264,7 +269,7 @@ class _StorageType:
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
                        metadata=None) -> _TensorSpec:
     """Records what `torch._utils._rebuild_tensor_v2` would build; the tensor is made later from raw bytes."""
-    if not isinstance(storage, _StorageRef) or not isinstance(storage_offset, int):
+    if not isinstance(storage, _StorageRef) or not isinstance(storage_offset, int) or storage_offset < 0:
         raise pickle.UnpicklingError("a tensor rebuilt from something other than a storage reference")
     if not isinstance(size, tuple) or not isinstance(stride, tuple) or len(size) != len(stride) or not all(
             isinstance(v, int) and v >= 0 for v in (*size, *stride)):
