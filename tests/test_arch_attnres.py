@@ -501,3 +501,24 @@ def test_depthbench_skip_rule_equals_depthbench_skip_block(arch, options):
         differs.append(not torch.allclose(got, model.run(toks, plan=Plan.skipping(s, rule="next-output")), atol=1e-6))
     # Full AttnRes: the rules differ only when block 0 is skipped (DepthBench banks the embedding twice)
     assert differs[0] and (arch == "blockattnres" or not any(differs[1:]))
+
+
+@pytest.mark.parametrize("arch", ["attnres", "blockattnres"])
+def test_mix_eps_sets_the_norms_that_read_a_mix_and_nothing_else(arch):
+    """Option mix_eps (DepthBench's res norms at 1e-5 beside block norms at 1e-6): the key norms, every sublayer
+    norm after a mix and the final norm take it; block 0's attention norm (no mix) keeps norm_eps. Its value
+    against DepthBench's forward is tested in tests/test_olmo_core_mapping.py; here: where it goes, and that the
+    default (0) and mix_eps = norm_eps are the same model bit for bit."""
+    base = dict(arch=arch, vocab_size=61, d_model=32, n_layer=3, n_heads=4, norm_eps=1e-6)
+    model = DepthModel(ModelConfig(**base, options={"mix_eps": 1e-5}), seed=0)
+    scheme = model.scheme
+    assert model.blocks[0].attn_norm.eps == 1e-6
+    assert all(b.attn_norm.eps == 1e-5 for b in model.blocks[1:]) and all(b.mlp_norm.eps == 1e-5 for b in model.blocks)
+    assert model.ln_final.eps == 1e-5
+    assert all(m.key_norm.eps == 1e-5 for m in [*scheme.attn_res, scheme.final_res, *(b.mlp_res for b in model.blocks)])
+    tokens = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    default = DepthModel(ModelConfig(**base), seed=0).eval()
+    explicit = DepthModel(ModelConfig(**base, options={"mix_eps": 1e-6}), seed=0).eval()
+    with torch.no_grad():
+        assert torch.equal(default(tokens), explicit(tokens))
+        assert not torch.equal(default(tokens), model.eval()(tokens))

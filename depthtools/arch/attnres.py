@@ -59,6 +59,13 @@ In both, block-boundary bookkeeping (pushing the partial) is positional and stil
     or the final mix), else the intact model's mixer. For Full AttnRes it equals "next-output" except
     when block 0 is skipped (the duplicated embedding source).
 
+Eps (option mix_eps, default 0 = the model's norm_eps, so every norm shares it). With mix_eps > 0, every norm
+that reads a mix takes it -- the key norms, the pre-norm of every sublayer but block 0's attention (which reads the
+embedding alone), and the final norm -- while block 0's attention norm keeps norm_eps. That is DepthBench's AttnRes:
+its fused kernel normalises keys and output at the res norms' eps (OLMo-core's RMSNorm default 1e-5) and only block
+0's `attention_norm` uses the block eps (1e-6 in its runs). Under a swap the eps travels with the block's norm
+(DepthBench's stays with the position); they differ only when block 0 moves.
+
 Hooks (not a single residual stream: `hook_resid_*` are not used): per block
 `hook_attnres_weights_attn|mlp` [B,T,n_sources] (depth-attention maps, editable),
 `hook_attn_in|hook_mlp_in` [B,T,d] (the mixed branch input, before the sublayer's pre-norm),
@@ -153,6 +160,9 @@ class AttnResScheme(ResidualScheme):
         schema = {"attnres_block_size": Option("int", lambda c: default_block_size(c.n_layer), low=1)} \
             if arch == "blockattnres" else {}
         schema["fused"] = Option("bool", True, doc="False: the plain-autograd references (reference.py)")
+        schema["mix_eps"] = Option("number", 0.0, low=0, doc="eps of the key norms, of every sublayer norm that "
+                                   "follows a mix and of the final norm (0: norm_eps); DepthBench: 1e-5 beside "
+                                   "block norms at 1e-6")
         return schema
 
     def __init__(self, cfg: ModelConfig, block_size: int = 1):
@@ -161,7 +171,9 @@ class AttnResScheme(ResidualScheme):
             raise DepthToolsError(f"attnres_block_size must be a positive integer (sublayers), got {block_size!r}")
         self.block_size = block_size
         self.fused = self.opts.fused  # False: no DepthBank, plain-autograd references throughout
-        d, eps, L = cfg.d_model, cfg.norm_eps, cfg.n_layer
+        # the eps of everything that reads a mix (DepthBench's res norms), see `mix_eps` in the module docstring
+        self.mix_eps = float(self.opts.mix_eps) or cfg.norm_eps
+        d, eps, L = cfg.d_model, self.mix_eps, cfg.n_layer
         self.attn_res = nn.ModuleList(DepthMixer(d, eps) for _ in range(L - 1))  # consumes block b's output
         self.final_res = DepthMixer(d, eps)  # consumes block L-1's output
         self.hook_attnres_weights_final = HookPoint()  # [B,T,n]
@@ -177,14 +189,20 @@ class AttnResScheme(ResidualScheme):
 
     # -- construction -------------------------------------------------------------------------
     def build_block(self, block: nn.Module) -> None:
-        d, eps = self.cfg.d_model, self.cfg.norm_eps
-        block.attn_norm, block.mlp_norm = RMSNorm(d, eps), RMSNorm(d, eps)
+        d, eps = self.cfg.d_model, self.mix_eps
+        # block 0's attention reads the embedding alone (no mix): its norm keeps the blocks' norm_eps
+        block.attn_norm = RMSNorm(d, self.cfg.norm_eps if block.index == 0 else eps)
+        block.mlp_norm = RMSNorm(d, eps)
         block.mlp_res = DepthMixer(d, eps)
         block.mlp_res.column = 2 * block.index  # block b's MLP is sublayer 2b + 1
         self._mixers[block.mlp_res.column] = block.mlp_res
         for name in ("attn", "mlp"):
             setattr(block, f"hook_attnres_weights_{name}", HookPoint())  # [B,T,n]
             setattr(block, f"hook_{name}_in", HookPoint())  # [B,T,d]
+
+    def init_weights(self, model: nn.Module) -> None:
+        """The final norm reads the final mix: it takes `mix_eps` (unchanged with the default)."""
+        model.ln_final.eps = self.mix_eps
 
     def no_decay_names(self) -> tuple[str, ...]:
         return ("_res.",)
@@ -352,7 +370,7 @@ class AttnResScheme(ResidualScheme):
         if fingerprint is None:
             return None, None
         queries = torch.stack([m.query * m.key_norm.weight for m in self._mixers])  # [M,d]
-        bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.cfg.norm_eps,
+        bank = DepthBank(sources[0], queries, max(self.capacity, len(sources)), self.mix_eps,
                          fingerprint, self._mix_groups(), self._grad_pool, column_floor=self.block_size)
         handle = None
         for v in sources:
@@ -371,7 +389,7 @@ class AttnResScheme(ResidualScheme):
         return groups
 
     def _scale(self, source: torch.Tensor) -> torch.Tensor:
-        return inv_rms(source, self.cfg.norm_eps)
+        return inv_rms(source, self.mix_eps)
 
 
 class FullAttnResScheme(AttnResScheme):
