@@ -30,10 +30,8 @@ from typer.testing import CliRunner
 from cli.main import app
 from depthtools.checkpoint import load, read_json
 from depthtools.interop.formats import import_path
-
-pytest.importorskip("depthtools.interop.olmo_core")  # TEMPORARY until branch h44b (the config mapping) is merged
-from depthtools.interop.olmo_core import olmo_core_mapping, to_olmo_core  # noqa: E402
-from test_olmo_core_mapping import ARCHS, EXPECTED, fixture, perturbed_model, tokens  # noqa: E402
+from depthtools.interop.olmo_core import olmo_core_mapping, to_olmo_core
+from test_olmo_core_mapping import ARCHS, EXPECTED, fixture, perturbed_model, tokens
 from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 ROOT = Path(__file__).resolve().parents[1]

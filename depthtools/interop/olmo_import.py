@@ -8,7 +8,7 @@ and the config is written after that, so a step is complete when `config.json` a
 step is imported and the incomplete ones passed over are named in a note.
 
 The weights are read by `depthtools.interop.dcp` (no pickled code runs); the config mapping and parameter
-names are `depthtools.interop.olmo_core.build_from_olmo_core`. Everything is read and checked before
+names are `depthtools.interop.olmo_core.build_from_olmo_core` (docs/olmo-core-mapping.md). Everything is read and checked before
 anything is written, and the checkpoint is written into a hidden staging folder beside the target and then
 renamed into place (`fsutil.replace_dir`), so a refusal or a crash never leaves a half-written checkpoint
 and a forced re-import keeps the old one until the new one is whole.
@@ -17,7 +17,6 @@ and a forced re-import keeps the old one until the new one is whole.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import re
 import shutil
@@ -33,6 +32,7 @@ from depthtools.fsutil import check_dir_target, check_name, file_sha256, read_js
 from depthtools.interop.checks import _tokenizer_json
 from depthtools.interop.dcp import check_files, read_model_tensors
 from depthtools.interop.llama import _load_state, _tokenizer_size
+from depthtools.interop.olmo_core import build_from_olmo_core, olmo_core_mapping
 
 MODEL_DIR = "model_and_optim"
 STEP_NAME = re.compile(r"^step(\d+)$")
@@ -193,17 +193,6 @@ def tokenizer_record(file: Path, vocab_size: int, config: dict[str, Any]) -> dic
 
 
 # -- the import --------------------------------------------------------------------------------------------
-def _mapping():
-    """h44b's config mapping, imported when an OLMo-core import runs (it needs torch and the arch zoo)."""
-    try:
-        return importlib.import_module("depthtools.interop.olmo_core")
-    except ModuleNotFoundError as exc:
-        if exc.name == "depthtools.interop.olmo_core":
-            raise DepthToolsError("this depthtools has no OLMo-core config mapping (depthtools.interop.olmo_core); "
-                                  "update depthtools") from None
-        raise
-
-
 def target_folder(name: str | None, out: str | Path | None, force: bool) -> Path:
     """Where the checkpoint goes (`--out`, or `$DEPTHTOOLS_CHECKPOINTS/<name>`), checked before anything is read:
     an existing checkpoint is kept unless `force`, and a folder holding anything else is never replaced."""
@@ -231,7 +220,7 @@ def read_step(step: Step) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def build_model(config: dict[str, Any], tensors: dict[str, Any], step: Step, max_seq_len: int | None = None):
     """(DepthModel in eval mode, provenance) from a step's config and tensors, every check made first."""
-    cfg, state, provenance = _mapping().build_from_olmo_core(config, tensors, str(step.path))
+    cfg, state, provenance = build_from_olmo_core(config, tensors, str(step.path))
     if max_seq_len is not None:
         cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
     check_shapes(cfg, {k: tuple(v.shape) for k, v in state.items()}, step.path)
@@ -349,7 +338,7 @@ def _cell_names(paths: list[str | Path], step: int | None, folder: Path, force: 
         chosen = choose_step(path, step)[0]
         check_files(chosen.path / MODEL_DIR)
         config = read_json_object(chosen.path / CONFIG, "OLMo-core experiment config", DepthToolsError)
-        cfg = _mapping().olmo_core_mapping(config).cfg
+        cfg = olmo_core_mapping(config).cfg
         name = f"{cfg.arch}_L{cfg.n_layer}"
         if name in names:
             raise DepthToolsError(f"{path} and {names[name]} both import as cell {name} (same architecture and "
