@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.markup import escape
@@ -58,6 +58,8 @@ def archs_command(
 
 @grid_app.command("plan")
 def grid_plan_command(
+    files: Optional[List[Path]] = typer.Argument(None, help="With --from-depthbench: DepthBench model configs (configs/*.json)."),
+    from_depthbench: bool = typer.Option(False, "--from-depthbench", help="Plan one cell per architecture and DepthBench config FILE at exactly its shape (docs/olmo-core.md)."),
     arch: str = typer.Option("preln", "--arch", help="Architecture(s), comma-separated (see `depthtools archs`)."),
     budget: Optional[str] = typer.Option(None, "--budget", help="Parameter budget, e.g. 405.4M, 1.6M, 200k."),
     layers: Optional[str] = typer.Option(None, "--layers", help="Depths, e.g. 16,20,24,28,32."),
@@ -89,6 +91,8 @@ def grid_plan_command(
       depthtools grid plan --preset tiny --out grid.json
       depthtools grid plan --preset demo --seeds 0,1,2 --out demo3.json
       depthtools grid plan --preset afternoon --profile depthbench --name afternoon-depthbench --out db.json
+      depthtools grid plan --from-depthbench configs/llama_400m_L16.json configs/llama_400m_L24.json
+        configs/llama_400m_L32.json --arch preln,hc --profile depthbench --name db400m --out db400m.json
     """
     from depthtools.grid import grid_spec, parse_seeds, plan_grid, save_grid  # lazy: keeps the CLI torch-free
 
@@ -96,7 +100,23 @@ def grid_plan_command(
         check_name(name, "grid name (--name)")
     meta = _data_meta(data)
     seeds = parse_seeds(parse_list(seeds, "int", "--seeds", "0,1,2")) if seeds is not None else None
-    if preset is not None:
+    if files and not from_depthbench:
+        raise DepthToolsError(f"grid plan takes FILE arguments only with --from-depthbench (got {files[0]})")
+    if from_depthbench:
+        if preset is not None or budget is not None or layers is not None or aspect_ratios is not None:
+            raise DepthToolsError("--from-depthbench takes the shapes from its files: drop --preset, --budget, "
+                                  "--layers and --aspect-ratios")
+        from depthtools.interop.depthbench_configs import depthbench_cells  # lazy: keeps the CLI torch-free
+
+        archs = parse_list(arch, "str", "--arch", "preln,hc")
+        planned, notes = depthbench_cells(files or [], archs, seeds, basis)
+        for note in notes:
+            console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+        spec = grid_spec(planned, name=name or "depthbench", plan={"from_depthbench": [str(f) for f in files or []],
+                                                                   "arch": archs, "basis": basis},
+                         data={"dir": str(data.expanduser().resolve())} if data is not None else None)
+        cells = spec["cells"]
+    elif preset is not None:
         spec = get_preset(preset).grid_spec(name=name, seeds=seeds)
         if data is not None:
             spec["data"] = {"dir": str(data.expanduser().resolve())}
@@ -213,7 +233,7 @@ def info_command(
         print_json(summary)
         return
     rows = [[k, v] for k, v in summary.items() if not isinstance(v, dict)]
-    for section in ("model", "params", "training", "eval"):
+    for section in ("model", "params", "training", "eval", "source"):
         for k, v in (summary.get(section) or {}).items():
             rows.append([f"{section}.{k}", v])
     console.print(table(f"checkpoint {summary['name']}", ["field", "value"], rows))

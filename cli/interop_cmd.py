@@ -1,9 +1,10 @@
-"""Hugging Face interop commands: `import-hf`, `export-hf` (library: `depthtools.interop`)."""
+"""Interop commands: `import` (OLMo-core runs, HF folders, GGUF; alias `import-hf`), `export-hf` (library:
+`depthtools.interop`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.markup import escape
@@ -22,41 +23,82 @@ def _show(title: str, summary: dict) -> None:
         console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
 
 
-@app.command("import-hf")
-def import_hf_command(
-    directory: Path = typer.Argument(..., help="Local transformers model directory (config.json + safetensors) of a supported family, or a .gguf file (llama, qwen2, qwen3)."),
+def _import(paths: list[Path], name: Optional[str], out: Optional[Path], step: Optional[int],
+            tokenizer: Optional[Path], max_seq_len: Optional[int], force: bool, as_json: bool,
+            grid: Optional[str] = None) -> None:
+    from depthtools.interop.formats import import_paths  # lazy: keeps the CLI torch-free
+
+    summary = import_paths(paths, name=name, out=out, force=force, step=step, tokenizer=tokenizer,
+                           max_seq_len=max_seq_len, grid=grid)
+    if as_json:
+        print_json(summary)
+        return
+    for cell in summary.get("cells", [summary]):
+        _show(f"imported {cell.get('source')}", cell)
+    if "cells" in summary:
+        console.print(f"grid {escape(summary['grid'])}: {len(summary['cells'])} cells", highlight=False)
+        for note in summary.get("notes", []):
+            console.print(f"[yellow]note:[/] {escape(str(note))}", highlight=False)
+
+
+PATH_HELP = ("An OLMo-core run folder (stepN/ folders) or one step folder, a local transformers model folder "
+             "(config.json + safetensors) or a .gguf file.")
+STEP_HELP = "OLMo-core: the step to import (default: the latest complete step)."
+TOKENIZER_HELP = ("OLMo-core: a tokenizer.json (or a folder holding one) to carry (default: the file the step's "
+                  "config names, when it is local).")
+
+
+@app.command("import")
+def import_command(
+    paths: List[Path] = typer.Argument(..., help=PATH_HELP + " Several OLMo-core runs (one sweep): one grid (--grid)."),
     name: Optional[str] = typer.Option(None, "--name", help="Checkpoint name under $DEPTHTOOLS_CHECKPOINTS."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint to this directory instead."),
-    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: max_position_embeddings)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint (with --grid: the grid) to this directory instead."),
+    grid: Optional[str] = typer.Option(None, "--grid", help="Import OLMo-core runs as the cells <arch>_L<n> of this grid under $DEPTHTOOLS_CHECKPOINTS."),
+    step: Optional[int] = typer.Option(None, "--step", min=0, help=STEP_HELP),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: the source's)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing checkpoint (its whole folder; all or nothing: a failed import leaves the old one as it was)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
-    """Import a local transformers checkpoint as a `preln` depthtools checkpoint.
+    """Import a checkpoint from another toolkit; what PATH is decides how (docs/olmo-core.md, docs/interop.md).
 
-    Families: llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, olmo, olmo2, gpt2, gpt_neox
-    (Pythia), phi3, imported exactly (docs/pretrained.md). Tokenizer files are carried along.
-    Unsupported configs (scaled RoPE, unknown activations, ...) are refused, naming the field.
+    - An OLMo-core run folder (DepthBench's training runs) or one of its stepN/ folders: the model in
+      model_and_optim/ (torch.distributed.checkpoint, any number of ranks) is read without running any pickled
+      code and mapped to its depthtools architecture (Pre-LN, Peri-LN, LNS, DeepNorm, KEEL, HC, mHC, AttnRes,
+      MoDA; upstream Llama/OLMo-2). Default: the latest complete step.
+    - A transformers folder of a supported family (llama, mistral, qwen2/3, gemma 1-3, olmo 1/2, gpt2,
+      gpt_neox, phi, phi3, mixtral, olmoe, qwen2_moe, qwen3_moe) imported exactly as `preln`
+      (docs/pretrained.md); tokenizer files are carried.
+    - A .gguf file (llama, qwen2, qwen3), dequantized with the gguf package (pip install -e ".\\[gguf]").
 
-    A .gguf file (llama.cpp) of a llama, qwen2 or qwen3 model is dequantized with the gguf package
-    (pip install -e ".\\[gguf]") and imported the same way; its tokenizer is rebuilt from the file's
-    metadata where that is exact, otherwise a note says none was carried.
+    Nothing is written unless everything was read and checked; the checkpoint appears whole or not at all.
+
+    Example: depthtools import runs/hc_400m_L24 --name hc_L24
+    Example: depthtools import runs/hc_400m_L24 --step 4000 --tokenizer gpt-neox-olmo-dolma.json --name hc_L24_s4000
+    Example: depthtools import ./TinyLlama --name tinyllama
+    Example: depthtools import runs/hc_L16 runs/hc_L24 runs/hc_L32 --grid depthbench_hc   (one sweep, one grid)
+    """
+    _import(paths, name, out, step, tokenizer, max_seq_len, force, as_json, grid)
+
+
+@app.command("import-hf")
+def import_hf_command(
+    path: Path = typer.Argument(..., help=PATH_HELP),
+    name: Optional[str] = typer.Option(None, "--name", help="Checkpoint name under $DEPTHTOOLS_CHECKPOINTS."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the checkpoint to this directory instead."),
+    step: Optional[int] = typer.Option(None, "--step", min=0, help=STEP_HELP),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
+    max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: the source's)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing checkpoint (its whole folder; all or nothing: a failed import leaves the old one as it was)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Alias of `depthtools import` (kept for existing scripts): imports a transformers folder, a .gguf file or an
+    OLMo-core run, whichever PATH is. A .gguf file needs the gguf extra: pip install -e ".\\[gguf]".
 
     Example: depthtools import-hf ./TinyLlama --name tinyllama
     Example: depthtools import-hf ./tiny-q8_0.gguf --name tiny-gguf
     """
-    # (the docstring's "\\[gguf]": rich would read a bare [gguf] as markup and print `pip install -e "."`)
-    from depthtools.interop import import_hf  # lazy: keeps the CLI torch-free
-
-    if directory.suffix.lower() == ".gguf":
-        from depthtools.interop.gguf_import import import_gguf  # lazy: keeps the CLI torch-free
-
-        summary = import_gguf(directory, name=name, out=out, force=force, max_seq_len=max_seq_len)
-    else:
-        summary = import_hf(directory, name=name, out=out, force=force, max_seq_len=max_seq_len)
-    if as_json:
-        print_json(summary)
-        return
-    _show(f"imported {directory}", summary)
+    _import([path], name, out, step, tokenizer, max_seq_len, force, as_json)
 
 
 @app.command("export-hf")

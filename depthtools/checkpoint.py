@@ -416,7 +416,27 @@ def imported_from(config: dict[str, Any]) -> str | None:
     source = config.get("source") if isinstance(config, dict) else None
     if not isinstance(source, dict) or not source.get("path"):
         return None
-    return f"imported from {source.get('format') or 'an external model'} {source['path']}"
+    step = f" step {source['step']}" if isinstance(source.get("step"), int) else ""  # an OLMo-core run's step
+    return f"imported from {source.get('format') or 'an external model'} {source['path']}{step}"
+
+
+def source_summary(config: dict[str, Any]) -> dict[str, Any]:
+    """The scalar facts of an imported checkpoint's config.json "source" (format, path, step, digests) and of the
+    OLMo-core mapping it records (block type, layout, notes), for `info`; {} for a trained checkpoint."""
+    source = config.get("source") if isinstance(config, dict) else None
+    if not isinstance(source, dict):
+        return {}
+    out = {k: v for k, v in source.items() if isinstance(v, (str, int, float, bool)) and not isinstance(v, dict)}
+    mapping = source.get("olmo_core")
+    if isinstance(mapping, dict):
+        for key in ("block_type", "layout", "olmo_core_class", "tensors"):
+            if isinstance(mapping.get(key), (str, int)):
+                out[key] = mapping[key]
+        if isinstance(mapping.get("dtypes"), list):
+            out["dtypes"] = ", ".join(map(str, mapping["dtypes"]))
+        if isinstance(mapping.get("notes"), list) and mapping["notes"]:
+            out["notes"] = "; ".join(map(str, mapping["notes"]))
+    return out
 
 
 def checkpoint_summary(name: str | Path, scan_values: bool = True) -> dict[str, Any]:
@@ -451,4 +471,5 @@ def checkpoint_summary(name: str | Path, scan_values: bool = True) -> dict[str, 
     }
     if provenance is not None:
         summary["provenance"] = provenance
+        summary["source"] = source_summary(config)
     return summary
