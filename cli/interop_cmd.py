@@ -93,7 +93,9 @@ def import_hf_command(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Alias of `depthtools import` (kept for existing scripts): imports a transformers folder, a .gguf file or an
-    OLMo-core run, whichever PATH is. A .gguf file needs the gguf extra: pip install -e ".\\[gguf]".
+    OLMo-core run, whichever PATH is.
+
+    A .gguf file needs the gguf extra: pip install -e ".\\[gguf]"
 
     Example: depthtools import-hf ./TinyLlama --name tinyllama
     Example: depthtools import-hf ./tiny-q8_0.gguf --name tiny-gguf
