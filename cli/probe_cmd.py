@@ -31,9 +31,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from typer.core import TyperCommand
 
 from cli.main import app, check_device, console, err_console, fmt, parse_list, print_json, table, write_out
+from cli.plain import PlainLog, PlainProgress, is_plain
 from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
 from depthtools.analysis.suite import (N_TOKENS, SEQ_LEN, ablate_analysis, analysis_args, cast_model, check_dtype,
-                                       check_sizes, checkpoint_dirs, plan, probe_tokens, progress_total, run_analysis)
+                                       check_prune, check_sizes, checkpoint_dirs, plan, probe_tokens, progress_total,
+                                       run_analysis, skip_is_measured)
 from depthtools.errors import DepthToolsError
 
 # -- the shared option vocabulary --------------------------------------------------------------------
@@ -150,8 +152,12 @@ def out_console():
     return Console(width=max(console.width, 200))
 
 
-def progress_bar(description: str, total: Optional[float]):
-    """A transient rich progress bar on stderr (stdout stays clean for --json)."""
+def progress_bar(description: str, total: Optional[float], log: Optional[PlainLog] = None):
+    """A transient rich progress bar on stderr (stdout stays clean for --json); plain `[m:ss]` lines on
+    stderr, at least one a minute, when stderr is not a terminal (`log`: the command's clock)."""
+    if is_plain(err_console):
+        plain = PlainProgress(description, total, log if log is not None else PlainLog(out=err_console))
+        return plain, plain.advance
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("ETA"), TimeRemainingColumn(), console=err_console, transient=True)
     task = bar.add_task(description, total=total)
@@ -172,6 +178,7 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
     dirs = checkpoint_dirs(ckpts, grid)
     options = dict(options, batch_size=batch_size, seed=seed)
     done, skipped = [], []
+    log = PlainLog(out=err_console)  # one clock for the command's plain lines
     for ckpt_dir in dirs:
         model = cast_model(load(ckpt_dir, device=device), ANALYSIS_DTYPE.get())
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
@@ -180,7 +187,9 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
         results = {}
         try:
             for name in names:
-                bar, advance = progress_bar(f"{name} {ckpt_dir.name}", progress_total(name, model, analysis_args(name, **options)))
+                total = progress_total(name, model, analysis_args(name, **options),
+                                       skip_is_measured(names, model, tokens, **options))
+                bar, advance = progress_bar(f"{name} {ckpt_dir.name}", total, log)
                 with bar:
                     results[name] = run_analysis(name, model, tokens, data=data, recompute=recompute, save=save,
                                                  progress=advance, **options)
@@ -201,6 +210,11 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
         raise DepthToolsError(f"{names[0]} applies to none of the checkpoints: {skipped[0]}")
     return done
 
+
+
+PRUNE_OPT = typer.Option("order", "--prune", help="Pruning curve beside Gromov's: order (blocks removed in their "
+                         "single-skip ΔCE order, L plans; default) or greedy (re-measured after every removal, "
+                         "about L²/2 plans).")
 
 
 # -- lens and ablate: one wide table over all checkpoints ----------------------------------------------
@@ -260,7 +274,8 @@ def ablate_command(
                                                           "or all (every i < j; ablate_swap, what analyze runs)."),
     rule: Optional[List[str]] = typer.Option(None, "--rule", help="Skip rule(s) (default: every rule of the architecture)."),
     tau: float = typer.Option(0.05, "--tau", help="Prune tolerance on ΔCE in nats."),
-    max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the greedy prune curve."),
+    max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the prune curve's steps."),
+    prune: str = PRUNE_OPT,
     swap_pairs_max: Optional[int] = SWAP_PAIRS_MAX_OPT,
     data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
@@ -281,7 +296,7 @@ def ablate_command(
                                     device, as_json, out, save)
     name = ablate_analysis(mode, pairs)
     done = probe([name], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
-                 rules=rule or None, tau=tau, max_prune_steps=max_prune_steps,
+                 rules=rule or None, tau=tau, max_prune_steps=max_prune_steps, prune=check_prune(prune),
                  **({} if swap_pairs_max is None else {"swap_pairs_max": swap_pairs_max}))
     df = pd.concat([results[name].table for _, results in done], ignore_index=True)
     emit_records(df, as_json, out, ABLATE_COLUMNS[mode], f"ablate --mode {mode}", ablation_notes(df, mode))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 import torch
@@ -169,6 +169,7 @@ def causal_scores(
     cuts: Sequence[int] | None = None,
     threshold: float = CAUSAL_THRESHOLD,
     late_fraction: float = LATE_FRACTION,
+    progress: Callable[[float], None] | None = None,
 ) -> pd.DataFrame:
     """Causal score matrix C(s,l) (+ max), optional future-effect matrix, and their summaries.
 
@@ -176,6 +177,8 @@ def causal_scores(
     causal_score / causal_score_max with layer = s (skipped block) and layer_j = l > s (affected
     update); future_effect / future_effect_max likewise; model summaries from `causal_summary` (prefixed future_ for the future matrix).
     Positions < exclude_first are never measured (and never skipped in the future variant).
+    `progress(advance)` is called after each skipped block on each batch (1 / number of batches), so a
+    progress bar over the L skipped blocks reaches L.
     """
     inputs = model_inputs(model, tokens)
     check_positions(inputs, exclude_first)
@@ -191,30 +194,19 @@ def causal_scores(
     future_ok = future and bool(cuts)
     if future and not cuts:
         notes.append("future effect skipped: sequences too short for a cut point")
+    n_batches = -(-inputs.shape[0] // batch_size)
     for batch in batches(inputs, batch_size):
         states = model.run_states(batch)
         base = _updates(model, states)  # L x [B,T,k]
-        B = batch.shape[0]
-        positions = torch.arange(T)
         for s in range(L):
             skipped = model.run_states(plan=Plan.skipping(s, rule=rule), start=s, from_state=states[s])
             changed = _updates(model, skipped)  # updates s..L-1
             for l in range(s + 1, L):
                 current.add(s, l, _ratio(changed[l - s], base[l])[:, exclude_first:])
-            if not future_ok:
-                continue
-            for cut in cuts:
-                mask = ((positions >= exclude_first) & (positions < cut)).expand(B, T)
-                plan = Plan(replace={s: partial_skip(model, s, mask, rule)})
-                try:
-                    part = model.run_states(plan=plan, start=s, from_state=states[s])
-                except UnsupportedState as exc:
-                    future_ok = False
-                    notes.append(f"future effect unsupported for {model.config.arch}: {exc}")
-                    break
-                changed_f = _updates(model, part)
-                for l in range(s + 1, L):
-                    fut.add(s, l, _ratio(changed_f[l - s], base[l])[:, cut:])
+            if future_ok:
+                future_ok = _future_effects(model, states, base, s, cuts, exclude_first, rule, fut, notes)
+            if progress is not None:
+                progress(1.0 / n_batches)
     rows: list[dict[str, Any]] = []
     matrices = {"causal_score": current.mean(), "causal_score_max": current.maximum()}
     if future:
@@ -233,6 +225,27 @@ def causal_scores(
                     threshold=threshold, late_fraction=late_fraction,
                     n_sequences=int(inputs.shape[0]), seq_len=T, tokens=token_fingerprint(tokens))
     return tidy_frame(model, rows, settings, notes)
+
+
+def _future_effects(model, states: list, base: list[torch.Tensor], s: int, cuts: Sequence[int], exclude_first: int,
+                    rule: str | None, fut: _PairStats, notes: list[str]) -> bool:
+    """Add the future effects of skipping block s before each cut to `fut` (one suffix run per cut);
+    False (with a note) when the partial skip is not defined for this state."""
+    L = model.n_layer
+    B, T = base[0].shape[:2]  # geometry updates [B,T,k]
+    positions = torch.arange(T)
+    for cut in cuts:
+        mask = ((positions >= exclude_first) & (positions < cut)).expand(B, T)
+        plan = Plan(replace={s: partial_skip(model, s, mask, rule)})
+        try:
+            part = model.run_states(plan=plan, start=s, from_state=states[s])
+        except UnsupportedState as exc:
+            notes.append(f"future effect unsupported for {model.config.arch}: {exc}")
+            return False
+        changed_f = _updates(model, part)
+        for l in range(s + 1, L):
+            fut.add(s, l, _ratio(changed_f[l - s], base[l])[:, cut:])
+    return True
 
 
 def late_start(n_layer: int, late_fraction: float = LATE_FRACTION) -> int:

@@ -20,7 +20,9 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
     ablate_skip         per rule: L + Σ_l (L − l − 1) blocks, 1 + L heads
     ablate_swap         L + Σ_(i,j) (L − i) blocks over the chosen pairs, 1 + pairs heads
     ablate_mean/linear  2L + Σ_l (L − l − 1) blocks (statistics pass + sweep), 1 + L heads
-    ablate_prune        at most, per rule: greedy Σ_k [L + (L − k)(L − k)] + Gromov 2L + Σ_n (L − n) blocks
+    ablate_prune        at most, per rule: the removal curve + Gromov 2L + Σ_n (L − n) blocks, where the curve is
+                        single-skip order L + Σ_k (L − k) (+ the skip sweep unless ablate_skip is saved or
+                        planned), or with prune="greedy" Σ_k [L + (L − k)(L − k)]
     causal              L + Σ_s [(L − s − 1) + cuts · (L − s)] blocks (cuts only with future=True)
     sequence_profile    as one skip rule
     similarity, routing L blocks
@@ -87,9 +89,25 @@ def _n_cuts(model, args: dict[str, Any], seq_len: int) -> int:
     return len(default_cuts(seq_len))
 
 
-def per_batch(name: str, model, args: dict[str, Any], seq_len: int) -> tuple[float, float, bool]:
+def _prune_per_rule(L: int, args: dict[str, Any], skip_measured: bool) -> tuple[int, int]:
+    """(block calls, heads) of one skip rule's pruning curves on one batch, at most: the removal curve
+    (greedy: Σ_k [L + (L−k)²]; single-skip order: L + Σ_k (L−k), plus the single-skip sweep unless
+    `skip_measured`) and Gromov's 2L + Σ_n (L−n)."""
+    steps = L if args.get("max_prune_steps") is None else min(L, args["max_prune_steps"])
+    if args.get("prune", "order") == "greedy":
+        blocks, heads = sum(L + (L - k) * (L - k) for k in range(steps)), sum(1 + L - k for k in range(steps))
+    else:
+        blocks, heads = L + sum(L - k for k in range(1, steps + 1)), 1 + steps
+        if not skip_measured:
+            blocks, heads = blocks + _skip_blocks(L), heads + 1 + L
+    return blocks + 2 * L + sum(L - n for n in range(1, L)), heads + L
+
+
+def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
+              skip_measured: bool = False) -> tuple[float, float, bool]:
     """(block calls, head evaluations, upper_bound) of analysis `name` on one batch of windows of
-    `seq_len` model inputs (fits and fixed passes that do not repeat per batch are in `extra`)."""
+    `seq_len` model inputs (fits and fixed passes that do not repeat per batch are in `extra`).
+    `skip_measured`: the single-skip sweep is already saved or planned (the order prune reuses it)."""
     L = model.n_layer
     if name == "lens_logit":
         return L, L + 1, False
@@ -102,12 +120,9 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int) -> tuple[flo
     if name in ("ablate_mean", "ablate_linear"):
         return L + _skip_blocks(L), 1 + L, False
     if name == "ablate_prune":
-        steps = L if args.get("max_prune_steps") is None else min(L, args["max_prune_steps"])
-        greedy = sum(L + (L - k) * (L - k) for k in range(steps))
-        gromov = 2 * L + sum(L - n for n in range(1, L))
-        heads = sum(1 + L - k for k in range(steps)) + L
+        blocks, heads = _prune_per_rule(L, args, skip_measured)
         rules = _n_rules(model, args)
-        return rules * (greedy + gromov), rules * heads, True
+        return rules * blocks, rules * heads, True
     if name == "causal":
         cuts = _n_cuts(model, args, seq_len)
         return L + sum((L - s - 1) + cuts * (L - s) for s in range(L)), 0, False
@@ -134,11 +149,11 @@ def extra(name: str, model, args: dict[str, Any]) -> tuple[float, float]:
 
 
 def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: int, batch_size: int,
-                  h: float | None = None) -> Cost:
+                  h: float | None = None, skip_measured: bool = False) -> Cost:
     """The cost of analysis `name` with arguments `args` on n_seqs windows of seq_len model inputs;
     `h`: a head evaluation in blocks (default `head_ratio`; `time_parts` measures it)."""
     n_batches = math.ceil(n_seqs / batch_size)
-    blocks, heads, bound = per_batch(name, model, args, seq_len)
+    blocks, heads, bound = per_batch(name, model, args, seq_len, skip_measured)
     once_blocks, once_heads = extra(name, model, args)
     blocks, heads = n_batches * blocks + once_blocks, n_batches * heads + once_heads
     h, L = head_ratio(model) if h is None else h, model.n_layer
@@ -146,9 +161,10 @@ def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: 
 
 
 def plan_cost(model, analyses: dict[str, dict[str, Any]], n_seqs: int, seq_len: int, batch_size: int,
-              h: float | None = None) -> list[Cost]:
+              h: float | None = None, skip_measured: bool = False) -> list[Cost]:
     """Each analysis' cost with its arguments ({name: args}, as `suite.analysis_args` gives them)."""
-    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h) for name, args in analyses.items()]
+    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h, skip_measured)
+            for name, args in analyses.items()]
 
 
 @torch.no_grad()
@@ -201,11 +217,11 @@ def plan_line(model, costs: list[Cost], n_batches: int, forward_s: float) -> str
 
 
 def describe(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor,
-             batch_size: int) -> tuple[str, list[Cost]]:
+             batch_size: int, skip_measured: bool = False) -> tuple[str, list[Cost]]:
     """The plan line of running `analyses` ({name: args}) on `tokens` [N, T+1] (times one forward pass)."""
     n_seqs, seq_len = tokens.shape[0], tokens.shape[1] - 1
     t_block, t_head = time_parts(model, tokens, batch_size)
     h = t_head / t_block if t_block > 0 else None
-    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h)
+    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, skip_measured=skip_measured)
     forward_s = model.n_layer * t_block + t_head
     return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs
