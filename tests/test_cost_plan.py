@@ -73,11 +73,40 @@ def test_cost_formula_equals_counted_block_calls(name, options):
     assert cost.forwards == pytest.approx((cost.blocks + h * cost.heads) / (L + h))
 
 
-def test_prune_cost_is_an_upper_bound():
+@pytest.mark.parametrize("prune", ["order", "greedy"])
+def test_prune_cost_is_an_upper_bound(prune):
     model = tiny("preln", n_layer=4)
     tokens = windows(n=2, length=13)
-    counter, cost = run_counted("ablate_prune", model, tokens, 2, tau=0.0)
+    counter, cost = run_counted("ablate_prune", model, tokens, 2, tau=0.0, prune=prune)
     assert cost.upper_bound and counter.blocks <= cost.blocks and counter.blocks > cost.blocks / 4
+    assert counter.heads <= cost.heads
+
+
+def test_default_prune_is_O_L_plans_and_reuses_the_measured_skip_sweep():
+    """Issue 47: the order curve is ~L plans (the greedy one ~L²/2); with the skip sweep already
+    measured it runs no single-skip plan again, which the plan's `skip_measured` cost states."""
+    from depthtools.analysis import suite
+
+    model = tiny("preln", n_layer=5)
+    tokens = windows(n=2, length=13)
+    rule = model.scheme.skip_rules[0]
+    args = analysis_args("ablate_prune", batch_size=2, rules=[rule])
+    skip = ablate(model, tokens, mode="skip", rules=[rule], batch_size=2)
+    counter = Counter(model, 2 * 12)
+    suite.ANALYSES["ablate_prune"].run(model, tokens, suite.Probe(), **args)
+    alone = counter.blocks
+    counter = Counter(model, 2 * 12)
+    ablate(model, tokens, mode="prune", rules=[rule], batch_size=2,
+           skip_delta={rule: list(skip.sort_values("layer")["delta_ce"])})
+    reused = counter.blocks
+    L = model.n_layer
+    assert alone - reused == L + sum(L - l - 1 for l in range(L))  # exactly one skip sweep fewer
+    measured = analysis_cost("ablate_prune", model, args, 2, 12, 2, skip_measured=True)
+    assert reused <= measured.blocks < analysis_cost("ablate_prune", model, args, 2, 12, 2).blocks
+    big = tiny("preln", n_layer=30, vocab=61)
+    order = analysis_cost("ablate_prune", big, analysis_args("ablate_prune"), 8, 12, 8, skip_measured=True)
+    greedy = analysis_cost("ablate_prune", big, analysis_args("ablate_prune", prune="greedy"), 8, 12, 8)
+    assert order.forwards < greedy.forwards / 8
 
 
 def test_skip_sweep_cost_is_about_half_of_naive_reruns():
@@ -156,6 +185,21 @@ def test_probe_and_analyze_print_one_plan_line_and_record_the_swap_bound(cell):
     assert result.exit_code == 0, result.output
     line = [line for line in result.stdout.splitlines() if line.startswith("plan ")]
     assert len(line) == 1 and "lens_logit" in line[0] and "1 saved table(s) reused" in line[0]
+
+
+def test_prune_option_names_the_curve_and_bad_values_are_refused(cell):
+    from depthtools.analysis.tables import load_table
+
+    result = cli("ablate", "--ckpt", "preln_L4", "--mode", "prune", *EVAL, "--prune", "greedy")
+    assert result.exit_code == 0, result.output
+    assert set(load_table(cell, "ablate_prune")["method"]) == {"greedy", "gromov"}
+    result = cli("analyze", "--ckpt", "preln_L4", *EVAL, "--only", "ablate_skip,ablate_prune")
+    assert result.exit_code == 0, result.output
+    assert set(load_table(cell, "ablate_prune")["method"]) == {"skip_order", "gromov"}
+    for command in (["ablate", "--mode", "prune"], ["analyze"]):
+        bad = cli(*command, "--ckpt", "preln_L4", *EVAL, "--prune", "best")
+        assert bad.exit_code == 2 and "unknown --prune 'best'; valid: order, greedy" in bad.output
+        assert len([line for line in bad.output.splitlines() if line.strip()]) == 1
 
 
 def test_dtype_bfloat16_runs_close_to_float32_and_bad_values_are_refused(cell):
