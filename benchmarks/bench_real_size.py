@@ -90,6 +90,7 @@ def run_suite(args) -> None:
     """The default suite on the real-size model: per probe, planned and measured forward equivalents and time."""
     from depthtools.analysis import suite
     from depthtools.analysis.cost import describe, duration
+    from depthtools.analysis.sweep import shared_sweeps
 
     seq_len = args.seq_len or suite.SEQ_LEN
     names = list(suite.SUITE) if args.only is None else args.only.split(",")
@@ -103,19 +104,21 @@ def run_suite(args) -> None:
         tokens = torch.randint(0, V, (n_seqs, seq_len + 1), generator=torch.Generator().manual_seed(0))
         analyses = {name: suite.analysis_args(name, **options) for name in names}
         skip_measured = suite.skip_is_measured(names, model, tokens, **options)
-        line, costs = describe(model, analyses, tokens, args.batch, skip_measured=skip_measured)
+        line, costs = describe(model, analyses, tokens, args.batch, skip_measured=skip_measured,
+                               shared=suite.shared_sweep(names, model, **options))
         t_block, t_head = time_parts(model, tokens, args.batch)
         forward_s = L * t_block + t_head  # the plan's unit: one forward of one batch with the head's metrics
         print(f"SmolLM-135M-shaped Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, V={V}), "
               f"{n_seqs}x{seq_len} tokens, batch {args.batch}, {args.threads} thread(s), float32, CPU")
         print(line, flush=True)
         rows = []
-        for name, cost in zip(names, costs):
-            t0 = time.perf_counter()
-            suite.run_analysis(name, model, tokens, recompute=True, **options)
-            seconds = time.perf_counter() - t0
-            rows.append((name, cost.forwards, cost.upper_bound, seconds))
-            print(f"  [{name}: {seconds:.1f} s]", flush=True)
+        with shared_sweeps():  # as analyze_grid runs one model's analyses
+            for name, cost in zip(names, costs):
+                t0 = time.perf_counter()
+                suite.run_analysis(name, model, tokens, recompute=True, **options)
+                seconds = time.perf_counter() - t0
+                rows.append((name, cost.forwards, cost.upper_bound, seconds))
+                print(f"  [{name}: {seconds:.1f} s]", flush=True)
         t_block2, t_head2 = time_parts(model, tokens, args.batch)
         forward_after = L * t_block2 + t_head2
     print(f"{'probe':<18} {'planned fwd':>12} {'measured fwd':>13} {'ratio':>7} {'wall':>12}")

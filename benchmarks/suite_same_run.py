@@ -47,8 +47,13 @@ ckpt, names, n_seqs, seq_len, options = sys.argv[1], sys.argv[2].split(","), int
 torch.set_num_threads(1)
 model = load(ckpt)
 tokens = torch.randint(0, model.config.vocab_size, (n_seqs, seq_len + 1), generator=torch.Generator().manual_seed(0))
-for name in names:
-    suite.run_analysis(name, model, tokens, recompute=True, **options)
+try:  # the new code runs one model's analyses as analyze_grid does, sharing sweeps; the old code has no such block
+    from depthtools.analysis.sweep import shared_sweeps
+except ImportError:
+    from contextlib import nullcontext as shared_sweeps
+with shared_sweeps():
+    for name in names:
+        suite.run_analysis(name, model, tokens, recompute=True, **options)
 """
 
 

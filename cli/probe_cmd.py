@@ -260,6 +260,10 @@ def ablation_notes(df: pd.DataFrame, mode: str) -> list[str]:
                 line += f"; usefulness = {fmt(first['usefulness'])} (fraction of layers with ratio > 1.1)"
         elif mode == "swap":
             line = f"{label}: mean permutation score = {fmt(float(group['perm_score'].mean()))}"
+            if "perm_score_se" in group and len(group) < int(first.get("n_pairs_total", len(group))):
+                line += (f" ± {fmt(float(first['perm_score_se']))} (standard error: {len(group)} of "
+                         f"{int(first['n_pairs_total'])} pairs; every pair: --swap-pairs-max {int(first['n_pairs_total'])}"
+                         " or --protocol depthbench)")
         else:
             line = f"{label}: F_tau = {fmt(first['f_tau'])} at tau = {fmt(first['tau'])} nats"
         notes.append(line)

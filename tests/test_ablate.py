@@ -260,3 +260,15 @@ def test_an_on_request_skip_rule_runs_only_when_named():
     named = ablate(model, toks, mode="skip", batch_size=2, rules=["depthbench"])
     assert set(default["rule"]) == {"mask", "next-output"}
     assert set(named["rule"]) == {"depthbench"} and len(named) == model.n_layer
+
+
+def test_sampled_permutation_score_has_its_standard_error_beside_the_mean():
+    """Issue 47: the bounded all-pairs swap reports mean ± s/√n·√(1−n/N) of the sampled pairs; all pairs: 0."""
+    model, toks = tiny("preln", n_layer=6), windows(n=2, length=9)
+    some = ablate(model, toks, mode="swap", pairs="all", swap_pairs_max=5)
+    x = some["perm_score"].to_numpy()
+    assert some["n_pairs_total"].iloc[0] == 15 and len(some) == 5
+    assert some["perm_score_mean"].iloc[0] == pytest.approx(x.mean())
+    assert some["perm_score_se"].iloc[0] == pytest.approx(np.std(x, ddof=1) / np.sqrt(5) * np.sqrt(1 - 5 / 15))
+    full = ablate(model, toks, mode="swap", pairs="all")
+    assert (full["perm_score_se"] == 0).all() and full["perm_score_mean"].iloc[0] == pytest.approx(full["perm_score"].mean())

@@ -225,3 +225,56 @@ def test_device_cuda_is_refused_in_one_line_without_cuda(cell, command):
     result = cli(command, "--ckpt", "preln_L4", *EVAL, "--device", "cuda")
     assert result.exit_code == 2 and "no CUDA device" in result.output
     assert len([line for line in result.output.splitlines() if line.strip()]) == 1
+
+
+def test_retime_after_the_first_analysis_prints_a_corrected_eta_only_on_drift():
+    """Issue 47: within 20% of the plan nothing is printed; off by more, one batch is re-timed and one
+    line gives the corrected ETA of the remaining forward equivalents."""
+    from depthtools.analysis.cost import forward_seconds, retime_note
+
+    model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
+    assert retime_note(model, tokens, 2, "similarity", 1.1, 10, 0.1, 50) is None
+    line = retime_note(model, tokens, 2, "similarity", 3.0, 10, 0.1, 50)
+    assert line.startswith("re-timed after similarity: it took 3 s against 1 s planned (3.00x)")
+    assert "corrected ETA of the rest ~" in line and "\n" not in line
+    assert forward_seconds(model, tokens, 2) > 0
+
+
+def test_similarity_plan_includes_its_timed_statistics():
+    """Issue 47: the plan counted similarity as L blocks; its CKA, spectra and collapse cost more than that
+    at a real width, so they are timed on 2 sequences and added (block-equivalents)."""
+    from depthtools.analysis.cost import describe, similarity_seconds
+
+    model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
+    args = analysis_args("similarity", batch_size=2)
+    assert similarity_seconds(model, tokens, 2, args) > 0
+    _, costs = describe(model, {"similarity": args}, tokens, 2)
+    assert costs[0].blocks > analysis_cost("similarity", model, args, 4, 12, 2).blocks
+
+
+def test_sequence_profile_and_skip_share_one_sweep_in_the_suite():
+    """Issue 47: inside `shared_sweeps` (analyze_grid's block per model) ablate_skip's default rule reuses the
+    sweep sequence_profile ran: no block call, the same table as alone; the plan counts exactly that."""
+    from depthtools.analysis import suite
+    from depthtools.analysis.sweep import shared_sweeps
+
+    model = tiny("preln", n_layer=4)
+    tokens = windows(n=4, length=13)
+    alone = suite.ANALYSES["ablate_skip"].run(model, tokens, suite.Probe(), **analysis_args("ablate_skip", batch_size=2))
+    names = ["sequence_profile", "ablate_skip"]
+    assert suite.shared_sweep(names, model) == "ablate_skip"
+    assert suite.shared_sweep(names, model, rule=model.scheme.skip_rules[-1]) in (None, "ablate_skip")
+    with shared_sweeps():
+        suite.ANALYSES["sequence_profile"].run(model, tokens, suite.Probe(), **analysis_args("sequence_profile",
+                                                                                                batch_size=2))
+        counter = Counter(model, 2 * 12)
+        shared = suite.ANALYSES["ablate_skip"].run(model, tokens, suite.Probe(),
+                                                   **analysis_args("ablate_skip", batch_size=2))
+    cost = analysis_cost("ablate_skip", model, analysis_args("ablate_skip"), 4, 12, 2, shared=True)
+    assert counter.blocks == cost.blocks and counter.heads == pytest.approx(cost.heads)
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(shared, alone, check_exact=False, rtol=0, atol=1e-12)
+    counter = Counter(model, 2 * 12)  # outside the block nothing is remembered
+    suite.ANALYSES["ablate_skip"].run(model, tokens, suite.Probe(), **analysis_args("ablate_skip", batch_size=2))
+    assert counter.blocks == analysis_cost("ablate_skip", model, analysis_args("ablate_skip"), 4, 12, 2).blocks

@@ -12,7 +12,9 @@ ce, ce_intact, delta_ce = ce - ce_intact, kl_intact_ablated = KL(p_intact || p_a
 top1_agree (ablated top-1 = intact top-1), top1_acc and top1_retention = top1_acc / intact top1_acc
 (Lad et al.'s relative accuracy). Summaries are repeated on every row of their (model, mode, rule,
 method) group: n_skip = exp(H(π)), π = normalised importances I_l = KL(intact || ablated) (and
-n_skip_dce from max(ΔCE, 0)), for the one-row-per-layer modes; perm_score for swaps;
+n_skip_dce from max(ΔCE, 0)), for the one-row-per-layer modes; perm_score for swaps, with the
+mean over the evaluated pairs, its standard error as a sample of all pairs (perm_score_mean,
+perm_score_se: 0 when every pair is evaluated) and n_pairs_total;
 usefulness_ratio = ce / ce_intact, significant (> 1.1) and usefulness (fraction significant) for
 linear; f_tau (prunable fraction at tolerance tau) for prune.
 
@@ -161,7 +163,24 @@ def ablate_swap(model, tokens, pairs="adjacent", batch_size=8, progress: Progres
              perm_score=abs(s.ce - result.intact.ce) / result.intact.ce)
         for (i, j), s in zip(chosen, result.plans)
     ]
-    return _frame(rows)
+    mean, se = sample_mean_se([r["perm_score"] for r in rows], len(swap_pairs(L, pairs)))
+    return _frame([{**r, "perm_score_mean": mean, "perm_score_se": se, "n_pairs_total": len(swap_pairs(L, pairs))}
+                   for r in rows])
+
+
+def sample_mean_se(values: Sequence[float], population: int) -> tuple[float, float]:
+    """(mean, standard error of that mean) of `values` sampled without replacement from `population` items:
+    s/√n · √(1 − n/N) (finite-population correction: 0 when every pair is evaluated; NaN with one of many).
+    The evenly spread pairs (`chosen_pairs`) are treated as a simple random sample of the pairs."""
+    x = np.asarray(values, dtype=np.float64)
+    n = len(x)
+    if n == 0:
+        return float("nan"), float("nan")
+    if n >= population:
+        return float(x.mean()), 0.0
+    if n < 2:
+        return float(x.mean()), float("nan")
+    return float(x.mean()), float(x.std(ddof=1) / np.sqrt(n) * np.sqrt(1 - n / population))
 
 
 # -- pruning -------------------------------------------------------------------------------------

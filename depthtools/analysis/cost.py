@@ -24,8 +24,11 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
                         single-skip order L + Σ_k (L − k) (+ the skip sweep unless ablate_skip is saved or
                         planned), or with prune="greedy" Σ_k [L + (L − k)(L − k)]
     causal              L + Σ_s [(L − s − 1) + cuts · (L − s)] blocks (cuts only with future=True)
-    sequence_profile    as one skip rule
-    similarity, routing L blocks
+    sequence_profile    as one skip rule; within the suite it and ablate_skip's default rule are one sweep
+                        (`sweep.shared_sweeps`): whichever runs second pays for one rule less
+    similarity          L blocks + its statistics (angular distances, spectra, token collapse, CKA), timed
+                        before the run on 2 sequences and scaled (`similarity_seconds`), in block-equivalents
+    routing             L blocks
     contrib             L blocks, + 3 · probes · L block-equivalents with the Jacobian (a JVP ≈ 3 blocks)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
 
@@ -46,6 +49,7 @@ import torch
 
 from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts
+from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states
 from depthtools.analysis.sweep import scored_logprobs
 from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import split_inputs
@@ -104,15 +108,16 @@ def _prune_per_rule(L: int, args: dict[str, Any], skip_measured: bool) -> tuple[
 
 
 def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
-              skip_measured: bool = False) -> tuple[float, float, bool]:
+              skip_measured: bool = False, shared: bool = False) -> tuple[float, float, bool]:
     """(block calls, head evaluations, upper_bound) of analysis `name` on one batch of windows of
     `seq_len` model inputs (fits and fixed passes that do not repeat per batch are in `extra`).
-    `skip_measured`: the single-skip sweep is already saved or planned (the order prune reuses it)."""
+    `skip_measured`: the single-skip sweep is already saved or planned (the order prune reuses it);
+    `shared`: this analysis' default-rule skip sweep was run by an earlier one (`sweep.shared_sweeps`)."""
     L = model.n_layer
     if name == "lens_logit":
         return L, L + 1, False
     if name in ("ablate_skip", "sequence_profile"):
-        rules = _n_rules(model, args) if name == "ablate_skip" else 1
+        rules = (_n_rules(model, args) if name == "ablate_skip" else 1) - (1 if shared else 0)
         return rules * _skip_blocks(L), rules * (1 + L), False
     if name in ("ablate_swap", "ablate_swap_adjacent"):
         pairs = chosen_pairs(L, args.get("pairs", "adjacent"), args.get("swap_pairs_max"))
@@ -149,21 +154,29 @@ def extra(name: str, model, args: dict[str, Any]) -> tuple[float, float]:
 
 
 def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: int, batch_size: int,
-                  h: float | None = None, skip_measured: bool = False) -> Cost:
+                  h: float | None = None, skip_measured: bool = False, shared: bool = False) -> Cost:
     """The cost of analysis `name` with arguments `args` on n_seqs windows of seq_len model inputs;
     `h`: a head evaluation in blocks (default `head_ratio`; `time_parts` measures it)."""
     n_batches = math.ceil(n_seqs / batch_size)
-    blocks, heads, bound = per_batch(name, model, args, seq_len, skip_measured)
+    blocks, heads, bound = per_batch(name, model, args, seq_len, skip_measured, shared)
     once_blocks, once_heads = extra(name, model, args)
     blocks, heads = n_batches * blocks + once_blocks, n_batches * heads + once_heads
     h, L = head_ratio(model) if h is None else h, model.n_layer
     return Cost(name, blocks, heads, (blocks + h * heads) / (L + h), bound)
 
 
+def with_blocks(cost: Cost, blocks: float, h: float | None, L: int) -> Cost:
+    """`cost` with `blocks` more block-equivalents of work (timed statistics), forwards recomputed."""
+    h = 0.0 if h is None else h
+    total = cost.blocks + blocks
+    return Cost(cost.name, total, cost.heads, (total + h * cost.heads) / (L + h), cost.upper_bound)
+
+
 def plan_cost(model, analyses: dict[str, dict[str, Any]], n_seqs: int, seq_len: int, batch_size: int,
-              h: float | None = None, skip_measured: bool = False) -> list[Cost]:
-    """Each analysis' cost with its arguments ({name: args}, as `suite.analysis_args` gives them)."""
-    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h, skip_measured)
+              h: float | None = None, skip_measured: bool = False, shared: str | None = None) -> list[Cost]:
+    """Each analysis' cost with its arguments ({name: args}, as `suite.analysis_args` gives them);
+    `shared`: the analysis whose default-rule skip sweep an earlier one runs (`suite.shared_sweep`)."""
+    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h, skip_measured, name == shared)
             for name, args in analyses.items()]
 
 
@@ -193,6 +206,35 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     return t_states / max(model.n_layer, 1), t_head
 
 
+@torch.no_grad()
+def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[str, Any],
+                       sample: int = 2) -> float:
+    """Seconds of similarity's statistics (angular distances, moments, token collapse, CKA; not its
+    forward passes) on the whole token set, timed on `sample` sequences and scaled: all but CKA grow
+    with the sequences; CKA with its minibatches of `cka_batch` rows, each costing ∝ rows² (its Gram
+    and HSIC products), counted per batch as `depth_similarity` cuts them."""
+    exclude, cka_batch = args.get("exclude_first", 1), args.get("cka_batch", 256)
+    inputs = split_inputs(tokens[:sample])[0]
+    states = [g[:, exclude:] for g in geometry_states(model, inputs)]
+    n_sample, T = states[0].shape[0], states[0].shape[1]
+
+    def timed(variants) -> float:
+        stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), variants, args.get("seed", 0))
+        t0 = time.perf_counter()
+        stats.add(states)
+        return time.perf_counter() - t0
+
+    rest = timed(())
+    chunk = max(timed(tuple(CKA_VARIANTS)) - rest, 0.0)
+    n_seqs = tokens.shape[0]
+    chunks = 0.0
+    for lo in range(0, n_seqs, batch_size):
+        rows = min(batch_size, n_seqs - lo) * T
+        full, last = divmod(rows, cka_batch)
+        chunks += full * (cka_batch / (n_sample * T)) ** 2 + (last >= 8) * (last / (n_sample * T)) ** 2
+    return rest * n_seqs / n_sample + chunk * chunks
+
+
 def duration(seconds: float) -> str:
     """3 s, 4 min 10 s, 2 h 05 min."""
     seconds = max(0, int(round(seconds)))
@@ -217,11 +259,41 @@ def plan_line(model, costs: list[Cost], n_batches: int, forward_s: float) -> str
 
 
 def describe(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor,
-             batch_size: int, skip_measured: bool = False) -> tuple[str, list[Cost]]:
+             batch_size: int, skip_measured: bool = False, shared: str | None = None) -> tuple[str, list[Cost]]:
     """The plan line of running `analyses` ({name: args}) on `tokens` [N, T+1] (times one forward pass)."""
+    line, costs, _ = describe_timed(model, analyses, tokens, batch_size, skip_measured, shared)
+    return line, costs
+
+
+def forward_seconds(model, tokens: torch.Tensor, batch_size: int) -> float:
+    """One forward of one batch as the plan counts it: L timed blocks + the timed head with its metrics."""
+    t_block, t_head = time_parts(model, tokens, batch_size)
+    return model.n_layer * t_block + t_head
+
+
+def retime_note(model, tokens: torch.Tensor, batch_size: int, name: str, seconds: float, planned: float,
+                forward_s: float, remaining: float, drift: float = 0.2) -> str | None:
+    """After the first analysis of a run: None when it took within `drift` of its plan (`planned` forward
+    equivalents × `forward_s`); else one batch is re-timed and one line gives the corrected ETA of the
+    `remaining` forward equivalents (a machine that got busier or idler since the plan was timed)."""
+    expected = planned * forward_s
+    if expected <= 0 or abs(seconds / expected - 1) <= drift:
+        return None
+    now = forward_seconds(model, tokens, batch_size)
+    return (f"re-timed after {name}: it took {duration(seconds)} against {duration(expected)} planned "
+            f"({seconds / expected:.2f}x); one forward of one batch now {now * 1000:.0f} ms (plan: "
+            f"{forward_s * 1000:.0f} ms); corrected ETA of the rest ~{duration(remaining * now)}")
+
+
+def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor, batch_size: int,
+                   skip_measured: bool = False, shared: str | None = None) -> tuple[str, list[Cost], float]:
+    """`describe`, and the timed seconds of one forward of one batch (the unit of the ETA)."""
     n_seqs, seq_len = tokens.shape[0], tokens.shape[1] - 1
     t_block, t_head = time_parts(model, tokens, batch_size)
     h = t_head / t_block if t_block > 0 else None
-    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, skip_measured=skip_measured)
+    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, skip_measured=skip_measured, shared=shared)
+    if "similarity" in analyses and t_block > 0:  # its statistics, timed: more than its forward passes
+        extra_blocks = similarity_seconds(model, tokens, batch_size, analyses["similarity"]) / t_block
+        costs = [with_blocks(c, extra_blocks, h, model.n_layer) if c.name == "similarity" else c for c in costs]
     forward_s = model.n_layer * t_block + t_head
-    return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs
+    return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs, forward_s

@@ -28,6 +28,7 @@ Tables saved before the names were unified (the `lens` command's `lens` / `lens_
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,17 +174,35 @@ def pending(names: list[str], model, tokens, recompute: bool = False, **options)
 def plan(names: list[str], model, tokens, recompute: bool = False, **options) -> str:
     """ONE line before a run: what will run (saved tables excluded), its cost in forward-pass
     equivalents and an ETA from one timed forward pass (`depthtools.analysis.cost`)."""
-    from depthtools.analysis.cost import describe  # lazy
+    return plan_run(names, model, tokens, recompute, **options).line
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The plan line, each pending analysis' forward-pass equivalents and the timed forward (seconds of one
+    batch) they were converted with: what `analyze_grid` re-times against after its first analysis."""
+
+    line: str
+    forwards: dict[str, float]
+    forward_s: float
+
+
+def plan_run(names: list[str], model, tokens, recompute: bool = False, **options) -> RunPlan:
+    """`plan`, with the numbers behind its line."""
+    from depthtools.analysis.cost import describe_timed  # lazy
     from depthtools.analysis.tables import model_columns  # lazy
 
     todo = pending(names, model, tokens, recompute, **options)
     if not todo:
-        return f"plan {model_columns(model)['model']}: every table is already saved with these settings (reused)"
+        return RunPlan(f"plan {model_columns(model)['model']}: every table is already saved with these settings "
+                       "(reused)", {}, 0.0)
     batch_size = options.get("batch_size", BATCH_SIZE)
-    line, _ = describe(model, {name: analysis_args(name, **options) for name in todo}, tokens, batch_size,
-                       skip_measured=skip_is_measured(names, model, tokens, **options))
+    line, costs, forward_s = describe_timed(model, {name: analysis_args(name, **options) for name in todo}, tokens,
+                                            batch_size, skip_measured=skip_is_measured(names, model, tokens, **options),
+                                            shared=shared_sweep(todo, model, **options))
     reused = len(names) - len(todo)
-    return line + (f"; {reused} saved table(s) reused" if reused else "")
+    return RunPlan(line + (f"; {reused} saved table(s) reused" if reused else ""),
+                   {c.name: c.forwards for c in costs}, forward_s)
 
 
 # -- the single analyses (thin, keyword-complete wrappers so the suite can record their arguments) ---
@@ -284,6 +303,19 @@ def measured_skip(model, tokens, args: dict[str, Any]) -> dict[str, list[float]]
     df = df[df["mode"] == "skip"]
     return {str(rule): group.sort_values("layer")["delta_ce"].astype(float).tolist()
             for rule, group in df.groupby("rule", sort=False)}
+
+
+def shared_sweep(names: list[str], model, **options) -> str | None:
+    """Of sequence_profile and ablate_skip both run here (inside `sweep.shared_sweeps`, as `analyze_grid`
+    runs them), the later one, which finds the default rule's skip sweep already run; else None."""
+    if "sequence_profile" not in names or "ablate_skip" not in names:
+        return None
+    default = model.scheme.skip_rules[0]
+    rule = analysis_args("sequence_profile", **options)["rule"]
+    rules = analysis_args("ablate_skip", **options)["rules"]
+    if (rule or default) != default or (rules is not None and default not in rules):
+        return None
+    return max(("sequence_profile", "ablate_skip"), key=names.index)
 
 
 def skip_is_measured(names: list[str], model, tokens, **options) -> bool:
@@ -495,6 +527,7 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     `dtype` casts each model for the analyses (`cast_model`); `on_plan(line)` receives each checkpoint's
     one-line cost plan (`plan`) before its analyses run.
     """
+    from depthtools.analysis.sweep import shared_sweeps  # lazy
     from depthtools.checkpoint import load  # lazy
 
     renamed = {old: new for old, new in RENAMED.items() if old in options}
@@ -515,25 +548,53 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     for ckpt_dir in dirs:
         model = cast_model(load(ckpt_dir, device=device), dtype)
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
-        if on_plan is not None:
-            on_plan(plan(chosen, model, tokens, recompute, **options))
-        for name in chosen:
-            if progress is not None:
-                progress(f"{ckpt_dir.name}: {name}", step, total)
-            step += 1
-            try:
-                result = run_analysis(name, model, tokens, data=data, recompute=recompute, **options)
-            except DepthToolsError as exc:
-                report.not_applicable.append(f"{ckpt_dir.name}: {name}: {exc}")
-                continue
-            if result.reused:
-                report.reused += 1
-            else:
-                report.ran += 1
+        planned = plan_run(chosen, model, tokens, recompute, **options) if on_plan is not None else None
+        if planned is not None:
+            on_plan(planned.line)
+        with shared_sweeps():  # sequence_profile and ablate_skip's default rule: one sweep
+            step = _analyze_checkpoint(ckpt_dir, chosen, model, tokens, data, recompute, options, report, planned,
+                                       on_plan, progress, step, total)
     if progress is not None:
         progress("analyze: done", total, total)
     return report
 
+
+def _analyze_checkpoint(ckpt_dir: Path, chosen: list[str], model, tokens, data, recompute: bool,
+                        options: dict[str, Any], report: AnalyzeReport, planned: RunPlan | None,
+                        on_plan: Callable[[str], None] | None, progress: Callable[[str, int, int], None] | None,
+                        step: int, total: int) -> int:
+    """The chosen analyses of one loaded checkpoint (`analyze_grid`'s inner loop); returns the step count."""
+    for name in chosen:
+        if progress is not None:
+            progress(f"{ckpt_dir.name}: {name}", step, total)
+        step += 1
+        started = time.monotonic()
+        try:
+            result = run_analysis(name, model, tokens, data=data, recompute=recompute, **options)
+        except DepthToolsError as exc:
+            report.not_applicable.append(f"{ckpt_dir.name}: {name}: {exc}")
+            continue
+        if planned is not None and name in planned.forwards and not result.reused:
+            _retime(planned, name, time.monotonic() - started, model, tokens, on_plan, options)
+            planned = None  # once, after the first analysis that ran
+        if result.reused:
+            report.reused += 1
+        else:
+            report.ran += 1
+    return step
+
+
+def _retime(planned: RunPlan, name: str, seconds: float, model, tokens, on_plan: Callable[[str], None],
+            options: dict[str, Any]) -> None:
+    """After the first analysis: a corrected-ETA line when it took > 20% off its plan (`cost.retime_note`)."""
+    from depthtools.analysis.cost import retime_note  # lazy
+
+    names = list(planned.forwards)
+    remaining = sum(planned.forwards[n] for n in names[names.index(name) + 1:])
+    note = retime_note(model, tokens, options.get("batch_size", BATCH_SIZE), name, seconds, planned.forwards[name],
+                       planned.forward_s, remaining)
+    if note is not None:
+        on_plan(note)
 
 
 # -- reading saved tables, old names included ---------------------------------------------------------
