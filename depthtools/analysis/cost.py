@@ -185,21 +185,26 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     """(seconds of one block call, seconds of one head evaluation with its metrics) on one batch.
 
     The head is timed with what every lens depth and sweep plan does after it (float32 log-softmax,
-    a KL sum, an argmax): at a 49k vocabulary these cost about as much as the head's matmul
+    a KL sum against a reference's probabilities computed once per batch, an argmax): at a 49k
+    vocabulary these cost about as much as the head's matmul
     (benchmarks/RESULTS.md, issue 38), so a parameter ratio alone underestimates the lens and sweeps.
     """
     inputs = split_inputs(tokens[:batch_size])[0]
     model.eval()
     sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
     t_states = t_head = math.inf
+    ref = p_ref = None
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
         states = model.run_states(inputs)
+        if ref is None:  # the reference and its probabilities: once per batch in a sweep, not per plan
+            ref = scored_logprobs(model.head(states[-1])).roll(1, 0)
+            p_ref = ref.exp()
         sync()
         t1 = time.perf_counter()
         lp = scored_logprobs(model.head(states[-1]))
-        float((lp.exp() * (lp - lp.roll(1, 0))).sum())
+        float((p_ref * (ref - lp)).sum())
         lp.argmax(-1)
         sync()
         t_states, t_head = min(t_states, t1 - t0), min(t_head, time.perf_counter() - t1)

@@ -83,6 +83,20 @@ def _sweep_key(model, tokens: torch.Tensor, plans: Sequence[Plan], batch_size: i
 METRICS = ("ce", "kl", "agree", "acc")  # the per-token metrics summed per sequence, in this order
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The intact log-probs of one batch with their probabilities and top-1 ids, computed once per batch
+    rather than once per plan (at a 49k vocabulary each is a pass as costly as the log-softmax; issue 47)."""
+
+    logp: torch.Tensor  # [n, V]
+    p: torch.Tensor  # [n, V]
+    top1: torch.Tensor  # [n]
+
+    @classmethod
+    def of(cls, logp: torch.Tensor) -> "Reference":
+        return cls(logp, logp.exp(), logp.argmax(-1))
+
+
 class _Sums:
     """float64 sums of the per-token metrics of one plan, per sequence ([N, 4] in METRICS order: what
     `sequence_profile` reads; a plan's `PlanStats` is their total over the sequences)."""
@@ -91,12 +105,12 @@ class _Sums:
         self.per_seq: list[torch.Tensor] = []  # one [B, 4] float64 block per batch
         self.n_positions = 0  # scored positions per sequence
 
-    def add(self, logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor, B: int) -> None:
-        """logp, ref_logp: [B·T', V] log-probs on scored positions; targets [B·T'] (B sequences)."""
+    def add(self, logp: torch.Tensor, ref: "Reference", targets: torch.Tensor, B: int) -> None:
+        """logp: [B·T', V] log-probs on scored positions; ref: the intact ones; targets [B·T'] (B sequences)."""
         ce = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+        kl = (ref.p * (ref.logp - logp)).sum(-1)
         top1 = logp.argmax(-1)
-        values = torch.stack([ce.double(), kl.double(), (top1 == ref_logp.argmax(-1)).double(),
+        values = torch.stack([ce.double(), kl.double(), (top1 == ref.top1).double(),
                               (top1 == targets).double()], -1)  # [B·T', 4]
         self.per_seq.append(values.view(B, -1, len(METRICS)).sum(1).cpu())
         self.n_positions = values.shape[0] // B
@@ -172,8 +186,8 @@ def sweep(
         targets = targets.flatten()
         B = inputs.shape[0]
         states = intact_states(model, inputs)
-        ref = scored_logprobs(model.head(states[-1]))
-        intact.add(ref, ref, targets, B)
+        ref = Reference.of(scored_logprobs(model.head(states[-1])))
+        intact.add(ref.logp, ref, targets, B)
         for acc, logits in zip(sums, plan_logits(model, plans, states, inputs, reuse_prefix)):
             acc.add(scored_logprobs(logits), ref, targets, B)
             if progress is not None:
