@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,10 +88,32 @@ def build_checkpoint(folder: Path, seq_len: int, layers: int | None = None, voca
     return load(folder / "ckpt"), n_params
 
 
+OLD_PLAN = r"""
+import sys, torch
+from depthtools.analysis import suite
+from depthtools.checkpoint import load
+ckpt, n_seqs, seq_len, names, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), \
+    int(sys.argv[5]), int(sys.argv[6])
+torch.set_num_threads(threads)
+model = load(ckpt)
+tokens = torch.randint(0, model.config.vocab_size, (n_seqs, seq_len + 1), generator=torch.Generator().manual_seed(0))
+print(suite.plan(names, model, tokens, recompute=True, batch_size=batch))
+"""
+
+
+def old_plan(code: Path, ckpt: Path, n_seqs: int, seq_len: int, names: list[str], batch: int) -> str:
+    """The plan line the code at `code` (a checkout of main before issue 47, read only) prints for the same run."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    result = subprocess.run([sys.executable, "-c", OLD_PLAN, str(ckpt), str(n_seqs), str(seq_len), ",".join(names),
+                             str(batch), str(torch.get_num_threads())], env=env, cwd=str(code), capture_output=True,
+                            text=True)
+    return result.stdout.strip() if result.returncode == 0 else f"(failed: {result.stderr.strip()[-500:]})"
+
+
 def run_suite(args) -> None:
     """The default suite on the real-size model: per probe, planned and measured forward equivalents and time."""
     from depthtools.analysis import suite
-    from depthtools.analysis.cost import describe, duration
+    from depthtools.analysis.cost import describe_timed, duration
     from depthtools.analysis.sweep import shared_sweeps
 
     seq_len = args.seq_len or suite.SEQ_LEN
@@ -104,8 +128,8 @@ def run_suite(args) -> None:
         tokens = torch.randint(0, V, (n_seqs, seq_len + 1), generator=torch.Generator().manual_seed(0))
         analyses = {name: suite.analysis_args(name, **options) for name in names}
         skip_measured = suite.skip_is_measured(names, model, tokens, **options)
-        line, costs = describe(model, analyses, tokens, args.batch, skip_measured=skip_measured,
-                               shared=suite.shared_sweep(names, model, **options))
+        line, costs, _ = describe_timed(model, analyses, tokens, args.batch, skip_measured=skip_measured,
+                                        shared=suite.shared_sweep(names, model, **options), shared_states=True)
         t_block, t_head = time_parts(model, tokens, args.batch)
         forward_s = L * t_block + t_head  # the plan's unit: one forward of one batch with the head's metrics
         print(f"SmolLM-135M-shaped Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, V={V}), "
@@ -121,6 +145,9 @@ def run_suite(args) -> None:
                 print(f"  [{name}: {seconds:.1f} s]", flush=True)
         t_block2, t_head2 = time_parts(model, tokens, args.batch)
         forward_after = L * t_block2 + t_head2
+        if args.old is not None:
+            print("before issue 47 (the same checkpoint, tokens and options, the code at --old):", flush=True)
+            print(old_plan(args.old, Path(tmp) / "ckpt", n_seqs, seq_len, names, args.batch), flush=True)
     print(f"{'probe':<18} {'planned fwd':>12} {'measured fwd':>13} {'ratio':>7} {'wall':>12}")
     for name, planned, bound, seconds in rows:
         measured = seconds / forward_s
@@ -146,6 +173,8 @@ def main() -> None:
     parser.add_argument("--n-tokens", type=int, default=4096, help="--suite: evaluation tokens")
     parser.add_argument("--only", default=None, help="--suite: comma-separated probes (default: the suite)")
     parser.add_argument("--prune", default="order", help="--suite: pruning curve (order, greedy)")
+    parser.add_argument("--old", type=Path, default=None, help="--suite: also print the plan of the code at this "
+                        "checkout (e.g. /work/main before issue 47) for the same run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.suite:

@@ -278,3 +278,31 @@ def test_sequence_profile_and_skip_share_one_sweep_in_the_suite():
     counter = Counter(model, 2 * 12)  # outside the block nothing is remembered
     suite.ANALYSES["ablate_skip"].run(model, tokens, suite.Probe(), **analysis_args("ablate_skip", batch_size=2))
     assert counter.blocks == analysis_cost("ablate_skip", model, analysis_args("ablate_skip"), 4, 12, 2).blocks
+
+
+def test_one_intact_forward_per_batch_serves_the_suite():
+    """Issue 47: inside `shared_sweeps` each batch's intact states are computed once for all probes; the
+    tables equal those of probes run alone, and the plan's `sharing_states` counts the block calls exactly."""
+    from depthtools.analysis import suite
+    from depthtools.analysis.cost import intact_passes, plan_cost, sharing_states
+    from depthtools.analysis.sweep import shared_sweeps
+
+    model = tiny("preln", n_layer=4)
+    tokens = windows(n=4, length=13)
+    names = ["similarity", "causal", "lens_logit", "ablate_swap_adjacent", "ablate_skip"]
+    args = {name: analysis_args(name, batch_size=2) for name in names}
+    alone = {name: suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args[name]) for name in names}
+    counter = Counter(model, 2 * 12)
+    with shared_sweeps():
+        together = {name: suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args[name]) for name in names}
+    h = head_ratio(model)
+    costs = sharing_states(plan_cost(model, args, 4, 12, 2, h), {n: intact_passes(n, model, args[n]) for n in names},
+                           model.n_layer, 2, h)
+    assert counter.blocks == sum(c.blocks for c in costs)
+    assert counter.blocks < sum(c.blocks for c in plan_cost(model, args, 4, 12, 2, h))
+    import pandas as pd
+
+    for name in names:
+        a, b = alone[name], together[name]
+        a, b = (a["lens_logit"], b["lens_logit"]) if isinstance(a, dict) else (a, b)
+        pd.testing.assert_frame_equal(a, b)

@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 
 from depthtools.analysis.geometry import check_positions, model_inputs, tidy_frame
+from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tokens import batches, token_fingerprint
 from depthtools.arch.model import Plan
 from depthtools.errors import DepthToolsError
@@ -196,7 +197,7 @@ def causal_scores(
         notes.append("future effect skipped: sequences too short for a cut point")
     n_batches = -(-inputs.shape[0] // batch_size)
     for batch in batches(inputs, batch_size):
-        states = model.run_states(batch)
+        states = intact_states(model, batch)  # shared with the suite's other probes (sweep.shared_sweeps)
         base = _updates(model, states)  # L x [B,T,k]
         for s in range(L):
             skipped = model.run_states(plan=Plan.skipping(s, rule=rule), start=s, from_state=states[s])

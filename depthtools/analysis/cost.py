@@ -34,7 +34,9 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
 
 The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
 against a counter on `block_step`); prune is an upper bound (its greedy curve stops when ΔCE passes
-tau). Attention's T² term is in the timed block; the ETA scales the timed block and head of one
+tau). Within `analyze` (`sweep.shared_sweeps`) one intact forward per batch serves every probe while the
+states fit `sweep.SHARED_STATES_BYTES`: the plan then drops the other intact passes (`sharing_states`).
+Attention's T² term is in the timed block; the ETA scales the timed block and head of one
 batch, so it is an estimate, not a promise.
 """
 
@@ -50,7 +52,7 @@ import torch
 from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states
-from depthtools.analysis.sweep import scored_logprobs
+from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs
 from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import split_inputs
 
@@ -163,6 +165,38 @@ def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: 
     blocks, heads = n_batches * blocks + once_blocks, n_batches * heads + once_heads
     h, L = head_ratio(model) if h is None else h, model.n_layer
     return Cost(name, blocks, heads, (blocks + h * heads) / (L + h), bound)
+
+
+def intact_passes(name: str, model, args: dict[str, Any], skip_measured: bool = False, shared: bool = False) -> int:
+    """Intact forwards per batch that go through `sweep.intact_states` (so within `shared_sweeps` all but
+    the suite's first are read, not run): one per sweep, lens, similarity, causal, the Jacobian pass,
+    Gromov's angle pass and the mean/linear statistics; at most, for the greedy prune."""
+    rules = _n_rules(model, args) if name in ("ablate_skip", "ablate_prune") else 1
+    if name in ("similarity", "causal", "lens_logit", "lens_tuned", "ablate_swap", "ablate_swap_adjacent"):
+        return 1
+    if name == "contrib":
+        return 1 if args.get("jacobian", True) else 0
+    if name in ("sequence_profile", "ablate_skip"):
+        return (rules if name == "ablate_skip" else 1) - (1 if shared else 0)
+    if name in ("ablate_mean", "ablate_linear"):
+        return 2
+    if name == "ablate_prune":
+        steps = model.n_layer if args.get("max_prune_steps") is None else min(model.n_layer, args["max_prune_steps"])
+        curve = steps if args.get("prune", "order") == "greedy" else 1 + (0 if skip_measured else 1)
+        return rules * (curve + 2)
+    return 0
+
+
+def sharing_states(costs: list[Cost], passes: dict[str, int], L: int, n_batches: int, h: float) -> list[Cost]:
+    """The costs when one intact forward per batch serves the whole run (`sweep.shared_sweeps` with the
+    states in its budget): the first analysis with an intact pass keeps one, every other pass is read."""
+    out, seen = [], False
+    for cost in costs:
+        n = passes.get(cost.name, 0)
+        saved = n - (0 if seen or n == 0 else 1)
+        seen = seen or n > 0
+        out.append(with_blocks(cost, -saved * L * n_batches, h, L) if saved else cost)
+    return out
 
 
 def with_blocks(cost: Cost, blocks: float, h: float | None, L: int) -> Cost:
@@ -290,9 +324,18 @@ def retime_note(model, tokens: torch.Tensor, batch_size: int, name: str, seconds
             f"{forward_s * 1000:.0f} ms); corrected ETA of the rest ~{duration(remaining * now)}")
 
 
+def states_fit(model, tokens: torch.Tensor) -> bool:
+    """Whether the intact states of the whole token set fit `sweep.SHARED_STATES_BYTES` (measured on one
+    window: tensor states only), so that `shared_sweeps` keeps every batch's."""
+    size = _state_bytes(model.run_states(split_inputs(tokens[:1])[0]))
+    return size is not None and size * tokens.shape[0] <= SHARED_STATES_BYTES
+
+
 def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor, batch_size: int,
-                   skip_measured: bool = False, shared: str | None = None) -> tuple[str, list[Cost], float]:
-    """`describe`, and the timed seconds of one forward of one batch (the unit of the ETA)."""
+                   skip_measured: bool = False, shared: str | None = None,
+                   shared_states: bool = False) -> tuple[str, list[Cost], float]:
+    """`describe`, and the timed seconds of one forward of one batch (the unit of the ETA).
+    `shared_states`: the run shares each batch's intact states (`sharing_states`) when they fit."""
     n_seqs, seq_len = tokens.shape[0], tokens.shape[1] - 1
     t_block, t_head = time_parts(model, tokens, batch_size)
     h = t_head / t_block if t_block > 0 else None
@@ -300,5 +343,9 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
     if "similarity" in analyses and t_block > 0:  # its statistics, timed: more than its forward passes
         extra_blocks = similarity_seconds(model, tokens, batch_size, analyses["similarity"]) / t_block
         costs = [with_blocks(c, extra_blocks, h, model.n_layer) if c.name == "similarity" else c for c in costs]
+    if shared_states and h is not None and states_fit(model, tokens):
+        passes = {name: intact_passes(name, model, args, skip_measured, name == shared)
+                  for name, args in analyses.items()}
+        costs = sharing_states(costs, passes, model.n_layer, math.ceil(n_seqs / batch_size), h)
     forward_s = model.n_layer * t_block + t_head
     return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs, forward_s

@@ -38,6 +38,7 @@ from depthtools.analysis.similarity import (
     n_rep,
     token_collapse,
 )
+from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import batches, check_tokens, split_inputs, token_fingerprint
 from depthtools.errors import DepthToolsError
@@ -118,8 +119,9 @@ def check_positions(tokens: torch.Tensor, exclude_first: int, need: int = 1) -> 
 
 
 def geometry_states(model, tokens: torch.Tensor) -> list[torch.Tensor]:
-    """geometry(z_l) for l = 0..L, each [B,T,k] float32 (one forward, no plan)."""
-    return [model.geometry(s).float() for s in model.run_states(tokens)]
+    """geometry(z_l) for l = 0..L, each [B,T,k] float32 (one forward, no plan; shared within
+    `sweep.shared_sweeps`)."""
+    return [model.geometry(s).float() for s in intact_states(model, tokens)]
 
 
 # -- spectral statistics from a streamed covariance ----------------------------------------------

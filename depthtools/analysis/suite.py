@@ -187,8 +187,10 @@ class RunPlan:
     forward_s: float
 
 
-def plan_run(names: list[str], model, tokens, recompute: bool = False, **options) -> RunPlan:
-    """`plan`, with the numbers behind its line."""
+def plan_run(names: list[str], model, tokens, recompute: bool = False, shared_states: bool = False,
+             **options) -> RunPlan:
+    """`plan`, with the numbers behind its line; `shared_states`: the run shares intact states
+    (`analyze_grid`'s `sweep.shared_sweeps` block)."""
     from depthtools.analysis.cost import describe_timed  # lazy
     from depthtools.analysis.tables import model_columns  # lazy
 
@@ -199,7 +201,7 @@ def plan_run(names: list[str], model, tokens, recompute: bool = False, **options
     batch_size = options.get("batch_size", BATCH_SIZE)
     line, costs, forward_s = describe_timed(model, {name: analysis_args(name, **options) for name in todo}, tokens,
                                             batch_size, skip_measured=skip_is_measured(names, model, tokens, **options),
-                                            shared=shared_sweep(todo, model, **options))
+                                            shared=shared_sweep(todo, model, **options), shared_states=shared_states)
     reused = len(names) - len(todo)
     return RunPlan(line + (f"; {reused} saved table(s) reused" if reused else ""),
                    {c.name: c.forwards for c in costs}, forward_s)
@@ -548,7 +550,8 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     for ckpt_dir in dirs:
         model = cast_model(load(ckpt_dir, device=device), dtype)
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
-        planned = plan_run(chosen, model, tokens, recompute, **options) if on_plan is not None else None
+        planned = plan_run(chosen, model, tokens, recompute, shared_states=True, **options) \
+            if on_plan is not None else None
         if planned is not None:
             on_plan(planned.line)
         with shared_sweeps():  # sequence_profile and ablate_skip's default rule: one sweep

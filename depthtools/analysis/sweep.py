@@ -61,8 +61,10 @@ _SHARED: ContextVar[dict | None] = ContextVar("shared_sweeps", default=None)
 def shared_sweeps() -> Iterator[None]:
     """Within this block, a sweep of the same plans on the same tokens, model and batch size is run once:
     `sequence_profile` and `ablate_skip`'s default rule evaluate the same L skip plans, so the suite
-    (`analyze_grid`, which opens this block around one model's analyses) pays for one sweep. Only
-    skip/swap plans without replacement functions are remembered; the model must not change inside."""
+    (`analyze_grid`, which opens this block around one model's analyses) pays for one sweep; and each
+    batch's intact states are computed once (`intact_states`, up to SHARED_STATES_BYTES). Only skip/swap
+    plans without replacement functions are remembered; the model must not change inside. Nothing is
+    recomputed differently: a remembered result is the very tensors the first probe computed."""
     token = _SHARED.set({})
     try:
         yield
@@ -133,10 +135,34 @@ def scored_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(scored.to(dtype), dim=-1).flatten(0, 1)
 
 
+# Within `shared_sweeps()`, the intact states of each batch are kept while they fit this many bytes in all
+# (a 30-layer, 576-wide model's 4 default batches: 0.3 GB), so every probe after the first reads them.
+SHARED_STATES_BYTES = 2**30
+
+
+def _state_bytes(states: list) -> int | None:
+    """Bytes of a list of tensor states (None when a state is not a tensor: such states are not kept)."""
+    if not all(torch.is_tensor(z) for z in states):
+        return None
+    return sum(z.numel() * z.element_size() for z in states)
+
+
 @torch.no_grad()
 def intact_states(model, inputs: torch.Tensor) -> list:
-    """The intact depth states z_0..z_L of a batch of inputs [B,T]."""
-    return model.run_states(inputs)
+    """The intact depth states z_0..z_L of a batch of inputs [B,T]; within `shared_sweeps()` one intact
+    forward per batch serves every probe (lens, similarity, causal, the Jacobian, the sweeps' baselines)."""
+    shared = _SHARED.get()
+    if shared is None:
+        return model.run_states(inputs)
+    key = ("states", id(model), token_fingerprint(inputs), tuple(inputs.shape))
+    if key in shared:
+        return shared[key]
+    states = model.run_states(inputs)
+    size = _state_bytes(states)
+    if size is not None and shared.get("states_bytes", 0) + size <= SHARED_STATES_BYTES:
+        shared[key] = states
+        shared["states_bytes"] = shared.get("states_bytes", 0) + size
+    return states
 
 
 @torch.no_grad()
