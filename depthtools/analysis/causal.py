@@ -14,7 +14,8 @@ from_state=states[s])` (L−s blocks, not L). The skip rule is the architecture'
 Future effect (Csordás "future" matrix): block s is skipped only at positions 1 ≤ t < cut and the
 updates are compared only at positions t ≥ cut, isolating what reaches later tokens through
 attention. Implemented with `Plan(replace={s: f})`, f(state) = position-wise mix of the skipped and
-the intact block output (state_out = where(t < cut, skip_state, block_state)). The mix is defined
+the intact block output (state_out = where(t < cut, skip_state, block_state)); the run starts from the
+intact z_s, so the intact block output is the cached z_{s+1} (L−s−1 blocks per cut, not L−s). The mix is defined
 for tensor states and for states whose skipped and intact versions have the same structure with
 tensor leaves [B,T,...] (e.g. DenseFormer); otherwise (a skip that changes the state's structure,
 such as AttnRes' source deletion or MoDA's masked depth slots) it is *unsupported*: the rows are
@@ -132,13 +133,15 @@ def mix_by_position(skipped: Any, intact: Any, mask: torch.Tensor) -> Any:
     return skipped
 
 
-def partial_skip(model, position: int, mask: torch.Tensor, rule: str | None = None):
-    """A Plan.replace function: the scheme's skip at positions where `mask`, the block elsewhere."""
+def partial_skip(model, position: int, mask: torch.Tensor, rule: str | None = None, intact_out: Any = None):
+    """A Plan.replace function: the scheme's skip at positions where `mask`, the block elsewhere.
+    `intact_out`: the block's output on the state it will be given, when already known (the intact
+    z_{s+1} for a run from the intact z_s), so the block is not run again: one block per cut saved."""
     skip_plan = Plan.skipping(position, rule=rule)
 
     def replace(state):
         skipped = model.apply_position(position, state, skip_plan)
-        intact = model.block_step(position, state)
+        intact = model.block_step(position, state) if intact_out is None else intact_out
         return mix_by_position(skipped, intact, mask)
 
     return replace
@@ -237,7 +240,7 @@ def _future_effects(model, states: list, base: list[torch.Tensor], s: int, cuts:
     positions = torch.arange(T)
     for cut in cuts:
         mask = ((positions >= exclude_first) & (positions < cut)).expand(B, T)
-        plan = Plan(replace={s: partial_skip(model, s, mask, rule)})
+        plan = Plan(replace={s: partial_skip(model, s, mask, rule, intact_out=states[s + 1])})  # from z_s
         try:
             part = model.run_states(plan=plan, start=s, from_state=states[s])
         except UnsupportedState as exc:

@@ -23,7 +23,8 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
     ablate_prune        at most, per rule: the removal curve + Gromov 2L + Σ_n (L − n) blocks, where the curve is
                         single-skip order L + Σ_k (L − k) (+ the skip sweep unless ablate_skip is saved or
                         planned), or with prune="greedy" Σ_k [L + (L − k)(L − k)]
-    causal              L + Σ_s [(L − s − 1) + cuts · (L − s)] blocks (cuts only with future=True)
+    causal              L + Σ_s (L − s − 1)(1 + cuts) blocks (cuts only with future=True; a cut's run reuses
+                        the cached intact output of block s)
     sequence_profile    as one skip rule; within the suite it and ablate_skip's default rule are one sweep
                         (`sweep.shared_sweeps`): whichever runs second pays for one rule less
     similarity          L blocks + its statistics (angular distances, spectra, token collapse, CKA), timed
@@ -51,7 +52,7 @@ import torch
 
 from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts
-from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states
+from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
 from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs
 from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import split_inputs
@@ -132,7 +133,7 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
         return rules * blocks, rules * heads, True
     if name == "causal":
         cuts = _n_cuts(model, args, seq_len)
-        return L + sum((L - s - 1) + cuts * (L - s) for s in range(L)), 0, False
+        return L + sum((L - s - 1) * (1 + cuts) for s in range(L)), 0, False
     if name == "contrib":
         jac = L + FULL_JVP_BLOCKS * args.get("probes", 2) * L if args.get("jacobian", True) else 0
         return L + jac, 0, False
@@ -251,19 +252,27 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
     """Seconds of similarity's statistics (angular distances, moments, token collapse, CKA; not its
     forward passes) on the whole token set, timed on `sample` sequences and scaled: all but CKA grow
     with the sequences; CKA with its minibatches of `cka_batch` rows, each costing ∝ rows² (its Gram
-    and HSIC products), counted per batch as `depth_similarity` cuts them."""
+    and HSIC products), counted per batch as `depth_similarity` cuts them; plus, once, the L+1
+    spectra (an eigendecomposition of a k×k covariance each, twice)."""
     exclude, cka_batch = args.get("exclude_first", 1), args.get("cka_batch", 256)
     inputs = split_inputs(tokens[:sample])[0]
     states = [g[:, exclude:] for g in geometry_states(model, inputs)]
     n_sample, T = states[0].shape[0], states[0].shape[1]
 
+    stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), (), args.get("seed", 0))
+
     def timed(variants) -> float:
+        nonlocal stats
         stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), variants, args.get("seed", 0))
         t0 = time.perf_counter()
         stats.add(states)
         return time.perf_counter() - t0
 
     rest = timed(())
+    t0 = time.perf_counter()  # once per run: each depth's spectrum, with and without its outlier dims
+    spectral_stats(stats.moments[0].spectrum())
+    spectral_stats(stats.moments[0].spectrum(drop_top=max(args.get("outlier_k", 1), 1)))
+    spectra = (time.perf_counter() - t0) * (model.n_layer + 1)
     chunk = max(timed(tuple(CKA_VARIANTS)) - rest, 0.0)
     n_seqs = tokens.shape[0]
     chunks = 0.0
@@ -271,7 +280,7 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
         rows = min(batch_size, n_seqs - lo) * T
         full, last = divmod(rows, cka_batch)
         chunks += full * (cka_batch / (n_sample * T)) ** 2 + (last >= 8) * (last / (n_sample * T)) ** 2
-    return rest * n_seqs / n_sample + chunk * chunks
+    return rest * n_seqs / n_sample + chunk * chunks + spectra
 
 
 def duration(seconds: float) -> str:
