@@ -171,6 +171,7 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
 
     With several checkpoints, one an analysis does not apply to is skipped with a line on stderr.
     """
+    from depthtools.analysis.sweep import shared_sweeps  # lazy: keeps the CLI torch-free
     from depthtools.checkpoint import load  # lazy: keeps the CLI torch-free
 
     check_sizes(n_tokens, seq_len, batch_size)
@@ -182,23 +183,24 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
     for ckpt_dir in dirs:
         model = cast_model(load(ckpt_dir, device=device), ANALYSIS_DTYPE.get())
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed)
-        err_console.print(plan(names, model, tokens, recompute, **options), markup=False, highlight=False,
-                          soft_wrap=True)
+        err_console.print(plan(names, model, tokens, recompute, shared_states=True, **options), markup=False,
+                          highlight=False, soft_wrap=True)
         results = {}
         try:
-            for name in names:
-                total = progress_total(name, model, analysis_args(name, **options),
-                                       skip_is_measured(names, model, tokens, **options))
-                bar, advance = progress_bar(f"{name} {ckpt_dir.name}", total, log)
-                with bar:
-                    results[name] = run_analysis(name, model, tokens, data=data, recompute=recompute, save=save,
-                                                 progress=advance, **options)
-                where = Path(ckpt_dir) / "analysis" / f"{name}.parquet"
-                if results[name].reused:
-                    err_console.print(f"reused {where} (saved with the same settings; --recompute to recompute)",
-                                      markup=False, highlight=False)
-                elif save:
-                    err_console.print(f"saved {where}", markup=False, highlight=False)
+            with shared_sweeps():  # one intact forward per batch serves every pass of the probes
+                for name in names:
+                    total = progress_total(name, model, analysis_args(name, **options),
+                                           skip_is_measured(names, model, tokens, **options))
+                    bar, advance = progress_bar(f"{name} {ckpt_dir.name}", total, log)
+                    with bar:
+                        results[name] = run_analysis(name, model, tokens, data=data, recompute=recompute, save=save,
+                                                     progress=advance, **options)
+                    where = Path(ckpt_dir) / "analysis" / f"{name}.parquet"
+                    if results[name].reused:
+                        err_console.print(f"reused {where} (saved with the same settings; --recompute to recompute)",
+                                          markup=False, highlight=False)
+                    elif save:
+                        err_console.print(f"saved {where}", markup=False, highlight=False)
         except DepthToolsError as exc:
             if len(dirs) == 1:
                 raise
