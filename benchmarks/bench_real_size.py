@@ -23,7 +23,8 @@ the prune curve reuses the skip sweep as in `analyze`), and print per probe the 
 the cost plan predicts and those measured (wall time / one timed forward of one batch, the plan's unit),
 the wall time, and the totals; then the forward re-timed, so a drifting machine shows. --layers and
 --vocab shrink the model and --n-tokens the token set for quick iteration; --only runs some probes;
---prune greedy times the opt-in greedy curve.
+--prune greedy times the opt-in greedy curve; --old DIR also prints the plan the code at DIR (a checkout of
+main before issue 47) makes for the same checkpoint and tokens; --plan-only prints the plans and runs nothing.
 
     python benchmarks/bench_real_size.py --suite [--layers 30 --vocab 49152 --n-tokens 4096 --seq-len 128]
 """
@@ -135,6 +136,13 @@ def run_suite(args) -> None:
         print(f"SmolLM-135M-shaped Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, V={V}), "
               f"{n_seqs}x{seq_len} tokens, batch {args.batch}, {args.threads} thread(s), float32, CPU")
         print(line, flush=True)
+        if args.plan_only:
+            for name, cost in zip(names, costs):
+                print(f"  {name:<18} {('≤' if cost.upper_bound else '') + f'{cost.forwards:.1f}':>10} forward equivalents")
+            if args.old is not None:
+                print("before issue 47 (the same checkpoint, tokens and options, the code at --old):", flush=True)
+                print(old_plan(args.old, Path(tmp) / "ckpt", n_seqs, seq_len, names, args.batch), flush=True)
+            return
         rows = []
         with shared_sweeps():  # as analyze_grid runs one model's analyses
             for name, cost in zip(names, costs):
@@ -173,6 +181,7 @@ def main() -> None:
     parser.add_argument("--n-tokens", type=int, default=4096, help="--suite: evaluation tokens")
     parser.add_argument("--only", default=None, help="--suite: comma-separated probes (default: the suite)")
     parser.add_argument("--prune", default="order", help="--suite: pruning curve (order, greedy)")
+    parser.add_argument("--plan-only", action="store_true", help="--suite: print the plans, run nothing")
     parser.add_argument("--old", type=Path, default=None, help="--suite: also print the plan of the code at this "
                         "checkout (e.g. /work/main before issue 47) for the same run")
     args = parser.parse_args()
