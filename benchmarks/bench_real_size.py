@@ -159,8 +159,9 @@ def run_suite(args) -> None:
     print(f"{'probe':<18} {'planned fwd':>12} {'measured fwd':>13} {'ratio':>7} {'wall':>12}")
     for name, planned, bound, seconds in rows:
         measured = seconds / forward_s
+        ratio = f"{measured / planned:7.2f}" if planned > 0 else f"{'—':>7}"  # 0: shared with an earlier probe
         print(f"{name:<18} {('≤' if bound else '') + f'{planned:.1f}':>12} {measured:13.1f} "
-              f"{measured / planned:7.2f} {duration(seconds):>12}")
+              f"{ratio} {duration(seconds):>12}")
     planned, seconds = sum(r[1] for r in rows), sum(r[3] for r in rows)
     print(f"{'total':<18} {planned:12.1f} {seconds / forward_s:13.1f} {seconds / forward_s / planned:7.2f} "
           f"{duration(seconds):>12}")
