@@ -306,3 +306,17 @@ def test_one_intact_forward_per_batch_serves_the_suite():
         a, b = alone[name], together[name]
         a, b = (a["lens_logit"], b["lens_logit"]) if isinstance(a, dict) else (a, b)
         pd.testing.assert_frame_equal(a, b)
+
+
+def test_contrib_plan_times_its_jacobian_vector_products(monkeypatch):
+    """Issue 47: contrib's JVPs are timed (block 0, one batch) instead of assumed to cost 3 blocks each."""
+    from depthtools.analysis import cost as cost_module
+
+    model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
+    ratio = cost_module.jvp_blocks(model, tokens, 2)
+    assert ratio is not None and ratio > 0
+    monkeypatch.setattr(cost_module, "jvp_blocks", lambda *a: 7.0)  # a fixed timing: the arithmetic is exact
+    args = analysis_args("contrib", batch_size=2)
+    _, (cost,) = cost_module.describe(model, {"contrib": args}, tokens, 2)
+    static = analysis_cost("contrib", model, args, 4, 12, 2)
+    assert cost.blocks == static.blocks + (7.0 - cost_module.FULL_JVP_BLOCKS) * 2 * 3 * 2  # probes · L · batches

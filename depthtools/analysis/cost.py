@@ -30,7 +30,8 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
     similarity          L blocks + its statistics (angular distances, spectra, token collapse, CKA), timed
                         before the run on 2 sequences and scaled (`similarity_seconds`), in block-equivalents
     routing             L blocks
-    contrib             L blocks, + 3 · probes · L block-equivalents with the Jacobian (a JVP ≈ 3 blocks)
+    contrib             L blocks, + L + j · probes · L block-equivalents with the Jacobian (a JVP costs j blocks:
+                        3 without timing, timed on block 0 before a run: `jvp_blocks`)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
 
 The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
@@ -52,6 +53,7 @@ import torch
 
 from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts
+from depthtools.analysis.contrib import block_map, jvp
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
 from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs
 from depthtools.analysis.tables import model_columns
@@ -283,6 +285,29 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
     return rest * n_seqs / n_sample + chunk * chunks + spectra
 
 
+def jvp_blocks(model, tokens: torch.Tensor, batch_size: int) -> float | None:
+    """A Jacobian-vector product through block 0 on one batch, in block calls (timed; the plan's default
+    FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path); None when the
+    state is not one `contrib.block_map` handles (contrib then runs no JVP)."""
+    inputs = split_inputs(tokens[:batch_size])[0]
+    with torch.no_grad():
+        states = model.run_states(inputs, stop=1)
+    mapped = block_map(model, 0, states[0])
+    if mapped is None:
+        return None
+    x, f = mapped
+    v = torch.ones_like(x)
+    jvp(model, f, x, v)  # warm-up: forward AD registers its decompositions on first use
+    t0 = time.perf_counter()
+    jvp(model, f, x, v)
+    t_jvp = time.perf_counter() - t0
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.block_step(0, states[0])
+        t_block = time.perf_counter() - t0
+    return t_jvp / t_block if t_block > 0 else None
+
+
 def duration(seconds: float) -> str:
     """3 s, 4 min 10 s, 2 h 05 min."""
     seconds = max(0, int(round(seconds)))
@@ -352,6 +377,11 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
     if "similarity" in analyses and t_block > 0:  # its statistics, timed: more than its forward passes
         extra_blocks = similarity_seconds(model, tokens, batch_size, analyses["similarity"]) / t_block
         costs = [with_blocks(c, extra_blocks, h, model.n_layer) if c.name == "similarity" else c for c in costs]
+    if "contrib" in analyses and analyses["contrib"].get("jacobian", True):  # its JVPs, timed
+        ratio = jvp_blocks(model, tokens, batch_size)
+        extra = 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * analyses["contrib"].get("probes", 2) * \
+            model.n_layer * math.ceil(n_seqs / batch_size)
+        costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
     if shared_states and h is not None and states_fit(model, tokens):
         passes = {name: intact_passes(name, model, args, skip_measured, name == shared)
                   for name, args in analyses.items()}
