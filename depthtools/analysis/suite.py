@@ -356,7 +356,8 @@ class Analysis:
 B = BATCH_SIZE
 ANALYSES: dict[str, Analysis] = {a.name: a for a in (
     Analysis("similarity", dict(batch_size=B, exclude_first=1, cka_batch=256, outlier_k=1), _single(run_similarity)),
-    Analysis("causal", dict(batch_size=B, exclude_first=1, rule=None, future=True, cuts=None), _single(run_causal, with_progress=True)),
+    Analysis("causal", dict(batch_size=B, exclude_first=1, rule=None, future=True, cuts=None),
+             _single(run_causal, with_progress=True)),
     Analysis("contrib", dict(batch_size=B, exclude_first=1, jacobian=True, probes=2), _single(run_contrib)),
     Analysis("routing", dict(exclude_first=1, long_range_k=4), _single(run_routing)),
     Analysis("sequence_profile", dict(batch_size=B, rule=None), _sequence_profile),
