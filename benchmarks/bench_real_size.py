@@ -16,13 +16,26 @@ the cost plan's predicted forward-pass equivalents (`depthtools.analysis.cost`) 
 ones, and the peak RSS of the process after each stage.
 
 Usage: python benchmarks/bench_real_size.py [--seqs 8 --seq-len 64 --batch 8 --threads 2 --reps 2]
+
+--suite (issue 47): instead, run the whole default suite as `analyze` runs it (`suite.SUITE`, its default
+arguments, `--n-tokens` tokens in windows of `--seq-len`, tables saved beside the temporary checkpoint so
+the prune curve reuses the skip sweep as in `analyze`), and print per probe the forward-pass equivalents
+the cost plan predicts and those measured (wall time / one timed forward of one batch, the plan's unit),
+the wall time, and the totals; then the forward re-timed, so a drifting machine shows. --layers and
+--vocab shrink the model and --n-tokens the token set for quick iteration; --only runs some probes;
+--prune greedy times the opt-in greedy curve; --old DIR also prints the plan the code at DIR (a checkout of
+main before issue 47) makes for the same checkpoint and tokens; --plan-only prints the plans and runs nothing.
+
+    python benchmarks/bench_real_size.py --suite [--layers 30 --vocab 49152 --n-tokens 4096 --seq-len 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,15 +70,18 @@ def best(fn, reps: int) -> float:
     return min(times)
 
 
-def build_checkpoint(folder: Path, seq_len: int):
-    """The random-weight Llama folder (transformers' save_pretrained), imported and loaded by depthtools."""
+def build_checkpoint(folder: Path, seq_len: int, layers: int | None = None, vocab: int | None = None):
+    """The random-weight Llama folder (transformers' save_pretrained), imported and loaded by depthtools
+    (`layers` / `vocab` override SmolLM-135M's 30 / 49152 for quick runs)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from depthtools.checkpoint import load
     from depthtools.interop.llama import import_hf
 
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**SMOLLM_135M)).eval()
+    shape = dict(SMOLLM_135M, **({"num_hidden_layers": layers} if layers else {}),
+                 **({"vocab_size": vocab} if vocab else {}))
+    hf = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     n_params = sum(p.numel() for p in hf.parameters())
     hf.save_pretrained(folder / "hf", safe_serialization=True)
     del hf
@@ -73,15 +89,108 @@ def build_checkpoint(folder: Path, seq_len: int):
     return load(folder / "ckpt"), n_params
 
 
+OLD_PLAN = r"""
+import sys, torch
+from depthtools.analysis import suite
+from depthtools.checkpoint import load
+ckpt, n_seqs, seq_len, names, batch, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), \
+    int(sys.argv[5]), int(sys.argv[6])
+torch.set_num_threads(threads)
+model = load(ckpt)
+tokens = torch.randint(0, model.config.vocab_size, (n_seqs, seq_len + 1), generator=torch.Generator().manual_seed(0))
+print(suite.plan(names, model, tokens, recompute=True, batch_size=batch))
+"""
+
+
+def old_plan(code: Path, ckpt: Path, n_seqs: int, seq_len: int, names: list[str], batch: int) -> str:
+    """The plan line the code at `code` (a checkout of main before issue 47, read only) prints for the same run."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    result = subprocess.run([sys.executable, "-c", OLD_PLAN, str(ckpt), str(n_seqs), str(seq_len), ",".join(names),
+                             str(batch), str(torch.get_num_threads())], env=env, cwd=str(code), capture_output=True,
+                            text=True)
+    return result.stdout.strip() if result.returncode == 0 else f"(failed: {result.stderr.strip()[-500:]})"
+
+
+def run_suite(args) -> None:
+    """The default suite on the real-size model: per probe, planned and measured forward equivalents and time."""
+    from depthtools.analysis import suite
+    from depthtools.analysis.cost import describe_timed, duration
+    from depthtools.analysis.sweep import shared_sweeps
+
+    seq_len = args.seq_len or suite.SEQ_LEN
+    names = list(suite.SUITE) if args.only is None else args.only.split(",")
+    options = dict(batch_size=args.batch, prune=args.prune)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        model, n_params = build_checkpoint(Path(tmp), seq_len, args.layers, args.vocab)
+        print(f"[build + save_pretrained + import + load: {time.perf_counter() - t0:.1f} s]", flush=True)
+        L, V = model.n_layer, model.config.vocab_size
+        n_seqs = math.ceil(args.n_tokens / seq_len)
+        tokens = torch.randint(0, V, (n_seqs, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        analyses = {name: suite.analysis_args(name, **options) for name in names}
+        skip_measured = suite.skip_is_measured(names, model, tokens, **options)
+        line, costs, _ = describe_timed(model, analyses, tokens, args.batch, skip_measured=skip_measured,
+                                        shared=suite.shared_sweep(names, model, **options), shared_states=True)
+        t_block, t_head = time_parts(model, tokens, args.batch)
+        forward_s = L * t_block + t_head  # the plan's unit: one forward of one batch with the head's metrics
+        print(f"SmolLM-135M-shaped Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, V={V}), "
+              f"{n_seqs}x{seq_len} tokens, batch {args.batch}, {args.threads} thread(s), float32, CPU")
+        print(line, flush=True)
+        if args.plan_only:
+            for name, cost in zip(names, costs):
+                print(f"  {name:<18} {('≤' if cost.upper_bound else '') + f'{cost.forwards:.1f}':>10} forward equivalents")
+            if args.old is not None:
+                print("before issue 47 (the same checkpoint, tokens and options, the code at --old):", flush=True)
+                print(old_plan(args.old, Path(tmp) / "ckpt", n_seqs, seq_len, names, args.batch), flush=True)
+            return
+        rows = []
+        with shared_sweeps():  # as analyze_grid runs one model's analyses
+            for name, cost in zip(names, costs):
+                t0 = time.perf_counter()
+                suite.run_analysis(name, model, tokens, recompute=True, **options)
+                seconds = time.perf_counter() - t0
+                rows.append((name, cost.forwards, cost.upper_bound, seconds))
+                print(f"  [{name}: {seconds:.1f} s]", flush=True)
+        t_block2, t_head2 = time_parts(model, tokens, args.batch)
+        forward_after = L * t_block2 + t_head2
+        if args.old is not None:
+            print("before issue 47 (the same checkpoint, tokens and options, the code at --old):", flush=True)
+            print(old_plan(args.old, Path(tmp) / "ckpt", n_seqs, seq_len, names, args.batch), flush=True)
+    print(f"{'probe':<18} {'planned fwd':>12} {'measured fwd':>13} {'ratio':>7} {'wall':>12}")
+    for name, planned, bound, seconds in rows:
+        measured = seconds / forward_s
+        ratio = f"{measured / planned:7.2f}" if planned > 0 else f"{'—':>7}"  # 0: shared with an earlier probe
+        print(f"{name:<18} {('≤' if bound else '') + f'{planned:.1f}':>12} {measured:13.1f} "
+              f"{ratio} {duration(seconds):>12}")
+    planned, seconds = sum(r[1] for r in rows), sum(r[3] for r in rows)
+    print(f"{'total':<18} {planned:12.1f} {seconds / forward_s:13.1f} {seconds / forward_s / planned:7.2f} "
+          f"{duration(seconds):>12}")
+    print(f"one forward of one batch: {forward_s * 1000:.0f} ms before the suite, {forward_after * 1000:.0f} ms "
+          f"after ({forward_after / forward_s:.2f}x: machine drift)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=None, help="window length (default 64; --suite: 128)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--suite", action="store_true", help="time the whole default suite per probe")
+    parser.add_argument("--layers", type=int, default=None, help="--suite: layers (default 30)")
+    parser.add_argument("--vocab", type=int, default=None, help="--suite: vocabulary (default 49152)")
+    parser.add_argument("--n-tokens", type=int, default=4096, help="--suite: evaluation tokens")
+    parser.add_argument("--only", default=None, help="--suite: comma-separated probes (default: the suite)")
+    parser.add_argument("--prune", default="order", help="--suite: pruning curve (order, greedy)")
+    parser.add_argument("--plan-only", action="store_true", help="--suite: print the plans, run nothing")
+    parser.add_argument("--old", type=Path, default=None, help="--suite: also print the plan of the code at this "
+                        "checkout (e.g. /work/main before issue 47) for the same run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.suite:
+        run_suite(args)
+        return
+    args.seq_len = args.seq_len or 64
     stages = []
 
     def done(name: str, seconds: float) -> None:

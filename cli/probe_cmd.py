@@ -32,10 +32,11 @@ from typer.core import TyperCommand
 
 from cli.app import app
 from cli.common import check_device, console, err_console, fmt, parse_list, print_json, table, write_out
+from cli.plain import PlainLog, PlainProgress, is_plain
 from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
 from depthtools.analysis.suite import (N_TOKENS, SEQ_LEN, ablate_analysis, analysis_args, cast_model, check_dtype,
-                                       check_sizes, checkpoint_dirs, checkpoint_tokens, plan, probe_tokens,
-                                       progress_total, run_analysis)
+                                       check_prune, check_sizes, checkpoint_dirs, checkpoint_tokens, plan, probe_tokens,
+                                       progress_total, run_analysis, skip_is_measured)
 from depthtools.errors import DepthToolsError
 
 # -- the shared option vocabulary --------------------------------------------------------------------
@@ -167,8 +168,12 @@ def out_console():
     return Console(width=max(console.width, 200))
 
 
-def progress_bar(description: str, total: Optional[float]):
-    """A transient rich progress bar on stderr (stdout stays clean for --json)."""
+def progress_bar(description: str, total: Optional[float], log: Optional[PlainLog] = None):
+    """A transient rich progress bar on stderr (stdout stays clean for --json); plain `[m:ss]` lines on
+    stderr, at least one a minute, when stderr is not a terminal (`log`: the command's clock)."""
+    if is_plain(err_console):
+        plain = PlainProgress(description, total, log if log is not None else PlainLog(out=err_console))
+        return plain, plain.advance
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("ETA"), TimeRemainingColumn(), console=err_console, transient=True)
     task = bar.add_task(description, total=total)
@@ -182,6 +187,7 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
 
     With several checkpoints, one an analysis does not apply to is skipped with a line on stderr.
     """
+    from depthtools.analysis.sweep import shared_sweeps  # lazy: keeps the CLI torch-free
     from depthtools.checkpoint import load  # lazy: keeps the CLI torch-free
 
     check_sizes(n_tokens, seq_len, batch_size)
@@ -189,6 +195,7 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
     dirs = checkpoint_dirs(ckpts, grid)
     options = dict(options, batch_size=batch_size, seed=seed)
     done, skipped = [], []
+    log = PlainLog(out=err_console)  # one clock for the command's plain lines
     for ckpt_dir in dirs:
         try:  # windows, data and tokenizer checked against config.json before the weights are read
             windows = checkpoint_tokens(ckpt_dir, data, n_tokens, seq_len, split, seed, cap=not N_TOKENS_GIVEN.get(),
@@ -203,21 +210,24 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed, tokens=windows)
         for note in tokens.notes:
             err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
-        err_console.print(plan(names, model, tokens, recompute, **options), markup=False, highlight=False,
-                          soft_wrap=True)
+        err_console.print(plan(names, model, tokens, recompute, shared_states=True, **options), markup=False,
+                          highlight=False, soft_wrap=True)
         results = {}
         try:
-            for name in names:
-                bar, advance = progress_bar(f"{name} {ckpt_dir.name}", progress_total(name, model, analysis_args(name, **options)))
-                with bar:
-                    results[name] = run_analysis(name, model, tokens, data=data, recompute=recompute, save=save,
-                                                 progress=advance, **options)
-                where = Path(ckpt_dir) / "analysis" / f"{name}.parquet"
-                if results[name].reused:
-                    err_console.print(f"reused {where} (saved with the same settings; --recompute to recompute)",
-                                      markup=False, highlight=False)
-                elif save:
-                    err_console.print(f"saved {where}", markup=False, highlight=False)
+            with shared_sweeps():  # one intact forward per batch serves every pass of the probes
+                for name in names:
+                    total = progress_total(name, model, analysis_args(name, **options),
+                                           skip_is_measured(names, model, tokens, **options))
+                    bar, advance = progress_bar(f"{name} {ckpt_dir.name}", total, log)
+                    with bar:
+                        results[name] = run_analysis(name, model, tokens, data=data, recompute=recompute, save=save,
+                                                     progress=advance, **options)
+                    where = Path(ckpt_dir) / "analysis" / f"{name}.parquet"
+                    if results[name].reused:
+                        err_console.print(f"reused {where} (saved with the same settings; --recompute to recompute)",
+                                          markup=False, highlight=False)
+                    elif save:
+                        err_console.print(f"saved {where}", markup=False, highlight=False)
         except DepthToolsError as exc:
             if len(dirs) == 1:
                 raise
@@ -229,6 +239,11 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
         raise DepthToolsError(f"{names[0]} applies to none of the checkpoints: {skipped[0]}")
     return done
 
+
+
+PRUNE_OPT = typer.Option("order", "--prune", help="Pruning curve beside Gromov's: order (blocks removed in their "
+                         "single-skip ΔCE order, L plans; default) or greedy (re-measured after every removal, "
+                         "about L²/2 plans).")
 
 
 # -- lens and ablate: one wide table over all checkpoints ----------------------------------------------
@@ -274,6 +289,10 @@ def ablation_notes(df: pd.DataFrame, mode: str) -> list[str]:
                 line += f"; usefulness = {fmt(first['usefulness'])} (fraction of layers with ratio > 1.1)"
         elif mode == "swap":
             line = f"{label}: mean permutation score = {fmt(float(group['perm_score'].mean()))}"
+            if "perm_score_se" in group and len(group) < int(first.get("n_pairs_total", len(group))):
+                line += (f" ± {fmt(float(first['perm_score_se']))} (standard error: {len(group)} of "
+                         f"{int(first['n_pairs_total'])} pairs; every pair: --swap-pairs-max {int(first['n_pairs_total'])}"
+                         " or --protocol depthbench)")
         else:
             line = f"{label}: F_tau = {fmt(first['f_tau'])} at tau = {fmt(first['tau'])} nats"
         notes.append(line)
@@ -288,7 +307,8 @@ def ablate_command(
                                                           "or all (every i < j; ablate_swap, what analyze runs)."),
     rule: Optional[List[str]] = typer.Option(None, "--rule", help="Skip rule(s) (default: every rule of the architecture)."),
     tau: float = typer.Option(0.05, "--tau", help="Prune tolerance on ΔCE in nats."),
-    max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the greedy prune curve."),
+    max_prune_steps: Optional[int] = typer.Option(None, "--max-prune-steps", help="Cap the prune curve's steps."),
+    prune: str = PRUNE_OPT,
     swap_pairs_max: Optional[int] = SWAP_PAIRS_MAX_OPT,
     data: Optional[Path] = DATA, text: Optional[Path] = TEXT, n_tokens: int = N_TOKENS_OPT, seq_len: Optional[int] = SEQ_LEN_OPT, split: str = SPLIT,
     seed: int = SEED, batch_size: int = BATCH, device: str = DEVICE, recompute: bool = RECOMPUTE,
@@ -309,7 +329,7 @@ def ablate_command(
                                     device, as_json, out, save)
     name = ablate_analysis(mode, pairs)
     done = probe([name], ckpt, grid, data, n_tokens, seq_len, split, seed, batch_size, device, recompute, save,
-                 rules=rule or None, tau=tau, max_prune_steps=max_prune_steps,
+                 rules=rule or None, tau=tau, max_prune_steps=max_prune_steps, prune=check_prune(prune),
                  **({} if swap_pairs_max is None else {"swap_pairs_max": swap_pairs_max}))
     df = pd.concat([results[name].table for _, results in done], ignore_index=True)
     emit_records(df, as_json, out, ABLATE_COLUMNS[mode], f"ablate --mode {mode}", ablation_notes(df, mode))

@@ -19,10 +19,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli.app import app
 from cli.common import check_device, console, fmt, parse_list, print_json, table
 from cli.plain import PlainLog, is_plain
-from depthtools.analysis.suite import analyze_grid, check_sizes, checkpoint_dirs
+from depthtools.analysis.suite import analyze_grid, check_prune, check_sizes, checkpoint_dirs
 from depthtools.errors import DepthToolsError
 from cli.probe_cmd import (ANALYSIS_DTYPE, BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_GIVEN, N_TOKENS_OPT,
-                           RECOMPUTE, SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, TEXT, ProbeCommand)
+                           PRUNE_OPT, RECOMPUTE, SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, TEXT, ProbeCommand)
 
 
 @app.command("analyze", cls=ProbeCommand)
@@ -35,6 +35,7 @@ def analyze_command(
     pairs: str = typer.Option("all", "--pairs", help="Swap pairs of the suite: all (ablate_swap, DepthBench "
                                                      "permutation score) or adjacent (ablate_swap_adjacent)."),
     tau: float = typer.Option(0.05, "--tau", help="Pruning tolerance in nats."),
+    prune: str = PRUNE_OPT,
     swap_pairs_max: Optional[int] = SWAP_PAIRS_MAX_OPT,
     tuned: bool = typer.Option(False, "--tuned", help="Also fit (train split) and evaluate a tuned lens."),
     lens_steps: int = typer.Option(250, "--lens-steps", help="Tuned-lens training steps."),
@@ -65,8 +66,10 @@ def analyze_command(
                                   "(DepthBench's metrics run in float32); drop --dtype")
         run_depthbench(ckpt, grid, only, data, n_tokens, seq_len, split, seed, batch_size, device)
         return
+    check_prune(prune)
     settings = dict(data=data, n_tokens=n_tokens, seq_len=seq_len, split=split, seed=seed, batch_size=batch_size,
-                    exclude_first=exclude_first, only=only, pairs=pairs, tau=tau, tuned=tuned, recompute=recompute,
+                    exclude_first=exclude_first, only=only, pairs=pairs, tau=tau, prune=prune, tuned=tuned,
+                    recompute=recompute,
                     device=device, ckpts=ckpt, lens_steps=lens_steps, lens_tokens=lens_tokens, lens_lr=lens_lr,
                     dtype=ANALYSIS_DTYPE.get(), cap=not N_TOKENS_GIVEN.get(), on_plan=lambda line: console.print(line, markup=False, highlight=False,
                                                                                   soft_wrap=True),

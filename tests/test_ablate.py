@@ -100,7 +100,7 @@ def test_affine_fit_recovers_a_known_map_and_replacement_applies_it():
 def test_prune_curves_and_prunable_fraction():
     model, toks = tiny("hc"), windows()
     L = model.n_layer
-    df = ablate(model, toks, mode="prune", tau=float("inf"))
+    df = ablate(model, toks, mode="prune", tau=float("inf"), prune="greedy")
     for rule in model.scheme.skip_rules:
         greedy = df.query("rule == @rule and method == 'greedy'")
         assert list(greedy["n_removed"]) == list(range(1, L + 1)) and greedy["f_tau"].iloc[0] == 1.0
@@ -109,10 +109,44 @@ def test_prune_curves_and_prunable_fraction():
         assert list(gromov["n_removed"]) == list(range(1, L)) and (gromov["angular_distance"] >= 0).all()
         first = [int(x) for x in gromov["layers"].iloc[1].split(",")]
         assert first == list(range(first[0], first[0] + 2))  # contiguous
-    strict = ablate(model, toks, mode="prune", tau=0.0, rules=["identity"])
+    strict = ablate(model, toks, mode="prune", tau=0.0, rules=["identity"], prune="greedy")
     greedy = strict.query("method == 'greedy'")
     assert (greedy["delta_ce"].iloc[:-1] <= 0).all() and (greedy["delta_ce"].iloc[-1] > 0 or len(greedy) == L)
     assert prunable_fraction([0.01, 0.02, 0.2, 0.01], 8, 0.05) == 2 / 8
+
+
+def _plan_ce(model, toks, skip, rule) -> float:
+    """Mean next-token CE of a full re-run with blocks `skip` bypassed (independent of the sweep engine)."""
+    with torch.no_grad():
+        logits = model.run(toks[:, :-1], plan=Plan(skip=frozenset(skip), skip_rule=rule))
+    return float(torch.nn.functional.cross_entropy(logits[:, 1:].flatten(0, 1).double(), toks[:, 2:].flatten()))
+
+
+def test_default_prune_curve_follows_the_single_skip_order():
+    """Issue 47: the default curve removes blocks cumulatively in ascending single-skip ΔCE (L plans, not
+    L²/2); every step's ΔCE equals a full re-run with those blocks skipped; the skip table's order reused."""
+    model, toks = tiny("preln", n_layer=5), windows(n=4)
+    L, rule = model.n_layer, model.scheme.skip_rules[0]
+    skip = ablate(model, toks, mode="skip", rules=[rule])
+    order = [int(l) for l in skip.sort_values(["delta_ce", "layer"], kind="stable")["layer"]]
+    df = ablate(model, toks, mode="prune", tau=0.01, rules=[rule])
+    assert set(df["method"]) == {"skip_order", "gromov"}
+    curve = df[df["method"] == "skip_order"]
+    assert list(curve["n_removed"]) == list(range(1, L + 1))
+    assert [int(x) for x in curve["layers"].iloc[-1].split(",")] == order
+    intact = _plan_ce(model, toks, [], rule)
+    for row in curve.itertuples():
+        removed = [int(x) for x in row.layers.split(",")]
+        assert removed == order[:row.n_removed] and row.layer_removed == order[row.n_removed - 1]
+        assert row.delta_ce == pytest.approx(_plan_ce(model, toks, removed, rule) - intact, abs=1e-9)
+    assert curve["f_tau"].iloc[0] == prunable_fraction(list(curve["delta_ce"]), L, 0.01)
+    deltas = {rule: list(skip.sort_values("layer")["delta_ce"])}
+    reused = ablate(model, toks, mode="prune", tau=0.01, rules=[rule], skip_delta=deltas)
+    pd.testing.assert_frame_equal(reused, df)
+    capped = ablate(model, toks, mode="prune", rules=[rule], max_prune_steps=2)
+    assert list(capped.query("method == 'skip_order'")["n_removed"]) == [1, 2]
+    with pytest.raises(DepthToolsError, match="unknown --prune 'best'; valid: order, greedy"):
+        ablate(model, toks, mode="prune", prune="best")
 
 
 def test_effective_count():
@@ -226,3 +260,15 @@ def test_an_on_request_skip_rule_runs_only_when_named():
     named = ablate(model, toks, mode="skip", batch_size=2, rules=["depthbench"])
     assert set(default["rule"]) == {"mask", "next-output"}
     assert set(named["rule"]) == {"depthbench"} and len(named) == model.n_layer
+
+
+def test_sampled_permutation_score_has_its_standard_error_beside_the_mean():
+    """Issue 47: the bounded all-pairs swap reports mean ± s/√n·√(1−n/N) of the sampled pairs; all pairs: 0."""
+    model, toks = tiny("preln", n_layer=6), windows(n=2, length=9)
+    some = ablate(model, toks, mode="swap", pairs="all", swap_pairs_max=5)
+    x = some["perm_score"].to_numpy()
+    assert some["n_pairs_total"].iloc[0] == 15 and len(some) == 5
+    assert some["perm_score_mean"].iloc[0] == pytest.approx(x.mean())
+    assert some["perm_score_se"].iloc[0] == pytest.approx(np.std(x, ddof=1) / np.sqrt(5) * np.sqrt(1 - 5 / 15))
+    full = ablate(model, toks, mode="swap", pairs="all")
+    assert (full["perm_score_se"] == 0).all() and full["perm_score_mean"].iloc[0] == pytest.approx(full["perm_score"].mean())

@@ -73,11 +73,40 @@ def test_cost_formula_equals_counted_block_calls(name, options):
     assert cost.forwards == pytest.approx((cost.blocks + h * cost.heads) / (L + h))
 
 
-def test_prune_cost_is_an_upper_bound():
+@pytest.mark.parametrize("prune", ["order", "greedy"])
+def test_prune_cost_is_an_upper_bound(prune):
     model = tiny("preln", n_layer=4)
     tokens = windows(n=2, length=13)
-    counter, cost = run_counted("ablate_prune", model, tokens, 2, tau=0.0)
+    counter, cost = run_counted("ablate_prune", model, tokens, 2, tau=0.0, prune=prune)
     assert cost.upper_bound and counter.blocks <= cost.blocks and counter.blocks > cost.blocks / 4
+    assert counter.heads <= cost.heads
+
+
+def test_default_prune_is_O_L_plans_and_reuses_the_measured_skip_sweep():
+    """Issue 47: the order curve is ~L plans (the greedy one ~L²/2); with the skip sweep already
+    measured it runs no single-skip plan again, which the plan's `skip_measured` cost states."""
+    from depthtools.analysis import suite
+
+    model = tiny("preln", n_layer=5)
+    tokens = windows(n=2, length=13)
+    rule = model.scheme.skip_rules[0]
+    args = analysis_args("ablate_prune", batch_size=2, rules=[rule])
+    skip = ablate(model, tokens, mode="skip", rules=[rule], batch_size=2)
+    counter = Counter(model, 2 * 12)
+    suite.ANALYSES["ablate_prune"].run(model, tokens, suite.Probe(), **args)
+    alone = counter.blocks
+    counter = Counter(model, 2 * 12)
+    ablate(model, tokens, mode="prune", rules=[rule], batch_size=2,
+           skip_delta={rule: list(skip.sort_values("layer")["delta_ce"])})
+    reused = counter.blocks
+    L = model.n_layer
+    assert alone - reused == L + sum(L - l - 1 for l in range(L))  # exactly one skip sweep fewer
+    measured = analysis_cost("ablate_prune", model, args, 2, 12, 2, skip_measured=True)
+    assert reused <= measured.blocks < analysis_cost("ablate_prune", model, args, 2, 12, 2).blocks
+    big = tiny("preln", n_layer=30, vocab=61)
+    order = analysis_cost("ablate_prune", big, analysis_args("ablate_prune"), 8, 12, 8, skip_measured=True)
+    greedy = analysis_cost("ablate_prune", big, analysis_args("ablate_prune", prune="greedy"), 8, 12, 8)
+    assert order.forwards < greedy.forwards / 8
 
 
 def test_skip_sweep_cost_is_about_half_of_naive_reruns():
@@ -158,6 +187,21 @@ def test_probe_and_analyze_print_one_plan_line_and_record_the_swap_bound(cell):
     assert len(line) == 1 and "lens_logit" in line[0] and "1 saved table(s) reused" in line[0]
 
 
+def test_prune_option_names_the_curve_and_bad_values_are_refused(cell):
+    from depthtools.analysis.tables import load_table
+
+    result = cli("ablate", "--ckpt", "preln_L4", "--mode", "prune", *EVAL, "--prune", "greedy")
+    assert result.exit_code == 0, result.output
+    assert set(load_table(cell, "ablate_prune")["method"]) == {"greedy", "gromov"}
+    result = cli("analyze", "--ckpt", "preln_L4", *EVAL, "--only", "ablate_skip,ablate_prune")
+    assert result.exit_code == 0, result.output
+    assert set(load_table(cell, "ablate_prune")["method"]) == {"skip_order", "gromov"}
+    for command in (["ablate", "--mode", "prune"], ["analyze"]):
+        bad = cli(*command, "--ckpt", "preln_L4", *EVAL, "--prune", "best")
+        assert bad.exit_code == 2 and "unknown --prune 'best'; valid: order, greedy" in bad.output
+        assert len([line for line in bad.output.splitlines() if line.strip()]) == 1
+
+
 def test_dtype_bfloat16_runs_close_to_float32_and_bad_values_are_refused(cell):
     from depthtools.analysis.tables import load_settings, load_table
 
@@ -181,3 +225,98 @@ def test_device_cuda_is_refused_in_one_line_without_cuda(cell, command):
     result = cli(command, "--ckpt", "preln_L4", *EVAL, "--device", "cuda")
     assert result.exit_code == 2 and "no CUDA device" in result.output
     assert len([line for line in result.output.splitlines() if line.strip()]) == 1
+
+
+def test_retime_after_the_first_analysis_prints_a_corrected_eta_only_on_drift():
+    """Issue 47: within 20% of the plan nothing is printed; off by more, one batch is re-timed and one
+    line gives the corrected ETA of the remaining forward equivalents."""
+    from depthtools.analysis.cost import forward_seconds, retime_note
+
+    model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
+    assert retime_note(model, tokens, 2, "similarity", 1.1, 10, 0.1, 50) is None
+    line = retime_note(model, tokens, 2, "similarity", 3.0, 10, 0.1, 50)
+    assert line.startswith("re-timed after similarity: it took 3 s against 1 s planned (3.00x)")
+    assert "corrected ETA of the rest ~" in line and "\n" not in line
+    assert forward_seconds(model, tokens, 2) > 0
+
+
+def test_similarity_plan_includes_its_timed_statistics():
+    """Issue 47: the plan counted similarity as L blocks; its CKA, spectra and collapse cost more than that
+    at a real width, so they are timed on 2 sequences and added (block-equivalents)."""
+    from depthtools.analysis.cost import describe, similarity_seconds
+
+    model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
+    args = analysis_args("similarity", batch_size=2)
+    assert similarity_seconds(model, tokens, 2, args) > 0
+    _, costs = describe(model, {"similarity": args}, tokens, 2)
+    assert costs[0].blocks > analysis_cost("similarity", model, args, 4, 12, 2).blocks
+
+
+def test_sequence_profile_and_skip_share_one_sweep_in_the_suite():
+    """Issue 47: inside `shared_sweeps` (analyze_grid's block per model) ablate_skip's default rule reuses the
+    sweep sequence_profile ran: no block call, the same table as alone; the plan counts exactly that."""
+    from depthtools.analysis import suite
+    from depthtools.analysis.sweep import shared_sweeps
+
+    model = tiny("preln", n_layer=4)
+    tokens = windows(n=4, length=13)
+    alone = suite.ANALYSES["ablate_skip"].run(model, tokens, suite.Probe(), **analysis_args("ablate_skip", batch_size=2))
+    names = ["sequence_profile", "ablate_skip"]
+    assert suite.shared_sweep(names, model) == "ablate_skip"
+    assert suite.shared_sweep(names, model, rule=model.scheme.skip_rules[-1]) in (None, "ablate_skip")
+    with shared_sweeps():
+        suite.ANALYSES["sequence_profile"].run(model, tokens, suite.Probe(), **analysis_args("sequence_profile",
+                                                                                                batch_size=2))
+        counter = Counter(model, 2 * 12)
+        shared = suite.ANALYSES["ablate_skip"].run(model, tokens, suite.Probe(),
+                                                   **analysis_args("ablate_skip", batch_size=2))
+    cost = analysis_cost("ablate_skip", model, analysis_args("ablate_skip"), 4, 12, 2, shared=True)
+    assert counter.blocks == cost.blocks and counter.heads == pytest.approx(cost.heads)
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(shared, alone, check_exact=False, rtol=0, atol=1e-12)
+    counter = Counter(model, 2 * 12)  # outside the block nothing is remembered
+    suite.ANALYSES["ablate_skip"].run(model, tokens, suite.Probe(), **analysis_args("ablate_skip", batch_size=2))
+    assert counter.blocks == analysis_cost("ablate_skip", model, analysis_args("ablate_skip"), 4, 12, 2).blocks
+
+
+def test_one_intact_forward_per_batch_serves_the_suite():
+    """Issue 47: inside `shared_sweeps` each batch's intact states are computed once for all probes; the
+    tables equal those of probes run alone, and the plan's `sharing_states` counts the block calls exactly."""
+    from depthtools.analysis import suite
+    from depthtools.analysis.cost import intact_passes, plan_cost, sharing_states
+    from depthtools.analysis.sweep import shared_sweeps
+
+    model = tiny("preln", n_layer=4)
+    tokens = windows(n=4, length=13)
+    names = ["similarity", "causal", "lens_logit", "ablate_swap_adjacent", "ablate_skip"]
+    args = {name: analysis_args(name, batch_size=2) for name in names}
+    alone = {name: suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args[name]) for name in names}
+    counter = Counter(model, 2 * 12)
+    with shared_sweeps():
+        together = {name: suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args[name]) for name in names}
+    h = head_ratio(model)
+    costs = sharing_states(plan_cost(model, args, 4, 12, 2, h), {n: intact_passes(n, model, args[n]) for n in names},
+                           model.n_layer, 2, h)
+    assert counter.blocks == sum(c.blocks for c in costs)
+    assert counter.blocks < sum(c.blocks for c in plan_cost(model, args, 4, 12, 2, h))
+    import pandas as pd
+
+    for name in names:
+        a, b = alone[name], together[name]
+        a, b = (a["lens_logit"], b["lens_logit"]) if isinstance(a, dict) else (a, b)
+        pd.testing.assert_frame_equal(a, b)
+
+
+def test_contrib_plan_times_its_jacobian_vector_products(monkeypatch):
+    """Issue 47: contrib's JVPs are timed (block 0, one batch) instead of assumed to cost 3 blocks each."""
+    from depthtools.analysis import cost as cost_module
+
+    model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
+    ratio = cost_module.jvp_blocks(model, tokens, 2)
+    assert ratio is not None and ratio > 0
+    monkeypatch.setattr(cost_module, "jvp_blocks", lambda *a: 7.0)  # a fixed timing: the arithmetic is exact
+    args = analysis_args("contrib", batch_size=2)
+    _, (cost,) = cost_module.describe(model, {"contrib": args}, tokens, 2)
+    static = analysis_cost("contrib", model, args, 4, 12, 2)
+    assert cost.blocks == static.blocks + (7.0 - cost_module.FULL_JVP_BLOCKS) * 2 * 3 * 2  # probes · L · batches

@@ -120,3 +120,37 @@ def test_demo_lines_arrive_while_it_runs(tmp_path):
                      "train: preln_L4 trained (2/2, val loss 4.5000)", "train: done in", "report: done in"):
         assert any(expected in l for l in stamped), (expected, lines)
     assert any("report:" in l and "index.html" in l for l in lines)
+
+
+def test_probe_commands_print_stamped_lines_on_stderr(trained, tmp_path):
+    """Issue 47: a probe command whose stderr is not a terminal says when each probe starts and ends
+    (stdout stays the result); `causal`, which used to be silent for its whole run, counts its blocks."""
+    grid, _ = trained
+    for command in (["ablate", "--mode", "skip"], ["causal"]):
+        result = _run([*command, "--ckpt", str(grid / "preln_L2"), "--n-tokens", "64", "--seq-len", "16"], tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        name = "ablate_skip" if command[0] == "ablate" else "causal"
+        lines = [l for l in result.stderr.splitlines() if re.match(STAMP, l)]
+        assert any(f"{name} preln_L2: started" in l for l in lines), result.stderr
+        assert any(f"{name} preln_L2: done in" in l for l in lines), result.stderr
+        assert not any(re.match(STAMP, l) for l in result.stdout.splitlines())
+        assert "\x1b[" not in result.stderr
+
+
+def test_plain_progress_prints_at_least_every_interval_without_steps():
+    """The watch thread prints a status line when a probe reports nothing for `every_s` seconds."""
+    import io
+
+    from rich.console import Console
+
+    from cli.plain import PlainLog, PlainProgress
+
+    out = io.StringIO()
+    log = PlainLog(out=Console(file=out, width=200))
+    with PlainProgress("similarity m", 10, log, every_s=0.2) as bar:
+        bar.advance(3)
+        time.sleep(0.9)
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("similarity m: started, 10 steps") and "similarity m: done in" in lines[-1]
+    status = [l for l in lines if "3/10 (30%)" in l]
+    assert len(status) >= 2 and all(re.match(STAMP, l) for l in lines), lines

@@ -342,3 +342,18 @@ def test_prediction_depth_histogram_keeps_its_model_legend():
     fig = figures.plot_prediction_depth(table, ["hc_L8", "preln_L8"])
     legend = fig.axes[0].get_legend()
     assert legend is not None and [t.get_text() for t in legend.get_texts()] == ["hc_L8", "preln_L8"]
+
+
+def test_prune_figure_names_the_removal_curve_it_shows():
+    """Issue 47: the default prune table has the single-skip-order curve, an opt-in one the greedy curve;
+    the figure shows one removal curve per model (never Gromov's beside it) and its title says which."""
+    from depthtools.report import figures
+
+    base = {"model": "m", "n_layer": 4, "mode": "prune", "rule": "identity", "tau": 0.05}
+    rows = [{**base, "method": method, "n_removed": k, "delta_ce": 0.01 * k}
+            for method in ("skip_order", "gromov") for k in (1, 2, 3)]
+    fig = figures.plot_prune_curves(pd.DataFrame(rows), ["m"])
+    assert fig.axes[0].get_title() == "removal curve: single-skip order"
+    greedy = [{**r, "method": "greedy"} for r in rows if r["method"] == "skip_order"]
+    fig = figures.plot_prune_curves(pd.DataFrame(rows + greedy), ["m"])
+    assert fig.axes[0].get_title() == "removal curve: greedy re-measured"

@@ -134,3 +134,17 @@ def test_cli_single_commands_analyze_and_summarize(tmp_path, data_dir, monkeypat
     assert (grid / "analysis" / "effective_depth_grid.parquet").is_file()
     bad = runner.invoke(app, ["analyze", "--grid", str(grid), "--only", "nope"])
     assert bad.exit_code != 0
+
+
+def test_f_tau_reads_the_greedy_curve_where_saved_else_the_single_skip_order():
+    """Issue 47: the default prune table has the single-skip-order curve; an opt-in greedy one wins."""
+    from depthtools.analysis.summary import removal_curve
+
+    base = {"model": "m", "mode": "prune", "rule": "identity"}
+    order = pd.DataFrame([{**base, "method": "skip_order", "f_tau": 0.5}, {**base, "method": "gromov", "f_tau": 0.25}])
+    rows, method = removal_curve(order)
+    assert method == "skip_order" and list(rows["f_tau"]) == [0.5]
+    both = pd.concat([order, pd.DataFrame([{**base, "method": "greedy", "f_tau": 0.75}])])
+    rows, method = removal_curve(both)
+    assert method == "greedy" and list(rows["f_tau"]) == [0.75]
+    assert removal_curve(order.drop(columns="method"))[1] is None

@@ -2,7 +2,8 @@
 
     ablate(model, tokens, mode="skip")                 bypass one block (every skip rule of the scheme)
     ablate(model, tokens, mode="swap", pairs="all")    exchange blocks i<j (DepthBench permutation score)
-    ablate(model, tokens, mode="prune", tau=0.05)      greedy removal curve + Gromov's contiguous block
+    ablate(model, tokens, mode="prune", tau=0.05)      single-skip-order removal curve + Gromov's contiguous block
+    ablate(..., mode="prune", prune="greedy")          the greedy re-measured removal curve instead (L²/2 plans)
     ablate(model, tokens, mode="linear")               DepthBench usefulness: block -> fitted affine map
     ablate(model, tokens, mode="mean")                 block update -> its token-mean
 
@@ -11,9 +12,17 @@ ce, ce_intact, delta_ce = ce - ce_intact, kl_intact_ablated = KL(p_intact || p_a
 top1_agree (ablated top-1 = intact top-1), top1_acc and top1_retention = top1_acc / intact top1_acc
 (Lad et al.'s relative accuracy). Summaries are repeated on every row of their (model, mode, rule,
 method) group: n_skip = exp(H(π)), π = normalised importances I_l = KL(intact || ablated) (and
-n_skip_dce from max(ΔCE, 0)), for the one-row-per-layer modes; perm_score for swaps;
+n_skip_dce from max(ΔCE, 0)), for the one-row-per-layer modes; perm_score for swaps, with the
+mean over the evaluated pairs, its standard error as a sample of all pairs (perm_score_mean,
+perm_score_se: 0 when every pair is evaluated) and n_pairs_total;
 usefulness_ratio = ce / ce_intact, significant (> 1.1) and usefulness (fraction significant) for
 linear; f_tau (prunable fraction at tolerance tau) for prune.
+
+Pruning curves (`method` column): `skip_order` (default) removes blocks cumulatively in ascending
+order of their single-skip ΔCE (the `ablate_skip` sweep, reused when the suite has it), L plans;
+`greedy` (`prune="greedy"`, opt-in) re-measures every remaining block after each removal, Σ_k (L−k)
+plans ≈ L²/2; `gromov` (always) removes for each size n the contiguous block whose input and output
+states are closest in angle, L−1 plans.
 
 Rows: one per model × plan. `layer` is the block index l (0-based; the first of a swapped pair,
 the block removed at a greedy step, the first block of a Gromov block), `layer2` the second block
@@ -154,7 +163,24 @@ def ablate_swap(model, tokens, pairs="adjacent", batch_size=8, progress: Progres
              perm_score=abs(s.ce - result.intact.ce) / result.intact.ce)
         for (i, j), s in zip(chosen, result.plans)
     ]
-    return _frame(rows)
+    mean, se = sample_mean_se([r["perm_score"] for r in rows], len(swap_pairs(L, pairs)))
+    return _frame([{**r, "perm_score_mean": mean, "perm_score_se": se, "n_pairs_total": len(swap_pairs(L, pairs))}
+                   for r in rows])
+
+
+def sample_mean_se(values: Sequence[float], population: int) -> tuple[float, float]:
+    """(mean, standard error of that mean) of `values` sampled without replacement from `population` items:
+    s/√n · √(1 − n/N) (finite-population correction: 0 when every pair is evaluated; NaN with one of many).
+    The evenly spread pairs (`chosen_pairs`) are treated as a simple random sample of the pairs."""
+    x = np.asarray(values, dtype=np.float64)
+    n = len(x)
+    if n == 0:
+        return float("nan"), float("nan")
+    if n >= population:
+        return float(x.mean()), 0.0
+    if n < 2:
+        return float(x.mean()), float("nan")
+    return float(x.mean()), float(x.std(ddof=1) / np.sqrt(n) * np.sqrt(1 - n / population))
 
 
 # -- pruning -------------------------------------------------------------------------------------
@@ -214,6 +240,36 @@ def gromov_prune(model, tokens, rule: str, batch_size=8, progress: Progress | No
     ]
 
 
+def skip_deltas(model, tokens, rule: str, batch_size=8, progress: Progress | None = None) -> list[float]:
+    """Single-skip ΔCE of every block under `rule` (the `ablate_skip` sweep's delta_ce column)."""
+    L = model.n_layer
+    result = _run(model, tokens, [Plan.skipping(l, rule=rule) for l in range(L)], batch_size, progress)
+    return [s.ce - result.intact.ce for s in result.plans]
+
+
+def skip_order(delta_ce: Sequence[float]) -> list[int]:
+    """Blocks in ascending single-skip ΔCE (ties: lower block first): the default pruning order."""
+    return [int(l) for l in np.argsort(np.asarray(delta_ce, dtype=np.float64), kind="stable")]
+
+
+def order_prune(model, tokens, rule: str, batch_size=8, max_steps: int | None = None,
+                progress: Progress | None = None, delta_ce: Sequence[float] | None = None) -> list[dict]:
+    """Remove blocks cumulatively in single-skip order (`skip_order` of `delta_ce`, measured here when not
+    given): step k skips the k least harmful single blocks together. One sweep of at most L plans,
+    instead of the greedy curve's L²/2, at the price of not re-measuring after each removal."""
+    L = model.n_layer
+    if delta_ce is None:
+        delta_ce = skip_deltas(model, tokens, rule, batch_size, progress)
+    if len(delta_ce) != L:
+        raise DepthToolsError(f"the single-skip order needs {L} ΔCE values (one per block), got {len(delta_ce)}")
+    order = skip_order(delta_ce)
+    steps = L if max_steps is None else min(L, max_steps)
+    plans = [Plan(skip=frozenset(order[:k]), skip_rule=rule) for k in range(1, steps + 1)]
+    result = _run(model, tokens, plans, batch_size, progress)
+    return [_row(model, "prune", rule, order[:k], stats, result.intact, method="skip_order",
+                 layer_removed=order[k - 1]) for k, stats in zip(range(1, steps + 1), result.plans)]
+
+
 def prunable_fraction(delta_ce: Sequence[float], n_layer: int, tau: float) -> float:
     """F_tau: blocks removed (in curve order, 1 per step) before ΔCE first exceeds tau, over L."""
     kept = 0
@@ -224,15 +280,32 @@ def prunable_fraction(delta_ce: Sequence[float], n_layer: int, tau: float) -> fl
     return kept / n_layer
 
 
+PRUNE_CURVES = ("order", "greedy")  # the removal curve beside Gromov's: single-skip order (default) or greedy
+
+
+def check_prune(curve: str) -> str:
+    """`curve` if it is a pruning curve (order, greedy); else a one-line error."""
+    if curve not in PRUNE_CURVES:
+        raise DepthToolsError(f"unknown --prune {curve!r}; valid: {', '.join(PRUNE_CURVES)}")
+    return curve
+
+
 def ablate_prune(model, tokens, rules=None, tau=0.05, batch_size=8, max_steps=None,
-                 progress: Progress | None = None) -> pd.DataFrame:
-    """Greedy re-measured removal curve and Gromov's contiguous-block curve, per skip rule, with F_tau."""
+                 progress: Progress | None = None, curve: str = "order",
+                 skip_delta: dict[str, Sequence[float]] | None = None) -> pd.DataFrame:
+    """A removal curve (`curve`: single-skip order, or greedy re-measured) and Gromov's contiguous-block
+    curve, per skip rule, with F_tau. `skip_delta` {rule: single-skip ΔCE per block} reuses an
+    `ablate_skip` sweep already measured on the same tokens (the order curve's only input)."""
     if tau < 0:
         raise DepthToolsError(f"tau must be >= 0 nats, got {tau}")
+    check_prune(curve)
     rows = []
     for rule in _rules(model, rules):
-        for method_rows in (greedy_prune(model, tokens, rule, tau, batch_size, max_steps, progress),
-                            gromov_prune(model, tokens, rule, batch_size, progress)):
+        if curve == "greedy":
+            removal = greedy_prune(model, tokens, rule, tau, batch_size, max_steps, progress)
+        else:
+            removal = order_prune(model, tokens, rule, batch_size, max_steps, progress, (skip_delta or {}).get(rule))
+        for method_rows in (removal, gromov_prune(model, tokens, rule, batch_size, progress)):
             f_tau = prunable_fraction([r["delta_ce"] for r in method_rows], model.n_layer, tau)
             rows += [{**r, "tau": tau, "f_tau": f_tau} for r in method_rows]
     return _frame(rows)
@@ -362,9 +435,14 @@ def ablate_mean(model, tokens, batch_size=8, fit_tokens=None, progress: Progress
 
 # -- the entry point -----------------------------------------------------------------------------
 def n_plans(model, mode: str, pairs: str = "adjacent", rules: Sequence[str] | None = None,
-            swap_pairs_max: int | None = None) -> int | None:
-    """How many plans `ablate` evaluates (for progress bars); None when data-dependent (prune)."""
+            swap_pairs_max: int | None = None, prune: str = "order", max_prune_steps: int | None = None,
+            skip_measured: bool = False) -> int | None:
+    """How many plans `ablate` evaluates (for progress bars); None when data-dependent (greedy prune).
+    The order curve: its steps + Gromov's L−1 (+ the single-skip sweep unless `skip_measured`)."""
     L = model.n_layer
+    if mode == "prune" and prune == "order":
+        steps = L if max_prune_steps is None else min(L, max_prune_steps)
+        return (steps + L - 1 + (0 if skip_measured else L)) * len(_rules(model, rules))
     if mode == "skip":
         return L * len(_rules(model, rules))
     if mode == "swap":
@@ -392,13 +470,18 @@ def ablate(
     max_prune_steps: int | None = None,
     progress: Progress | None = None,
     swap_pairs_max: int | None = None,
+    prune: str = "order",
+    skip_delta: dict[str, Sequence[float]] | None = None,
 ) -> pd.DataFrame:
     """One tidy row per model × plan for an ablation `mode` (see the module docstring).
 
     `rules`: skip rules to run (default every rule in `model.scheme.skip_rules` but its
     `on_request_skip_rules`; rows labelled by rule). `tau`: pruning tolerance in nats. `fit_tokens`: tokens for the linear/mean fits.
+    `prune`: the removal curve (order: single-skip order, default; greedy: re-measured, L²/2 plans);
+    `skip_delta`: {rule: single-skip ΔCE per block} already measured on `tokens` (the order curve reuses it).
     """
     check_mode(mode)
+    check_prune(prune)
     if mode == "swap":
         chosen_pairs(model.n_layer, pairs, swap_pairs_max)
     tokens = check_tokens(model, tokens)
@@ -407,7 +490,7 @@ def ablate(
     if mode == "swap":
         return ablate_swap(model, tokens, pairs, batch_size, progress, swap_pairs_max)
     if mode == "prune":
-        return ablate_prune(model, tokens, rules, tau, batch_size, max_prune_steps, progress)
+        return ablate_prune(model, tokens, rules, tau, batch_size, max_prune_steps, progress, prune, skip_delta)
     if mode == "linear":
         return ablate_linear(model, tokens, batch_size, fit_tokens, progress)
     return ablate_mean(model, tokens, batch_size, fit_tokens, progress)

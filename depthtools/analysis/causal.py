@@ -14,7 +14,8 @@ from_state=states[s])` (L−s blocks, not L). The skip rule is the architecture'
 Future effect (Csordás "future" matrix): block s is skipped only at positions 1 ≤ t < cut and the
 updates are compared only at positions t ≥ cut, isolating what reaches later tokens through
 attention. Implemented with `Plan(replace={s: f})`, f(state) = position-wise mix of the skipped and
-the intact block output (state_out = where(t < cut, skip_state, block_state)). The mix is defined
+the intact block output (state_out = where(t < cut, skip_state, block_state)); the run starts from the
+intact z_s, so the intact block output is the cached z_{s+1} (L−s−1 blocks per cut, not L−s). The mix is defined
 for tensor states and for states whose skipped and intact versions have the same structure with
 tensor leaves [B,T,...] (e.g. DenseFormer); otherwise (a skip that changes the state's structure,
 such as AttnRes' source deletion or MoDA's masked depth slots) it is *unsupported*: the rows are
@@ -30,12 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 import torch
 
 from depthtools.analysis.geometry import check_positions, model_inputs, tidy_frame
+from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tokens import batches, token_fingerprint
 from depthtools.arch.model import Plan
 from depthtools.errors import DepthToolsError
@@ -131,13 +133,15 @@ def mix_by_position(skipped: Any, intact: Any, mask: torch.Tensor) -> Any:
     return skipped
 
 
-def partial_skip(model, position: int, mask: torch.Tensor, rule: str | None = None):
-    """A Plan.replace function: the scheme's skip at positions where `mask`, the block elsewhere."""
+def partial_skip(model, position: int, mask: torch.Tensor, rule: str | None = None, intact_out: Any = None):
+    """A Plan.replace function: the scheme's skip at positions where `mask`, the block elsewhere.
+    `intact_out`: the block's output on the state it will be given, when already known (the intact
+    z_{s+1} for a run from the intact z_s), so the block is not run again: one block per cut saved."""
     skip_plan = Plan.skipping(position, rule=rule)
 
     def replace(state):
         skipped = model.apply_position(position, state, skip_plan)
-        intact = model.block_step(position, state)
+        intact = model.block_step(position, state) if intact_out is None else intact_out
         return mix_by_position(skipped, intact, mask)
 
     return replace
@@ -169,6 +173,7 @@ def causal_scores(
     cuts: Sequence[int] | None = None,
     threshold: float = CAUSAL_THRESHOLD,
     late_fraction: float = LATE_FRACTION,
+    progress: Callable[[float], None] | None = None,
 ) -> pd.DataFrame:
     """Causal score matrix C(s,l) (+ max), optional future-effect matrix, and their summaries.
 
@@ -176,6 +181,8 @@ def causal_scores(
     causal_score / causal_score_max with layer = s (skipped block) and layer_j = l > s (affected
     update); future_effect / future_effect_max likewise; model summaries from `causal_summary` (prefixed future_ for the future matrix).
     Positions < exclude_first are never measured (and never skipped in the future variant).
+    `progress(advance)` is called after each skipped block on each batch (1 / number of batches), so a
+    progress bar over the L skipped blocks reaches L.
     """
     inputs = model_inputs(model, tokens)
     check_positions(inputs, exclude_first)
@@ -191,30 +198,19 @@ def causal_scores(
     future_ok = future and bool(cuts)
     if future and not cuts:
         notes.append("future effect skipped: sequences too short for a cut point")
+    n_batches = -(-inputs.shape[0] // batch_size)
     for batch in batches(inputs, batch_size):
-        states = model.run_states(batch)
+        states = intact_states(model, batch)  # shared with the suite's other probes (sweep.shared_sweeps)
         base = _updates(model, states)  # L x [B,T,k]
-        B = batch.shape[0]
-        positions = torch.arange(T)
         for s in range(L):
             skipped = model.run_states(plan=Plan.skipping(s, rule=rule), start=s, from_state=states[s])
             changed = _updates(model, skipped)  # updates s..L-1
             for l in range(s + 1, L):
                 current.add(s, l, _ratio(changed[l - s], base[l])[:, exclude_first:])
-            if not future_ok:
-                continue
-            for cut in cuts:
-                mask = ((positions >= exclude_first) & (positions < cut)).expand(B, T)
-                plan = Plan(replace={s: partial_skip(model, s, mask, rule)})
-                try:
-                    part = model.run_states(plan=plan, start=s, from_state=states[s])
-                except UnsupportedState as exc:
-                    future_ok = False
-                    notes.append(f"future effect unsupported for {model.config.arch}: {exc}")
-                    break
-                changed_f = _updates(model, part)
-                for l in range(s + 1, L):
-                    fut.add(s, l, _ratio(changed_f[l - s], base[l])[:, cut:])
+            if future_ok:
+                future_ok = _future_effects(model, states, base, s, cuts, exclude_first, rule, fut, notes)
+            if progress is not None:
+                progress(1.0 / n_batches)
     rows: list[dict[str, Any]] = []
     matrices = {"causal_score": current.mean(), "causal_score_max": current.maximum()}
     if future:
@@ -233,6 +229,27 @@ def causal_scores(
                     threshold=threshold, late_fraction=late_fraction,
                     n_sequences=int(inputs.shape[0]), seq_len=T, tokens=token_fingerprint(tokens))
     return tidy_frame(model, rows, settings, notes)
+
+
+def _future_effects(model, states: list, base: list[torch.Tensor], s: int, cuts: Sequence[int], exclude_first: int,
+                    rule: str | None, fut: _PairStats, notes: list[str]) -> bool:
+    """Add the future effects of skipping block s before each cut to `fut` (one suffix run per cut);
+    False (with a note) when the partial skip is not defined for this state."""
+    L = model.n_layer
+    B, T = base[0].shape[:2]  # geometry updates [B,T,k]
+    positions = torch.arange(T)
+    for cut in cuts:
+        mask = ((positions >= exclude_first) & (positions < cut)).expand(B, T)
+        plan = Plan(replace={s: partial_skip(model, s, mask, rule, intact_out=states[s + 1])})  # from z_s
+        try:
+            part = model.run_states(plan=plan, start=s, from_state=states[s])
+        except UnsupportedState as exc:
+            notes.append(f"future effect unsupported for {model.config.arch}: {exc}")
+            return False
+        changed_f = _updates(model, part)
+        for l in range(s + 1, L):
+            fut.add(s, l, _ratio(changed_f[l - s], base[l])[:, cut:])
+    return True
 
 
 def late_start(n_layer: int, late_fraction: float = LATE_FRACTION) -> int:

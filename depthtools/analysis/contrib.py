@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from depthtools.analysis.geometry import check_positions, model_inputs, tidy_frame
+from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tokens import batches, token_fingerprint
 
 F64 = torch.float64
@@ -228,8 +229,7 @@ def jacobian_deviation(model, inputs, batch_size: int = 8, exclude_first: int = 
     gen = torch.Generator().manual_seed(seed)
     sums, counts, methods = [0.0] * L, [0] * L, ["none"] * L
     for batch in batches(inputs, batch_size):
-        with torch.no_grad():
-            states = model.run_states(batch)
+        states = intact_states(model, batch)  # no_grad; shared with the suite's other probes
         for l in range(L):
             mapped = block_map(model, l, states[l])
             if mapped is None:

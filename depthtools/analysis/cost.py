@@ -20,16 +20,25 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
     ablate_skip         per rule: L + Σ_l (L − l − 1) blocks, 1 + L heads
     ablate_swap         L + Σ_(i,j) (L − i) blocks over the chosen pairs, 1 + pairs heads
     ablate_mean/linear  2L + Σ_l (L − l − 1) blocks (statistics pass + sweep), 1 + L heads
-    ablate_prune        at most, per rule: greedy Σ_k [L + (L − k)(L − k)] + Gromov 2L + Σ_n (L − n) blocks
-    causal              L + Σ_s [(L − s − 1) + cuts · (L − s)] blocks (cuts only with future=True)
-    sequence_profile    as one skip rule
-    similarity, routing L blocks (routing of a mixture-of-experts model: + Σ_(s < last MoE block) (L − s − 1))
-    contrib             L blocks, + 3 · probes · L block-equivalents with the Jacobian (a JVP ≈ 3 blocks)
+    ablate_prune        at most, per rule: the removal curve + Gromov 2L + Σ_n (L − n) blocks, where the curve is
+                        single-skip order L + Σ_k (L − k) (+ the skip sweep unless ablate_skip is saved or
+                        planned), or with prune="greedy" Σ_k [L + (L − k)(L − k)]
+    causal              L + Σ_s (L − s − 1)(1 + cuts) blocks (cuts only with future=True; a cut's run reuses
+                        the cached intact output of block s)
+    sequence_profile    as one skip rule; within the suite it and ablate_skip's default rule are one sweep
+                        (`sweep.shared_sweeps`): whichever runs second pays for one rule less
+    similarity          L blocks + its statistics (angular distances, spectra, token collapse, CKA), timed
+                        before the run on 2 sequences and scaled (`similarity_seconds`), in block-equivalents
+    routing             L blocks (routing of a mixture-of-experts model: + Σ_(s < last MoE block) (L − s − 1))
+    contrib             L blocks, + L + j · probes · L block-equivalents with the Jacobian (a JVP costs j blocks:
+                        3 without timing, timed on block 0 before a run: `jvp_blocks`)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
 
 The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
 against a counter on `block_step`); prune is an upper bound (its greedy curve stops when ΔCE passes
-tau). Attention's T² term is in the timed block; the ETA scales the timed block and head of one
+tau). Within `analyze` (`sweep.shared_sweeps`) one intact forward per batch serves every probe while the
+states fit `sweep.SHARED_STATES_BYTES`: the plan then drops the other intact passes (`sharing_states`).
+Attention's T² term is in the timed block; the ETA scales the timed block and head of one
 batch, so it is an estimate, not a promise.
 """
 
@@ -44,7 +53,9 @@ import torch
 
 from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts
-from depthtools.analysis.sweep import scored_logprobs
+from depthtools.analysis.contrib import block_map, jvp
+from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
+from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs
 from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import split_inputs
 
@@ -87,14 +98,31 @@ def _n_cuts(model, args: dict[str, Any], seq_len: int) -> int:
     return len(default_cuts(seq_len))
 
 
-def per_batch(name: str, model, args: dict[str, Any], seq_len: int) -> tuple[float, float, bool]:
+def _prune_per_rule(L: int, args: dict[str, Any], skip_measured: bool) -> tuple[int, int]:
+    """(block calls, heads) of one skip rule's pruning curves on one batch, at most: the removal curve
+    (greedy: Σ_k [L + (L−k)²]; single-skip order: L + Σ_k (L−k), plus the single-skip sweep unless
+    `skip_measured`) and Gromov's 2L + Σ_n (L−n)."""
+    steps = L if args.get("max_prune_steps") is None else min(L, args["max_prune_steps"])
+    if args.get("prune", "order") == "greedy":
+        blocks, heads = sum(L + (L - k) * (L - k) for k in range(steps)), sum(1 + L - k for k in range(steps))
+    else:
+        blocks, heads = L + sum(L - k for k in range(1, steps + 1)), 1 + steps
+        if not skip_measured:
+            blocks, heads = blocks + _skip_blocks(L), heads + 1 + L
+    return blocks + 2 * L + sum(L - n for n in range(1, L)), heads + L
+
+
+def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
+              skip_measured: bool = False, shared: bool = False) -> tuple[float, float, bool]:
     """(block calls, head evaluations, upper_bound) of analysis `name` on one batch of windows of
-    `seq_len` model inputs (fits and fixed passes that do not repeat per batch are in `extra`)."""
+    `seq_len` model inputs (fits and fixed passes that do not repeat per batch are in `extra`).
+    `skip_measured`: the single-skip sweep is already saved or planned (the order prune reuses it);
+    `shared`: this analysis' default-rule skip sweep was run by an earlier one (`sweep.shared_sweeps`)."""
     L = model.n_layer
     if name == "lens_logit":
         return L, L + 1, False
     if name in ("ablate_skip", "sequence_profile"):
-        rules = _n_rules(model, args) if name == "ablate_skip" else 1
+        rules = (_n_rules(model, args) if name == "ablate_skip" else 1) - (1 if shared else 0)
         return rules * _skip_blocks(L), rules * (1 + L), False
     if name in ("ablate_swap", "ablate_swap_adjacent"):
         pairs = chosen_pairs(L, args.get("pairs", "adjacent"), args.get("swap_pairs_max"))
@@ -102,15 +130,12 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int) -> tuple[flo
     if name in ("ablate_mean", "ablate_linear"):
         return L + _skip_blocks(L), 1 + L, False
     if name == "ablate_prune":
-        steps = L if args.get("max_prune_steps") is None else min(L, args["max_prune_steps"])
-        greedy = sum(L + (L - k) * (L - k) for k in range(steps))
-        gromov = 2 * L + sum(L - n for n in range(1, L))
-        heads = sum(1 + L - k for k in range(steps)) + L
+        blocks, heads = _prune_per_rule(L, args, skip_measured)
         rules = _n_rules(model, args)
-        return rules * (greedy + gromov), rules * heads, True
+        return rules * blocks, rules * heads, True
     if name == "causal":
         cuts = _n_cuts(model, args, seq_len)
-        return L + sum((L - s - 1) + cuts * (L - s) for s in range(L)), 0, False
+        return L + sum((L - s - 1) * (1 + cuts) for s in range(L)), 0, False
     if name == "contrib":
         jac = L + FULL_JVP_BLOCKS * args.get("probes", 2) * L if args.get("jacobian", True) else 0
         return L + jac, 0, False
@@ -138,21 +163,62 @@ def extra(name: str, model, args: dict[str, Any]) -> tuple[float, float]:
 
 
 def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: int, batch_size: int,
-                  h: float | None = None) -> Cost:
+                  h: float | None = None, skip_measured: bool = False, shared: bool = False) -> Cost:
     """The cost of analysis `name` with arguments `args` on n_seqs windows of seq_len model inputs;
     `h`: a head evaluation in blocks (default `head_ratio`; `time_parts` measures it)."""
     n_batches = math.ceil(n_seqs / batch_size)
-    blocks, heads, bound = per_batch(name, model, args, seq_len)
+    blocks, heads, bound = per_batch(name, model, args, seq_len, skip_measured, shared)
     once_blocks, once_heads = extra(name, model, args)
     blocks, heads = n_batches * blocks + once_blocks, n_batches * heads + once_heads
     h, L = head_ratio(model) if h is None else h, model.n_layer
     return Cost(name, blocks, heads, (blocks + h * heads) / (L + h), bound)
 
 
+def intact_passes(name: str, model, args: dict[str, Any], skip_measured: bool = False, shared: bool = False) -> int:
+    """Intact forwards per batch that go through `sweep.intact_states` (so within `shared_sweeps` all but
+    the suite's first are read, not run): one per sweep, lens, similarity, causal, the Jacobian pass,
+    Gromov's angle pass and the mean/linear statistics; at most, for the greedy prune."""
+    rules = _n_rules(model, args) if name in ("ablate_skip", "ablate_prune") else 1
+    if name in ("similarity", "causal", "lens_logit", "lens_tuned", "ablate_swap", "ablate_swap_adjacent"):
+        return 1
+    if name == "contrib":
+        return 1 if args.get("jacobian", True) else 0
+    if name in ("sequence_profile", "ablate_skip"):
+        return (rules if name == "ablate_skip" else 1) - (1 if shared else 0)
+    if name in ("ablate_mean", "ablate_linear"):
+        return 2
+    if name == "ablate_prune":
+        steps = model.n_layer if args.get("max_prune_steps") is None else min(model.n_layer, args["max_prune_steps"])
+        curve = steps if args.get("prune", "order") == "greedy" else 1 + (0 if skip_measured else 1)
+        return rules * (curve + 2)
+    return 0
+
+
+def sharing_states(costs: list[Cost], passes: dict[str, int], L: int, n_batches: int, h: float) -> list[Cost]:
+    """The costs when one intact forward per batch serves the whole run (`sweep.shared_sweeps` with the
+    states in its budget): the first analysis with an intact pass keeps one, every other pass is read."""
+    out, seen = [], False
+    for cost in costs:
+        n = passes.get(cost.name, 0)
+        saved = n - (0 if seen or n == 0 else 1)
+        seen = seen or n > 0
+        out.append(with_blocks(cost, -saved * L * n_batches, h, L) if saved else cost)
+    return out
+
+
+def with_blocks(cost: Cost, blocks: float, h: float | None, L: int) -> Cost:
+    """`cost` with `blocks` more block-equivalents of work (timed statistics), forwards recomputed."""
+    h = 0.0 if h is None else h
+    total = cost.blocks + blocks
+    return Cost(cost.name, total, cost.heads, (total + h * cost.heads) / (L + h), cost.upper_bound)
+
+
 def plan_cost(model, analyses: dict[str, dict[str, Any]], n_seqs: int, seq_len: int, batch_size: int,
-              h: float | None = None) -> list[Cost]:
-    """Each analysis' cost with its arguments ({name: args}, as `suite.analysis_args` gives them)."""
-    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h) for name, args in analyses.items()]
+              h: float | None = None, skip_measured: bool = False, shared: str | None = None) -> list[Cost]:
+    """Each analysis' cost with its arguments ({name: args}, as `suite.analysis_args` gives them);
+    `shared`: the analysis whose default-rule skip sweep an earlier one runs (`suite.shared_sweep`)."""
+    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h, skip_measured, name == shared)
+            for name, args in analyses.items()]
 
 
 @torch.no_grad()
@@ -160,25 +226,90 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     """(seconds of one block call, seconds of one head evaluation with its metrics) on one batch.
 
     The head is timed with what every lens depth and sweep plan does after it (float32 log-softmax,
-    a KL sum, an argmax): at a 49k vocabulary these cost about as much as the head's matmul
+    a KL sum against a reference's probabilities computed once per batch, an argmax): at a 49k
+    vocabulary these cost about as much as the head's matmul
     (benchmarks/RESULTS.md, issue 38), so a parameter ratio alone underestimates the lens and sweeps.
     """
     inputs = split_inputs(tokens[:batch_size])[0]
     model.eval()
     sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
     t_states = t_head = math.inf
+    ref = p_ref = None
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
         states = model.run_states(inputs)
+        if ref is None:  # the reference and its probabilities: once per batch in a sweep, not per plan
+            ref = scored_logprobs(model.head(states[-1])).roll(1, 0)
+            p_ref = ref.exp()
         sync()
         t1 = time.perf_counter()
         lp = scored_logprobs(model.head(states[-1]))
-        float((lp.exp() * (lp - lp.roll(1, 0))).sum())
+        float((p_ref * (ref - lp)).sum())
         lp.argmax(-1)
         sync()
         t_states, t_head = min(t_states, t1 - t0), min(t_head, time.perf_counter() - t1)
     return t_states / max(model.n_layer, 1), t_head
+
+
+@torch.no_grad()
+def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[str, Any],
+                       sample: int = 2) -> float:
+    """Seconds of similarity's statistics (angular distances, moments, token collapse, CKA; not its
+    forward passes) on the whole token set, timed on `sample` sequences and scaled: all but CKA grow
+    with the sequences; CKA with its minibatches of `cka_batch` rows, each costing ∝ rows² (its Gram
+    and HSIC products), counted per batch as `depth_similarity` cuts them; plus, once, the L+1
+    spectra (an eigendecomposition of a k×k covariance each, twice)."""
+    exclude, cka_batch = args.get("exclude_first", 1), args.get("cka_batch", 256)
+    inputs = split_inputs(tokens[:sample])[0]
+    states = [g[:, exclude:] for g in geometry_states(model, inputs)]
+    n_sample, T = states[0].shape[0], states[0].shape[1]
+
+    stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), (), args.get("seed", 0))
+
+    def timed(variants) -> float:
+        nonlocal stats
+        stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), variants, args.get("seed", 0))
+        t0 = time.perf_counter()
+        stats.add(states)
+        return time.perf_counter() - t0
+
+    rest = timed(())
+    t0 = time.perf_counter()  # once per run: each depth's spectrum, with and without its outlier dims
+    spectral_stats(stats.moments[0].spectrum())
+    spectral_stats(stats.moments[0].spectrum(drop_top=max(args.get("outlier_k", 1), 1)))
+    spectra = (time.perf_counter() - t0) * (model.n_layer + 1)
+    chunk = max(timed(tuple(CKA_VARIANTS)) - rest, 0.0)
+    n_seqs = tokens.shape[0]
+    chunks = 0.0
+    for lo in range(0, n_seqs, batch_size):
+        rows = min(batch_size, n_seqs - lo) * T
+        full, last = divmod(rows, cka_batch)
+        chunks += full * (cka_batch / (n_sample * T)) ** 2 + (last >= 8) * (last / (n_sample * T)) ** 2
+    return rest * n_seqs / n_sample + chunk * chunks + spectra
+
+
+def jvp_blocks(model, tokens: torch.Tensor, batch_size: int) -> float | None:
+    """A Jacobian-vector product through block 0 on one batch, in block calls (timed; the plan's default
+    FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path); None when the
+    state is not one `contrib.block_map` handles (contrib then runs no JVP)."""
+    inputs = split_inputs(tokens[:batch_size])[0]
+    with torch.no_grad():
+        states = model.run_states(inputs, stop=1)
+    mapped = block_map(model, 0, states[0])
+    if mapped is None:
+        return None
+    x, f = mapped
+    v = torch.ones_like(x)
+    jvp(model, f, x, v)  # warm-up: forward AD registers its decompositions on first use
+    t0 = time.perf_counter()
+    jvp(model, f, x, v)
+    t_jvp = time.perf_counter() - t0
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.block_step(0, states[0])
+        t_block = time.perf_counter() - t0
+    return t_jvp / t_block if t_block > 0 else None
 
 
 def duration(seconds: float) -> str:
@@ -205,11 +336,59 @@ def plan_line(model, costs: list[Cost], n_batches: int, forward_s: float) -> str
 
 
 def describe(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor,
-             batch_size: int) -> tuple[str, list[Cost]]:
+             batch_size: int, skip_measured: bool = False, shared: str | None = None) -> tuple[str, list[Cost]]:
     """The plan line of running `analyses` ({name: args}) on `tokens` [N, T+1] (times one forward pass)."""
+    line, costs, _ = describe_timed(model, analyses, tokens, batch_size, skip_measured, shared)
+    return line, costs
+
+
+def forward_seconds(model, tokens: torch.Tensor, batch_size: int) -> float:
+    """One forward of one batch as the plan counts it: L timed blocks + the timed head with its metrics."""
+    t_block, t_head = time_parts(model, tokens, batch_size)
+    return model.n_layer * t_block + t_head
+
+
+def retime_note(model, tokens: torch.Tensor, batch_size: int, name: str, seconds: float, planned: float,
+                forward_s: float, remaining: float, drift: float = 0.2) -> str | None:
+    """After the first analysis of a run: None when it took within `drift` of its plan (`planned` forward
+    equivalents × `forward_s`); else one batch is re-timed and one line gives the corrected ETA of the
+    `remaining` forward equivalents (a machine that got busier or idler since the plan was timed)."""
+    expected = planned * forward_s
+    if expected <= 0 or abs(seconds / expected - 1) <= drift:
+        return None
+    now = forward_seconds(model, tokens, batch_size)
+    return (f"re-timed after {name}: it took {duration(seconds)} against {duration(expected)} planned "
+            f"({seconds / expected:.2f}x); one forward of one batch now {now * 1000:.0f} ms (plan: "
+            f"{forward_s * 1000:.0f} ms); corrected ETA of the rest ~{duration(remaining * now)}")
+
+
+def states_fit(model, tokens: torch.Tensor) -> bool:
+    """Whether the intact states of the whole token set fit `sweep.SHARED_STATES_BYTES` (measured on one
+    window: tensor states only), so that `shared_sweeps` keeps every batch's."""
+    size = _state_bytes(model.run_states(split_inputs(tokens[:1])[0]))
+    return size is not None and size * tokens.shape[0] <= SHARED_STATES_BYTES
+
+
+def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor, batch_size: int,
+                   skip_measured: bool = False, shared: str | None = None,
+                   shared_states: bool = False) -> tuple[str, list[Cost], float]:
+    """`describe`, and the timed seconds of one forward of one batch (the unit of the ETA).
+    `shared_states`: the run shares each batch's intact states (`sharing_states`) when they fit."""
     n_seqs, seq_len = tokens.shape[0], tokens.shape[1] - 1
     t_block, t_head = time_parts(model, tokens, batch_size)
     h = t_head / t_block if t_block > 0 else None
-    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h)
+    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, skip_measured=skip_measured, shared=shared)
+    if "similarity" in analyses and t_block > 0:  # its statistics, timed: more than its forward passes
+        extra_blocks = similarity_seconds(model, tokens, batch_size, analyses["similarity"]) / t_block
+        costs = [with_blocks(c, extra_blocks, h, model.n_layer) if c.name == "similarity" else c for c in costs]
+    if "contrib" in analyses and analyses["contrib"].get("jacobian", True):  # its JVPs, timed
+        ratio = jvp_blocks(model, tokens, batch_size)
+        extra = 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * analyses["contrib"].get("probes", 2) * \
+            model.n_layer * math.ceil(n_seqs / batch_size)
+        costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
+    if shared_states and h is not None and states_fit(model, tokens):
+        passes = {name: intact_passes(name, model, args, skip_measured, name == shared)
+                  for name, args in analyses.items()}
+        costs = sharing_states(costs, passes, model.n_layer, math.ceil(n_seqs / batch_size), h)
     forward_s = model.n_layer * t_block + t_head
-    return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs
+    return plan_line(model, costs, math.ceil(n_seqs / batch_size), forward_s), costs, forward_s

@@ -38,6 +38,7 @@ from depthtools.analysis.similarity import (
     n_rep,
     token_collapse,
 )
+from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import batches, check_tokens, split_inputs, token_fingerprint
 from depthtools.errors import DepthToolsError
@@ -118,8 +119,9 @@ def check_positions(tokens: torch.Tensor, exclude_first: int, need: int = 1) -> 
 
 
 def geometry_states(model, tokens: torch.Tensor) -> list[torch.Tensor]:
-    """geometry(z_l) for l = 0..L, each [B,T,k] float32 (one forward, no plan)."""
-    return [model.geometry(s).float() for s in model.run_states(tokens)]
+    """geometry(z_l) for l = 0..L, each [B,T,k] float32 (one forward, no plan; shared within
+    `sweep.shared_sweeps`)."""
+    return [model.geometry(s).float() for s in intact_states(model, tokens)]
 
 
 # -- spectral statistics from a streamed covariance ----------------------------------------------
@@ -164,6 +166,46 @@ def spectral_stats(eigenvalues: torch.Tensor) -> tuple[float, float]:
 
 # -- the analysis --------------------------------------------------------------------------------
 
+class SimilarityStats:
+    """The float64 sums `depth_similarity` accumulates over batches of geometry states (angular distances,
+    moments for the spectra, token collapse, CKA minibatches), one `add` per batch. A class of its own so
+    the cost plan can time `add` on a slice of one batch (`cost.similarity_seconds`): at a 576-wide state
+    these statistics cost more than the forward pass that produces them."""
+
+    def __init__(self, n_layer: int, cka_batch: int, variants: Sequence[str], seed: int = 0):
+        self.cka_batch = cka_batch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.accs = {v: CKAAccumulator(n_layer + 1, **CKA_VARIANTS[v]) for v in variants}
+        self.angular_sum = torch.zeros(n_layer + 1, n_layer + 1, dtype=F64)
+        self.moments: list[_Moments] | None = None
+        self.collapse_sum = torch.zeros(n_layer + 1, 4, dtype=F64)
+        self.n_tokens = self.n_seqs = 0
+
+    def add(self, states: list[torch.Tensor]) -> None:
+        """Accumulate one batch: L+1 geometry states [B,T',k] of the measured positions."""
+        B, T, k = states[0].shape
+        rows = [s.reshape(B * T, k) for s in states]  # L+1 x [n,k]
+        n = rows[0].shape[0]
+        self.angular_sum += angular_distance_matrix(rows) * n
+        if self.moments is None:
+            self.moments = [_Moments(k) for _ in range(len(states))]
+        for depth, (m, s) in enumerate(zip(self.moments, states)):
+            m.update(rows[depth])
+            tc = token_collapse(s)
+            self.collapse_sum[depth] += B * torch.stack([tc.stable_rank, tc.effective_rank, tc.l1_over_l2,
+                                                         tc.mean_cosine])
+        order = torch.randperm(n, generator=self.gen)
+        for start in range(0, n, self.cka_batch):
+            idx = order[start : start + self.cka_batch]
+            if len(idx) < 8:
+                continue
+            chunk = [r[idx] for r in rows]
+            for acc in self.accs.values():
+                acc.update(chunk)
+        self.n_tokens += n
+        self.n_seqs += B
+
+
 @torch.no_grad()
 def depth_similarity(
     model,
@@ -194,34 +236,11 @@ def depth_similarity(
         raise DepthToolsError(f"cka_batch must be >= 8 tokens, got {cka_batch}")
     model.eval()
     L = model.n_layer
-    gen = torch.Generator().manual_seed(seed)
-    accs = {v: CKAAccumulator(L + 1, **CKA_VARIANTS[v]) for v in variants}
-    angular_sum = torch.zeros(L + 1, L + 1, dtype=F64)
-    moments: list[_Moments] | None = None
-    collapse_sum = torch.zeros(L + 1, 4, dtype=F64)
-    n_tokens = n_seqs = 0
+    stats = SimilarityStats(L, cka_batch, variants, seed)
     for batch in batches(inputs, batch_size):
-        states = [g[:, exclude_first:] for g in geometry_states(model, batch)]  # L+1 x [B,T',k]
-        B, T, k = states[0].shape
-        rows = [s.reshape(B * T, k) for s in states]  # L+1 x [n,k]
-        n = rows[0].shape[0]
-        angular_sum += angular_distance_matrix(rows) * n
-        if moments is None:
-            moments = [_Moments(k) for _ in range(L + 1)]
-        for depth, (m, s) in enumerate(zip(moments, states)):
-            m.update(rows[depth])
-            tc = token_collapse(s)
-            collapse_sum[depth] += B * torch.stack([tc.stable_rank, tc.effective_rank, tc.l1_over_l2, tc.mean_cosine])
-        order = torch.randperm(n, generator=gen)
-        for start in range(0, n, cka_batch):
-            idx = order[start : start + cka_batch]
-            if len(idx) < 8:
-                continue
-            chunk = [r[idx] for r in rows]
-            for acc in accs.values():
-                acc.update(chunk)
-        n_tokens += n
-        n_seqs += B
+        stats.add([g[:, exclude_first:] for g in geometry_states(model, batch)])  # L+1 x [B,T',k]
+    accs, moments, collapse_sum = stats.accs, stats.moments, stats.collapse_sum
+    n_tokens, n_seqs, angular_sum = stats.n_tokens, stats.n_seqs, stats.angular_sum
     out: list[dict[str, Any]] = []
     A = angular_sum / n_tokens
     for i in range(L + 1):

@@ -81,6 +81,20 @@ def _scored_readouts(model, states: list) -> list[torch.Tensor]:
 
 
 # -- the lens pass -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FinalRows:
+    """The final output's log-probs on one row chunk with what every depth compares against (its
+    probabilities and top-5 ids), computed once per chunk rather than once per depth (issue 47)."""
+
+    logp: torch.Tensor  # [n, V]
+    p: torch.Tensor  # [n, V]
+    top5: torch.Tensor  # [n, min(5, V)]
+
+    @classmethod
+    def of(cls, logp: torch.Tensor) -> "FinalRows":
+        return cls(logp, logp.exp(), logp.topk(min(5, logp.shape[-1]), dim=-1).indices)
+
+
 class _DepthSums:
     """float64 sums of the per-token lens metrics at every depth."""
 
@@ -88,12 +102,12 @@ class _DepthSums:
         self.sums = np.zeros((n_depths, len(LENS_METRICS)))
         self.n = 0
 
-    def add(self, depth: int, lp: torch.Tensor, final: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def add(self, depth: int, lp: torch.Tensor, final: "FinalRows", targets: torch.Tensor) -> torch.Tensor:
         """Accumulate one depth on one row chunk; returns the lens top-1 ids [n]."""
-        p, p_final = lp.exp(), final.exp()
+        p = lp.exp()
+        final, p_final, top5_final = final.logp, final.p, final.top5
         target_lp = lp.gather(-1, targets.unsqueeze(-1))
-        k = min(5, lp.shape[-1])
-        top5, top5_final = lp.topk(k, dim=-1).indices, final.topk(k, dim=-1).indices
+        top5 = lp.topk(top5_final.shape[-1], dim=-1).indices
         top1 = top5[:, 0]
         values = (
             -target_lp.squeeze(-1),
@@ -154,10 +168,11 @@ def lens_analysis(
         for lo in range(0, targets.numel(), chunk_tokens):
             rows, tgt = slice(lo, lo + chunk_tokens), targets[lo:lo + chunk_tokens]
             final = _lens_logprobs(model, reads[L][rows], L, translators)
+            reference = FinalRows.of(final)
             top1 = torch.empty(L + 1, tgt.numel(), dtype=torch.long, device=tgt.device)
             for depth in range(L + 1):
                 lp = final if depth == L else _lens_logprobs(model, reads[depth][rows], depth, translators)
-                top1[depth] = sums.add(depth, lp, final, tgt)
+                top1[depth] = sums.add(depth, lp, reference, tgt)
             top1_all.append(top1.cpu())
             loss_all.append((-final.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)).double().cpu())
             sums.n += tgt.numel()

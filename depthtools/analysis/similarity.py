@@ -430,7 +430,9 @@ def token_collapse(H: torch.Tensor) -> TokenCollapse:
     if H.ndim != 3 or H.shape[1] < 2:
         raise DepthToolsError(f"H must be [T, D] or [B, T, D] with T >= 2, got shape {tuple(H.shape)}")
     H = H.to(F64)
-    s = torch.linalg.svdvals(H)  # [B, min(T, D)]
+    # the same singular values either way; LAPACK takes a wide [T, D] matrix ~25x slower than its tall
+    # transpose (T=62, D=576: 6.5 s vs 0.24 s for a batch of 8; benchmarks/RESULTS.md, issue 47)
+    s = torch.linalg.svdvals(H.mT if H.shape[-2] < H.shape[-1] else H)  # [B, min(T, D)]
     s2 = s.square()
     stable = s2.sum(-1) / s2.max(-1).values  # [B]
     erank = _entropy_exp(s2 / s2.sum(-1, keepdim=True))  # [B]

@@ -28,6 +28,7 @@ Tables saved before the names were unified (the `lens` command's `lens` / `lens_
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,25 +208,47 @@ def pending(names: list[str], model, tokens, recompute: bool = False, **options)
 def plan(names: list[str], model, tokens, recompute: bool = False, **options) -> str:
     """ONE line before a run: what will run (saved tables excluded), its cost in forward-pass
     equivalents and an ETA from one timed forward pass (`depthtools.analysis.cost`)."""
-    from depthtools.analysis.cost import describe  # lazy
+    return plan_run(names, model, tokens, recompute, **options).line
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The plan line, each pending analysis' forward-pass equivalents and the timed forward (seconds of one
+    batch) they were converted with: what `analyze_grid` re-times against after its first analysis."""
+
+    line: str
+    forwards: dict[str, float]
+    forward_s: float
+
+
+def plan_run(names: list[str], model, tokens, recompute: bool = False, shared_states: bool = False,
+             **options) -> RunPlan:
+    """`plan`, with the numbers behind its line; `shared_states`: the run shares intact states
+    (`analyze_grid`'s `sweep.shared_sweeps` block)."""
+    from depthtools.analysis.cost import describe_timed  # lazy
     from depthtools.analysis.tables import model_columns  # lazy
 
     todo = pending(names, model, tokens, recompute, **options)
     if not todo:
-        return f"plan {model_columns(model)['model']}: every table is already saved with these settings (reused)"
+        return RunPlan(f"plan {model_columns(model)['model']}: every table is already saved with these settings "
+                       "(reused)", {}, 0.0)
     batch_size = options.get("batch_size", BATCH_SIZE)
-    line, _ = describe(model, {name: analysis_args(name, **options) for name in todo}, tokens, batch_size)
+    line, costs, forward_s = describe_timed(model, {name: analysis_args(name, **options) for name in todo}, tokens,
+                                            batch_size, skip_measured=skip_is_measured(names, model, tokens, **options),
+                                            shared=shared_sweep(todo, model, **options), shared_states=shared_states)
     reused = len(names) - len(todo)
-    return line + (f"; {reused} saved table(s) reused" if reused else "")
+    return RunPlan(line + (f"; {reused} saved table(s) reused" if reused else ""),
+                   {c.name: c.forwards for c in costs}, forward_s)
 
 
 # -- the single analyses (thin, keyword-complete wrappers so the suite can record their arguments) ---
 
-def run_causal(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, rule=None, future=True, cuts=None):
+def run_causal(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, rule=None, future=True, cuts=None,
+               progress=None):
     from depthtools.analysis.causal import causal_scores  # lazy
 
     return causal_scores(model, tokens, batch_size=batch_size, rule=rule, exclude_first=exclude_first,
-                         future=future, cuts=cuts)
+                         future=future, cuts=cuts, progress=progress)
 
 
 def run_similarity(model, tokens, batch_size=BATCH_SIZE, exclude_first=1, cka_batch=256, outlier_k=1):
@@ -286,8 +309,62 @@ def _ablate(mode: str):
     def runner(model, tokens, probe: Probe, **args):
         from depthtools.analysis.ablate import ablate  # lazy
 
+        if mode == "prune" and args.get("prune") == "order":
+            args = dict(args, skip_delta=measured_skip(model, tokens, args))
         return ablate(model, tokens, mode=mode, progress=probe.progress, **args)
     return runner
+
+
+def _skip_settings(model, tokens, args: dict[str, Any]) -> dict[str, Any]:
+    """The settings an `ablate_skip` table measured with prune's batch size and rules is saved with."""
+    return table_settings("ablate_skip", analysis_args("ablate_skip", batch_size=args["batch_size"],
+                                                       rules=args.get("rules")), model, tokens)
+
+
+def measured_skip(model, tokens, args: dict[str, Any]) -> dict[str, list[float]] | None:
+    """{rule: single-skip ΔCE per block} from the `ablate_skip` table saved with the settings prune's
+    arguments give it (same tokens, weights, batch size, rules), or None: the order curve then
+    measures it. The suite runs ablate_skip before ablate_prune, so the default curve costs no sweep."""
+    from depthtools.analysis.tables import load_table  # lazy
+
+    ckpt_dir = getattr(model, "checkpoint_dir", None)
+    if ckpt_dir is None:
+        return None
+    try:
+        df = load_table(ckpt_dir, "ablate_skip", _skip_settings(model, tokens, args))
+    except DepthToolsError:
+        return None
+    if df is None:
+        return None
+    df = df[df["mode"] == "skip"]
+    return {str(rule): group.sort_values("layer")["delta_ce"].astype(float).tolist()
+            for rule, group in df.groupby("rule", sort=False)}
+
+
+def shared_sweep(names: list[str], model, **options) -> str | None:
+    """Of sequence_profile and ablate_skip both run here (inside `sweep.shared_sweeps`, as `analyze_grid`
+    runs them), the later one, which finds the default rule's skip sweep already run; else None."""
+    if "sequence_profile" not in names or "ablate_skip" not in names:
+        return None
+    default = model.scheme.skip_rules[0]
+    rule = analysis_args("sequence_profile", **options)["rule"]
+    rules = analysis_args("ablate_skip", **options)["rules"]
+    if (rule or default) != default or (rules is not None and default not in rules):
+        return None
+    return max(("sequence_profile", "ablate_skip"), key=names.index)
+
+
+def skip_is_measured(names: list[str], model, tokens, **options) -> bool:
+    """Whether the order prune of this run will find its single-skip sweep (planned before it, or saved)."""
+    if "ablate_prune" not in names:
+        return False
+    args = analysis_args("ablate_prune", **options)
+    if args.get("prune") != "order":
+        return False
+    if "ablate_skip" in names[:names.index("ablate_prune")] and \
+            analysis_args("ablate_skip", **options)["rules"] == args["rules"]:
+        return True
+    return measured_skip(model, tokens, args) is not None
 
 
 def _sequence_profile(model, tokens, probe: Probe, **args):
@@ -313,7 +390,8 @@ class Analysis:
 B = BATCH_SIZE
 ANALYSES: dict[str, Analysis] = {a.name: a for a in (
     Analysis("similarity", dict(batch_size=B, exclude_first=1, cka_batch=256, outlier_k=1), _single(run_similarity)),
-    Analysis("causal", dict(batch_size=B, exclude_first=1, rule=None, future=True, cuts=None), _single(run_causal)),
+    Analysis("causal", dict(batch_size=B, exclude_first=1, rule=None, future=True, cuts=None),
+             _single(run_causal, with_progress=True)),
     Analysis("contrib", dict(batch_size=B, exclude_first=1, jacobian=True, probes=2), _single(run_contrib)),
     Analysis("routing", dict(exclude_first=1, long_range_k=4), _single(run_routing)),
     Analysis("sequence_profile", dict(batch_size=B, rule=None), _sequence_profile),
@@ -321,7 +399,8 @@ ANALYSES: dict[str, Analysis] = {a.name: a for a in (
     Analysis("lens_tuned", dict(batch_size=B, lens_steps=250, lens_tokens=65536, lens_lr=1e-3, seed=0), _lens_tuned,
              ("lens_tuned", "lens_tuned_summary", "prediction_depth_tuned")),
     Analysis("ablate_skip", dict(batch_size=B, rules=None), _ablate("skip")),
-    Analysis("ablate_prune", dict(batch_size=B, rules=None, tau=0.05, max_prune_steps=None), _ablate("prune")),
+    Analysis("ablate_prune", dict(batch_size=B, rules=None, tau=0.05, max_prune_steps=None, prune="order"),
+             _ablate("prune")),
     Analysis("ablate_swap", dict(batch_size=B, pairs="all", swap_pairs_max=SWAP_PAIRS_MAX), _ablate("swap")),
     Analysis("ablate_swap_adjacent", dict(batch_size=B, pairs="adjacent"), _ablate("swap")),
     Analysis("ablate_mean", dict(batch_size=B), _ablate("mean")),
@@ -345,6 +424,13 @@ def ablate_analysis(mode: str, pairs: str = "adjacent") -> str:
     return f"ablate_{mode}"
 
 
+def check_prune(curve: str) -> str:
+    """`curve` if it names a pruning curve (`ablate.PRUNE_CURVES`: order, greedy); else a one-line error."""
+    from depthtools.analysis.ablate import check_prune as check  # lazy
+
+    return check(curve)
+
+
 # Every argument some analysis takes (not `pairs`: ablate_swap and ablate_swap_adjacent fix it by name).
 OPTIONS = sorted({k for a in ANALYSES.values() for k in a.args} - {"pairs"})
 
@@ -361,15 +447,19 @@ def analysis_args(name: str, **options) -> dict[str, Any]:
     return {k: (options[k] if k in options and k != "pairs" else v) for k, v in defaults.items()}
 
 
-def progress_total(name: str, model, args: dict[str, Any]) -> float | None:
-    """The units a runner's progress callback advances by in total (plans, tuned-lens steps, or 1)."""
+def progress_total(name: str, model, args: dict[str, Any], skip_measured: bool = False) -> float | None:
+    """The units a runner's progress callback advances by in total (plans, tuned-lens steps, or 1);
+    `skip_measured`: the order prune finds its single-skip sweep saved (`skip_is_measured`)."""
     if name.startswith("ablate_"):
         from depthtools.analysis.ablate import n_plans  # lazy
 
         mode = name.split("_")[1]
-        return n_plans(model, mode, args.get("pairs", "adjacent"), args.get("rules"), args.get("swap_pairs_max"))
+        return n_plans(model, mode, args.get("pairs", "adjacent"), args.get("rules"), args.get("swap_pairs_max"),
+                       args.get("prune", "order"), args.get("max_prune_steps"), skip_measured)
     if name == "lens_tuned":
         return args["lens_steps"]
+    if name == "causal":
+        return model.n_layer  # one step per skipped block
     return 1
 
 
@@ -481,6 +571,7 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     checkpoint's windows are drawn and checked against its config.json before its weights are loaded
     (`checkpoint_tokens`); `cap` takes fewer windows from a split shorter than `n_tokens` (`tokens.split_note`).
     """
+    from depthtools.analysis.sweep import shared_sweeps  # lazy
     from depthtools.checkpoint import load  # lazy
 
     renamed = {old: new for old, new in RENAMED.items() if old in options}
@@ -506,24 +597,54 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
         if on_plan is not None:
             for note in tokens.notes:
                 on_plan(f"note: {note}")
-            on_plan(plan(chosen, model, tokens, recompute, **options))
-        for name in chosen:
-            if progress is not None:
-                progress(f"{ckpt_dir.name}: {name}", step, total)
-            step += 1
-            try:
-                result = run_analysis(name, model, tokens, data=data, recompute=recompute, **options)
-            except DepthToolsError as exc:
-                report.not_applicable.append(f"{ckpt_dir.name}: {name}: {exc}")
-                continue
-            if result.reused:
-                report.reused += 1
-            else:
-                report.ran += 1
+        planned = plan_run(chosen, model, tokens, recompute, shared_states=True, **options) \
+            if on_plan is not None else None
+        if planned is not None:
+            on_plan(planned.line)
+        with shared_sweeps():  # sequence_profile and ablate_skip's default rule: one sweep
+            step = _analyze_checkpoint(ckpt_dir, chosen, model, tokens, data, recompute, options, report, planned,
+                                       on_plan, progress, step, total)
     if progress is not None:
         progress("analyze: done", total, total)
     return report
 
+
+def _analyze_checkpoint(ckpt_dir: Path, chosen: list[str], model, tokens, data, recompute: bool,
+                        options: dict[str, Any], report: AnalyzeReport, planned: RunPlan | None,
+                        on_plan: Callable[[str], None] | None, progress: Callable[[str, int, int], None] | None,
+                        step: int, total: int) -> int:
+    """The chosen analyses of one loaded checkpoint (`analyze_grid`'s inner loop); returns the step count."""
+    for name in chosen:
+        if progress is not None:
+            progress(f"{ckpt_dir.name}: {name}", step, total)
+        step += 1
+        started = time.monotonic()
+        try:
+            result = run_analysis(name, model, tokens, data=data, recompute=recompute, **options)
+        except DepthToolsError as exc:
+            report.not_applicable.append(f"{ckpt_dir.name}: {name}: {exc}")
+            continue
+        if planned is not None and name in planned.forwards and not result.reused:
+            _retime(planned, name, time.monotonic() - started, model, tokens, on_plan, options)
+            planned = None  # once, after the first analysis that ran
+        if result.reused:
+            report.reused += 1
+        else:
+            report.ran += 1
+    return step
+
+
+def _retime(planned: RunPlan, name: str, seconds: float, model, tokens, on_plan: Callable[[str], None],
+            options: dict[str, Any]) -> None:
+    """After the first analysis: a corrected-ETA line when it took > 20% off its plan (`cost.retime_note`)."""
+    from depthtools.analysis.cost import retime_note  # lazy
+
+    names = list(planned.forwards)
+    remaining = sum(planned.forwards[n] for n in names[names.index(name) + 1:])
+    note = retime_note(model, tokens, options.get("batch_size", BATCH_SIZE), name, seconds, planned.forwards[name],
+                       planned.forward_s, remaining)
+    if note is not None:
+        on_plan(note)
 
 
 # -- reading saved tables, old names included ---------------------------------------------------------

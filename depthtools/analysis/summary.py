@@ -4,7 +4,9 @@ Per model (`effective_depth_row`), each field read from a table another analysis
 (`load_results`; NaN and a note when that table is missing):
 
     n_skip_over_L        N_skip/L, N_skip = exp(H(π)), π ∝ KL(intact‖skip l) (ablate skip, default rule)
-    f_tau                prunable fraction at τ, greedy re-measured removal (ablate prune, default rule)
+    f_tau                prunable fraction at τ of the removal curve (ablate prune, default rule): greedy
+                         re-measured where the table has it (--prune greedy), else the single-skip order;
+                         `prune_curve` names which
     n_lens_over_L        N_lens/L, N_lens = exp(H(π)) of the lens CE progress g_l⁺ (docs/reference/metrics.md §1.4,
                          `lens.lens_progress` on the lens depth table; tuned lens preferred)
     kl_depth_over_L      first depth from which KL(p_L‖p_l) ≤ `kl_threshold` (0.1 nats) at every
@@ -87,6 +89,20 @@ def _first_rule(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["rule"] == df["rule"].iloc[0]]
 
 
+REMOVAL_CURVES = ("greedy", "skip_order")  # the removal curve f_tau is read from, preferred first
+
+
+def removal_curve(prune: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
+    """(rows, method) of a prune table's removal curve: the greedy re-measured one when the table has it
+    (`ablate --prune greedy`, and tables saved before issue 47), else the single-skip-order curve."""
+    if "method" not in prune:
+        return prune, None
+    for method in REMOVAL_CURVES:
+        if (prune["method"] == method).any():
+            return prune[prune["method"] == method], method
+    return prune.iloc[:0], None
+
+
 def _kl_depth(depths: pd.DataFrame, threshold: float) -> float:
     """First depth from which kl_final_lens ≤ threshold at every later depth, / L."""
     d = depths.sort_values("depth")
@@ -126,8 +142,8 @@ def effective_depth_row(info: dict[str, Any], results: dict[str, pd.DataFrame], 
     else:
         missing("n_skip_over_L", "ablate skip")
     if "ablate_prune" in results:
-        prune = results["ablate_prune"].query("mode == 'prune'")
-        prune = _first_rule(prune[prune["method"] == "greedy"] if "method" in prune else prune)
+        prune, row["prune_curve"] = removal_curve(results["ablate_prune"].query("mode == 'prune'"))
+        prune = _first_rule(prune)
         row["f_tau"] = float(prune["f_tau"].iloc[0]) if len(prune) else math.nan
     else:
         missing("f_tau", "ablate prune")

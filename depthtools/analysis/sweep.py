@@ -8,7 +8,9 @@ The result is bit-identical to a full re-run with the plan (tested for every arc
 Batching: sequences are processed `batch_size` at a time with every plan evaluated on the batch
 before the next one, so memory holds one batch's L+1 states and one plan's logits, never the whole
 token set. Metrics compare each plan's next-token distribution with the intact model's on the
-scored positions (all but position 0), accumulating sums in float64:
+scored positions (all but position 0), accumulating sums in float64 per sequence (`SweepResult`'s
+per-sequence sums serve `sequence_profile`; within `shared_sweeps()` one sweep serves every probe asking
+for the same plans):
 
     ce             mean next-token cross-entropy under the plan (nats)
     kl             KL(p_intact || p_plan), mean over tokens (nats)
@@ -18,13 +20,15 @@ scored positions (all but position 0), accumulating sums in float64:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs
+from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
 from depthtools.arch.model import Plan
 
 
@@ -43,29 +47,85 @@ class PlanStats:
 class SweepResult:
     intact: PlanStats
     plans: list[PlanStats]
+    # [N, 4] per-sequence sums (METRICS) over the scored positions; not compared: the stats above are the result
+    intact_sequences: torch.Tensor | None = field(default=None, compare=False)
+    plan_sequences: list[torch.Tensor] | None = field(default=None, compare=False)
+    n_positions: int = field(default=0, compare=False)  # scored positions per sequence
+
+
+# Within `shared_sweeps()`: {key: SweepResult} of the sweeps run so far (one model, one token set).
+_SHARED: ContextVar[dict | None] = ContextVar("shared_sweeps", default=None)
+
+
+@contextmanager
+def shared_sweeps() -> Iterator[None]:
+    """Within this block, a sweep of the same plans on the same tokens, model and batch size is run once:
+    `sequence_profile` and `ablate_skip`'s default rule evaluate the same L skip plans, so the suite
+    (`analyze_grid`, which opens this block around one model's analyses) pays for one sweep; and each
+    batch's intact states are computed once (`intact_states`, up to SHARED_STATES_BYTES). Only skip/swap
+    plans without replacement functions are remembered; the model must not change inside. Nothing is
+    recomputed differently: a remembered result is the very tensors the first probe computed."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _sweep_key(model, tokens: torch.Tensor, plans: Sequence[Plan], batch_size: int) -> tuple | None:
+    """What makes two sweeps the same (None: not remembered: a plan with replacement functions)."""
+    if any(plan.replace for plan in plans):
+        return None
+    default_rule = model.scheme.skip_rules[0]
+    described = tuple((tuple(sorted(p.skip)), (p.skip_rule or default_rule) if p.skip else None, p.order)
+                      for p in plans)
+    return id(model), token_fingerprint(tokens), tuple(tokens.shape), batch_size, described
+
+
+METRICS = ("ce", "kl", "agree", "acc")  # the per-token metrics summed per sequence, in this order
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The intact log-probs of one batch with their probabilities and top-1 ids, computed once per batch
+    rather than once per plan (at a 49k vocabulary each is a pass as costly as the log-softmax; issue 47)."""
+
+    logp: torch.Tensor  # [n, V]
+    p: torch.Tensor  # [n, V]
+    top1: torch.Tensor  # [n]
+
+    @classmethod
+    def of(cls, logp: torch.Tensor) -> "Reference":
+        return cls(logp, logp.exp(), logp.argmax(-1))
 
 
 class _Sums:
-    """float64 running sums of the per-token metrics of one plan."""
+    """float64 sums of the per-token metrics of one plan, per sequence ([N, 4] in METRICS order: what
+    `sequence_profile` reads; a plan's `PlanStats` is their total over the sequences)."""
 
     def __init__(self) -> None:
-        self.ce = self.kl = self.agree = self.acc = 0.0
-        self.n = 0
+        self.per_seq: list[torch.Tensor] = []  # one [B, 4] float64 block per batch
+        self.n_positions = 0  # scored positions per sequence
 
-    def add(self, logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> None:
-        """logp, ref_logp: [n,V] log-probs on scored positions; targets [n]."""
+    def add(self, logp: torch.Tensor, ref: "Reference", targets: torch.Tensor, B: int) -> None:
+        """logp: [B·T', V] log-probs on scored positions; ref: the intact ones; targets [B·T'] (B sequences)."""
         ce = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+        kl = (ref.p * (ref.logp - logp)).sum(-1)
         top1 = logp.argmax(-1)
-        self.ce += float(ce.double().sum())
-        self.kl += float(kl.double().sum())
-        self.agree += float((top1 == ref_logp.argmax(-1)).double().sum())
-        self.acc += float((top1 == targets).double().sum())
-        self.n += targets.numel()
+        values = torch.stack([ce.double(), kl.double(), (top1 == ref.top1).double(),
+                              (top1 == targets).double()], -1)  # [B·T', 4]
+        self.per_seq.append(values.view(B, -1, len(METRICS)).sum(1).cpu())
+        self.n_positions = values.shape[0] // B
+
+    def sequences(self) -> torch.Tensor:
+        """[N, 4] float64 per-sequence sums."""
+        return torch.cat(self.per_seq)
 
     def stats(self) -> PlanStats:
-        n = max(self.n, 1)
-        return PlanStats(self.ce / n, self.kl / n, self.agree / n, self.acc / n, self.n)
+        sums = self.sequences().sum(0).tolist() if self.per_seq else [0.0] * len(METRICS)
+        n_tokens = len(self.sequences()) * self.n_positions if self.per_seq else 0
+        n = max(n_tokens, 1)
+        return PlanStats(sums[0] / n, sums[1] / n, sums[2] / n, sums[3] / n, n_tokens)
 
 
 def scored_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -75,10 +135,34 @@ def scored_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(scored.to(dtype), dim=-1).flatten(0, 1)
 
 
+# Within `shared_sweeps()`, the intact states of each batch are kept while they fit this many bytes in all
+# (a 30-layer, 576-wide model's 4 default batches: 0.3 GB), so every probe after the first reads them.
+SHARED_STATES_BYTES = 2**30
+
+
+def _state_bytes(states: list) -> int | None:
+    """Bytes of a list of tensor states (None when a state is not a tensor: such states are not kept)."""
+    if not all(torch.is_tensor(z) for z in states):
+        return None
+    return sum(z.numel() * z.element_size() for z in states)
+
+
 @torch.no_grad()
 def intact_states(model, inputs: torch.Tensor) -> list:
-    """The intact depth states z_0..z_L of a batch of inputs [B,T]."""
-    return model.run_states(inputs)
+    """The intact depth states z_0..z_L of a batch of inputs [B,T]; within `shared_sweeps()` one intact
+    forward per batch serves every probe (lens, similarity, causal, the Jacobian, the sweeps' baselines)."""
+    shared = _SHARED.get()
+    if shared is None:
+        return model.run_states(inputs)
+    key = ("states", id(model), token_fingerprint(inputs), tuple(inputs.shape))
+    if key in shared:
+        return shared[key]
+    states = model.run_states(inputs)
+    size = _state_bytes(states)
+    if size is not None and shared.get("states_bytes", 0) + size <= SHARED_STATES_BYTES:
+        shared[key] = states
+        shared["states_bytes"] = shared.get("states_bytes", 0) + size
+    return states
 
 
 @torch.no_grad()
@@ -114,18 +198,29 @@ def sweep(
     (1 / number of batches), so a progress bar over plans reaches len(plans).
     """
     tokens = check_tokens(model, tokens)
+    shared = _SHARED.get()
+    key = _sweep_key(model, tokens, plans, batch_size) if shared is not None and reuse_prefix else None
+    if key is not None and key in shared:
+        if progress is not None:
+            progress(float(len(plans)))
+        return shared[key]
     model.eval()
     n_batches = -(-tokens.shape[0] // batch_size)
     intact, sums = _Sums(), [_Sums() for _ in plans]
     for batch in batches(tokens, batch_size):
         inputs, targets = split_inputs(batch)
         targets = targets.flatten()
+        B = inputs.shape[0]
         states = intact_states(model, inputs)
-        ref = scored_logprobs(model.head(states[-1]))
-        intact.add(ref, ref, targets)
+        ref = Reference.of(scored_logprobs(model.head(states[-1])))
+        intact.add(ref.logp, ref, targets, B)
         for acc, logits in zip(sums, plan_logits(model, plans, states, inputs, reuse_prefix)):
-            acc.add(scored_logprobs(logits), ref, targets)
+            acc.add(scored_logprobs(logits), ref, targets, B)
             if progress is not None:
                 progress(1.0 / n_batches)
         del states
-    return SweepResult(intact.stats(), [s.stats() for s in sums])
+    result = SweepResult(intact.stats(), [s.stats() for s in sums], intact.sequences(),
+                         [s.sequences() for s in sums], intact.n_positions)
+    if key is not None:
+        shared[key] = result
+    return result

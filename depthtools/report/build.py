@@ -511,7 +511,7 @@ def _lens_section(cells: list[CellData], names: list[str]) -> Section:
 
 
 def _ablation_section(cells: list[CellData], names: list[str]) -> Section:
-    section = Section("ablation", "Ablations", "Skip one block, prune greedily, swap two blocks.")
+    section = Section("ablation", "Ablations", "Skip one block, prune blocks one by one, swap two blocks.")
     skip, no_skip = frames.table_of(cells, "ablate_skip")
     if len(skip):
         skip = skip[skip["mode"] == "skip"] if "mode" in skip else skip
@@ -525,8 +525,10 @@ def _ablation_section(cells: list[CellData], names: list[str]) -> Section:
                                 columns=cols))
     section.add(_left_out(no_skip, "ablate_skip table"))
     _table_figures(section, cells, "ablate_prune", names, [(
-        "fig-prune", "Greedy pruning curve", "Loss increase as blocks are removed one by one (each time the "
-        "least harmful); dotted line: tolerance τ. The fraction removed before the curve crosses τ is f_τ.",
+        "fig-prune", "Pruning curve", "Loss increase as blocks are removed one by one; the figure's title names "
+        "the curve: single-skip order (the default: blocks removed in ascending order of their single-skip loss "
+        "increase) or greedy re-measured (`--prune greedy`: each time the least harmful remaining block). Dotted "
+        "line: tolerance τ. The fraction removed before the curve crosses τ is f_τ.",
         figures.plot_prune_curves)])
     return _table_figures(section, cells, "ablate_swap", names, [(
         "fig-swap", "Block swaps (permutation score)", "Cell (i, j): relative loss change when blocks i and j "

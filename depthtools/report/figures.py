@@ -30,9 +30,11 @@ from matplotlib.ticker import NullFormatter
 
 from depthtools.analysis.plots import plot_prune_curve
 from depthtools.analysis.seeds import seed_means, with_seed
+from depthtools.analysis.summary import removal_curve
 from depthtools.errors import DepthToolsError
 
 DPI = 96
+CURVE_LABELS = {"greedy": "greedy re-measured", "skip_order": "single-skip order"}  # prune methods, as titled
 PANEL_W, PANEL_H = 2.9, 2.2  # inches per small multiple
 MAX_COLS = 4
 RC = {"font.size": 7, "axes.titlesize": 8, "axes.labelsize": 7, "legend.fontsize": 6, "legend.title_fontsize": 6,
@@ -458,12 +460,16 @@ def thin_ticks(ax, blocks: Sequence[int]) -> None:
 
 @styled
 def plot_prune_curves(prune: pd.DataFrame, models: Sequence[str]) -> Figure:
-    """Greedy pruning: ΔCE against the fraction of blocks removed, one line per model (τ dotted)."""
+    """Pruning: ΔCE against the fraction of blocks removed, one line per model (τ dotted), each model's
+    removal curve (`summary.removal_curve`: greedy where saved, else the single-skip order), named in the title."""
     _require(prune, ["model", "n_removed", "n_layer", "delta_ce"], "pruning")
     data = _labelled(prune, "model")
-    if "method" in data.columns and (data["method"] == "greedy").any():
-        data = data[data["method"] == "greedy"]
+    curves = [removal_curve(group) for _, group in data.groupby("model", sort=False)]
+    data = pd.concat([rows for rows, _ in curves]) if curves else data
     fig, (ax,) = new_figure(1, width=4.8, height=2.6)
+    methods = sorted({CURVE_LABELS.get(m, str(m)) for _, m in curves if m is not None})
+    if methods:
+        ax.set_title(f"removal curve: {', '.join(methods)}", fontsize=8)
     plot_prune_curve(data, ax=ax)
     _legend_outside(ax)
     return fig
