@@ -409,13 +409,16 @@ def test_op_registration(path, dtype, monkeypatch):
     g_out = torch.cat([gu[:, None], gm], 1)
     torch.library.opcheck(ops.hc_connect.default, (*grad(params), 1e-8))
     _, _, raw, inv, t = ops.hc_connect(*params, 1e-8)
-    torch.library.opcheck(ops.hc_connect_backward.default, (*plain(params), raw, inv, t, g_out, gd, 1e-8))
+    if path == "c kernel":  # (the backward ops are the kernels' only: without them the forward op's autograd
+        # takes autograd of the reference, which the forward opcheck covers)
+        torch.library.opcheck(ops.hc_connect_backward.default, (*plain(params), raw, inv, t, g_out, gd))
     params, (gu, gm, gd) = _mhc_inputs(5, 4, 8, dtype)
     g_out = torch.cat([gu[:, None], gm], 1)
     for first in (0, 1):
         torch.library.opcheck(ops.mhc_connect.default, (*grad(params), 1e-6, 4, first))
         _, _, raw, inv = ops.mhc_connect(*params, 1e-6, 4, first)
-        torch.library.opcheck(ops.mhc_connect_backward.default, (*plain(params), raw, inv, g_out, gd, 1e-6, 4, first))
+        if path == "c kernel":
+            torch.library.opcheck(ops.mhc_connect_backward.default, (*plain(params), raw, inv, g_out, gd, 4, first))
         z = torch.randn(4, 4, 70, dtype=dtype, generator=torch.Generator().manual_seed(first))
         torch.library.opcheck(ops.sinkhorn_tokens_last.default, (z.clone().requires_grad_(True), 5, first))
         torch.library.opcheck(ops.sinkhorn_tokens_last_backward.default, (torch.randn_like(z), z, 5, first))

@@ -213,22 +213,31 @@ class Kernel:
         fn, params = self._calls[dtype if self.generic else None]
         if len(args) != len(params):
             raise TypeError(f"kernel {fn.__name__} takes {len(params)} arguments, got {len(args)}")
-        return fn(*[_convert(fn.__name__, spec, arg) for spec, arg in zip(params, args)])
+        converted = []
+        for spec, arg in zip(params, args):  # (inline: this runs ~100 times a training step)
+            dtypes = spec[1]
+            if dtypes is None:  # a number: ctypes converts it, after this check of its kind
+                if not isinstance(arg, _NUMBER_KINDS[spec[2]]):
+                    raise TypeError(f"kernel {fn.__name__}, argument {spec[0]}: wants a {spec[2]}, got "
+                                    f"{type(arg).__name__}")
+                converted.append(arg)
+            elif arg is None:
+                converted.append(None)
+            elif type(arg) is torch.Tensor and arg.dtype in dtypes and arg.is_cpu or _cpu_tensor(arg, dtypes):
+                converted.append(arg.data_ptr())
+            else:
+                got = f"{arg.dtype} tensor on {arg.device}" if isinstance(arg, torch.Tensor) else type(arg).__name__
+                raise TypeError(f"kernel {fn.__name__}, argument {spec[0]}: wants a CPU tensor of {dtypes[0]} "
+                                f"({spec[2]} *), got {got}")
+        return fn(*converted)
 
 
-def _convert(symbol: str, spec: tuple, arg):
-    """One argument of a kernel call as ctypes takes it, checked against its C parameter (see `Kernel`)."""
-    name, dtypes, ctype = spec
-    if dtypes is not None:  # a pointer
-        if arg is None:
-            return None
-        if isinstance(arg, torch.Tensor) and arg.dtype in dtypes and arg.device.type == "cpu":
-            return arg.data_ptr()
-        got = f"{arg.dtype} tensor on {arg.device}" if isinstance(arg, torch.Tensor) else type(arg).__name__
-        raise TypeError(f"kernel {symbol}, argument {name}: wants a CPU tensor of {dtypes[0]} ({ctype} *), got {got}")
-    if ctype in ("int", "long") and isinstance(arg, int) or ctype in ("float", "double") and isinstance(arg, (int, float)):
-        return arg
-    raise TypeError(f"kernel {symbol}, argument {name}: wants a {ctype}, got {type(arg).__name__}")
+_NUMBER_KINDS = {"int": int, "long": int, "float": (int, float), "double": (int, float)}
+
+
+def _cpu_tensor(arg, dtypes) -> bool:
+    """Whether `arg` is a CPU tensor (a subclass too, e.g. a Parameter) of one of `dtypes`."""
+    return isinstance(arg, torch.Tensor) and arg.dtype in dtypes and arg.is_cpu
 
 
 _declared: dict[str, list[Kernel]] = {}  # library name: the kernels its callers declared

@@ -19,8 +19,9 @@ raw, inv (and HC's t) are outputs only so that autograd saves them for the kerne
 exists twice: the plain-autograd reference (depthtools/arch/reference.py) and the C kernels. Callers take the op
 only where the kernel takes the inputs (`uses_op`: CPU float32/float64, the library built); everywhere else they
 run the reference itself, with plain autograd (which inductor fuses in the compiled step off CPU). Called on
-inputs the kernel does not take, an op still answers, from the reference: its forward without autograd, its
-backward by autograd of the reference re-run from the inputs -- no third, hand-written form. The kernels' backward
+inputs the kernel does not take, an op still answers, from the reference: its forward without autograd, and its
+autograd formula by autograd of the reference re-run from the inputs -- no third, hand-written form (the backward
+ops are the kernel's backward only). The kernels' backward
 is tested against autograd of the reference (tests/test_compile.py, tests/test_fused_reference.py: values, every
 gradient, gradcheck). Fake implementations let torch.compile and the meta device trace the ops without running
 them.
@@ -151,17 +152,18 @@ def _outputs(u: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
 def _reference_grads(connect, inputs, g_out: torch.Tensor, g_depth: torch.Tensor) -> list[torch.Tensor]:
     """The gradients of `connect`'s tensor inputs (the leading tensors of `inputs`; its other arguments follow) for
     output gradients g_out [N,n+1,d] (of [u; R H]) and g_depth [N,n] (of β / H_post): autograd of the reference
-    `connect`, re-run from the inputs (the ops' backward where the kernel does not apply). By torch.func.vjp: inside
-    a custom op's implementation, below the autograd dispatch key, torch.autograd would record nothing."""
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    rest = inputs[len(tensors):]
+    `connect`, re-run from the inputs: the ops' autograd formula where the kernel does not apply (it runs at the
+    autograd level, outside any op's implementation, so plain autograd records the re-run)."""
+    tensors = [x.detach().requires_grad_(True) for x in inputs if isinstance(x, torch.Tensor)]
+    with torch.enable_grad():
+        u, mixed, depth = connect(*tensors, *inputs[len(tensors):])
+        grads = torch.autograd.grad((_outputs(u, mixed), depth), tensors, (g_out, g_depth), allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(tensors, grads)]
 
-    def outputs(*xs):
-        u, mixed, depth = connect(*xs, *rest)
-        return _outputs(u, mixed), depth
 
-    _, vjp = torch.func.vjp(outputs, *tensors)
-    return [g.contiguous() for g in vjp((g_out, g_depth))]
+def _kernel_only(op: str):
+    return RuntimeError(f"depthtools::{op} is the C kernel's backward (CPU float32/float64, the library built); "
+                        "elsewhere the forward op's autograd takes autograd of the reference")
 
 
 def hc_reference_forward(H, Wa, wb, Sa, sb, sa, sbeta, eps):
@@ -197,22 +199,20 @@ def _(H, Wa, wb, Sa, sb, sa, sbeta, eps):
 @torch.library.custom_op("depthtools::hc_connect_backward", mutates_args=())
 def hc_connect_backward_op(H: torch.Tensor, Wa: torch.Tensor, wb: torch.Tensor, Sa: torch.Tensor, sb: torch.Tensor,
                            sa: torch.Tensor, sbeta: torch.Tensor, raw: torch.Tensor, inv: torch.Tensor,
-                           t: torch.Tensor, g_out: torch.Tensor, g_depth: torch.Tensor, eps: float
-                           ) -> list[torch.Tensor]:
+                           t: torch.Tensor, g_out: torch.Tensor, g_depth: torch.Tensor) -> list[torch.Tensor]:
     """The gradients of `hc_connect_op`'s tensor inputs (H, W_a, w_b, S_a, s_b, s_a, s_beta) from those of its
-    first two outputs: the kernel's backward from the saved raw, inv, t, or autograd of the reference (eps: its
-    forward's, for the reference's recomputation)."""
+    first two outputs, with its saved raw, inv, t: the C kernel's backward (only: see `_kernel_only`)."""
     H, raw, inv, t, g_out, g_depth = (x.contiguous() for x in (H, raw, inv, t, g_out, g_depth))
-    if cpu_kernels.connector_usable(H, Wa, wb, Sa, sb, sa, sbeta, g_out, g_depth):
-        n = H.shape[1]
-        gH, gPt, gS, g_scale = hc_kernel_backward(H, *hc_pack(Wa, wb, Sa, sb, sa, sbeta), raw, inv, t, g_out, g_depth)
-        return [gH, gPt[: n + 1].t().contiguous(), _own(gPt[n + 1]), gS[:, : n + 1].contiguous(),
-                gS[:, n + 1].contiguous(), g_scale[: n + 1].sum(), _own(g_scale[n + 1])]
-    return _reference_grads(reference.hc_connect, (H, Wa, wb, Sa, sb, sa, sbeta, eps), g_out, g_depth)
+    if not cpu_kernels.connector_usable(H, Wa, wb, Sa, sb, sa, sbeta, g_out, g_depth):
+        raise _kernel_only("hc_connect_backward")
+    n = H.shape[1]
+    gH, gPt, gS, g_scale = hc_kernel_backward(H, *hc_pack(Wa, wb, Sa, sb, sa, sbeta), raw, inv, t, g_out, g_depth)
+    return [gH, gPt[: n + 1].t().contiguous(), _own(gPt[n + 1]), gS[:, : n + 1].contiguous(),
+            gS[:, n + 1].contiguous(), g_scale[: n + 1].sum(), _own(g_scale[n + 1])]
 
 
 @hc_connect_backward_op.register_fake
-def _(H, Wa, wb, Sa, sb, sa, sbeta, raw, inv, t, g_out, g_depth, eps):
+def _(H, Wa, wb, Sa, sb, sa, sbeta, raw, inv, t, g_out, g_depth):
     return [x.new_empty(x.shape) for x in (H, Wa, wb, Sa, sb, sa, sbeta)]
 
 
@@ -227,7 +227,9 @@ def _hc_backward(ctx, g_out, g_depth, *_):
     N, n, d = H.shape
     g_out = H.new_zeros(N, n + 1, d) if g_out is None else g_out
     g_depth = H.new_zeros(N, n) if g_depth is None else g_depth
-    return (*hc_connect_backward_op(H, Wa, wb, Sa, sb, sa, sbeta, raw, inv, t, g_out, g_depth, ctx.eps), None)
+    if not cpu_kernels.connector_usable(H, Wa, wb, Sa, sb, sa, sbeta, g_out, g_depth):
+        return (*_reference_grads(reference.hc_connect, (H, Wa, wb, Sa, sb, sa, sbeta, ctx.eps), g_out, g_depth), None)
+    return (*hc_connect_backward_op(H, Wa, wb, Sa, sb, sa, sbeta, raw, inv, t, g_out, g_depth), None)
 
 
 hc_connect_op.register_autograd(_hc_backward, setup_context=_hc_setup)
@@ -287,23 +289,22 @@ def _(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res,
 def mhc_connect_backward_op(H: torch.Tensor, phi_pre: torch.Tensor, phi_post: torch.Tensor, phi_res: torch.Tensor,
                             g_pre: torch.Tensor, g_post: torch.Tensor, g_res: torch.Tensor, b_pre: torch.Tensor,
                             b_post: torch.Tensor, b_res: torch.Tensor, raw: torch.Tensor, inv: torch.Tensor,
-                            g_out: torch.Tensor, g_depth: torch.Tensor, eps: float, t_max: int, first: int
-                            ) -> list[torch.Tensor]:
-    """The gradients of `mhc_connect_op`'s ten tensor inputs from those of its first two outputs: the kernel's
-    backward from the saved raw, inv, or autograd of the reference (eps: the forward's, for its recomputation)."""
+                            g_out: torch.Tensor, g_depth: torch.Tensor, t_max: int, first: int) -> list[torch.Tensor]:
+    """The gradients of `mhc_connect_op`'s ten tensor inputs from those of its first two outputs (saved raw, inv):
+    the C kernel's backward (only: see `_kernel_only`)."""
     H, raw, inv, g_out, g_depth = (x.contiguous() for x in (H, raw, inv, g_out, g_depth))
     params = (phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)
-    if cpu_kernels.connector_usable(H, *params, g_out, g_depth):
-        n = H.shape[1]
-        gH, g_phi_t, g_gates, g_b_pre, g_b_post, g_b_res = mhc_kernel_backward(
-            H, *mhc_pack(*params), raw, inv, g_out, g_depth, t_max, first)
-        return [gH, g_phi_t[:n].t().contiguous(), g_phi_t[n : 2 * n].t().contiguous(), g_phi_t[2 * n :].t().contiguous(),
-                *(_own(g) for g in g_gates), g_b_pre, g_b_post, g_b_res.view(n, n)]
-    return _reference_grads(reference.mhc_connect, (H, *params, eps, t_max, first), g_out, g_depth)
+    if not cpu_kernels.connector_usable(H, *params, g_out, g_depth):
+        raise _kernel_only("mhc_connect_backward")
+    n = H.shape[1]
+    gH, g_phi_t, g_gates, g_b_pre, g_b_post, g_b_res = mhc_kernel_backward(
+        H, *mhc_pack(*params), raw, inv, g_out, g_depth, t_max, first)
+    return [gH, g_phi_t[:n].t().contiguous(), g_phi_t[n : 2 * n].t().contiguous(), g_phi_t[2 * n :].t().contiguous(),
+            *(_own(g) for g in g_gates), g_b_pre, g_b_post, g_b_res.view(n, n)]
 
 
 @mhc_connect_backward_op.register_fake
-def _(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, raw, inv, g_out, g_depth, eps, t_max,
+def _(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, raw, inv, g_out, g_depth, t_max,
       first):
     return [x.new_empty(x.shape) for x in (H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)]
 
@@ -319,7 +320,10 @@ def _mhc_backward(ctx, g_out, g_depth, *_):
     N, n, d = H.shape
     g_out = H.new_zeros(N, n + 1, d) if g_out is None else g_out
     g_depth = H.new_zeros(N, n) if g_depth is None else g_depth
-    grads = mhc_connect_backward_op(H, *params, raw, inv, g_out, g_depth, ctx.eps, ctx.t_max, ctx.first)
+    if not cpu_kernels.connector_usable(H, *params, g_out, g_depth):
+        grads = _reference_grads(reference.mhc_connect, (H, *params, ctx.eps, ctx.t_max, ctx.first), g_out, g_depth)
+    else:
+        grads = mhc_connect_backward_op(H, *params, raw, inv, g_out, g_depth, ctx.t_max, ctx.first)
     return (*grads, None, None, None)
 
 
