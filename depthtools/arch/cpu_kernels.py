@@ -8,12 +8,14 @@ forward and backward), "bank" (AttnRes' depth bank: a mix, a two-phase prefix, a
 (MoDA's depth attention: forward, backward, slot gradients, slot stores). The kernels are written once per
 scalar type and instantiated per type by including `*_impl.h` with `REAL`/`FN` defined (`csrc/generic.h`).
 
-The kernels are called (ctypes wrappers included) by their torch custom ops in `depthtools/arch/ops/`:
-`ops/sinkhorn.py` (`depthtools::sinkhorn_tokens_last`) and `ops/connector.py` (`depthtools::hc_connect`,
-`depthtools::mhc_connect`), which the eager and the compiled HC/mHC paths both call; `ops/bank.py`
-(`bankops.DepthBank`, eager and compiled steps alike) and `ops/moda.py` (`moda._DepthAttention` and
-`_AppendSlots`, eager). They look a kernel up with `function`; this module keeps the build, the load and the
-`usable` / `connector_usable` / `bank_usable` / `moda_usable` checks.
+The kernels are called by their torch custom ops in `depthtools/arch/ops/`: `ops/sinkhorn.py`
+(`depthtools::sinkhorn_tokens_last`) and `ops/connector.py` (`depthtools::hc_connect`, `depthtools::mhc_connect`),
+which the eager and the compiled HC/mHC paths both call; `ops/bank.py` (`bankops.DepthBank`, eager and compiled
+steps alike) and `ops/moda.py` (`moda._DepthAttention` and `_AppendSlots`, eager). Each declares the kernels it
+calls as `Kernel`s (the C parameter names it passes, in order); the signatures themselves are read from the C
+sources (`c_signatures`), set as the ctypes argument types when a library loads, and checked against every
+declaration then (`KernelSignatureError`); a call checks each argument against its C type. This module keeps the
+build, the load, the bindings and the `usable` / `connector_usable` / `bank_usable` / `moda_usable` checks.
 Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`, `moda_usable`; MoDA's
 may read bfloat16 slots); anything else (CUDA, the meta device, other dtypes, no compiler or ninja, a failed build)
 takes torch ops, the same computation (`kernel_status` says which path each library takes, without building).
