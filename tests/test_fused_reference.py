@@ -518,8 +518,8 @@ def test_fused_equals_reference_on_sweeps_and_skips(arch):
 
 
 def test_hc_forward_mode_jvp_equals_reference():
-    """torch.func.jvp through an HC model (the connectors' hand-written jvps; used by analysis.contrib)
-    equals forward mode through the reference model."""
+    """torch.func.jvp through an HC model (the connectors' references and _Update's hand-written jvp; used by
+    analysis.contrib) equals forward mode through the reference model."""
     model = build("hc", d_model=16, n_layer=3, T=8, dtype=F64)
     twin = reference_twin(model)
     toks = tokens(2, 8)
