@@ -81,11 +81,7 @@ def mhc_inputs(first, seed=0):
             1e-6, 3, first)
 
 
-JVP_CASES = {  # the three Functions with a hand-written jvp, and the connectors' entry points (forward AD: the reference)
-    "_ProjRms": (hyper._ProjRms.apply, reference.proj_rms,
-                 lambda: (randn(5, d, seed=0), randn(d, 6, seed=1), 1e-6)),
-    "hyper._Mix": (hyper._Mix.apply, reference.stream_mix,
-                   lambda: (randn(N, n + 1, n, seed=0), randn(N, n, d, seed=1))),
+JVP_CASES = {  # the Function with a hand-written jvp, and the connectors' entry points (forward AD: the reference)
     "_Update": (hyper._Update.apply, reference.stream_update,
                 lambda: (randn(2, N, n, d, seed=0), randn(2, N, n, seed=1), randn(2, N, d, seed=2))),
     "hyper.hc_connect": (hyper.hc_connect, reference.hc_connect, hc_inputs),
@@ -93,16 +89,12 @@ JVP_CASES = {  # the three Functions with a hand-written jvp, and the connectors
 }
 
 
-@pytest.mark.parametrize("name", [*JVP_CASES, "hyper.hc_connect (twin)", "hyper.mhc_connect (twin)"])
-def test_functions_with_jvp_match_reference_and_pass_gradcheck(name, monkeypatch):
-    """Backward and forward mode of _ProjRms, hyper._Mix, _Update and the HC/mHC connectors' entry points
-    (hyper.hc_connect / mhc_connect: the op `depthtools::hc_connect` / `mhc_connect`, or, under forward AD, the
-    reference): equal to the reference's autograd, and gradcheck (finite differences) with check_forward_ad. On CPU
-    the ops run on the fused C kernel where it is built; "(twin)" forces their plain-PyTorch twin."""
-    if name.endswith("(twin)"):
-        monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
-        name = name.split()[0]
-    elif "connect" in name and cpu_kernels.library("connector") is None:
+@pytest.mark.parametrize("name", [*JVP_CASES])
+def test_functions_with_jvp_match_reference_and_pass_gradcheck(name):
+    """Backward and forward mode of _Update and the HC/mHC connectors' entry points (hyper.hc_connect /
+    mhc_connect: the op `depthtools::hc_connect` / `mhc_connect` on its C kernel, or, under forward AD, the
+    reference): equal to the reference's autograd, and gradcheck (finite differences) with check_forward_ad."""
+    if "connect" in name and cpu_kernels.library("connector") is None:
         pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
     fused, ref, make = JVP_CASES[name]
     inputs = make()
@@ -111,6 +103,30 @@ def test_functions_with_jvp_match_reference_and_pass_gradcheck(name, monkeypatch
     diff = [i for i, t in enumerate(inputs) if torch.is_tensor(t)]
     fn = lambda *xs: fused(*xs, *inputs[len(diff):])  # noqa: E731  (the tensors first, then eps / t_max / first)
     assert torch.autograd.gradcheck(fn, inputs[: len(diff)], check_forward_ad=True)
+
+
+@pytest.mark.parametrize("name", ["hc_connect", "mhc_connect"])
+def test_connector_ops_without_their_kernel_are_the_reference(name, monkeypatch):
+    """Where the kernel does not take the inputs (forced here), hyper's entry points run the reference itself, and
+    the op called directly answers from the reference (forward without autograd, backward by autograd of the
+    reference): the same values and gradients, bit for bit (the entry point's mHC Sinkhorn: within an ulp), and
+    gradcheck of the op's backward."""
+    from depthtools.arch.ops import connector as connector_ops
+
+    monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
+    calls = []
+    monkeypatch.setattr(connector_ops, f"{name}_op", lambda *a: calls.append(a))
+    inputs = hc_inputs() if name == "hc_connect" else mhc_inputs(1)
+    # (mHC's entry point keeps its Sinkhorn on the op `depthtools::sinkhorn_tokens_last`, a reciprocal per
+    # half-step where reference.sinkhorn divides: within an ulp)
+    assert_same_function(getattr(hyper, name), getattr(reference, name), inputs, atol=0 if name == "hc_connect" else 1e-15)
+    assert calls == []  # the entry point never reached the op
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
+    op = getattr(connector_ops, name)  # the op (u, R H, β) without the kernel: the reference's outputs and gradients
+    assert_same_function(op, getattr(reference, name), inputs, atol=0)
+    diff = [i for i, t in enumerate(inputs) if torch.is_tensor(t)]
+    assert torch.autograd.gradcheck(lambda *xs: op(*xs, *inputs[len(diff):]), inputs[: len(diff)])
 
 
 def test_connector_entry_points_take_the_op_unless_forward_ad_sees_them(monkeypatch):
@@ -141,16 +157,17 @@ def test_connector_entry_points_take_the_op_unless_forward_ad_sees_them(monkeypa
     assert len(calls) == 3
 
 
-@pytest.mark.parametrize("path", ["c kernel", "twin"])
+@pytest.mark.parametrize("path", ["c kernel", "no kernel"])
 @pytest.mark.parametrize("first", [0, 1])
 def test_sinkhorn_and_mhc_connector_ops_match_reference(first, path, monkeypatch):
     """The ops depthtools::sinkhorn_tokens_last (ops.sinkhorn.sinkhorn) and depthtools::mhc_connect
     (ops.connector.mhc_connect) against the reference, in both Sinkhorn orders (first = 0: the paper's rows_last;
     1: cols_last), with an underflowing line too (the clamp of a sum at the smallest normal number), each on its C
-    kernel and with its plain-PyTorch twin forced; gradcheck of each op's backward."""
+    kernel and with the kernels forced off (the Sinkhorn's plain-PyTorch twin; the connector op answering from the
+    reference: its forward, and autograd of it); gradcheck of each op's backward."""
     from depthtools.arch.ops import connector as connector_ops, sinkhorn as sinkhorn_ops
 
-    if path == "twin":
+    if path == "no kernel":
         monkeypatch.setattr(cpu_kernels, "usable", lambda *tensors: False)
         monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
     elif cpu_kernels.library("sinkhorn") is None or cpu_kernels.library("connector") is None:
@@ -167,13 +184,14 @@ def test_sinkhorn_and_mhc_connector_ops_match_reference(first, path, monkeypatch
     assert torch.autograd.gradcheck(lambda *a: connector_ops.mhc_connect(*a, 1e-6, 3, first), inputs[:10])
 
 
-@pytest.mark.parametrize("path", ["c kernel", "twin"])
+@pytest.mark.parametrize("path", ["c kernel", "no kernel"])
 def test_hc_connector_op_matches_reference_and_passes_gradcheck(path, monkeypatch):
     """The op depthtools::hc_connect (ops.connector.hc_connect, called directly: no forward-AD dispatch) on its C
-    kernel and with its twin forced: values and gradients equal the reference's, and gradcheck of its backward."""
+    kernel and with the kernel forced off (the op answers from the reference): values and gradients equal the
+    reference's, and gradcheck of its backward."""
     from depthtools.arch.ops import connector as connector_ops
 
-    if path == "twin":
+    if path == "no kernel":
         monkeypatch.setattr(cpu_kernels, "connector_usable", lambda *tensors: False)
     elif cpu_kernels.library("connector") is None:
         pytest.fail("the C kernels did not build: this test needs a C compiler (CI has gcc)")
@@ -500,8 +518,8 @@ def test_fused_equals_reference_on_sweeps_and_skips(arch):
 
 
 def test_hc_forward_mode_jvp_equals_reference():
-    """torch.func.jvp through an HC model (the connectors' hand-written jvps; used by analysis.contrib)
-    equals forward mode through the reference model."""
+    """torch.func.jvp through an HC model (the connectors' references and _Update's hand-written jvp; used by
+    analysis.contrib) equals forward mode through the reference model."""
     model = build("hc", d_model=16, n_layer=3, T=8, dtype=F64)
     twin = reference_twin(model)
     toks = tokens(2, 8)

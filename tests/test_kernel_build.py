@@ -102,3 +102,84 @@ def test_a_stale_build_lock_does_not_hang_the_build(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_libs", {})
     assert cpu_kernels.library("sinkhorn", folder=tmp_path) is not None
     assert not lock.exists()
+
+
+# -- the kernels' signatures: read from the C sources, checked against every caller when a library loads ----------
+
+def test_c_signatures_are_read_from_the_sources():
+    """`c_signatures` reads each kernel's parameters from csrc/ once per type it is instantiated for (REAL, KV_T
+    expanded), and every exported kernel of every library has a declared caller (`cpu_kernels.Kernel`)."""
+    import depthtools.arch.ops  # noqa: F401  (imports every ops module: their declarations)
+    from depthtools.arch import cpu_kernels
+
+    sig = cpu_kernels.c_signatures("connector")
+    fwd = sig["hc_connect_forward_f64"]
+    assert fwd.returns == "void"
+    assert [(p.name, p.ctype, p.pointer) for p in fwd.params[:8]] == [
+        ("H", "double", True), ("Pt", "double", True), ("S", "double", True), ("scale", "double", True),
+        ("N", "long", False), ("n", "int", False), ("d", "int", False), ("eps", "double", False)]
+    moda = cpu_kernels.c_signatures("moda")
+    assert [p.ctype for p in moda["moda_forward_bf16"].params[:3]] == ["unsigned short", "unsigned short", "float"]
+    assert sorted(s for s in moda if s.startswith("moda_store_slot")) == [
+        "moda_store_slot_bf16", "moda_store_slot_f32", "moda_store_slot_f64"]
+    for library in cpu_kernels._LIBRARIES:
+        declared = {s for k in cpu_kernels._declared[library] for s in k.symbols(cpu_kernels.c_signatures(library))}
+        kernels = {s for s in cpu_kernels.c_signatures(library) if not s.endswith("_array")}  # (test helpers)
+        if library == "connector":  # its Sinkhorn block routines are called from the connector kernels only
+            kernels = {s for s in kernels if not s.startswith("sinkhorn_")}
+        assert kernels <= declared, (library, kernels - declared)
+
+
+def test_a_caller_that_differs_from_the_c_definition_fails_when_the_library_loads(monkeypatch, tmp_path):
+    """A C kernel that gained a parameter (a copy of csrc/ with one edited) no longer matches its caller's
+    declaration: loading the library raises KernelSignatureError naming both lists, instead of calling the kernel
+    with shifted arguments; a declaration with a parameter missing fails the same way."""
+    import shutil
+
+    from depthtools.arch import cpu_kernels
+
+    src = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.SOURCE_DIR, src)
+    text = (src / "sinkhorn_impl.h").read_text()
+    edited = text.replace("int FN(sinkhorn_forward)(const REAL *z, REAL *out, long N,",
+                          "int FN(sinkhorn_forward)(const REAL *z, REAL *out, long stride, long N,")
+    assert edited != text
+    (src / "sinkhorn_impl.h").write_text(edited)
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", src)
+    monkeypatch.setattr(cpu_kernels, "_declared", {})
+    monkeypatch.setattr(cpu_kernels, "_libs", {})
+    cpu_kernels.Kernel("sinkhorn", "sinkhorn_forward", "z out N n t_max first tiny")
+    with pytest.raises(cpu_kernels.KernelSignatureError, match=r"sinkhorn_forward_f32 .*passes 7 arguments.*takes 8"):
+        cpu_kernels._bind_declared("sinkhorn", None)
+    monkeypatch.undo()  # the real sources: the built (cached) library loads, and checks its callers
+    monkeypatch.setattr(cpu_kernels, "_declared", {})
+    monkeypatch.setattr(cpu_kernels, "_libs", {})
+    cpu_kernels.Kernel("sinkhorn", "sinkhorn_backward", "z grad N n t_max first tiny")  # `out` forgotten
+    with pytest.raises(cpu_kernels.KernelSignatureError, match="sinkhorn_backward"):
+        cpu_kernels.library("sinkhorn")
+
+
+def test_a_call_with_a_wrong_dtype_or_count_fails_before_the_kernel_runs():
+    """A bound kernel converts each argument by its C parameter: a float64 tensor for a float32 kernel's pointer,
+    a tensor on another device, a float for an int, or a wrong count raise TypeError naming the parameter (before
+    the C code runs); the right arguments give the kernel's result."""
+    import torch
+
+    from depthtools.arch import cpu_kernels
+    from depthtools.arch.ops import sinkhorn as sinkhorn_ops
+
+    if cpu_kernels.library("sinkhorn") is None:
+        pytest.skip("no C compiler here: the sinkhorn library did not build")
+    z = torch.randn(4, 4, 8)
+    out = torch.empty_like(z)
+    kernel, tiny = sinkhorn_ops._FORWARD, torch.finfo(torch.float32).tiny
+    with pytest.raises(TypeError, match="argument out: wants a CPU tensor of torch.float32"):
+        kernel(torch.float32, z, out.double(), 8, 4, 3, 0, tiny)
+    with pytest.raises(TypeError, match="argument out: wants a CPU tensor .* got torch.float32 tensor on meta"):
+        kernel(torch.float32, z, out.to("meta"), 8, 4, 3, 0, tiny)
+    with pytest.raises(TypeError, match="argument t_max: wants a int, got float"):
+        kernel(torch.float32, z, out, 8, 4, 3.0, 0, tiny)
+    with pytest.raises(TypeError, match="takes 7 arguments, got 6"):
+        kernel(torch.float32, z, out, 8, 4, 3, 0)
+    assert kernel(torch.float32, z, out, 8, 4, 3, 0, tiny) == 0
+    assert torch.allclose(out.sum(1), torch.ones(4, 8), atol=1e-6)  # rows_last with first=0: rows sum to 1

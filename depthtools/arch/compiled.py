@@ -31,7 +31,8 @@ ops the eager path calls (depthtools/arch/ops/; their fake implementations are w
     (ops/connector.py, chosen by `connector.uses_op`): one C kernel per direction that reads each token's
     streams once (inductor's code for a block is 7 kernels forward and 9 backward, most passing over the stream
     state, which streams from memory; mHC's kernel runs the Sinkhorn inside, per block of 64 tokens); on other
-    devices the references, which inductor fuses there (mHC's Sinkhorn staying the op above).
+    devices (or where the kernel library did not build) the references, which inductor fuses there (mHC's
+    Sinkhorn staying the op above).
 The kernels' sources are in csrc/ (cpu_kernels.py builds them).
 
 Device dispatch (`backend_for`): CPU compiles with inductor's C++ backend when a C++ compiler is

@@ -8,12 +8,14 @@ forward and backward), "bank" (AttnRes' depth bank: a mix, a two-phase prefix, a
 (MoDA's depth attention: forward, backward, slot gradients, slot stores). The kernels are written once per
 scalar type and instantiated per type by including `*_impl.h` with `REAL`/`FN` defined (`csrc/generic.h`).
 
-The kernels are called (ctypes wrappers included) by their torch custom ops in `depthtools/arch/ops/`:
-`ops/sinkhorn.py` (`depthtools::sinkhorn_tokens_last`) and `ops/connector.py` (`depthtools::hc_connect`,
-`depthtools::mhc_connect`), which the eager and the compiled HC/mHC paths both call; `ops/bank.py`
-(`bankops.DepthBank`, eager and compiled steps alike) and `ops/moda.py` (`moda._DepthAttention` and
-`_AppendSlots`, eager). They look a kernel up with `function`; this module keeps the build, the load and the
-`usable` / `connector_usable` / `bank_usable` / `moda_usable` checks.
+The kernels are called by their torch custom ops in `depthtools/arch/ops/`: `ops/sinkhorn.py`
+(`depthtools::sinkhorn_tokens_last`) and `ops/connector.py` (`depthtools::hc_connect`, `depthtools::mhc_connect`),
+which the eager and the compiled HC/mHC paths both call; `ops/bank.py` (`bankops.DepthBank`, eager and compiled
+steps alike) and `ops/moda.py` (`moda._DepthAttention` and `_AppendSlots`, eager). Each declares the kernels it
+calls as `Kernel`s (the C parameter names it passes, in order); the signatures themselves are read from the C
+sources (`c_signatures`), set as the ctypes argument types when a library loads, and checked against every
+declaration then (`KernelSignatureError`); a call checks each argument against its C type. This module keeps the
+build, the load, the bindings and the `usable` / `connector_usable` / `bank_usable` / `moda_usable` checks.
 Only float32/float64 CPU tensors take them (`usable`, `connector_usable`, `bank_usable`, `moda_usable`; MoDA's
 may read bfloat16 slots); anything else (CUDA, the meta device, other dtypes, no compiler or ninja, a failed build)
 takes torch ops, the same computation (`kernel_status` says which path each library takes, without building).
@@ -29,10 +31,12 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,26 +65,191 @@ _LIBRARIES = {  # name: flag sets in order of preference (the first that builds 
     "bank": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3"]],
     "moda": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3"]],
 }
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+
+# -- the kernels' signatures, read from the C sources, and the checked bindings ------------------------------------
+#
+# A kernel's C definition is its only signature: `c_signatures` reads the parameter names and types from csrc/,
+# the ctypes argument types are set from them when a library loads, and each caller declares (`Kernel`) the
+# parameter names it passes, in order; a declaration that differs from the C definition (count, order or name)
+# raises KernelSignatureError when the library loads (or at the declaration, if it is already loaded).
+
+class KernelSignatureError(TypeError):
+    """A Python caller's declaration of a C kernel differs from the kernel's definition in csrc/ (a programming
+    error: raised, never turned into the torch-op fallback)."""
 
 
-def _signatures(name: str, scalar) -> dict[str, list]:
-    if name == "sinkhorn":
-        return {"sinkhorn_forward": [_P, _P, _L, _I, _I, _I, scalar],
-                "sinkhorn_backward": [_P, _P, _P, _L, _I, _I, _I, scalar]}
-    if name == "moda":
-        return {"moda_forward": [_P, _P, _P, _L, scalar, _P, _L, _P, _L, _P, _I, _I, _I, _I, _L, _P, _P, _P, _P, _I],
-                "moda_backward": [_P] * 6 + [_I, _I, _I, _I, _L, scalar, _P, _P, _P, _I],
-                "moda_slot_grads": [_I] + [_P] * 5 + [_I, _I, _I, _I, _I, _L, _P, _P, _I, _I],
-                "moda_store_slot": [_P, _L, _I, _L, _P, _I, _I]}
-    if name == "bank":
-        return {"bank_mix_forward": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _L, _P, _P, _I],
-                "bank_prefix": [_P, _P, _P, _L, _I, _I, _I, _I, _P, _P, _P, _I],
-                "bank_flush": [_P, _P, _P, _L, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I]}
-    return {"hc_connect_forward": [_P, _P, _P, _P, _L, _I, _I, scalar, _P, _P, _P, _P, _P, _I],
-            "hc_connect_backward": [_P] * 9 + [_L, _I, _I] + [_P] * 4 + [_I],
-            "mhc_connect_forward": [_P] * 6 + [_L, _I, _I, scalar, _I, _I, scalar] + [_P] * 4 + [_I],
-            "mhc_connect_backward": [_P] * 10 + [_L, _I, _I, _I, _I, scalar] + [_P] * 6 + [_I]}
+@dataclass(frozen=True)
+class CParam:
+    """One parameter of a C kernel: its name, its C type with the type macros expanded and the qualifiers (const,
+    restrict) dropped ("float", "long", "unsigned short", ...), and whether it is a pointer to that type."""
+    name: str
+    ctype: str
+    pointer: bool
+
+
+@dataclass(frozen=True)
+class CSignature:
+    """An exported C function: its symbol (e.g. hc_connect_forward_f32), return type ("void" or "int") and
+    parameters."""
+    symbol: str
+    returns: str
+    params: tuple[CParam, ...]
+
+
+_COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
+# an exported definition at the start of a line: `int FN(name)(params) {` (type-generic) or `void name(params) {`
+_DEFINITION = re.compile(r"^(void|int)\s+(?:FN\((\w+)\)|(\w+))\s*\(([^)]*)\)\s*\{", re.M)
+_DIRECTIVE = re.compile(r'^\s*#\s*(?:define\s+(REAL|SFX|KV_T)\s+(.+?)|include\s+"([^"]+)")\s*$', re.M)
+_QUALIFIERS = {"const", "restrict", "__restrict__"}
+# the element dtypes a pointer parameter takes, by its C type (unsigned short: MoDA's bfloat16 slots; unsigned char:
+# a mask); a scalar parameter's ctypes type
+_POINTEE_DTYPES = {"float": (torch.float32,), "double": (torch.float64,), "unsigned short": (torch.bfloat16,),
+                   "long": (torch.int64,), "unsigned char": (torch.uint8, torch.bool)}
+_SCALAR_CTYPES = {"int": ctypes.c_int, "long": ctypes.c_long, "float": ctypes.c_float, "double": ctypes.c_double}
+_RETURN_CTYPES = {"void": None, "int": ctypes.c_int}
+
+
+def _param(text: str, macros: dict[str, str]) -> CParam:
+    """A CParam from one C parameter declaration, e.g. `const REAL *restrict H` with REAL = float."""
+    tokens = [t for t in text.replace("*", " * ").split() if t not in _QUALIFIERS]
+    pointer = "*" in tokens
+    *type_tokens, name = [t for t in tokens if t != "*"]
+    ctype = " ".join(macros.get(t, t) for t in type_tokens)
+    if ctype not in _SCALAR_CTYPES and not (pointer and ctype in _POINTEE_DTYPES):
+        raise KernelSignatureError(f"C parameter {text.strip()!r}: type {ctype!r} has no binding in cpu_kernels")
+    return CParam(name, ctype, pointer)
+
+
+def _definitions(text: str, macros: dict[str, str], out: dict[str, CSignature]) -> None:
+    """Add the exported definitions in source `text` (comments removed) with the type macros `macros`."""
+    for returns, generic, plain, params in _DEFINITION.findall(text):
+        if generic and "SFX" not in macros:
+            raise KernelSignatureError(f"FN({generic}) is defined outside a #define SFX block")
+        symbol = f"{generic}_{macros['SFX']}" if generic else plain
+        out[symbol] = CSignature(symbol, returns, tuple(_param(p, macros) for p in params.split(",") if p.strip()))
+
+
+def _read_source(name: str, macros: dict[str, str], out: dict[str, CSignature]) -> None:
+    """Read csrc/`name` as the preprocessor would for the type macros: #define REAL/SFX/KV_T sets them, #include
+    "x.h" reads x.h with the macros at that point (undef_generic.h clears them), and the definitions found are
+    instantiated with the macros in effect at the file's end (a header is included inside one type block)."""
+    text = _COMMENT.sub("", (SOURCE_DIR / name).read_text())
+    for define, value, include in _DIRECTIVE.findall(text):
+        if define:
+            macros[define] = value
+        elif include == "undef_generic.h":
+            macros.clear()
+        else:
+            _read_source(include, macros, out)
+    if not name.endswith(".c"):
+        _definitions(text, macros, out)
+    else:  # a .c file's own definitions are not type-generic
+        _definitions(text, {}, out)
+
+
+def c_signatures(library: str) -> dict[str, CSignature]:
+    """{symbol: CSignature} of every function library `library` exports, read from csrc/<library>.c and the headers
+    it includes (a type-generic kernel once per type it is instantiated for: name_f32, name_f64, ...)."""
+    out: dict[str, CSignature] = {}
+    _read_source(f"{library}.c", {}, out)
+    return out
+
+
+_SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
+
+
+class Kernel:
+    """One C kernel of library `library` as its Python caller calls it: `name` (FN's name, without the type suffix;
+    generic=False: a plain C function) and `params`, the C parameter names the caller passes, in order.
+
+    The declaration is checked against the C definition of every type the kernel is instantiated for when the
+    library loads (at once, if it already has): another count, order or name raises KernelSignatureError. A call
+    `kernel(dtype, *args)` runs the instantiation for `dtype` (float32, float64, or bfloat16: MoDA's slot type)
+    and converts each argument by its C type: a pointer takes a CPU tensor of its element dtype (REAL: the
+    kernel's type; None: NULL) and passes its data pointer; int/long take a Python int; float/double a number.
+    Anything else raises TypeError naming the kernel and the parameter, before the C code runs."""
+
+    def __init__(self, library: str, name: str, params: str, generic: bool = True):
+        self.library, self.name, self.params, self.generic = library, name, tuple(params.split()), generic
+        self._calls: dict[torch.dtype | None, tuple] = {}
+        _declared.setdefault(library, []).append(self)
+        if _libs.get(library) is not None:
+            self.bind(_libs[library], c_signatures(library))
+
+    def symbols(self, signatures: dict[str, CSignature]) -> list[str]:
+        """The C symbols of this kernel among `signatures` (one per type it is instantiated for)."""
+        if not self.generic:
+            return [self.name] if self.name in signatures else []
+        return [f"{self.name}_{sfx}" for sfx in _SUFFIXES.values() if f"{self.name}_{sfx}" in signatures]
+
+    def check(self, signatures: dict[str, CSignature]) -> None:
+        """Raise KernelSignatureError unless every instantiation's parameter names are this declaration's."""
+        symbols = self.symbols(signatures)
+        if not symbols:
+            raise KernelSignatureError(f"kernel {self.name!r}: no C definition in library {self.library!r}")
+        for symbol in symbols:
+            c_names = tuple(p.name for p in signatures[symbol].params)
+            if c_names != self.params:
+                raise KernelSignatureError(
+                    f"kernel {symbol} (library {self.library!r}): the caller passes {len(self.params)} arguments "
+                    f"({' '.join(self.params)}), the C definition takes {len(c_names)} ({' '.join(c_names)})")
+
+    def bind(self, lib: ctypes.CDLL, signatures: dict[str, CSignature]) -> None:
+        """Check the declaration, then set each instantiation's ctypes argument and return types from its C
+        definition and keep its argument converters."""
+        self.check(signatures)
+        for symbol in self.symbols(signatures):
+            sig = signatures[symbol]
+            fn = getattr(lib, symbol)
+            fn.argtypes = [ctypes.c_void_p if p.pointer else _SCALAR_CTYPES[p.ctype] for p in sig.params]
+            fn.restype = _RETURN_CTYPES[sig.returns]
+            dtype = next((t for t, sfx in _SUFFIXES.items() if symbol.endswith(f"_{sfx}")), None)
+            self._calls[dtype if self.generic else None] = (fn, tuple(
+                (p.name, _POINTEE_DTYPES[p.ctype] if p.pointer else None, p.ctype) for p in sig.params))
+
+    def __call__(self, dtype: torch.dtype | None, *args):
+        """Run the kernel's `dtype` instantiation (None for a plain function) on `args` (see the class docstring);
+        its C return value (a status: nonzero = failed), or None for a void function."""
+        if not self._calls:
+            library(self.library)  # loads and binds; a caller checks `*_usable` first, so it is built
+        fn, params = self._calls[dtype if self.generic else None]
+        if len(args) != len(params):
+            raise TypeError(f"kernel {fn.__name__} takes {len(params)} arguments, got {len(args)}")
+        converted = []
+        for spec, arg in zip(params, args):  # (inline: this runs ~100 times a training step)
+            dtypes = spec[1]
+            if dtypes is None:  # a number: ctypes converts it, after this check of its kind
+                if not isinstance(arg, _NUMBER_KINDS[spec[2]]):
+                    raise TypeError(f"kernel {fn.__name__}, argument {spec[0]}: wants a {spec[2]}, got "
+                                    f"{type(arg).__name__}")
+                converted.append(arg)
+            elif arg is None:
+                converted.append(None)
+            elif type(arg) is torch.Tensor and arg.dtype in dtypes and arg.is_cpu or _cpu_tensor(arg, dtypes):
+                converted.append(arg.data_ptr())
+            else:
+                got = f"{arg.dtype} tensor on {arg.device}" if isinstance(arg, torch.Tensor) else type(arg).__name__
+                raise TypeError(f"kernel {fn.__name__}, argument {spec[0]}: wants a CPU tensor of {dtypes[0]} "
+                                f"({spec[2]} *), got {got}")
+        return fn(*converted)
+
+
+_NUMBER_KINDS = {"int": int, "long": int, "float": (int, float), "double": (int, float)}
+
+
+def _cpu_tensor(arg, dtypes) -> bool:
+    """Whether `arg` is a CPU tensor (a subclass too, e.g. a Parameter) of one of `dtypes`."""
+    return isinstance(arg, torch.Tensor) and arg.dtype in dtypes and arg.is_cpu
+
+
+_declared: dict[str, list[Kernel]] = {}  # library name: the kernels its callers declared
+
+
+def _bind_declared(name: str, lib: ctypes.CDLL) -> None:
+    """Check and bind every kernel declared for library `name` (KernelSignatureError on a mismatch)."""
+    signatures = c_signatures(name)
+    for kernel in _declared.get(name, []):
+        kernel.bind(lib, signatures)
 
 
 _lock = threading.Lock()
@@ -171,15 +340,6 @@ def _build(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
         except (OSError, RuntimeError, subprocess.CalledProcessError):  # cpp_extension: RuntimeError
             if i == len(flag_sets) - 1:
                 raise
-    suffixes = [("f32", ctypes.c_float), ("f64", ctypes.c_double)] + [("bf16", ctypes.c_float)] * (name == "moda")
-    for suffix, scalar in suffixes:
-        for fn, argtypes in _signatures(name, scalar).items():
-            f = getattr(lib, f"{fn}_{suffix}")
-            f.argtypes = argtypes
-            f.restype = None if fn == "hc_connect_forward" else ctypes.c_int
-    if name == "connector":
-        for fn in ("tanh_f32_array", "exp_f32_array"):
-            getattr(lib, fn).argtypes, getattr(lib, fn).restype = [_P, _P, _L], None
     return lib
 
 
@@ -196,6 +356,8 @@ def library(name: str = "sinkhorn", folder: Path | None = None) -> ctypes.CDLL |
             except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
                 detail = getattr(exc, "stderr", "") or exc
                 logger.warning("%s CPU kernels unavailable (%s); using torch ops", name, str(detail)[:500])
+            if lib is not None:
+                _bind_declared(name, lib)  # outside the try: a signature mismatch is raised, not a fallback
             _libs[name] = lib
     return _libs[name]
 
@@ -238,13 +400,6 @@ def connector_usable(H: torch.Tensor, *others: torch.Tensor) -> bool:
     not required: the callers pass contiguous copies, as the kernels need.)"""
     return (H.shape[1] <= CONNECTOR_MAX_STREAMS and _cpu_float((H, *others))
             and library("connector") is not None)
-
-
-def function(lib: str, name: str, dtype: torch.dtype):
-    """Kernel `name` of the built library `lib` for scalar type `dtype`: float32, float64, or bfloat16 (moda's slot
-    type: `moda_forward`, `moda_backward`, `moda_store_slot` by their slots' dtype) -- the ctypes function the ops
-    in `depthtools.arch.ops` call (they check `usable` / `connector_usable` / `bank_usable` / `moda_usable` first)."""
-    return getattr(library(lib), f"{name}_{'bf16' if dtype == torch.bfloat16 else _SUFFIX[dtype]}")
 
 
 def bank_usable(values: torch.Tensor) -> bool:

@@ -82,18 +82,18 @@ the dynamic projections (dynamic_alpha/beta, φ, head_fn) decay like other matri
 
 Computation (performance; same function either way). At d = 64 a connector is many small
 operations on a 1 MB stream state, so its cost is call overhead and extra passes. Unless a
-weights hook (width/res/depth) is attached, each connector runs as ONE autograd node, the torch custom
-op `depthtools::hc_connect` / `depthtools::mhc_connect` (depthtools/arch/ops/connector.py, through
-`hc_connect` / `mhc_connect` here), with a hand-written backward; the update H ← R H + β ⊗ y is `_Update`.
-The op runs its fused C kernel on CPU (float32/float64, the library built) -- one pass over the stream state per
-direction; an eager step at L32 d64 went from ~1.9x / ~2.3x eager Pre-LN to ~1.6x / ~1.7x (benchmarks/RESULTS.md,
-"Third pass") -- and its plain-PyTorch twin elsewhere; the compiled CPU step calls the same op. Custom ops have no
-forward-mode derivative, so under forward AD or a torch.func transform (analysis.contrib's torch.func.jvp) a
-connector takes its plain-autograd reference (`torch_private.forward_ad_active`), for HC and mHC alike. With a
-weights hook the connector is formed step by step (`weights`: the reference's `hc_coefficients` /
-`mhc_coefficients`, with `_ProjRms` and the Sinkhorn op) so the hooked tensors can be read and edited. Option fused
-(True): False runs every one of these pieces' plain-autograd reference instead (depthtools/arch/reference.py; the
-same function, slower), for checking the hand-written backwards and for debugging.
+weights hook (width/res/depth) is attached, a connector on CPU float32/float64 (the kernel library built) runs as
+ONE autograd node, the torch custom op `depthtools::hc_connect` / `depthtools::mhc_connect`
+(depthtools/arch/ops/connector.py, through `hc_connect` / `mhc_connect` here): its fused C kernel, one pass over the
+stream state per direction (an eager step at L32 d64 went from ~1.9x / ~2.3x eager Pre-LN to ~1.6x / ~1.7x:
+benchmarks/RESULTS.md, "Third pass"); the compiled CPU step calls the same op. Everywhere else (CUDA, no compiler,
+forward AD or a torch.func transform, which custom ops have no rule for) the connector is its plain-autograd
+reference (depthtools/arch/reference.py; traced and fused by inductor in a compiled step off CPU). The connector's
+math is written twice, the reference and the kernel; the kernel's backward is tested against autograd of the
+reference. The update H ← R H + β ⊗ y is `_Update` (hand-written backward and jvp). With a weights hook the
+connector is formed step by step by the reference (`hc_coefficients` / `mhc_coefficients`, with the Sinkhorn op)
+so the hooked tensors can be read and edited. Option fused (True): False runs the plain-autograd reference of every
+piece instead (the same function, slower), for checking the op and the hand-written backwards and for debugging.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch import reference
 from depthtools.arch.compiled import compiling
-from depthtools.arch.layers import RMSNorm, fused_inverse_rms, inverse_rms_derivative
+from depthtools.arch.layers import RMSNorm
 from depthtools.arch.ops import connector as connector_ops, sinkhorn as sinkhorn_ops
 from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
 from depthtools.arch.torch_private import forward_ad_active, is_hooked
@@ -276,105 +276,14 @@ class _Connector(nn.Module):
                 width = self.hook_width_weights(width.squeeze(-2)).unsqueeze(-2)
                 routing = torch.cat([width, self.hook_res_weights(res)], dim=-2)
             depth = self.hook_depth_weights(depth)
-            mix = _Mix.apply if self.use_fused and not compiling() else reference.stream_mix
-            u, mixed = mix(routing.to(H.dtype).reshape(-1, n + 1, n), H.reshape(-1, n, d))
+            u, mixed = reference.stream_mix(routing.to(H.dtype).reshape(-1, n + 1, n), H.reshape(-1, n, d))
         return self.hook_branch_in(u.view(*lead, d)), mixed.view(*lead, n, d), depth.to(H.dtype)
 
 
-# -- fused pieces (custom autograd with forward-mode jvp, so torch.func.jvp still works) ---------
+# -- the stream update (custom autograd with forward-mode jvp, so torch.func.jvp still works) --------------------
 #
-# Why: at d = 64 every HC/mHC sublayer is a few small operations on a 1 MB stream state, and their
-# cost is per-call overhead and extra passes (CPU GEMM with 6 output columns, x² temporaries, the
-# split/cat of the mixed streams, broadcast-multiply-sum backward of the update), not arithmetic.
-
-class _ProjRms(torch.autograd.Function):
-    """(x @ w [M,m], 1/rms(x) [M,1]) for rows x [M,k] and a thin projection w [k,m].
-
-    x @ w is formed as (wᵀ xᵀ)ᵀ: MKL's CPU GEMM is faster for m = 6 output columns in that
-    orientation (benchmarks/RESULTS.md); mean(x²) is one fused dot product (no x² temporary).
-    """
-
-    @staticmethod
-    def forward(x, w, eps):
-        proj = (w.t() @ x.t()).t().contiguous()
-        inv = fused_inverse_rms(x, eps, keepdim=True)
-        return proj, inv
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, w, _ = inputs
-        ctx.save_for_backward(x, w, output[1])
-        ctx.save_for_forward(x, w, output[1])
-
-    @staticmethod
-    def backward(ctx, g_proj, g_inv):
-        x, w, inv = ctx.saved_tensors
-        gx = gw = None
-        if g_proj is not None:
-            if ctx.needs_input_grad[0]:
-                gx = g_proj @ w.t()
-            if ctx.needs_input_grad[1]:
-                gw = (g_proj.t() @ x).t()
-        if g_inv is not None and ctx.needs_input_grad[0]:
-            coef = inverse_rms_derivative(g_inv, inv, x.shape[-1])
-            gx = x * coef if gx is None else gx.addcmul_(x, coef)
-        return gx, gw, None
-
-    @staticmethod
-    def jvp(ctx, dx, dw, _):
-        x, w, inv = ctx.saved_tensors
-        d_proj = None
-        if dx is not None:
-            d_proj = dx @ w
-        if dw is not None:
-            d_proj = x @ dw if d_proj is None else d_proj + x @ dw
-        if d_proj is None:
-            d_proj = x.new_zeros(x.shape[0], w.shape[1])
-        if dx is None:
-            d_inv = torch.zeros_like(inv)
-        else:
-            d_inv = inverse_rms_derivative(torch.linalg.vecdot(x, dx).unsqueeze(-1), inv, x.shape[-1])
-        return d_proj, d_inv
-
-
-class _Mix(torch.autograd.Function):
-    """(u, R H) = rows of bmm([w; R], H) for routing [N,n+1,n] and streams H [N,n,d], as two outputs
-    (views of one product), so the backward assembles their gradients once instead of autograd's
-    split/cat."""
-
-    @staticmethod
-    def forward(routing, H):
-        out = torch.bmm(routing.contiguous(), H)
-        return out[:, 0], out[:, 1:]
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-        ctx.save_for_forward(*inputs)
-
-    @staticmethod
-    def backward(ctx, g_u, g_mixed):
-        routing, H = ctx.saved_tensors
-        N, n, d = H.shape
-        g_u = H.new_zeros(N, d) if g_u is None else g_u
-        g_mixed = H.new_zeros(N, n, d) if g_mixed is None else g_mixed
-        g = torch.cat([g_u.view(N, 1, d), g_mixed.view(N, n, d)], 1)
-        g_routing = torch.bmm(g, H.transpose(1, 2)) if ctx.needs_input_grad[0] else None
-        g_H = torch.bmm(routing.transpose(1, 2), g) if ctx.needs_input_grad[1] else None
-        return g_routing, g_H
-
-    @staticmethod
-    def jvp(ctx, d_routing, d_H):
-        routing, H = ctx.saved_tensors
-        out = None
-        if d_routing is not None:
-            out = torch.bmm(d_routing, H)
-        if d_H is not None:
-            out = torch.bmm(routing, d_H) if out is None else out.baddbmm_(routing, d_H)
-        if out is None:
-            out = H.new_zeros(routing.shape[0], routing.shape[1], H.shape[-1])
-        return out[:, 0], out[:, 1:]
-
+# Why: at d = 64 every HC/mHC sublayer is a few small operations on a 1 MB stream state, and their cost is per-call
+# overhead and extra passes (here: the broadcast-multiply-sum backward of β ⊗ y), not arithmetic.
 
 class _Update(torch.autograd.Function):
     """H' = mixed + β ⊗ y for mixed [...,n,d], β [...,n], y [...,d] (same dtype)."""
@@ -411,7 +320,7 @@ class _Update(torch.autograd.Function):
 
 
 def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """1 / sqrt(mean(x²) + eps) over the last dim, keepdim: RMSNorm without gamma is x · this.
+    """1 / sqrt(mean(x²) + eps) over the last dim, keepdim: RMSNorm without gamma is x · this (the head mixer's).
 
     Projections of a normalised vector are computed as (x @ W) · inverse_rms (as in Liger's
     reference), which avoids materialising the normalised [B,T,n,d] copy. mean(x²) as one fused
@@ -421,10 +330,10 @@ def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
-    """The HC connector with `reference.hc_connect`'s signature and result, as one autograd node: the op
-    `depthtools::hc_connect` (ops/connector.py: its C kernel on CPU, its torch twin elsewhere) where
-    `connector_ops.uses_op`; else (forward AD or a torch.func transform, which the op has no rule for; traced by
-    torch.compile off CPU, where inductor fuses it) the reference itself."""
+    """The HC connector with `reference.hc_connect`'s signature and result: the op `depthtools::hc_connect`
+    (ops/connector.py: one autograd node, its C kernel per direction) where `connector_ops.uses_op` (CPU float32/
+    float64, the library built, no forward AD or torch.func transform); else the reference itself, plain autograd
+    (CUDA eager, no compiler; traced by torch.compile off CPU, where inductor fuses it)."""
     if connector_ops.uses_op(H, Wa, wb, Sa, sb, sa, sbeta):
         return connector_ops.hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps)
     return reference.hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps)
@@ -432,11 +341,13 @@ def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
 
 def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first):
     """The mHC connector as `hc_connect` is HC's: the op `depthtools::mhc_connect` where `connector_ops.uses_op`,
-    else `reference.mhc_connect` (traced by torch.compile, its Sinkhorn as the op `depthtools::sinkhorn_tokens_last`)."""
+    else `reference.mhc_connect` with its Sinkhorn as the op `depthtools::sinkhorn_tokens_last` (its C kernel on CPU,
+    its torch twin elsewhere; the plain-autograd `reference.sinkhorn` under forward AD or a torch.func transform)."""
     params = (phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res)
     if connector_ops.uses_op(H, *params):
         return connector_ops.mhc_connect(H, *params, eps, t_max, first)
-    return reference.mhc_connect(H, *params, eps, t_max, first, sinkhorn_ops.sinkhorn if compiling() else None)
+    sinkhorn = lambda z, t_max, first: _sinkhorn(z, t_max, first)  # noqa: E731  (the op; forward AD: the reference)
+    return reference.mhc_connect(H, *params, eps, t_max, first, sinkhorn)
 
 
 class HyperConnection(_Connector):
@@ -481,8 +392,7 @@ class HyperConnection(_Connector):
     def weights(self, H):
         """([w; R] [B,T,n+1,n], β [B,T,n]) step by step (the reference's `hc_coefficients`), for hooks to read."""
         dtype = _compute_dtype(H)
-        proj_rms = _ProjRms.apply if self.use_fused and not compiling() else reference.proj_rms
-        return reference.hc_coefficients(H.to(dtype), *self._params(dtype), self.eps, proj_rms=proj_rms)
+        return reference.hc_coefficients(H.to(dtype), *self._params(dtype), self.eps)
 
 
 class ManifoldHyperConnection(_Connector):
@@ -527,10 +437,9 @@ class ManifoldHyperConnection(_Connector):
     def weights(self, H):
         """([H_pre; H_res] [B,T,n+1,n], H_post [B,T,n]) step by step (the reference's `mhc_coefficients`)."""
         dtype = _compute_dtype(H)
-        proj_rms = _ProjRms.apply if self.use_fused and not compiling() else reference.proj_rms
         sinkhorn = lambda z, t_max, first: _sinkhorn(z, t_max, first, self.use_fused)  # noqa: E731
         return reference.mhc_coefficients(H.to(dtype), *self._params(dtype), self.eps, self.t_max, self._first,
-                                          sinkhorn, proj_rms)
+                                          sinkhorn)
 
 
 # -- the scheme -------------------------------------------------------------------------------

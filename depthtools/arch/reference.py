@@ -1,8 +1,8 @@
 """Plain-autograd references of every fused `torch.autograd.Function` in depthtools.arch.
 
 The fast paths of HC/mHC (hyper.py), AttnRes/DenseFormer (bankops.py) and MoDA (moda.py) are
-custom autograd Functions or torch custom ops (depthtools/arch/ops) with hand-written backward (and,
-for three of the Functions, forward-mode jvp) passes. Each has its reference here: the same function
+custom autograd Functions with hand-written backward (and, for hyper._Update, forward-mode jvp) passes,
+or torch custom ops (depthtools/arch/ops) running C kernels. Each has its reference here: the same function
 written in ordinary torch ops, so autograd derives the gradients and jvps. Read these to see what a
 fused Function computes; select them for a whole model with option `fused: False` (hc, mhc, attnres, blockattnres, denseformer and moda
 declare it in their option schemas);
@@ -11,8 +11,6 @@ and jvps, and torch.autograd.gradcheck in float64) and fused against reference m
 
     fused Function             reference here             used by
     op sinkhorn_tokens_last    sinkhorn                   mHC H_res (hyper.sinkhorn_knopp; ops/sinkhorn.py)
-    hyper._ProjRms             proj_rms                   HC/mHC connectors with weights hooked
-    hyper._Mix                 stream_mix                 HC/mHC connectors with weights hooked
     hyper._Update              stream_update              every HC/mHC sublayer
     op hc_connect              hc_connect                 HC connector (no weights hook; ops/connector.py)
     op mhc_connect             mhc_connect                mHC connector (no weights hook; ops/connector.py)
@@ -50,12 +48,12 @@ def sinkhorn(logits: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
 
 
 def proj_rms(x: torch.Tensor, w: torch.Tensor, eps: float):
-    """_ProjRms: (x @ w [M,m], 1/rms(x) [M,1]) for rows x [M,k] and w [k,m]."""
+    """(x @ w [M,m], 1/rms(x) [M,1]) for rows x [M,k] and w [k,m]: the connectors' projection and norm."""
     return x @ w, _inverse_rms(x, eps)
 
 
 def stream_mix(routing: torch.Tensor, H: torch.Tensor):
-    """hyper._Mix: (u [N,d], R H [N,n,d]) = rows of [w; R] @ H for routing [N,n+1,n], streams H [N,n,d].
+    """(u [N,d], R H [N,n,d]) = rows of [w; R] @ H for routing [N,n+1,n], streams H [N,n,d].
 
     Under torch.compile: the same sums as n multiply-adds per output row (`stream_mix_unrolled`), which
     inductor fuses with the connector's other elementwise work; a [N,n+1,n] @ [N,n,d] bmm is an extern
@@ -63,7 +61,8 @@ def stream_mix(routing: torch.Tensor, H: torch.Tensor):
     if torch.compiler.is_compiling():
         return stream_mix_unrolled(routing, H)
     out = routing @ H
-    return out[:, 0], out[:, 1:]
+    u, mixed = out.split([1, out.shape[1] - 1], 1)  # split: its backward is one cat (indexing: zero-filled adds)
+    return u.squeeze(1), mixed
 
 
 def stream_mix_unrolled(routing: torch.Tensor, H: torch.Tensor):
@@ -91,12 +90,19 @@ def hc_coefficients(H, Wa, wb, Sa, sb, sa, sbeta, eps, proj_rms=proj_rms):
         beta  = S_b + s_b · tanh(Hbar @ w_b)   [..., n]
         [w; R] = [A_m | A_r]ᵀ
 
-    `proj_rms`: how (raw, 1/rms) are formed (default `proj_rms`; the hooked connector passes hyper._ProjRms)."""
+    `proj_rms`: how (raw, 1/rms) are formed (default `proj_rms`)."""
     n = H.shape[-2]
-    raw, inv = proj_rms(H.reshape(-1, H.shape[-1]), torch.cat([Wa, wb.unsqueeze(-1)], -1), eps)  # one GEMM
-    t = torch.tanh((raw * inv).view(*H.shape[:-1], n + 2))
+    _, _, t = hc_terms(H, Wa, wb, eps, proj_rms)
     coeffs = torch.cat([Sa, sb.unsqueeze(-1)], -1) + torch.cat([sa.expand(n + 1), sbeta.reshape(1)]) * t
     return coeffs[..., : n + 1].transpose(-1, -2), coeffs[..., n + 1]
+
+
+def hc_terms(H, Wa, wb, eps, proj_rms=proj_rms):
+    """`hc_coefficients`' first step: (raw [M, n+2], 1/rms [M, 1], t = tanh(raw · 1/rms) [..., n, n+2]) for
+    streams H [..., n, d], M rows of H. (The connector op saves raw, inv and t for its backward.)"""
+    n = H.shape[-2]
+    raw, inv = proj_rms(H.reshape(-1, H.shape[-1]), torch.cat([Wa, wb.unsqueeze(-1)], -1), eps)  # one GEMM
+    return raw, inv, torch.tanh((raw * inv).view(*H.shape[:-1], n + 2))
 
 
 def hc_connect(H, Wa, wb, Sa, sb, sa, sbeta, eps):
@@ -118,13 +124,19 @@ def mhc_coefficients(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre,
     `sinkhorn_fn`: another implementation of `sinkhorn` with its signature (the op, ops.sinkhorn.sinkhorn);
     `proj_rms`: as for `hc_coefficients`."""
     n = H.shape[-2]
-    x = H.flatten(-2)
-    raw, inv = proj_rms(x.reshape(-1, x.shape[-1]), torch.cat([phi_pre, phi_post, phi_res], 1), eps)  # one GEMM
-    pre, post, res = (raw * inv).view(*x.shape[:-1], -1).split([n, n, n * n], -1)
+    raw, inv = mhc_terms(H, phi_pre, phi_post, phi_res, eps, proj_rms)
+    pre, post, res = (raw * inv).view(*H.shape[:-2], -1).split([n, n, n * n], -1)
     h_pre = torch.sigmoid(g_pre * pre + b_pre)
     h_post = 2 * torch.sigmoid(g_post * post + b_post)
     h_res = (sinkhorn_fn or sinkhorn)(g_res * res.unflatten(-1, (n, n)) + b_res, t_max, first)
     return torch.cat([h_pre.unsqueeze(-2), h_res], -2), h_post
+
+
+def mhc_terms(H, phi_pre, phi_post, phi_res, eps, proj_rms=proj_rms):
+    """`mhc_coefficients`' first step: (raw = vec H @ [φ_pre | φ_post | φ_res] [M, 2n+n²], 1/rms(vec H) [M, 1]) for
+    streams H [..., n, d], M tokens. (The connector op saves raw and inv for its backward.)"""
+    x = H.flatten(-2)
+    return proj_rms(x.reshape(-1, x.shape[-1]), torch.cat([phi_pre, phi_post, phi_res], 1), eps)  # one GEMM
 
 
 def mhc_connect(H, phi_pre, phi_post, phi_res, g_pre, g_post, g_res, b_pre, b_post, b_res, eps, t_max, first,

@@ -23,8 +23,11 @@ from torch import Tensor
 from depthtools.arch import cpu_kernels
 
 
-def _kernel(name: str, t: Tensor):
-    return cpu_kernels.function("bank", name, t.dtype)
+_MIX = cpu_kernels.Kernel("bank", "bank_mix_forward",
+                          "values inv_rms dots N d M n col plogit pf n0 mu P p_stride h alpha threads")
+_PREFIX = cpu_kernels.Kernel("bank", "bank_prefix", "values inv_rms dots N d M n0 G cols mu P threads")
+_FLUSH = cpu_kernels.Kernel("bank", "bank_flush",
+                            "values inv_rms dots N d M lo hi K grads weights rhos cols gv gdots ginv threads")
 
 
 def _dense(*tensors):
@@ -68,10 +71,8 @@ def _kernel_mix(values, inv_rms, dots, n, col, partial, partial_logit, n0, mu, P
     alpha = values.new_empty(n + (partial is not None), N)
     if P is None:
         n0 = 0
-    ptr = (lambda x: None if x is None else x.data_ptr())
-    _out_of_memory(_kernel("bank_mix_forward", values)(
-        values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n, col, ptr(partial_logit), ptr(partial), n0,
-        ptr(mu), ptr(P), 0 if P is None else P.stride(0), h.data_ptr(), alpha.data_ptr(), torch.get_num_threads()))
+    _out_of_memory(_MIX(values.dtype, values, inv_rms, dots, N, d, M, n, col, partial_logit, partial, n0, mu, P,
+                        0 if P is None else P.stride(0), h, alpha, torch.get_num_threads()))
     return h, alpha
 
 
@@ -122,9 +123,7 @@ def _kernel_prefix(values, inv_rms, dots, n0, cols):
     G = len(cols)
     mu, P = values.new_empty(G, N), values.new_empty(N, G, d)
     table = torch.tensor(cols, dtype=torch.long)
-    _out_of_memory(_kernel("bank_prefix", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, n0,
-                                                  G, table.data_ptr(), mu.data_ptr(), P.data_ptr(),
-                                                  torch.get_num_threads()))
+    _out_of_memory(_PREFIX(values.dtype, values, inv_rms, dots, N, d, M, n0, G, table, mu, P, torch.get_num_threads()))
     return mu, P
 
 
@@ -162,9 +161,8 @@ def _kernel_flush(values, inv_rms, dots, lo, hi, grads, weights, rhos, cols, gv,
     grads, weights, rhos = (_dense(*xs) for xs in (grads, weights, rhos))  # (kept alive through the call)
     N, d, M = values.shape[1], values.shape[2], dots.shape[1]
     table = torch.tensor([[x.data_ptr() for x in xs] for xs in (grads, weights, rhos)] + [list(cols)], dtype=torch.long)
-    _kernel("bank_flush", values)(values.data_ptr(), inv_rms.data_ptr(), dots.data_ptr(), N, d, M, lo, hi, len(cols),
-                                  table[0].data_ptr(), table[1].data_ptr(), table[2].data_ptr(), table[3].data_ptr(),
-                                  gv.data_ptr(), gdots.data_ptr(), ginv.data_ptr(), torch.get_num_threads())
+    _FLUSH(values.dtype, values, inv_rms, dots, N, d, M, lo, hi, len(cols), table[0], table[1], table[2], table[3], gv,
+           gdots, ginv, torch.get_num_threads())
 
 
 def _torch_flush(values, inv_rms, dots, lo, hi, grads, weights, rhos, cols, gv, gdots, ginv):

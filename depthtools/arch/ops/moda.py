@@ -27,9 +27,13 @@ from depthtools.arch import cpu_kernels
 STREAM_STORES = True  # False: plain stores only in moda_store_slot (for the same-run A/B in benchmarks/bench_speedups.py)
 
 
-def _kernel(name: str, kv: Tensor):
-    """Kernel `name` for slots stored like `kv` (float32, float64 or bfloat16)."""
-    return cpu_kernels.function("moda", name, kv.dtype)
+# called with the slots' dtype (float32, float64 or bfloat16: the instantiation whose KV_T they are)
+_FORWARD = cpu_kernels.Kernel("moda", "moda_forward",
+                              "K V q qst scale o ost lse_seq lst invalid S Hkv g hd N z lse probs qs threads")
+_BACKWARD = cpu_kernels.Kernel("moda", "moda_backward", "K V z dz probs invalid S Hkv g hd N scale dqd ds dzt threads")
+_SLOT_GRADS = cpu_kernels.Kernel("moda", "moda_slot_grads",
+                                 "R ds probs qs dzt reads start stop Hkv g hd N gk gv add threads")
+_STORE_SLOT = cpu_kernels.Kernel("moda", "moda_store_slot", "src rs C N dst stream threads")
 
 
 def _out_of_memory(status: int, what: str = "MoDA depth-attention") -> None:
@@ -48,10 +52,6 @@ def _rows(x: Tensor) -> tuple[Tensor, int]:
     if not inner.is_contiguous() or x.shape[0] > 1 and x.stride(0) != x.shape[1] * x.stride(1):
         x = x.contiguous()
     return x, x.stride(1)
-
-
-def _ptr(x: Optional[Tensor]):
-    return None if x is None else x.data_ptr()
 
 
 # -- the forward: depth scores, the softmax joined with the sequence part, the weighted sum -------------------
@@ -87,10 +87,8 @@ def _kernel_forward(K, V, q, o, lse_seq, invalid, scale):
     z, lse = q.new_empty(B, T, H, hd), q.new_empty(B, T, H)
     probs, qs = q.new_empty(S, Hkv, H // Hkv, N), q.new_empty(Hkv, H // Hkv, hd, N)
     mask = _mask(invalid)  # (kept alive through the call)
-    _out_of_memory(_kernel("moda_forward", K)(K.data_ptr(), V.data_ptr(), q.data_ptr(), qst, scale, o.data_ptr(), ost,
-                                              lse_seq.data_ptr(), lst, _ptr(mask), S, Hkv, H // Hkv, hd, N,
-                                              z.data_ptr(), lse.data_ptr(), probs.data_ptr(), qs.data_ptr(),
-                                              torch.get_num_threads()))
+    _out_of_memory(_FORWARD(K.dtype, K, V, q, qst, scale, o, ost, lse_seq, lst, mask, S, Hkv, H // Hkv, hd, N, z, lse,
+                            probs, qs, torch.get_num_threads()))
     return z, lse, probs, qs
 
 
@@ -149,9 +147,8 @@ def _kernel_backward(K, V, z, dz, probs, invalid, scale):
     K, V, z, dz, probs = (x.contiguous() for x in (K, V, z, dz, probs))  # (the kernel's layout; no copy when they are)
     dqd, ds, dzt = z.new_empty(z.shape), probs.new_empty(probs.shape), z.new_empty(Hkv, H // Hkv, hd, N)
     mask = _mask(invalid)  # (kept alive through the call)
-    _out_of_memory(_kernel("moda_backward", K)(K.data_ptr(), V.data_ptr(), z.data_ptr(), dz.data_ptr(),
-                                               probs.data_ptr(), _ptr(mask), S, Hkv, H // Hkv, hd, N, scale,
-                                               dqd.data_ptr(), ds.data_ptr(), dzt.data_ptr(), torch.get_num_threads()))
+    _out_of_memory(_BACKWARD(K.dtype, K, V, z, dz, probs, mask, S, Hkv, H // Hkv, hd, N, scale, dqd, ds, dzt,
+                             torch.get_num_threads()))
     return dqd, ds, dzt
 
 
@@ -198,9 +195,8 @@ def _kernel_slot_grads(ds, probs, qs, dzt, reads, start, stop, gk, gv, add):
     ds, probs, qs, dzt = ([x.contiguous() for x in xs] for xs in (ds, probs, qs, dzt))  # (kept alive through the call)
     Hkv, g, hd, N = qs[0].shape
     table = torch.tensor([[x.data_ptr() for x in xs] for xs in (ds, probs, qs, dzt)] + [list(reads)], dtype=torch.long)
-    _out_of_memory(_kernel("moda_slot_grads", ds[0])(len(ds), *(row.data_ptr() for row in table), start, stop, Hkv, g,
-                                                     hd, N, gk.data_ptr(), gv.data_ptr(), int(add),
-                                                     torch.get_num_threads()), "MoDA slot-gradient")
+    _out_of_memory(_SLOT_GRADS(ds[0].dtype, len(ds), *table, start, stop, Hkv, g, hd, N, gk, gv, int(add),
+                               torch.get_num_threads()), "MoDA slot-gradient")
 
 
 def _torch_slot_grads(ds, probs, qs, dzt, reads, start, stop, gk, gv, add):
@@ -229,8 +225,7 @@ def moda_store_slot(src: Tensor, dst: Tensor) -> None:
     if cpu_kernels.moda_usable(src, dst.dtype) and dst.is_contiguous():
         src, rs = _rows(src)
         B, T, Hkv, hd = src.shape
-        _kernel("moda_store_slot", dst)(src.data_ptr(), rs, Hkv * hd, B * T, dst.data_ptr(), int(STREAM_STORES),
-                                        torch.get_num_threads())
+        _STORE_SLOT(dst.dtype, src, rs, Hkv * hd, B * T, dst, int(STREAM_STORES), torch.get_num_threads())
     else:
         dst.copy_(src.permute(2, 3, 0, 1))
 

@@ -27,12 +27,15 @@ from depthtools.arch.sinkhorn_torch import sinkhorn_backward as twin_backward, s
 
 # -- the C kernel (library "sinkhorn") --------------------------------------------------------------------------
 
+_FORWARD = cpu_kernels.Kernel("sinkhorn", "sinkhorn_forward", "z out N n t_max first tiny")
+_BACKWARD = cpu_kernels.Kernel("sinkhorn", "sinkhorn_backward", "z grad out N n t_max first tiny")
+
+
 def kernel_forward(z: torch.Tensor, t_max: int, first: int) -> torch.Tensor:
     """The C kernel's Sinkhorn result [n, n, N] of tokens-last logits z (contiguous; `cpu_kernels.usable(z)`)."""
     n, N = z.shape[0], z.shape[2]
     out = torch.empty_like(z)
-    fn = cpu_kernels.function("sinkhorn", "sinkhorn_forward", z.dtype)
-    if fn(z.data_ptr(), out.data_ptr(), N, n, t_max, first, torch.finfo(z.dtype).tiny):
+    if _FORWARD(z.dtype, z, out, N, n, t_max, first, torch.finfo(z.dtype).tiny):
         raise MemoryError("Sinkhorn CPU kernel: out of memory")
     return out
 
@@ -41,8 +44,7 @@ def kernel_backward(z: torch.Tensor, grad: torch.Tensor, t_max: int, first: int)
     """The C kernel's gradient of the logits z [n, n, N] from the result's gradient `grad` (same layout, contiguous)."""
     n, N = z.shape[0], z.shape[2]
     out = torch.empty_like(z)
-    fn = cpu_kernels.function("sinkhorn", "sinkhorn_backward", z.dtype)
-    if fn(z.data_ptr(), grad.data_ptr(), out.data_ptr(), N, n, t_max, first, torch.finfo(z.dtype).tiny):
+    if _BACKWARD(z.dtype, z, grad, out, N, n, t_max, first, torch.finfo(z.dtype).tiny):
         raise MemoryError("Sinkhorn CPU kernel: out of memory")
     return out
 
