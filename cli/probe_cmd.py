@@ -214,6 +214,10 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
                           highlight=False, soft_wrap=True)
         results = {}
         try:
+            if "lens_tuned" in names:  # refused before any table is written (HC/mHC readout "normed_sum")
+                from depthtools.analysis.lens import check_tuned_lens  # lazy: keeps the CLI torch-free
+
+                check_tuned_lens(model)
             with shared_sweeps():  # one intact forward per batch serves every pass of the probes
                 for name in names:
                     total = progress_total(name, model, analysis_args(name, **options),

@@ -130,3 +130,64 @@ def test_plot_helpers_return_axes():
     assert isinstance(plot_lens(logit_lens(model, toks), "ce"), Axes)
     assert isinstance(plot_ablation(ablate(model, toks, mode="skip")), Axes)
     assert isinstance(plot_prune_curve(ablate(model, toks, mode="prune", tau=float("inf"))), Axes)
+
+
+def _old_lens_logprobs(model, rows, depth, translators):
+    """The logit lens before issue 44: ln_final(readout(z_l)) through `readout_logits` (the reference)."""
+    logits = model.readout_logits(rows)
+    return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
+def _old_scored_rows(model, states, translators):
+    return [model.readout(s)[:, 1:].flatten(0, 1) for s in states]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logit_lens_through_final_hidden_is_unchanged_where_a_readout_exists(arch, monkeypatch):
+    """Issue 44: the logit lens decodes final_hidden(z_l); on every registered architecture (default
+    options, float32 as the models are analysed) that is the old ln_final(readout(z_l)) bit for bit."""
+    import depthtools.analysis.lens as lens
+
+    model, toks = tiny(arch).float(), windows()
+    new = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7)
+    monkeypatch.setattr(lens, "_scored_rows", _old_scored_rows)
+    monkeypatch.setattr(lens, "_lens_logprobs", _old_lens_logprobs)
+    old = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7)
+    pd.testing.assert_frame_equal(new.depths, old.depths, check_exact=True)
+    assert (new.prediction_depth == old.prediction_depth).all() and (new.token_loss == old.token_loss).all()
+
+
+@pytest.mark.parametrize("arch", ["hc", "mhc"])
+def test_logit_lens_runs_on_a_normed_sum_head_and_ends_at_the_model_output(arch):
+    """Issue 44: HC/mHC with readout "normed_sum" (DepthBench's head, Σ_s ln_final(H_s)) have no readout
+    vector; the logit lens decodes the head itself, so at depth L it is the model's own output exactly,
+    and each depth l is unembed(Σ_s ln_final(H_s)) of that depth's streams (computed by hand here)."""
+    from depthtools.analysis.lens import _lens_logprobs, _scored_rows
+    from depthtools.analysis.sweep import intact_states
+
+    model, toks = tiny(arch, readout="normed_sum").float(), windows()
+    result = lens_analysis(model, toks, batch_size=2, chunk_tokens=7)
+    assert list(result.depths["depth"]) == list(range(model.n_layer + 1))
+    with torch.no_grad():
+        own = F.log_softmax(model(toks[:, :-1])[:, 1:].flatten(0, 1), dim=-1)
+        states = intact_states(model, toks[:, :-1])
+        rows = _scored_rows(model, states, None)
+        assert torch.equal(_lens_logprobs(model, rows[-1], model.n_layer, None), own)
+        by_hand = model.unembed(sum(model.ln_final(states[1][..., s, :]) for s in range(states[1].shape[-2])))
+        assert torch.allclose(_lens_logprobs(model, rows[1], 1, None),
+                              F.log_softmax(by_hand[:, 1:].flatten(0, 1), dim=-1), atol=1e-6)
+    ce = F.cross_entropy(own, toks[:, 2:].flatten()).item()
+    final = result.depths.iloc[-1]
+    assert final["ce"] == pytest.approx(ce, rel=1e-6) and final["kl_final_lens"] == 0 and final["top1_agree"] == 1
+
+
+def test_tuned_lens_refuses_a_normed_sum_head_in_one_line():
+    """Its translators act on readout(z_l), which a normed_sum head does not have: one line naming why."""
+    from depthtools.errors import DepthToolsError
+
+    model, toks = tiny("hc", n_layer=2, readout="normed_sum").float(), windows()
+    for call in (lambda: train_tuned_lens(model, toks, steps=1),
+                 lambda: lens_analysis(model, toks, TunedLens(model.n_layer, model.config.d_model))):
+        with pytest.raises(DepthToolsError, match=r"tuned lens.*hc with readout='normed_sum'") as err:
+            call()
+        assert "\n" not in str(err.value)

@@ -1,8 +1,11 @@
 """Logit lens and tuned lens at every depth 0..L (docs/reference/metrics.md §1), chunked over tokens and depths.
 
-Lens at depth l: p_l = softmax(unembed(ln_final(T_l(readout(z_l))))), with T_l the identity (logit
-lens) or a trained affine translator (tuned lens). At l = L the translator is the identity and the
-lens is the model's own output (`head`), so KL = 0 and agreement = 1 there (tested per architecture).
+Logit lens at depth l: p_l = softmax(unembed(final_hidden(z_l))), the model's own head (`model.head`,
+docs/design.md §3) on the state at depth l: ln_final(readout(z_l)) for every scheme but HC/mHC with
+readout "normed_sum" (DepthBench's head), where it is Σ_s ln_final(H_s) — that head has no single vector
+before the final norm. Tuned lens: p_l = softmax(unembed(ln_final(T_l(readout(z_l))))), with T_l a trained
+affine translator; it needs readout(z_l), so it refuses "normed_sum" (`check_tuned_lens`). At l = L the
+lens is the model's own output, so KL = 0 and agreement = 1 there (tested per architecture).
 
 Per-depth metrics (mean over scored tokens, position 0 excluded; nats):
     ce              next-token cross-entropy of the lens
@@ -43,6 +46,7 @@ from torch import nn
 from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tables import ANALYSIS_DIR, model_columns, normalise_settings
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
+from depthtools.arch.backbone import softcap
 from depthtools.checkpoint import atomic_save_tensors, atomic_write_json
 from depthtools.errors import DepthToolsError
 
@@ -67,17 +71,42 @@ class TunedLens(nn.Module):
         return h + F.linear(h, self.weight[depth].to(h.dtype), self.bias[depth].to(h.dtype))
 
 
+def normed_sum_head(model) -> bool:
+    """Whether the model's head norms every stream before it sums them (HC/mHC readout "normed_sum"):
+    then there is no single vector before the final norm, so `model.readout` refuses the state."""
+    return getattr(getattr(model.scheme, "opts", None), "readout", None) == "normed_sum" \
+        and getattr(model.scheme, "head_fn", None) is None
+
+
+def check_tuned_lens(model) -> None:
+    """Refuse, in one line, a tuned lens on a model whose head has no vector before the final norm
+    (its translators act on readout(z_l)); the logit lens runs on such a model."""
+    if normed_sum_head(model):
+        raise DepthToolsError(
+            f"the tuned lens needs one vector before the final norm to translate, but {model_columns(model)['model']} "
+            f"({model.config.arch} with readout='normed_sum') norms each stream before summing them; "
+            "run the logit lens (lens without --tuned)")
+
+
 def _lens_logprobs(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
-    """[n,d] readout rows at `depth` -> [n,V] log-probs through (translator,) ln_final, unembed."""
-    if translators is not None:
-        rows = translators(rows, depth)
-    logits = model.readout_logits(rows)  # ln_final, unembed (and a final soft-cap)
+    """[n,d] rows at `depth` -> [n,V] log-probs. Logit lens: rows are final_hidden(z_l), unembedded (and
+    soft-capped where the model's logits are). Tuned lens: rows are readout(z_l), through the translator,
+    ln_final and unembed."""
+    if translators is None:
+        logits = softcap(model.unembed(rows), model.backbone.final_softcap)
+    else:
+        logits = model.readout_logits(translators(rows, depth))  # ln_final, unembed (and a final soft-cap)
     return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
 
-def _scored_readouts(model, states: list) -> list[torch.Tensor]:
-    """readout(z_l) of the scored positions, flattened to [B·(T-1), d], for every depth."""
-    return [model.readout(s)[:, FIRST_SCORED:].flatten(0, 1) for s in states]
+def _scored_rows(model, states: list, translators: TunedLens | None) -> list[torch.Tensor]:
+    """What each depth's lens decodes, at the scored positions flattened to [B·(T-1), d]: the logit lens
+    final_hidden(z_l) (what the model's own head unembeds), the tuned lens readout(z_l)."""
+    if translators is None:
+        read = lambda s: model.scheme.final_hidden(s, model.ln_final)  # noqa: E731
+    else:
+        read = model.readout
+    return [read(s)[:, FIRST_SCORED:].flatten(0, 1) for s in states]
 
 
 # -- the lens pass -------------------------------------------------------------------------------
@@ -155,6 +184,8 @@ def lens_analysis(
 ) -> LensResult:
     """Logit lens (translators=None) or tuned lens at every depth 0..L on a token set [N, T+1]."""
     tokens = check_tokens(model, tokens)
+    if translators is not None:
+        check_tuned_lens(model)
     if chunk_tokens < 1:
         raise DepthToolsError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     model.eval()
@@ -164,7 +195,7 @@ def lens_analysis(
     for batch in batches(tokens, batch_size):
         inputs, targets = split_inputs(batch)
         targets = targets.flatten()
-        reads = _scored_readouts(model, intact_states(model, inputs))
+        reads = _scored_rows(model, intact_states(model, inputs), translators)
         for lo in range(0, targets.numel(), chunk_tokens):
             rows, tgt = slice(lo, lo + chunk_tokens), targets[lo:lo + chunk_tokens]
             final = _lens_logprobs(model, reads[L][rows], L, translators)
@@ -268,6 +299,7 @@ def train_tuned_lens(
     loss is backpropagated on its own so only one [rows, V] graph is alive at a time.
     """
     tokens = check_tokens(model, tokens)
+    check_tuned_lens(model)
     if steps < 1:
         raise DepthToolsError(f"tuned-lens steps must be >= 1, got {steps}")
     model.eval()
@@ -281,8 +313,8 @@ def train_tuned_lens(
         for _ in range(steps):
             batch = tokens[torch.randint(tokens.shape[0], (min(batch_size, tokens.shape[0]),), generator=gen)]
             with torch.no_grad():
-                reads = _scored_readouts(model, intact_states(model, split_inputs(batch)[0]))
-                target = _lens_logprobs(model, reads[L], L, None)
+                reads = _scored_rows(model, intact_states(model, split_inputs(batch)[0]), lens)
+                target = _lens_logprobs(model, reads[L], L, lens)  # the identity at depth L: the model's output
             opt.zero_grad(set_to_none=True)
             for depth in range(L):
                 lp = _lens_logprobs(model, reads[depth], depth, lens)
@@ -349,6 +381,7 @@ def fit_tuned_lens(
 ) -> TunedLens:
     """A tuned lens for `model`: loaded from `<ckpt>/analysis/` when saved with the same settings
     (steps, lr, batch, decay, seed, training-token hash, weight hash), else trained and saved there."""
+    check_tuned_lens(model)
     ckpt_dir = ckpt_dir if ckpt_dir is not None else getattr(model, "checkpoint_dir", None)
     settings = {
         "objective": "kl_final_lens", "form": "h + A h + b", "optimizer": "adamw", "steps": steps, "lr": lr,

@@ -294,9 +294,10 @@ def _lens_logit(model, tokens, probe: Probe, batch_size):
 
 def _lens_tuned(model, tokens, probe: Probe, batch_size, lens_steps, lens_tokens, lens_lr, seed):
     """Fit (or reuse) a tuned lens on train-split windows, then evaluate it on the evaluation windows."""
-    from depthtools.analysis.lens import fit_tuned_lens, lens_analysis  # lazy
+    from depthtools.analysis.lens import check_tuned_lens, fit_tuned_lens, lens_analysis  # lazy
     from depthtools.analysis.tokens import check_tokens  # lazy
 
+    check_tuned_lens(model)  # before drawing the train windows (HC/mHC readout "normed_sum" has nothing to translate)
     ckpt_dir = Path(model.checkpoint_dir)
     train = check_tokens(model, eval_tokens(ckpt_dir, probe.data, lens_tokens, tokens.shape[1] - 1, "train", seed))
     translators = fit_tuned_lens(model, train, ckpt_dir, steps=lens_steps, lr=lens_lr, batch_size=batch_size,
