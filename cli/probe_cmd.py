@@ -208,16 +208,16 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
             continue
         model = cast_model(load(ckpt_dir, device=device), ANALYSIS_DTYPE.get())
         tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed, tokens=windows)
-        for note in tokens.notes:
-            err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
-        err_console.print(plan(names, model, tokens, recompute, shared_states=True, **options), markup=False,
-                          highlight=False, soft_wrap=True)
         results = {}
         try:
-            if "lens_tuned" in names:  # refused before any table is written (HC/mHC readout "normed_sum")
+            if "lens_tuned" in names:  # refused before the plan and any table (HC/mHC readout "normed_sum")
                 from depthtools.analysis.lens import check_tuned_lens  # lazy: keeps the CLI torch-free
 
                 check_tuned_lens(model)
+            for note in tokens.notes:
+                err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+            err_console.print(plan(names, model, tokens, recompute, shared_states=True, **options), markup=False,
+                              highlight=False, soft_wrap=True)
             with shared_sweeps():  # one intact forward per batch serves every pass of the probes
                 for name in names:
                     total = progress_total(name, model, analysis_args(name, **options),

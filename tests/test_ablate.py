@@ -214,6 +214,22 @@ def test_cli_tuned_lens_reports_both_lenses_and_saves_translators(saved, monkeyp
     assert (root / "grid" / "preln_L4" / "analysis" / "tuned_lens.safetensors").is_file()
 
 
+def test_cli_tuned_lens_refuses_a_normed_sum_head_before_writing_anything(saved, tmp_path, monkeypatch):
+    """Issue 44: `lens --tuned` on HC with readout "normed_sum" (no vector before the final norm for the
+    translators): one line naming the architecture and readout, exit 2, no table (not even the logit lens')."""
+    root, data = saved
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path))
+    cfg = ModelConfig(arch="hc", vocab_size=256, d_model=32, n_layer=2, n_heads=4, max_seq_len=32,
+                      options={"readout": "normed_sum"})
+    ck.save(DepthModel(cfg, seed=0), tmp_path / "hc_L2", extra={"data": {"path": str(data)}})
+    result = runner.invoke(app, ["lens", "--ckpt", "hc_L2", "--tuned", "--lens-steps", "2", "--lens-tokens", "512",
+                                 "--n-tokens", "128", "--seq-len", "16"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: the tuned lens") and len(result.stderr.strip().splitlines()) == 1
+    assert "hc_L2 (hc with readout='normed_sum')" in result.stderr and result.stdout == ""
+    assert not (tmp_path / "hc_L2" / "analysis").exists() or not any((tmp_path / "hc_L2" / "analysis").iterdir())
+
+
 def test_cli_grid_runs_every_checkpoint_and_skips_unsupported_ones(saved):
     root, data = saved
     result = runner.invoke(app, ["ablate", "--grid", str(root / "grid"), "--mode", "mean", "--n-tokens", "128",
