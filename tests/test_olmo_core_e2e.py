@@ -262,3 +262,24 @@ def test_sweep_names_are_checked_before_the_first_cell_is_written(tmp_path):
     assert result.exit_code == 2 and "already holds a checkpoint; pass --force" in result.output
     assert sorted(p.name for p in (tmp_path / "grid").iterdir()) == ["preln_L3"]  # preln_L2 was not written first
     assert (tmp_path / "grid" / "preln_L3" / "model.safetensors").read_bytes() == before
+
+
+def test_logit_lens_runs_on_an_imported_depthbench_hc_run(tmp_path, monkeypatch):
+    """Issue 44 "Done when": `depthtools lens` runs on an imported DepthBench HC run, whose head norms every
+    stream before the sum (readout "normed_sum"); at depth L the lens is the model's own output."""
+    monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
+    tok = word_tokenizer(tmp_path / "words.json")
+    text = tmp_path / "eval.txt"
+    text.write_text(" ".join(WORDS[(3 * i) % len(WORDS)] for i in range(600)), encoding="utf-8")
+    fork_run(tmp_path / "hc_run", "hc", tokenizer=tok)
+    ok(["import", tmp_path / "hc_run", "--name", "hc_tiny"])
+    imported = load(tmp_path / "ckpts" / "hc_tiny")
+    assert imported.config.options["readout"] == "normed_sum"
+    result = runner.invoke(app, ["lens", "--ckpt", "hc_tiny", "--text", str(text), "--n-tokens", "64",
+                                 "--seq-len", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    assert [r["depth"] for r in rows] == list(range(imported.n_layer + 1))
+    assert rows[-1]["kl_final_lens"] == 0 and rows[-1]["top1_agree"] == 1
+    assert all(r["ce"] > 0 for r in rows) and rows[0]["kl_final_lens"] > 0
+    assert (tmp_path / "ckpts" / "hc_tiny" / "analysis" / "lens_logit.parquet").is_file()
