@@ -102,3 +102,22 @@ def test_mhc_reports_the_sinkhorn_doubly_stochastic_residual(order):
     assert top[exact] <= 1e-6 and top[loose] > 1e-4, top
     assert top["row"] == max(rows["sinkhorn_row_error"]) and top["col"] == max(rows["sinkhorn_col_error"])
     assert not routing_stats(tiny("hc", n_layer=2), TOKENS).metric.str.startswith("sinkhorn").any()  # HC's R is free
+
+
+def test_normed_sum_final_consumer_reads_the_final_norms_per_stream_scale():
+    """Issue 44: under readout "normed_sum" the head reads Σ_s ln_final(H_s) = γ ⊙ Σ_s H_s/rms(H_s) (HC's
+    final norm is an RMSNorm), not the plain stream sum; the routing's final row weights the streams by those
+    1/rms(H_s) (checked here against the model's own head), so it is not the uniform-weight row of "sum"."""
+    from tiny_models import tiny as perturbed
+
+    model = perturbed("hc", n_layer=2, vocab=40, context=32, readout="normed_sum").double()
+    states = model.run_states(TOKENS)
+    H = states[-1]  # [B,T,n,d]
+    w = model.scheme.final_weights(H, model.ln_final)  # [B,T,n]
+    expected = model.ln_final.weight * (w.unsqueeze(-1) * H).sum(-2)
+    torch.testing.assert_close(expected, model.scheme.final_hidden(H, model.ln_final), rtol=1e-12, atol=1e-12)
+    ns = routing_matrix(routing_stats(model, TOKENS))
+    plain = perturbed("hc", n_layer=2, vocab=40, context=32, readout="sum").double()
+    W = routing_matrix(routing_stats(plain, TOKENS))
+    torch.testing.assert_close(ns[:-1], W[:-1], equal_nan=True)  # same weights, so the same inner consumers
+    assert torch.isfinite(ns[-1]).all() and (ns[-1] - W[-1]).abs().max() > 1e-4

@@ -587,6 +587,18 @@ class HyperScheme(ResidualScheme):
             return final_norm(state).sum(-2)
         return final_norm(self.readout(state))
 
+    def final_weights(self, state: torch.Tensor, final_norm: nn.Module) -> torch.Tensor:
+        """[B,T,n] weight of each stream in what the unembedding reads, up to one linear map common to all
+        streams: the readout weights, or for readout "normed_sum" the scale final_norm puts on each stream,
+        1/sqrt(mean((H_s − centre)²) + eps) (centre: the mean for LayerNorm, 0 for RMSNorm), since
+        Σ_s final_norm(H_s) = γ ⊙ C(Σ_s H_s / σ_s) + n·β. In float64; `depth_routing`'s final consumer."""
+        if self.head_fn is not None or self.opts.readout != "normed_sum":
+            return self.readout_weights(state).to(torch.float64)
+        x = state.to(torch.float64)
+        if getattr(final_norm, "centers", False):
+            x = x - x.mean(-1, keepdim=True)
+        return torch.rsqrt(x.pow(2).mean(-1) + final_norm.eps)
+
     def readout_weights(self, state: torch.Tensor) -> torch.Tensor:
         """[B,T,n] weight of each stream in the readout: ones, or the head mixer's p (in float32 or wider)."""
         if self.head_fn is None:
@@ -603,7 +615,8 @@ class HyperScheme(ResidualScheme):
         weights w_j, R_j, β_j (the hooks hook_{width,res,depth}_weights), the streams before consumer c
         are P_{0→c}(1 ⊗ x_0) + Σ_{j<c} P_{j+1→c} β_j y_j with P_{a→c} = R_{c−1}⋯R_a, so W[c, j+1] =
         w_cᵀ P_{j+1→c} β_j and W[c, 0] = w_cᵀ P_{0→c} 1, per token, then averaged. The final consumer
-        reads the readout weights normalised to sum 1 (ln_final is scale invariant). mHC adds, per
+        reads the readout weights normalised to sum 1 (ln_final is scale invariant); under readout
+        "normed_sum" the per-stream scales 1/σ_s of the final norm, normalised alike (`final_weights`). mHC adds, per
         sublayer, how far the finite Sinkhorn R_j is from doubly stochastic over every token:
         sinkhorn_row_error = max |Σ_i R_j[o,i] − 1|, sinkhorn_col_error = max |Σ_o R_j[o,i] − 1| (and
         their _max model rows); the normalisation that runs last is exact to rounding."""
@@ -622,7 +635,7 @@ class HyperScheme(ResidualScheme):
 
         with torch.no_grad(), model.hooks(fwd_hooks=[(name, store) for name in names]):
             states = model.run_states(tokens)
-            final = self.readout_weights(states[-1])[:, exclude_first:].to(F64).flatten(0, 1)  # [N, n]
+            final = self.final_weights(states[-1], model.ln_final)[:, exclude_first:].flatten(0, 1)  # [N, n]
         w, R, beta = ([cache[(j, part)] for j in range(S)] for part in ("width", "res", "depth"))
         final = final / final.sum(-1, keepdim=True)
         W = torch.full((S + 1, S + 1), math.nan, dtype=F64)
