@@ -348,12 +348,14 @@ def direct_scores(model, samples) -> tuple[float, float]:
     return float(np.mean(hits)), float(np.mean(losses))
 
 
-@pytest.mark.parametrize("arch", ["hc", "attnres", "denseformer", "moda"])
-def test_evaluator_matches_a_plain_forward_pass_on_other_architectures(arch):
-    """The depth-by-depth pass (readout -> ln_final -> unembed at depth L) is the model's own output."""
+@pytest.mark.parametrize("arch, options", [("hc", {}), ("attnres", {}), ("denseformer", {}), ("moda", {}),
+                                           ("hc", {"readout": "normed_sum"}), ("mhc", {"readout": "normed_sum"})])
+def test_evaluator_matches_a_plain_forward_pass_on_other_architectures(arch, options):
+    """The depth-by-depth pass (final_hidden -> unembed at depth L) is the model's own output, also for
+    HC/mHC whose head norms every stream before the sum (readout "normed_sum", issue 44)."""
     from tiny_models import tiny
 
-    model = tiny(arch, n_layer=3, vocab=256, context=64)
+    model = tiny(arch, n_layer=3, vocab=256, context=64, **options)
     df = task_eval(model, tasks="add", ks=[2], n=6, batch_size=4, train_mix=None)
     value = dict(zip(df["metric"], df["value"]))
     accuracy, loss = direct_scores(model, generate("add", 2, 6, seed=0))

@@ -12,7 +12,7 @@ Per (task, k), on `n` fresh samples (`depthtools.data.tasks.generate`, seed `see
                           what greedy decoding would emit (answer, then stop) — same number, one forward pass
                           instead of one per answer token.
     answer_loss           mean next-token cross-entropy over the answer tokens (nats; the end marker excluded).
-    lens_first_depth      logit lens (`model.head` applied to z_l = model.unembed(ln_final(readout(z_l)))):
+    lens_first_depth      logit lens (`model.head` applied to z_l = unembed(final_hidden(z_l)), the model's head):
                           per sample the first depth l in 0..L whose argmax matches all answer tokens,
                           averaged over the samples the model answers correctly at l = L (NaN if none).
     lens_first_rel_depth  the same over L (comparable across the depths of an iso-parameter grid).
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from depthtools.analysis.lens import model_fingerprint
 from depthtools.analysis.tables import checkpoint_dirs, load_table, model_columns, save_table
+from depthtools.arch.backbone import softcap
 from depthtools.checkpoint import CONFIG, load, read_json
 from depthtools.data.tasks import TASKS, TaskMix, TaskSample, check_k, generate, parse_k, parse_tasks
 from depthtools.errors import DepthToolsError
@@ -77,9 +78,14 @@ def _score_batch(model, ids: torch.Tensor, spans: list[tuple[int, int]]) -> dict
     n_answer = torch.bincount(sample, minlength=n)
     first = torch.full((n,), -1, dtype=torch.long, device=device)
 
+    def head_rows(state, rows, positions) -> torch.Tensor:
+        """model.head(state) at (rows, positions) only: final_hidden (the lens of every scheme, HC/mHC
+        readout "normed_sum" included), gathered, then unembedded (and soft-capped where the model is)."""
+        hidden = model.scheme.final_hidden(state, model.ln_final)[rows, positions]
+        return softcap(model.unembed(hidden), model.backbone.final_softcap)
+
     def answer_logits(state) -> torch.Tensor:
-        rows = model.readout(state)[sample, target_pos - 1]  # logits at t predict token t+1
-        logits = model.readout_logits(rows)
+        logits = head_rows(state, sample, target_pos - 1)  # logits at t predict token t+1
         return logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32 (bf16 models)
 
     state = model.embed(ids[:, :-1])  # the last token is only ever a target: a sample fits a row of seq_len+1
@@ -92,8 +98,7 @@ def _score_batch(model, ids: torch.Tensor, spans: list[tuple[int, int]]) -> dict
         first = torch.where((first < 0) & (hits == n_answer), torch.full_like(first, depth), first)
     ce = F.cross_entropy(logits, ids[sample, target_pos], reduction="none")
     ce_sum = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, sample, ce.double())
-    end_rows = model.readout(state)[end_sample, end_pos - 1]
-    end_ok = model.readout_logits(end_rows).argmax(-1) == ids[end_sample, end_pos]
+    end_ok = head_rows(state, end_sample, end_pos - 1).argmax(-1) == ids[end_sample, end_pos]
     answer_ok = hits == n_answer  # at depth L
     return {"correct": (answer_ok & end_ok).cpu().numpy(), "answer_ok": answer_ok.cpu().numpy(),
             "ce_sum": ce_sum.cpu().numpy(), "n_answer": n_answer.cpu().numpy(), "first": first.cpu().numpy()}
