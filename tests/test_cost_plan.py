@@ -14,12 +14,13 @@ from tiny_models import one_thread, tiny, windows  # noqa: F401 (fixture)
 
 
 class Counter:
-    """Wraps model.block_step and model.head / model.readout_logits on the instance, counting block
-    calls and head work in whole-batch units (rows evaluated / rows of one batch)."""
+    """Wraps model.block_step and model.head / model.readout_logits / model.hidden_logits on the instance,
+    counting block calls and head work in whole-batch units (rows evaluated / rows of one batch)."""
 
     def __init__(self, model, rows_per_batch: int):
         self.blocks, self.head_rows, self.rows = 0, 0, rows_per_batch
-        block_step, head, readout_logits = model.block_step, model.head, model.readout_logits
+        block_step, head, readout_logits, hidden_logits = (model.block_step, model.head, model.readout_logits,
+                                                           model.hidden_logits)
 
         def count_block(*a, **k):
             self.blocks += 1
@@ -33,7 +34,12 @@ class Counter:
             self.head_rows += x.shape[:-1].numel()
             return readout_logits(x)
 
+        def count_hidden(x):
+            self.head_rows += x.shape[:-1].numel()
+            return hidden_logits(x)
+
         model.block_step, model.head, model.readout_logits = count_block, count_head, count_readout
+        model.hidden_logits = count_hidden
 
     @property
     def heads(self) -> float:

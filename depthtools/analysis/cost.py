@@ -5,7 +5,7 @@ all-pairs swaps and the lens are each many forward passes. Every analysis is cou
 two units that dominate it, per batch of `batch_size` sequences:
 
     block calls      `model.block_step` calls (each one block over the whole batch)
-    head evaluations `head`/`readout_logits` over the whole batch (unembedding to V logits)
+    head evaluations `head`/`readout_logits`/`hidden_logits` over the whole batch (unembedding to V logits)
 
 and converted to forward-pass equivalents: one plain forward is L block calls + 1 head, and a head
 costs h blocks — measured before a run (`time_parts`: the head with its metrics' log-softmax, KL and

@@ -46,7 +46,6 @@ from torch import nn
 from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tables import ANALYSIS_DIR, model_columns, normalise_settings
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
-from depthtools.arch.backbone import softcap
 from depthtools.checkpoint import atomic_save_tensors, atomic_write_json
 from depthtools.errors import DepthToolsError
 
@@ -93,7 +92,7 @@ def _lens_logprobs(model, rows: torch.Tensor, depth: int, translators: TunedLens
     soft-capped where the model's logits are). Tuned lens: rows are readout(z_l), through the translator,
     ln_final and unembed."""
     if translators is None:
-        logits = softcap(model.unembed(rows), model.backbone.final_softcap)
+        logits = model.hidden_logits(rows)
     else:
         logits = model.readout_logits(translators(rows, depth))  # ln_final, unembed (and a final soft-cap)
     return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from depthtools.analysis.lens import model_fingerprint
 from depthtools.analysis.tables import checkpoint_dirs, load_table, model_columns, save_table
-from depthtools.arch.backbone import softcap
 from depthtools.checkpoint import CONFIG, load, read_json
 from depthtools.data.tasks import TASKS, TaskMix, TaskSample, check_k, generate, parse_k, parse_tasks
 from depthtools.errors import DepthToolsError
@@ -82,7 +81,7 @@ def _score_batch(model, ids: torch.Tensor, spans: list[tuple[int, int]]) -> dict
         """model.head(state) at (rows, positions) only: final_hidden (the lens of every scheme, HC/mHC
         readout "normed_sum" included), gathered, then unembedded (and soft-capped where the model is)."""
         hidden = model.scheme.final_hidden(state, model.ln_final)[rows, positions]
-        return softcap(model.unembed(hidden), model.backbone.final_softcap)
+        return model.hidden_logits(hidden)
 
     def answer_logits(state) -> torch.Tensor:
         logits = head_rows(state, sample, target_pos - 1)  # logits at t predict token t+1

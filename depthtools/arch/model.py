@@ -247,6 +247,12 @@ class DepthModel(HookedRootModule):
         `ResidualScheme.final_hidden`)."""
         return softcap(self.unembed(self.scheme.final_hidden(state, self.ln_final)), self.backbone.final_softcap)
 
+    def hidden_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] of final-hidden rows x [..., d] (`ResidualScheme.final_hidden`, already through the
+        final norm): unembed(x), soft-capped where the model's own logits are. The logit lens and task probes
+        read through this, so they decode a few gathered rows with the model's own head."""
+        return softcap(self.unembed(x), self.backbone.final_softcap)
+
     def readout_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] of readout vectors x [..., d]: unembed(ln_final(x)), soft-capped where the model's
         own logits are (Gemma-2's final_softcap). Every lens reads through this."""
