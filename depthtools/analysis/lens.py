@@ -101,10 +101,9 @@ def _lens_logprobs(model, rows: torch.Tensor, depth: int, translators: TunedLens
 def _scored_rows(model, states: list, translators: TunedLens | None) -> list[torch.Tensor]:
     """What each depth's lens decodes, at the scored positions flattened to [B·(T-1), d]: the logit lens
     final_hidden(z_l) (what the model's own head unembeds), the tuned lens readout(z_l)."""
-    if translators is None:
-        read = lambda s: model.scheme.final_hidden(s, model.ln_final)  # noqa: E731
-    else:
-        read = model.readout
+    def read(state) -> torch.Tensor:
+        return model.scheme.final_hidden(state, model.ln_final) if translators is None else model.readout(state)
+
     return [read(s)[:, FIRST_SCORED:].flatten(0, 1) for s in states]
 
 

@@ -12,7 +12,7 @@ Per (task, k), on `n` fresh samples (`depthtools.data.tasks.generate`, seed `see
                           what greedy decoding would emit (answer, then stop) — same number, one forward pass
                           instead of one per answer token.
     answer_loss           mean next-token cross-entropy over the answer tokens (nats; the end marker excluded).
-    lens_first_depth      logit lens (`model.head` applied to z_l = unembed(final_hidden(z_l)), the model's head):
+    lens_first_depth      logit lens (`model.head` on z_l: unembed(final_hidden(z_l))):
                           per sample the first depth l in 0..L whose argmax matches all answer tokens,
                           averaged over the samples the model answers correctly at l = L (NaN if none).
     lens_first_rel_depth  the same over L (comparable across the depths of an iso-parameter grid).

@@ -616,7 +616,7 @@ class HyperScheme(ResidualScheme):
         are P_{0→c}(1 ⊗ x_0) + Σ_{j<c} P_{j+1→c} β_j y_j with P_{a→c} = R_{c−1}⋯R_a, so W[c, j+1] =
         w_cᵀ P_{j+1→c} β_j and W[c, 0] = w_cᵀ P_{0→c} 1, per token, then averaged. The final consumer
         reads the readout weights normalised to sum 1 (ln_final is scale invariant); under readout
-        "normed_sum" the per-stream scales 1/σ_s of the final norm, normalised alike (`final_weights`). mHC adds, per
+        "normed_sum" the final norm's per-stream scales 1/σ_s, normalised alike (`final_weights`). mHC adds, per
         sublayer, how far the finite Sinkhorn R_j is from doubly stochastic over every token:
         sinkhorn_row_error = max |Σ_i R_j[o,i] − 1|, sinkhorn_col_error = max |Σ_o R_j[o,i] − 1| (and
         their _max model rows); the normalisation that runs last is exact to rounding."""
