@@ -18,7 +18,6 @@ import math
 import os
 import re
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,9 @@ from safetensors.torch import load_file, save_file
 from depthtools import __version__
 from depthtools.config import ModelConfig
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import file_mode, json_section, read_json_object, write_error
+from depthtools.fsutil import (  # noqa: F401 - atomic_write_bytes/json re-exported: many callers import them here
+    AtomicFile, atomic_write_bytes, atomic_write_json, json_section, read_json_object, write_error,
+)
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -39,53 +40,14 @@ def checkpoints_root() -> Path:
     return Path(os.environ.get("DEPTHTOOLS_CHECKPOINTS") or "checkpoints")
 
 
-# -- atomic file writes ------------------------------------------------------------------------
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory, then rename: never a half-written file."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise write_error(exc, path) from None
-    try:
-        os.fchmod(fd, file_mode())  # mkstemp's 0600 would make every checkpoint private, whatever the umask
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise write_error(exc, path) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
+# -- atomic file writes (the helpers live in fsutil; atomic_write_bytes/json are re-exported for callers) ----------
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """safetensors save through a temporary file + rename."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise write_error(exc, path) from None
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.chmod(tmp, file_mode())  # after save_file, which may create the file anew
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as exc:  # a full disk reaches us as a SafetensorError naming no file
-        Path(tmp).unlink(missing_ok=True)
-        raise write_error(exc, path) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """safetensors save through fsutil.AtomicFile (a hidden temporary file, then rename; not fsynced, as before)."""
+    with AtomicFile(path, fsync=False) as out:
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, out.temp, metadata=metadata)
+        except (OSError, SafetensorError) as exc:  # a full disk reaches us as a SafetensorError naming no file
+            raise write_error(exc, path) from None
 
 
 def _weights_error(path: Path, exc: BaseException) -> CheckpointError:
