@@ -19,11 +19,9 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 from depthtools import __version__
 from depthtools.config import ModelConfig
@@ -31,6 +29,12 @@ from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import (  # noqa: F401 - atomic_write_bytes/json re-exported: many callers import them here
     AtomicFile, atomic_write_bytes, atomic_write_json, json_section, read_json_object, write_error,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that handle tensors: the JSON, header and name readers here serve
+# torch-free modules (reports, grid specs, `grid status`), which must not pay torch's import.
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -43,6 +47,8 @@ def checkpoints_root() -> Path:
 # -- atomic file writes (the helpers live in fsutil; atomic_write_bytes/json are re-exported for callers) ----------
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """safetensors save through fsutil.AtomicFile (a hidden temporary file, then rename; not fsynced, as before)."""
+    from safetensors.torch import save_file  # lazy: safetensors.torch imports torch (see the note at the top)
+
     with AtomicFile(path, fsync=False) as out:
         try:
             save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, out.temp, metadata=metadata)
@@ -63,6 +69,8 @@ def _weights_error(path: Path, exc: BaseException) -> CheckpointError:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Load a safetensors file; a corrupt or truncated file is a one-line CheckpointError."""
+    from safetensors.torch import load_file  # lazy: safetensors.torch imports torch (see the note at the top)
+
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"missing weights file {path}")
@@ -176,6 +184,8 @@ def check_shapes(cfg: ModelConfig, header: dict[str, tuple[int, ...]], directory
 
     The block count and the embedding are checked first (cheap); then a model built on the meta device
     (shapes, no storage) gives every tensor name and shape."""
+    import torch  # lazy: see the note at the top
+
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
 
     blocks = _block_count(header)
@@ -289,6 +299,8 @@ def tensor_problem(key: str, tensor: torch.Tensor) -> str | None:
     """Why a weight tensor cannot belong to a trained model, or None: a non-floating dtype (int64 would be
     cast to a meaningless model silently) or a NaN/inf entry (every metric would be NaN). Shared by `load`
     and the importers (`depthtools.interop.checks`), so both refuse the same tensors in the same words."""
+    import torch  # lazy: see the note at the top (the caller holds a tensor: torch is loaded already)
+
     if not tensor.dtype.is_floating_point:
         return f"tensor {key} has dtype {str(tensor.dtype).replace('torch.', '')}, expected a floating-point dtype"
     if not bool(torch.isfinite(tensor).all()):
@@ -324,6 +336,8 @@ def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
 
 def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
     """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model."""
+    import torch  # lazy: see the note at the top
+
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
     from depthtools.arch.hyper import legacy_options  # lazy: TransformerLens (~2.5 s) only where a model is built
 
