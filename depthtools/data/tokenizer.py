@@ -327,5 +327,3 @@ def load_tokenizer(spec_or_dir: str | os.PathLike) -> ByteTokenizer | BPETokeniz
     if str(spec_or_dir) in BPE_SIZES:
         raise DepthToolsError(f"tokenizer {spec_or_dir!r} is trained per dataset; pass its data directory (e.g. data/default-{spec_or_dir})")
     raise DepthToolsError(f"unknown tokenizer {str(spec_or_dir)!r}; valid: byte, or a prepared data directory")
-
-
