@@ -34,9 +34,9 @@ from cli.app import app
 from cli.common import check_device, console, err_console, fmt, parse_list, print_json, table, write_out
 from cli.plain import PlainLog, PlainProgress, is_plain
 from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
-from depthtools.analysis.suite import (N_TOKENS, SEQ_LEN, ablate_analysis, analysis_args, cast_model, check_dtype,
-                                       check_prune, check_sizes, checkpoint_dirs, checkpoint_tokens, plan, probe_tokens,
-                                       progress_total, run_analysis, skip_is_measured)
+from depthtools.analysis.suite import (N_TOKENS, SEQ_LEN, ablate_analysis, analysis_args, check_dtype, check_prune,
+                                       check_sizes, checkpoint_dirs, loaded_checkpoints, plan, progress_total,
+                                       run_analysis, skip_is_measured)
 from depthtools.errors import DepthToolsError
 
 # -- the shared option vocabulary --------------------------------------------------------------------
@@ -188,7 +188,6 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
     With several checkpoints, one an analysis does not apply to is skipped with a line on stderr.
     """
     from depthtools.analysis.sweep import shared_sweeps  # lazy: keeps the CLI torch-free
-    from depthtools.checkpoint import load  # lazy: keeps the CLI torch-free
 
     check_sizes(n_tokens, seq_len, batch_size)
     check_device(device)
@@ -196,18 +195,16 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
     options = dict(options, batch_size=batch_size, seed=seed)
     done, skipped = [], []
     log = PlainLog(out=err_console)  # one clock for the command's plain lines
-    for ckpt_dir in dirs:
-        try:  # windows, data and tokenizer checked against config.json before the weights are read
-            windows = checkpoint_tokens(ckpt_dir, data, n_tokens, seq_len, split, seed, cap=not N_TOKENS_GIVEN.get(),
-                                        train_tokens=options.get("lens_tokens") if "lens_tuned" in names else None)
-        except DepthToolsError as exc:
-            if len(dirs) == 1:
-                raise
-            skipped.append(str(exc))
-            err_console.print(f"[yellow]skipped:[/] {escape(str(exc))}", highlight=False)
-            continue
-        model = cast_model(load(ckpt_dir, device=device), ANALYSIS_DTYPE.get())
-        tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed, tokens=windows)
+
+    def skip(exc: DepthToolsError) -> None:
+        skipped.append(str(exc))
+        err_console.print(f"[yellow]skipped:[/] {escape(str(exc))}", highlight=False)
+
+    # windows, data and tokenizer are checked against config.json before the weights are read
+    for ckpt_dir, model, tokens in loaded_checkpoints(
+            dirs, data, n_tokens, seq_len, split, seed, cap=not N_TOKENS_GIVEN.get(),
+            train_tokens=options.get("lens_tokens") if "lens_tuned" in names else None, device=device,
+            dtype=ANALYSIS_DTYPE.get(), skip=skip if len(dirs) > 1 else None):
         results = {}
         try:
             if "lens_tuned" in names:  # refused before the plan and any table (HC/mHC readout "normed_sum")
@@ -235,8 +232,7 @@ def probe(names: list[str], ckpts: Optional[list[str]], grid: Optional[Path], da
         except DepthToolsError as exc:
             if len(dirs) == 1:
                 raise
-            skipped.append(str(exc))
-            err_console.print(f"[yellow]skipped:[/] {escape(str(exc))}", highlight=False)
+            skip(exc)
             continue
         done.append((model, results))
     if not done:

@@ -18,18 +18,23 @@ import math
 import os
 import re
 import struct
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
 from depthtools import __version__
 from depthtools.config import ModelConfig
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import file_mode, json_section, read_json_object, write_error
+from depthtools.fsutil import (  # noqa: F401 - atomic_write_bytes/json re-exported: many callers import them here
+    AtomicFile, atomic_write_bytes, atomic_write_json, json_section, read_json_object, write_error,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that handle tensors: the JSON, header and name readers here serve
+# torch-free modules (reports, grid specs, `grid status`), which must not pay torch's import.
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -39,53 +44,16 @@ def checkpoints_root() -> Path:
     return Path(os.environ.get("DEPTHTOOLS_CHECKPOINTS") or "checkpoints")
 
 
-# -- atomic file writes ------------------------------------------------------------------------
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory, then rename: never a half-written file."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise write_error(exc, path) from None
-    try:
-        os.fchmod(fd, file_mode())  # mkstemp's 0600 would make every checkpoint private, whatever the umask
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise write_error(exc, path) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
+# -- atomic file writes (the helpers live in fsutil; atomic_write_bytes/json are re-exported for callers) ----------
 def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """safetensors save through a temporary file + rename."""
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise write_error(exc, path) from None
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.chmod(tmp, file_mode())  # after save_file, which may create the file anew
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as exc:  # a full disk reaches us as a SafetensorError naming no file
-        Path(tmp).unlink(missing_ok=True)
-        raise write_error(exc, path) from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """safetensors save through fsutil.AtomicFile (a hidden temporary file, then rename; not fsynced, as before)."""
+    from safetensors.torch import save_file  # lazy: safetensors.torch imports torch (see the note at the top)
+
+    with AtomicFile(path, fsync=False) as out:
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, out.temp, metadata=metadata)
+        except (OSError, SafetensorError) as exc:  # a full disk reaches us as a SafetensorError naming no file
+            raise write_error(exc, path) from None
 
 
 def _weights_error(path: Path, exc: BaseException) -> CheckpointError:
@@ -101,6 +69,8 @@ def _weights_error(path: Path, exc: BaseException) -> CheckpointError:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Load a safetensors file; a corrupt or truncated file is a one-line CheckpointError."""
+    from safetensors.torch import load_file  # lazy: safetensors.torch imports torch (see the note at the top)
+
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"missing weights file {path}")
@@ -214,6 +184,8 @@ def check_shapes(cfg: ModelConfig, header: dict[str, tuple[int, ...]], directory
 
     The block count and the embedding are checked first (cheap); then a model built on the meta device
     (shapes, no storage) gives every tensor name and shape."""
+    import torch  # lazy: see the note at the top
+
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
 
     blocks = _block_count(header)
@@ -327,6 +299,8 @@ def tensor_problem(key: str, tensor: torch.Tensor) -> str | None:
     """Why a weight tensor cannot belong to a trained model, or None: a non-floating dtype (int64 would be
     cast to a meaningless model silently) or a NaN/inf entry (every metric would be NaN). Shared by `load`
     and the importers (`depthtools.interop.checks`), so both refuse the same tensors in the same words."""
+    import torch  # lazy: see the note at the top (the caller holds a tensor: torch is loaded already)
+
     if not tensor.dtype.is_floating_point:
         return f"tensor {key} has dtype {str(tensor.dtype).replace('torch.', '')}, expected a floating-point dtype"
     if not bool(torch.isfinite(tensor).all()):
@@ -362,6 +336,8 @@ def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
 
 def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
     """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model."""
+    import torch  # lazy: see the note at the top
+
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
     from depthtools.arch.hyper import legacy_options  # lazy: TransformerLens (~2.5 s) only where a model is built
 

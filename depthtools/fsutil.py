@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -149,6 +150,89 @@ def file_mode() -> int:
 def dir_mode() -> int:
     """The mode an ordinary new folder gets (0o777 less the umask), for folders made with mkdtemp (0700)."""
     return 0o777 & ~umask()
+
+
+# -- atomic file writes: a hidden temporary file in the same folder, then one rename ----------------------
+class AtomicFile:
+    """A file written under a hidden temporary name beside `path` (`.<name>.<random>.tmp`) and renamed over
+    `path` by `commit()`: readers, and a crash at any moment, see the old file or the whole new one, never half.
+
+    Write through `write()` (an OSError there is one naming `path`, not the hidden file), or let a writer that
+    wants a path (safetensors) write `temp` itself. `commit()` fsyncs the data first when `fsync` (checkpoints:
+    a power cut must not rename an empty file into place; liveness hints and files inside a staging folder skip
+    it), gives the file an ordinary file's mode (mkstemp's 0600 would make it private whatever the umask) and
+    renames it. `discard()` removes it. As a context manager: commit on a clean exit, discard on an exception,
+    which propagates unchanged. The folder is created when missing; creating it or the temporary file fails as
+    an OSError naming `path` (`write_error`), so the CLI prints one line."""
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True):
+        self.path, self.fsync = Path(path), fsync
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise write_error(exc, self.path) from None
+        self.temp = Path(temp)
+        self._handle = os.fdopen(fd, "wb")
+
+    def write(self, data: bytes) -> None:
+        """Append `data` to the temporary file."""
+        try:
+            self._handle.write(data)
+        except OSError as exc:
+            raise write_error(exc, self.path) from None
+
+    def commit(self) -> Path:
+        """Flush, fsync (when asked), chmod and rename over `path`; on failure the temporary file is removed."""
+        try:
+            self._handle.flush()
+            if self.fsync:
+                os.fsync(self._handle.fileno())
+            self._handle.close()
+            os.chmod(self.temp, file_mode())  # after any writer that re-created the file by path
+            os.replace(self.temp, self.path)
+        except OSError as exc:
+            self.discard()
+            raise write_error(exc, self.path) from None
+        except BaseException:
+            self.discard()
+            raise
+        return self.path
+
+    def discard(self) -> None:
+        """Close and remove the temporary file (idempotent; nothing is renamed)."""
+        try:
+            self._handle.close()
+        except OSError:
+            pass
+        self.temp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "AtomicFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> Path:
+    """Write `data` to `path` atomically (`AtomicFile`); returns the path."""
+    with AtomicFile(path, fsync=fsync) as out:
+        out.write(data)
+    return out.path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> Path:
+    """Write `text` as UTF-8 to `path` atomically (`AtomicFile`); returns the path."""
+    return atomic_write_bytes(path, text.encode("utf-8"), fsync=fsync)
+
+
+def atomic_write_json(path: str | os.PathLike, obj, *, indent: int | None = 2, sort_keys: bool = True,
+                      fsync: bool = True) -> Path:
+    """Write `obj` as JSON plus a final newline to `path` atomically (`AtomicFile`); returns the path."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n", fsync=fsync)
 
 
 def _blocking_parent(path: Path) -> Path | None:

@@ -21,14 +21,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-import torch
-
-from depthtools.arch import DepthModel, canonical_name, get_arch
-from depthtools.checkpoint import atomic_write_json
 from depthtools.config import ModelConfig, TrainConfig, check_json_fields, check_json_value, round_up
 from depthtools.data import prepare, prepare_inputs
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_file_target, check_name, read_json_object
+from depthtools.fsutil import atomic_write_json, check_file_target, check_name, read_json_object
 
 
 MAX_COUNT = 1e13  # parameters: far beyond any model this planner is for, far below float overflow
@@ -143,6 +139,10 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _counts_of(config_json: str) -> dict[str, int]:
+    import torch  # lazy: reading, writing and checking grid specs' JSON needs no torch until a count is asked
+
+    from depthtools.arch import DepthModel  # lazy: arch/ imports torch
+
     with torch.device("meta"):
         return DepthModel(ModelConfig.from_json(config_json)).param_counts()
 
@@ -214,6 +214,8 @@ def plan_grid(
     archs = [arch] if isinstance(arch, str) else list(arch)
     if not archs:
         raise DepthToolsError("no architecture given; name at least one (see `depthtools archs`)")
+    from depthtools.arch.registry import canonical_name, get_arch  # lazy: arch/ imports torch
+
     archs = [canonical_name(a) for a in archs]
     if len(set(archs)) != len(archs):
         raise DepthToolsError(f"architectures {archs} name one twice; every cell needs its own name")
@@ -455,6 +457,8 @@ def check_cell(cell: Any, where: str = "cell") -> Cell:
 
 def _check_cell_against_model(cell: Cell, cfg: ModelConfig, where: str) -> None:
     """The cell's restated shape, parameter counts and name against the model it trains."""
+    from depthtools.arch.registry import canonical_name  # lazy: arch/ imports torch
+
     try:
         arch = canonical_name(cell.arch)
     except DepthToolsError as exc:

@@ -24,6 +24,7 @@ KNOWN_CIRCLES: list[set[str]] = []  # the last three (analysis suite/summary, da
 DYNAMIC_IMPORTS = {
     "depthtools": "lazy public names (_LAZY): import depthtools stays torch-free; each target is listed in _LAZY",
     "depthtools.analysis": "lazy public names (_WHERE): importing the package imports no probe module",
+    "depthtools.interop": "lazy public names (_WHERE): importing depthtools.interop.tokenizer loads no torch",
 }
 
 
@@ -194,3 +195,22 @@ def test_every_cli_module_imports_on_its_own():
         proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,
                               cwd=PACKAGE.parent, timeout=300)
         assert proc.returncode == 0, f"import {name} failed: {proc.stderr.strip().splitlines()[-1:]}"
+
+
+# Modules that write JSON or HTML (and the checkpoint readers they use) without torch (issue 46): grid specs, reports
+# and tokenizer files are read and written by commands that never build a model.
+TORCH_FREE = ["depthtools.checkpoint", "depthtools.grid", "depthtools.report.build", "depthtools.interop.tokenizer"]
+
+
+def test_the_json_and_html_writers_import_without_torch():
+    """Each module in a fresh interpreter of its own (an earlier import would hide a later one's torch)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
+            "print(sorted(m for m in ('torch', 'transformer_lens', 'safetensors.torch') if m in sys.modules))")
+    for name in TORCH_FREE:
+        proc = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,
+                              cwd=PACKAGE.parent, timeout=300)
+        assert proc.returncode == 0, f"import {name} failed: {proc.stderr.strip().splitlines()[-1:]}"
+        assert proc.stdout.strip() == "[]", (name, proc.stdout)

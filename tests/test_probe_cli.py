@@ -2,9 +2,11 @@
 settings and the cache rule; old option spellings and old table names keep working."""
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
@@ -232,3 +234,29 @@ def test_probe_protocol_depthbench_names_metric_and_architecture(tmp_path, data_
     result = runner.invoke(app, ["ablate", "--mode", "linear", "--ckpt", "attnres_L2", *EVAL, "--protocol", "depthbench"])
     assert result.exit_code == 2 and "DepthBench's usefulness_score is undefined for attnres" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_one_checkpoint_loop_draws_windows_before_weights_and_skips_only_when_asked(cell, tmp_path, data_dir,
+                                                                                     monkeypatch):
+    """suite.loaded_checkpoints, the loop of `analyze` and of the probe commands (issue 46): a checkpoint whose
+    windows cannot be drawn (--seq-len beyond its context) is refused before its weights are read, handed to
+    `skip` when given, raised when not; the others come back loaded, with windows equal to checkpoint_tokens'."""
+    from depthtools.analysis.suite import checkpoint_tokens, loaded_checkpoints
+    from depthtools.errors import DepthToolsError
+
+    short = tmp_path / "grid" / "preln_L2_short"
+    model = DepthModel(ModelConfig(arch="preln", vocab_size=256, d_model=32, n_layer=2, n_heads=4, max_seq_len=8),
+                       seed=0)
+    ck.save(model, short, extra={"data": {"path": str(data_dir)}})
+    loads = []
+    real_load = ck.load
+    monkeypatch.setattr(ck, "load", lambda d, **kw: (loads.append(Path(d).name), real_load(d, **kw))[1])
+    skipped = []
+    got = list(loaded_checkpoints([short, cell], None, 64, 16, "val", 0, skip=skipped.append))
+    assert loads == ["preln_L2"] and len(skipped) == 1 and "preln_L2_short" in str(skipped[0])
+    (ckpt_dir, loaded, tokens), = got
+    assert ckpt_dir == cell and not loaded.training
+    assert torch.equal(tokens.cpu(), checkpoint_tokens(cell, None, 64, 16, "val", 0).cpu())
+    with pytest.raises(DepthToolsError, match="preln_L2_short"):
+        list(loaded_checkpoints([cell, short], None, 64, 16, "val", 0))
+    assert loads == ["preln_L2", "preln_L2"]  # the first came back loaded; the second raised before its load

@@ -546,6 +546,31 @@ def checkpoint_dirs(ckpts: list[str | Path] | None = None, grid: str | Path | No
     return list(unique.values())
 
 
+def loaded_checkpoints(dirs: list[Path], data: str | Path | None, n_tokens: int, seq_len: int | None, split: str,
+                       seed: int, *, cap: bool = False, train_tokens: int | None = None, device: str = "cpu",
+                       dtype: str | None = None, skip: Callable[[DepthToolsError], None] | None = None):
+    """Yield (ckpt_dir, model, tokens) for each checkpoint of `dirs`, loading one at a time: the loop of
+    `analyze_grid` and of the probe commands.
+
+    Each checkpoint's evaluation windows are drawn and checked against its config.json (data, tokenizer, split,
+    length: `checkpoint_tokens`) before its weights are read, so a wrong --data costs no load; then the model
+    is loaded, cast (`cast_model`) and given those windows (`probe_tokens`). `skip(exc)`: a checkpoint whose
+    windows cannot be drawn is handed to it and left out (the CLI over several checkpoints); without it the
+    error propagates. Errors of loading propagate in both cases."""
+    from depthtools.checkpoint import load  # lazy
+
+    for ckpt_dir in dirs:
+        try:
+            windows = checkpoint_tokens(ckpt_dir, data, n_tokens, seq_len, split, seed, cap, train_tokens=train_tokens)
+        except DepthToolsError as exc:
+            if skip is None:
+                raise
+            skip(exc)
+            continue
+        model = cast_model(load(ckpt_dir, device=device), dtype)
+        yield ckpt_dir, model, probe_tokens(model, data, n_tokens, seq_len, split, seed, tokens=windows)
+
+
 def _train_tokens(names: list[str], options: dict[str, Any]) -> int | None:
     """The train-split tokens the tuned lens will draw, when it is among `names` (else None)."""
     return analysis_args("lens_tuned", **options)["lens_tokens"] if "lens_tuned" in names else None
@@ -573,7 +598,6 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     (`checkpoint_tokens`); `cap` takes fewer windows from a split shorter than `n_tokens` (`tokens.split_note`).
     """
     from depthtools.analysis.sweep import shared_sweeps  # lazy
-    from depthtools.checkpoint import load  # lazy
 
     renamed = {old: new for old, new in RENAMED.items() if old in options}
     for old, new in renamed.items():
@@ -590,11 +614,9 @@ def analyze_grid(grid: str | Path | None = None, data: str | Path | None = None,
     options.setdefault("seed", seed)
     for name in chosen:  # a bad option is an error here, not a "not applicable" line per checkpoint
         analysis_args(name, **options)
-    for ckpt_dir in dirs:
-        windows = checkpoint_tokens(ckpt_dir, data, n_tokens, seq_len, split, seed, cap,
-                                    train_tokens=_train_tokens(chosen, options))
-        model = cast_model(load(ckpt_dir, device=device), dtype)
-        tokens = probe_tokens(model, data, n_tokens, seq_len, split, seed, tokens=windows)
+    for ckpt_dir, model, tokens in loaded_checkpoints(dirs, data, n_tokens, seq_len, split, seed, cap=cap,
+                                                      train_tokens=_train_tokens(chosen, options), device=device,
+                                                      dtype=dtype):
         if on_plan is not None:
             for note in tokens.notes:
                 on_plan(f"note: {note}")

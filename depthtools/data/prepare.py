@@ -34,8 +34,8 @@ from depthtools.data.sharded_tokens import load_sharded
 from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, file_tokenizer_name,
                                        is_tokenizer_file)
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import (check_dir_target, check_name, dir_mode, exclusive_lock, file_sha256, json_section,
-                               read_json_object, replace_dir, write_error)
+from depthtools.fsutil import (atomic_write_json, check_dir_target, check_name, dir_mode, exclusive_lock, file_sha256,
+                               json_section, read_json_object, replace_dir, write_error)
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)
@@ -373,9 +373,8 @@ def _meta(name: str, parts: list[_Part], tok, settings: dict, splits: dict) -> d
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """A file of the staging folder (swapped in whole by replace_dir): atomic, not fsynced, keys in order."""
+    atomic_write_json(path, obj, sort_keys=False, fsync=False)
 
 
 

@@ -50,7 +50,7 @@ from depthtools.data.sharded_tokens import ShardedTokens, load_sharded  # noqa: 
 from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, file_tokenizer_name,
                                        is_tokenizer_file)
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, check_name, replace_dir
+from depthtools.fsutil import AtomicFile, atomic_write_json, check_dir_target, check_name, replace_dir
 
 SHARD_TOKENS = 100_000_000  # as nanoGPT's FineWeb script: 200 MB per uint16 shard
 MAX_DOMAINS = 256
@@ -97,9 +97,14 @@ class _PartWriter:
 
     def __init__(self, stem: Path, dtype):
         self.stem, self.dtype = stem, dtype
-        self.bin = open(f"{stem}.bin.tmp", "wb")
-        self.idx = open(f"{stem}.idx.tmp", "wb")
-        self.dom = open(f"{stem}.dom.tmp", "wb")
+        self.bin = self.idx = self.dom = None
+        try:  # each file becomes visible (renamed into place, fsynced) only when close() commits it
+            self.bin = AtomicFile(f"{stem}.bin")
+            self.idx = AtomicFile(f"{stem}.idx")
+            self.dom = AtomicFile(f"{stem}.dom")
+        except BaseException:
+            self.discard()
+            raise
         self.sha = hashlib.sha256()
         self.tokens = self.documents = self.bytes = 0
 
@@ -119,12 +124,14 @@ class _PartWriter:
 
     def close(self) -> dict:
         for f in (self.bin, self.idx, self.dom):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        for ext in ("bin", "idx", "dom"):
-            os.replace(f"{self.stem}.{ext}.tmp", f"{self.stem}.{ext}")
+            f.commit()
         return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes, "sha256": self.sha.hexdigest()}
+
+    def discard(self) -> None:
+        """Remove the temporary files (a unit that failed leaves nothing behind)."""
+        for f in (self.bin, self.idx, self.dom):
+            if f is not None:
+                f.discard()
 
 
 def tokenize_unit(index: int, unit: Unit, work: str, text_field: str, domain_field: str | None, seed: int,
@@ -139,47 +146,54 @@ def tokenize_unit(index: int, unit: Unit, work: str, text_field: str, domain_fie
     threshold = val_threshold(val_fraction)
     strip_nul = tok.sep_id == 0 and tok.name == "byte"  # NUL is the byte tokenizer's separator
     sep = np.array([tok.sep_id], dtype=tok.dtype)
-    writers = {s: _PartWriter(work / f"u{index:06d}.{s}", tok.dtype) for s in ("train", "val")}
-    domains: dict[str, int] = {}
-    train_domains: dict[str, int] = {}
-    fields = FieldReader(text_field, domain_field)
-    batch: list[tuple[str, str, bytes, bool]] = []
-    chars = 0
-
-    def flush() -> None:
-        nonlocal batch, chars
-        if not batch:
-            return
-        encoded = tok.encode_batch([t for t, _d, _b, _v in batch])
+    writers: dict[str, _PartWriter] = {}
+    try:  # a unit that fails (bad input, full disk) leaves no temporary file behind
         for split in ("train", "val"):
-            pick = [i for i, item in enumerate(batch) if item[3] == (split == "val")]
-            pieces = [np.concatenate([sep, encoded[i].astype(tok.dtype, copy=False)]) for i in pick]
-            doms = [domains.setdefault(batch[i][1], len(domains)) for i in pick]
-            writers[split].add(pieces, doms, sum(len(batch[i][2]) for i in pick))
-        batch, chars = [], 0
+            writers[split] = _PartWriter(work / f"u{index:06d}.{split}", tok.dtype)
+        domains: dict[str, int] = {}
+        train_domains: dict[str, int] = {}
+        fields = FieldReader(text_field, domain_field)
+        batch: list[tuple[str, str, bytes, bool]] = []
+        chars = 0
 
-    documents = 0
-    for text, domain in read_unit(unit, fields):
-        if strip_nul:
-            text = text.replace("\0", "")
-        try:
-            raw = text.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates (JSON "\ud800"): no tokenizer can take them
-            raw = text.encode("utf-8", errors="replace")
-            text = raw.decode("utf-8")
-        held_out = val_fraction > 0 and is_val(raw, seed, threshold)
-        if not held_out:
-            train_domains[domain] = train_domains.get(domain, 0) + 1
-        batch.append((text, domain, raw, held_out))
-        documents += 1
-        chars += len(text)
-        if chars >= BATCH_CHARS or len(batch) >= 4096:
-            flush()
-        if len(domains) > MAX_DOMAINS:
-            raise DepthToolsError(f"{unit.path}: --domain-field {domain_field!r} has more than {MAX_DOMAINS} values; "
-                                  "pick a coarser field (each domain gets its own validation split)")
-    flush()
-    parts = {s: w.close() for s, w in writers.items()}
+        def flush() -> None:
+            nonlocal batch, chars
+            if not batch:
+                return
+            encoded = tok.encode_batch([t for t, _d, _b, _v in batch])
+            for split in ("train", "val"):
+                pick = [i for i, item in enumerate(batch) if item[3] == (split == "val")]
+                pieces = [np.concatenate([sep, encoded[i].astype(tok.dtype, copy=False)]) for i in pick]
+                doms = [domains.setdefault(batch[i][1], len(domains)) for i in pick]
+                writers[split].add(pieces, doms, sum(len(batch[i][2]) for i in pick))
+            batch, chars = [], 0
+
+        documents = 0
+        for text, domain in read_unit(unit, fields):
+            if strip_nul:
+                text = text.replace("\0", "")
+            try:
+                raw = text.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates (JSON "\ud800"): no tokenizer can take them
+                raw = text.encode("utf-8", errors="replace")
+                text = raw.decode("utf-8")
+            held_out = val_fraction > 0 and is_val(raw, seed, threshold)
+            if not held_out:
+                train_domains[domain] = train_domains.get(domain, 0) + 1
+            batch.append((text, domain, raw, held_out))
+            documents += 1
+            chars += len(text)
+            if chars >= BATCH_CHARS or len(batch) >= 4096:
+                flush()
+            if len(domains) > MAX_DOMAINS:
+                raise DepthToolsError(f"{unit.path}: --domain-field {domain_field!r} has more than {MAX_DOMAINS} "
+                                      "values; pick a coarser field (each domain gets its own validation split)")
+        flush()
+        parts = {s: w.close() for s, w in writers.items()}
+    except BaseException:
+        for writer in writers.values():
+            writer.discard()
+        raise
     record = {"unit": index, "input": unit.to_dict(), "documents": documents, "domains": list(domains),
               "train_domain_documents": train_domains, "parts": parts, "seconds": time.perf_counter() - t0}
     _atomic_json(work / f"u{index:06d}.json", record)
@@ -591,9 +605,8 @@ def _safe(domain: str) -> str:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """A unit record or a staged meta/settings file: atomic, not fsynced, keys in order, one-space indent."""
+    atomic_write_json(path, obj, indent=1, sort_keys=False, fsync=False)
 
 
 # ---------------------------------------------------------------- tokenizer and name

@@ -23,7 +23,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import file_sha256
+from depthtools.fsutil import atomic_write_text, file_sha256
 
 TOKENIZER_FILE = "tokenizer.json"
 SEPARATOR = "<|endoftext|>"
@@ -73,7 +73,7 @@ class ByteTokenizer:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     def save(self, directory: Path) -> Path:
-        return _atomic_write_text(Path(directory) / TOKENIZER_FILE, self.to_json())
+        return atomic_write_text(Path(directory) / TOKENIZER_FILE, self.to_json(), fsync=False)
 
     @classmethod
     def from_dir(cls, directory: Path) -> "ByteTokenizer":
@@ -143,7 +143,7 @@ class BPETokenizer:
         return tokenizers_fingerprint(self._tok)
 
     def save(self, directory: Path) -> Path:
-        return _atomic_write_text(Path(directory) / TOKENIZER_FILE, self.to_json())
+        return atomic_write_text(Path(directory) / TOKENIZER_FILE, self.to_json(), fsync=False)
 
     @classmethod
     def from_dir(cls, directory: Path) -> "BPETokenizer":
@@ -327,11 +327,3 @@ def load_tokenizer(spec_or_dir: str | os.PathLike) -> ByteTokenizer | BPETokeniz
     if str(spec_or_dir) in BPE_SIZES:
         raise DepthToolsError(f"tokenizer {spec_or_dir!r} is trained per dataset; pass its data directory (e.g. data/default-{spec_or_dir})")
     raise DepthToolsError(f"unknown tokenizer {str(spec_or_dir)!r}; valid: byte, or a prepared data directory")
-
-
-def _atomic_write_text(path: Path, text: str) -> Path:
-    """Write via a temporary file in the same folder, then rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path

@@ -31,10 +31,9 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from depthtools.analysis.tokens import recorded_data_dir
-from depthtools.checkpoint import atomic_write_bytes
 from depthtools.data.tokenizer import BPETokenizer, check_tokenizer_file
 from depthtools.errors import DepthToolsError
+from depthtools.fsutil import atomic_write_bytes
 
 # Files carried from an imported HF directory into the checkpoint (and back out on export).
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -338,6 +337,9 @@ def resolve_tokenizer(ckpt_dir: Path, config: dict[str, Any], cfg, tokenizer: st
     if recorded.get("name") == "byte":
         return byte_plan(max_len, "byte (recorded)")
     if record:
+        # lazy: analysis.tokens imports torch; writing tokenizer files (export-hf's plan) stays torch-free
+        from depthtools.analysis.tokens import recorded_data_dir
+
         data = recorded_data_dir(ckpt_dir)  # found from any working directory (issue 35)
         name = record.get("file", TOKENIZER_JSON)
         candidates = [ckpt_dir / name] + ([data / name] if data else [])

@@ -25,8 +25,7 @@ from markupsafe import Markup
 
 from depthtools import __version__
 from depthtools.analysis.seeds import depth_effects, seed_means
-from depthtools.checkpoint import atomic_write_bytes
-from depthtools.fsutil import check_file_target
+from depthtools.fsutil import atomic_write_bytes, check_file_target
 from depthtools.report import figures, findings, frames
 from depthtools.report.blocks import ListBlock, NoteBlock, Section, figure_block, table_block
 from depthtools.report.data import CellData, GridData, read_cell, read_grid, resolve_checkpoints, weights_warnings

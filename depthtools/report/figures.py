@@ -30,7 +30,6 @@ from matplotlib.ticker import NullFormatter
 
 from depthtools.analysis.plots import plot_prune_curve
 from depthtools.analysis.seeds import seed_means, with_seed
-from depthtools.analysis.summary import removal_curve
 from depthtools.errors import DepthToolsError
 
 DPI = 96
@@ -462,6 +461,9 @@ def thin_ticks(ax, blocks: Sequence[int]) -> None:
 def plot_prune_curves(prune: pd.DataFrame, models: Sequence[str]) -> Figure:
     """Pruning: ΔCE against the fraction of blocks removed, one line per model (τ dotted), each model's
     removal curve (`summary.removal_curve`: greedy where saved, else the single-skip order), named in the title."""
+    # lazy: analysis.summary imports the probes (torch); a report reads tables and stays torch-free
+    from depthtools.analysis.summary import removal_curve
+
     _require(prune, ["model", "n_removed", "n_layer", "delta_ce"], "pruning")
     data = _labelled(prune, "model")
     curves = [removal_curve(group) for _, group in data.groupby("model", sort=False)]

@@ -54,7 +54,8 @@ from depthtools.data import load_split, read_meta
 from depthtools.data.prepare import check_data_files
 from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import LockHeldError, acquire_lock, check_dir_target, json_section, write_error
+from depthtools.fsutil import (LockHeldError, acquire_lock, atomic_write_text, check_dir_target, json_section,
+                               write_error)
 from depthtools.grid import count_params
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
@@ -545,9 +546,7 @@ def write_heartbeat(out_dir: Path, **fields: Any) -> None:
     """
     record = {"state": "running", "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **fields}
     path = Path(out_dir) / HEARTBEAT
-    tmp = path.with_name(f".{HEARTBEAT}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(record) + "\n", fsync=False)
 
 
 def _probe_for(cfg: TrainConfig, step: int, world_size: int = 1) -> DepthProbe | None:
