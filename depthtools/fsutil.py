@@ -162,13 +162,16 @@ class AtomicFile:
     a power cut must not rename an empty file into place; liveness hints and files inside a staging folder skip
     it), gives the file an ordinary file's mode (mkstemp's 0600 would make it private whatever the umask) and
     renames it. `discard()` removes it. As a context manager: commit on a clean exit, discard on an exception,
-    which propagates unchanged. The folder is created when missing; creating it or the temporary file fails as
-    an OSError naming `path` (`write_error`), so the CLI prints one line."""
+    which propagates unchanged. The folder is created when missing; creating it fails as an OSError naming the
+    folder, creating the temporary file as one naming `path` (`write_error`), so the CLI prints one line."""
 
     def __init__(self, path: str | os.PathLike, *, fsync: bool = True):
         self.path, self.fsync = Path(path), fsync
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # the folder is what cannot be made (e.g. a file stands where it goes): name it
+            raise write_error(exc, self.path.parent) from None
+        try:
             fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
         except OSError as exc:
             raise write_error(exc, self.path) from None

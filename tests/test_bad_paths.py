@@ -7,6 +7,7 @@ cause, and nothing is written.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,12 @@ def in_tmp(tmp_path, monkeypatch):
 
 def refused(args: list, *words: str) -> str:
     """Run the CLI; assert exit 2 with one error line on stderr holding every word; return that line. A probe's
-    one-line cost plan ("plan <ckpt> ...", printed before it runs) may precede it."""
+    one-line cost plan ("plan <ckpt> ...", printed before it runs) and its plain progress lines ("[m:ss] ...",
+    printed when stderr is not a terminal) may precede it."""
     result = runner.invoke(app, [str(a) for a in args])
     assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip() and not line.startswith("plan ")]
+    lines = [line for line in result.stderr.strip().splitlines()
+             if line.strip() and not line.startswith("plan ") and not re.match(r"\[\d+:\d\d\] ", line)]
     assert len(lines) == 1, result.stderr
     for word in words:
         assert word in lines[0], (word, lines[0])
