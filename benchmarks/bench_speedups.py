@@ -37,11 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from bench_arch_step import build_step  # noqa: E402
 from depthtools.arch import DepthModel, cpu_kernels  # noqa: E402
 from depthtools.arch.bankops import MixGroups  # noqa: E402
 from depthtools.arch.ops import moda as moda_ops  # noqa: E402
 from depthtools.config import ModelConfig  # noqa: E402
+
+from bench_arch_step import build_step  # noqa: E402
+
 
 def _bank_kernels_off(model):
     """A wrapper of this model's training step: its depth-bank ops take their torch twins instead of the C kernels

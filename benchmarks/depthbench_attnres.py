@@ -36,12 +36,12 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # grid_table.py, beside this file
 
-from grid_table import fmt_interval, loss_cell, loss_slopes  # noqa: E402
-
 from depthtools.analysis.seeds import seed_means, welch_combination  # noqa: E402
 from depthtools.grid import parse_seeds, save_grid  # noqa: E402
 from depthtools.presets import get_preset  # noqa: E402
 from depthtools.profiles import apply_to_spec  # noqa: E402
+
+from grid_table import fmt_interval, loss_cell, loss_slopes  # noqa: E402
 
 RECIPES = ("depthtools", "depthbench")  # depthtools' default recipe, then the profile
 ARCHS = ("preln", "attnres")

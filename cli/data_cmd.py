@@ -13,13 +13,13 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
-from typer.core import TyperCommand
 from rich.table import Table
+from typer.core import TyperCommand
 
 from depthtools.data import CORPORA, MIXES, available_corpora, prepare, prepare_inputs, read_meta
+from depthtools.data.corpora import CorpusChecksumWarning
 from depthtools.data.inputs import UNIT_BYTES
 from depthtools.data.shards import SHARD_TOKENS
-from depthtools.data.corpora import CorpusChecksumWarning
 from depthtools.data.tokenizer import TOKENIZER_SPECS, is_tokenizer_file
 from depthtools.errors import DepthToolsError
 

@@ -12,11 +12,11 @@ import sys
 from rich.markup import escape
 
 from cli.app import app, grid_app  # noqa: F401  (re-exported: `from cli.main import app` is the entry point's app)
+
 # the shared output helpers live in cli.common (which imports no command module); re-exported as before
 from cli.common import check_device, console, err_console, fmt, parse_list, print_json, table, write_out  # noqa: F401
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import os_error_line
-
 
 # Command modules that register themselves on `app` / `grid_app` when imported (all part of the package: a
 # missing one is an ImportError, not a silently absent command).

@@ -34,9 +34,21 @@ from cli.app import app
 from cli.common import check_device, console, err_console, fmt, parse_list, print_json, table, write_out
 from cli.plain import PlainLog, PlainProgress, is_plain
 from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
-from depthtools.analysis.suite import (N_TOKENS, SEQ_LEN, ablate_analysis, analysis_args, check_dtype, check_prune,
-                                       check_sizes, checkpoint_dirs, loaded_checkpoints, plan, progress_total,
-                                       run_analysis, skip_is_measured)
+from depthtools.analysis.suite import (
+    N_TOKENS,
+    SEQ_LEN,
+    ablate_analysis,
+    analysis_args,
+    check_dtype,
+    check_prune,
+    check_sizes,
+    checkpoint_dirs,
+    loaded_checkpoints,
+    plan,
+    progress_total,
+    run_analysis,
+    skip_is_measured,
+)
 from depthtools.errors import DepthToolsError
 
 # -- the shared option vocabulary --------------------------------------------------------------------

@@ -19,10 +19,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cli.app import app
 from cli.common import check_device, console, fmt, parse_list, print_json, table
 from cli.plain import PlainLog, is_plain
+from cli.probe_cmd import (
+    ANALYSIS_DTYPE,
+    BATCH,
+    CKPT,
+    DATA,
+    DEVICE,
+    EXCLUDE,
+    GRID,
+    JSON,
+    N_TOKENS_GIVEN,
+    N_TOKENS_OPT,
+    PRUNE_OPT,
+    RECOMPUTE,
+    SEED,
+    SEQ_LEN_OPT,
+    SPLIT,
+    SWAP_PAIRS_MAX_OPT,
+    TEXT,
+    ProbeCommand,
+)
 from depthtools.analysis.suite import analyze_grid, check_prune, check_sizes, checkpoint_dirs
 from depthtools.errors import DepthToolsError
-from cli.probe_cmd import (ANALYSIS_DTYPE, BATCH, CKPT, DATA, DEVICE, EXCLUDE, GRID, JSON, N_TOKENS_GIVEN, N_TOKENS_OPT,
-                           PRUNE_OPT, RECOMPUTE, SEED, SEQ_LEN_OPT, SPLIT, SWAP_PAIRS_MAX_OPT, TEXT, ProbeCommand)
 
 
 @app.command("analyze", cls=ProbeCommand)

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from cli.common import console, fmt, parse_list, print_json, table
-from depthtools.data.tasks import TASKS, TASK_HELP, check_k, generate, parse_k, parse_tasks
+from depthtools.data.tasks import TASK_HELP, TASKS, check_k, generate, parse_k, parse_tasks
 from depthtools.errors import DepthToolsError
 
 tasks_app = typer.Typer(help="Synthetic serial-computation probes: show samples, evaluate checkpoints per task and k.",

@@ -396,8 +396,12 @@ def _status_word(summary: dict[str, Any]) -> str:
 
 def _grid_slurm(spec, grid_path, root: Path, data_root: Path, force: bool, dry_run: bool, as_json: bool, **resources):
     """Submit the unfinished cells as a Slurm job array, or print what would be submitted."""
-    from depthtools.train.launch import SlurmResources, dry_run_lines, submit_cells  # lazy: keeps the CLI torch-free
-    from depthtools.train.launch import dry_run as planned_jobs  # lazy: keeps the CLI torch-free
+    from depthtools.train.launch import (  # lazy: keeps the CLI torch-free
+        SlurmResources,
+        dry_run as planned_jobs,  # lazy: keeps the CLI torch-free
+        dry_run_lines,
+        submit_cells,
+    )
 
     res = SlurmResources(**resources)
     res.timeout_min  # noqa: B018 - validate --time before anything else

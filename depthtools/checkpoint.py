@@ -27,7 +27,12 @@ from depthtools import __version__
 from depthtools.config import ModelConfig
 from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import (  # noqa: F401 - atomic_write_bytes/json re-exported: many callers import them here
-    AtomicFile, atomic_write_bytes, atomic_write_json, json_section, read_json_object, write_error,
+    AtomicFile,
+    atomic_write_bytes,
+    atomic_write_json,
+    json_section,
+    read_json_object,
+    write_error,
 )
 
 if TYPE_CHECKING:

@@ -120,7 +120,9 @@ class ModelConfig:
         object.__setattr__(self, "options", dict(self.options))
         # imported here, not at the top: the registry imports torch and every scheme, and `import depthtools` and
         # the torch-free CLI commands import this module (arch/ itself never imports config: no circle)
-        from depthtools.arch.registry import canonical_name  # lazy: keeps depthtools.config torch-free (arch/ imports torch)
+        from depthtools.arch.registry import (
+            canonical_name,  # lazy: keeps depthtools.config torch-free (arch/ imports torch)
+        )
 
         if isinstance(self.arch, str):
             object.__setattr__(self, "arch", canonical_name(self.arch))
@@ -158,7 +160,9 @@ class ModelConfig:
                 raise DepthToolsError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
         if not isinstance(self.arch, str):
             raise DepthToolsError(f"ModelConfig.arch must be an architecture name, got {self.arch!r}")
-        from depthtools.arch.registry import check_options  # lazy: keeps depthtools.config torch-free (arch/ imports torch)
+        from depthtools.arch.registry import (
+            check_options,  # lazy: keeps depthtools.config torch-free (arch/ imports torch)
+        )
 
         check_options(self)  # unknown option keys and bad values
 
@@ -275,13 +279,25 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Refuse impossible recipes with a one-line reason."""
+        """Refuse impossible recipes with a one-line reason: the token budget, batching and the logging
+        counters, the optimizer, the schedule, then the run's named choices (device, dtype, ...)."""
+        self._check_budget()
+        self._check_batching()
+        self._check_optimizer()
+        self._check_schedule()
+        self._check_run()
+
+    def _check_budget(self) -> None:
+        """tokens or tokens_per_param (not both), each positive."""
         if self.tokens is not None and self.tokens_per_param is not None:
             raise DepthToolsError("give TrainConfig.tokens or tokens_per_param, not both")
         if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 1):
             raise DepthToolsError(f"TrainConfig.tokens must be a positive integer, got {self.tokens!r}")
         if self.tokens_per_param is not None and not (_finite(self.tokens_per_param) and self.tokens_per_param > 0):
             raise DepthToolsError(f"TrainConfig.tokens_per_param must be a positive finite number, got {self.tokens_per_param!r}")
+
+    def _check_batching(self) -> None:
+        """batch_size, seq_len, micro_batch_size and the every-N-steps counters."""
         for name in ("batch_size", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -293,6 +309,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise DepthToolsError(f"TrainConfig.{name} must be a non-negative integer, got {value!r}")
+
+    def _check_optimizer(self) -> None:
+        """Learning rates, AdamW's betas/eps, weight decay, clipping and the divergence margin."""
         if not all(_finite(v) and v > 0 for v in (self.lr, *self.lr_overrides.values())):
             raise DepthToolsError(f"learning rates must be positive finite numbers, got lr={self.lr}, "
                                   f"lr_overrides={self.lr_overrides}")
@@ -305,11 +324,17 @@ class TrainConfig:
             raise DepthToolsError(f"TrainConfig.divergence_margin must be a finite number >= 0 (0 = off), got {margin!r}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise DepthToolsError("weight_decay and grad_clip must be >= 0 (grad_clip 0 = no clipping)")
+
+    def _check_schedule(self) -> None:
+        """The schedule's name and its fractions in [0, 1]."""
         if self.schedule not in SCHEDULES:
             raise DepthToolsError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
         for name in ("warmup_fraction", "final_lr_fraction", "decay_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise DepthToolsError(f"TrainConfig.{name} must lie in [0, 1], got {getattr(self, name)!r}")
+
+    def _check_run(self) -> None:
+        """Device, dtypes, threads, epochs and the other named choices of how the run executes."""
         if self.device not in DEVICES:
             raise DepthToolsError(f"unknown device {self.device!r}; valid: {', '.join(DEVICES)}")
         if self.dtype not in DTYPES:
@@ -330,6 +355,7 @@ class TrainConfig:
             raise DepthToolsError(f"unknown param_dtype {self.param_dtype!r}; valid: {', '.join(PARAM_DTYPES)}")
         if self.profile is not None and self.profile not in PROFILES:
             raise DepthToolsError(f"unknown profile {self.profile!r}; valid: {', '.join(PROFILES)}")
+
 
     def total_tokens(self, n_params: int) -> int:
         """The token budget for a model of `n_params` total parameters."""

@@ -25,7 +25,6 @@ from depthtools.report import grid_report
 from depthtools.train.launch import launch_local
 from depthtools.train.sweep import grid_data_dir, load_spec, train_grid
 
-
 # Share of the whole demo's wall time each stage takes (measured on the demo preset, 2 CPU cores),
 # so one progress bar moves at a roughly even pace.
 STAGE_WEIGHTS = {"data": 0.03, "train": 0.75, "analyze": 0.17, "summary": 0.01, "tasks": 0.02, "report": 0.02}

@@ -26,7 +26,6 @@ from depthtools.data import prepare, prepare_inputs
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import atomic_write_json, check_file_target, check_name, read_json_object
 
-
 MAX_COUNT = 1e13  # parameters: far beyond any model this planner is for, far below float overflow
 
 

@@ -13,11 +13,17 @@ from typer.testing import CliRunner
 from cli.main import app
 from depthtools import checkpoint as ck
 from depthtools.analysis import (
-    UnsupportedAblation, ablate, affine_replacement, effective_count, fit_affine, prunable_fraction,
+    UnsupportedAblation,
+    ablate,
+    affine_replacement,
+    effective_count,
+    fit_affine,
+    prunable_fraction,
 )
 from depthtools.arch import DepthModel, Plan, list_archs
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+
 from tiny_models import VOCAB, one_thread, tiny, windows  # noqa: F401 (fixture)
 
 ARCHS = [spec.name for spec in list_archs()]

@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from depthtools.arch import DepthModel, Plan, get_arch
 from depthtools.arch.attnres import default_block_size
@@ -307,7 +306,7 @@ def test_swap_exchanges_core_mlp_mixer_and_consuming_mixer(i, j):
     toks = tokens()
     L = model.n_layer
     exchanged = copy.deepcopy(model)
-    blocks, scheme = exchanged.blocks, exchanged.scheme
+    blocks = exchanged.blocks
     core_i, core_j = model.blocks[i].state_dict(), model.blocks[j].state_dict()
     blocks[i].load_state_dict(core_j)
     blocks[j].load_state_dict(core_i)

@@ -18,6 +18,7 @@ from depthtools import checkpoint as ck
 from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+
 from tiny_models import SMALL, TINY_CORPUS, prepare_tiny
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+
 from tiny_models import SMALL, TINY_CORPUS, prepare_tiny
 
 ROOT = Path(__file__).resolve().parents[1]

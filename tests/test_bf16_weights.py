@@ -19,9 +19,9 @@ from depthtools.arch.attnres import DepthMixer
 from depthtools.checkpoint import load, read_tensors
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.train import loop as train_loop
-from depthtools.train import precision, train_cell
+from depthtools.train import loop as train_loop, precision, train_cell
 from depthtools.train.optim import build_optimizer
+
 from tiny_models import SMALL, one_thread  # noqa: F401
 
 TINY = dict(batch_size=2, seq_len=16, eval_every=0, eval_tokens=64, log_every=1, depth_stats_every=2,

@@ -8,8 +8,8 @@ import torch
 from depthtools.analysis.causal import causal_scores, causal_summary, default_cuts, late_start
 from depthtools.analysis.geometry import pair_matrix
 from depthtools.arch import Plan
-from tiny_models import one_thread, windows  # noqa: F401 (fixture)
-from tiny_models import tiny as tiny_model
+
+from tiny_models import one_thread, tiny as tiny_model, windows  # noqa: F401 (fixture)
 
 
 def tiny(arch="preln", n_layer=4, seed=0, **options):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cli.main import app
+
 from tiny_models import SMALL, prepare_tiny
 
 runner = CliRunner()

@@ -10,12 +10,13 @@ import torch
 from typer.testing import CliRunner
 
 from depthtools.arch import DepthModel, compiled
-from depthtools.arch.ops import connector as connector_ops
 from depthtools.arch.moda import fused_kernel_for
+from depthtools.arch.ops import connector as connector_ops
 from depthtools.arch.torch_private import cpu_flash_attention_ok
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 from depthtools.train import loop as train_loop
+
 from tiny_models import SMALL, one_thread  # noqa: F401  (one intra-op thread for this module)
 
 # float32 tolerance: a compiled graph fuses elementwise chains and may reorder reductions of up to
@@ -180,7 +181,7 @@ def test_dispatch_by_device_type_without_a_gpu(monkeypatch):
     assert not cpu_flash_attention_ok(cuda, torch.float32) and not fused_kernel_for(cuda)
     assert cpu_flash_attention_ok(torch.device("cpu"), torch.float32)
     # the connector C kernels: never for a non-CPU tensor, eagerly or in a compiled step
-    from depthtools.arch import cpu_kernels, hyper
+    from depthtools.arch import cpu_kernels
 
     meta = torch.empty(8, 4, 16, device="meta")
     assert not cpu_kernels.connector_usable(meta)
@@ -240,6 +241,7 @@ def test_compiled_training_resumes_bit_identically_after_an_interruption(data_di
     checkpoint and resumed in a fresh model (whose compiled region is rebuilt)."""
     from depthtools.checkpoint import read_metrics, read_tensors
     from depthtools.train import train_cell
+
     from tiny_models import train_killed_after
 
     recipe = TrainConfig(tokens=8 * 32 * 8, batch_size=8, seq_len=32, eval_tokens=256, eval_every=0, log_every=1,

@@ -5,6 +5,7 @@ import torch
 
 from depthtools.arch import DepthModel, Plan, list_archs
 from depthtools.config import ModelConfig
+
 from tiny_models import VOCAB, one_thread, perturb, tiny, windows  # noqa: F401 (fixture)
 
 ARCHS = [spec.name for spec in list_archs()]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from depthtools.analysis.contrib import block_map, contributions, deviation_of, jvp
-from tiny_models import one_thread, windows  # noqa: F401 (fixture)
-from tiny_models import tiny as tiny_model
+
+from tiny_models import one_thread, tiny as tiny_model, windows  # noqa: F401 (fixture)
 
 
 def tiny(arch="preln", n_layer=4, seed=0):

@@ -1,7 +1,6 @@
 """The cost plan (depthtools.analysis.cost) against counted block calls and head evaluations on a
 tiny model, the swap-pair bound, and the plan line the probe commands print."""
 
-import math
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from depthtools.analysis.ablate import ablate, chosen_pairs, swap_pairs
 from depthtools.analysis.cost import analysis_cost, head_ratio, plan_line
 from depthtools.analysis.suite import analysis_args
 from depthtools.errors import DepthToolsError
+
 from tiny_models import one_thread, tiny, windows  # noqa: F401 (fixture)
 
 
@@ -209,7 +209,7 @@ def test_prune_option_names_the_curve_and_bad_values_are_refused(cell):
 
 
 def test_dtype_bfloat16_runs_close_to_float32_and_bad_values_are_refused(cell):
-    from depthtools.analysis.tables import load_settings, load_table
+    from depthtools.analysis.tables import load_settings
 
     for dtype in ("float32", "bfloat16"):
         result = cli("lens", "--ckpt", "preln_L4", *EVAL, "--dtype", dtype, "--out", cell.parent / f"{dtype}.csv")

@@ -21,6 +21,7 @@ from cli.main import app
 from depthtools import checkpoint as ck
 from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig
+
 from tiny_models import SMALL
 
 runner = CliRunner()

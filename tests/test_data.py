@@ -13,14 +13,22 @@ import numpy as np
 import pytest
 
 from depthtools.data import (
-    CORPORA, BPETokenizer, ByteTokenizer, CorpusChecksumWarning, available_corpora, load_split, load_tokenizer,
-    prepare, read_meta,
+    CORPORA,
+    BPETokenizer,
+    ByteTokenizer,
+    CorpusChecksumWarning,
+    available_corpora,
+    corpora as corpora_mod,
+    load_split,
+    load_tokenizer,
+    prepare,
+    read_meta,
 )
-from depthtools.data import corpora as corpora_mod
 from depthtools.data.corpora import Corpus, Document, corpus_digest, strip_metamath_proofs
 from depthtools.data.prepare import cap_documents, split_documents
 from depthtools.data.rserialize import read_lazyload_db
 from depthtools.errors import DepthToolsError
+
 from tiny_models import TINY_CORPUS, prepare_tiny
 
 UNICODE = "Grüße aus Köln — naïve café, 東京, кофе, قهوة, emoji 🌍🚀, math ∑ε≤∞\n\ttabs  and  spaces\r\n"

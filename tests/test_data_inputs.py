@@ -25,6 +25,7 @@ from depthtools.data.budget import check_vocab, epochs_problem
 from depthtools.data.shards import ShardedTokens, verify
 from depthtools.errors import DepthToolsError
 from depthtools.train.batches import TrainBatches, windows
+
 from tiny_models import prepare_tiny
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from depthtools.data import load_split, prepare_inputs, read_meta
 from depthtools.errors import DepthToolsError
+
 from tiny_models import TINY_CORPUS, prepare_tiny
 
 runner = CliRunner()
@@ -133,6 +134,7 @@ def test_data_naming_a_file_is_refused_and_points_to_text(command, tmp_path):
     from depthtools import checkpoint as ck
     from depthtools.arch import DepthModel
     from depthtools.config import ModelConfig
+
     from tiny_models import SMALL
 
     cell = ck.save(DepthModel(ModelConfig(arch="preln", **SMALL)), tmp_path / "cell",

@@ -11,8 +11,8 @@ metadata. Each is one CheckpointError line.
 from __future__ import annotations
 
 import os
-import re
 import pickle
+import re
 import shutil
 import socket
 import subprocess
@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 from depthtools.errors import CheckpointError
 from depthtools.interop.dcp import read_metadata, read_model_tensors
+
 from dcp_writer import full_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,6 +6,7 @@ import torch
 
 from depthtools.arch import Plan, list_archs
 from depthtools.train.probe import DepthProbe
+
 from tiny_models import one_thread, tiny, windows  # noqa: F401 (fixture)
 
 ARCHS = [spec.name for spec in list_archs()]

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from depthtools.errors import DepthToolsError
-from tiny_models import one_thread, tiny, windows  # noqa: F401  (one_thread: autouse fixture)
-
 from depthtools.analysis import depthbench as db
+from depthtools.errors import DepthToolsError
+
+from tiny_models import one_thread, tiny, windows  # noqa: F401  (one_thread: autouse fixture)
 
 N_LAYER = 3
 TOL = 1e-6

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from depthtools.analysis import depthbench as db
+
 from tiny_models import tiny
 
 runner = CliRunner()

@@ -36,6 +36,7 @@ from depthtools.train.launch import SlurmResources, parse_time, submit_cells
 from depthtools.train.loop import write_heartbeat
 from depthtools.train.state import latest_step
 from depthtools.train.sweep import cell_specs, cell_status, run_cell
+
 from tiny_models import TINY_CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]

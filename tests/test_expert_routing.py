@@ -9,13 +9,14 @@ import math
 
 import pytest
 import torch
+from test_families import VOCAB, build_hf
+from test_family_probes import _identity_layer, hf_parts
 from typer.testing import CliRunner
 
 from cli.main import app
 from depthtools.analysis.routing import routing_stats
 from depthtools.interop import from_hf, import_hf
-from test_families import VOCAB, build_hf
-from test_family_probes import _identity_layer, hf_parts
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")

@@ -26,6 +26,7 @@ from depthtools.arch import DepthModel
 from depthtools.errors import DepthToolsError
 from depthtools.interop import from_hf, import_hf
 from depthtools.interop.families import FAMILIES, hf_to_model_config
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")

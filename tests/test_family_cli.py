@@ -11,10 +11,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import pytest
+from test_families import FAMILY_OF_CASE, VOCAB, build_hf
 from typer.testing import CliRunner
 
 from cli.main import app
-from test_families import FAMILY_OF_CASE, VOCAB, build_hf
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")

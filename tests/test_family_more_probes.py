@@ -10,12 +10,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_families import CASES, VOCAB, build_hf
+from test_family_probes import _identity_layer, hf_parts
 
 from depthtools.analysis import ablate
 from depthtools.arch import Plan
 from depthtools.interop import from_hf
-from test_families import CASES, VOCAB, build_hf
-from test_family_probes import _identity_layer, hf_parts
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")

@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_families import CASES, VOCAB, build_hf
 
 from depthtools.analysis import ablate, logit_lens
 from depthtools.interop import from_hf
-from test_families import CASES, VOCAB, build_hf
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from depthtools.arch import DepthModel, Plan, list_archs, bankops, cpu_kernels, hyper, moda, reference
+from depthtools.arch import DepthModel, Plan, bankops, cpu_kernels, hyper, list_archs, moda, reference
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 

@@ -5,8 +5,8 @@ import torch
 
 from depthtools.analysis.geometry import depth_similarity, pair_matrix
 from depthtools.analysis.similarity import effective_rank, linear_cka, participation_ratio, token_collapse
-from tiny_models import one_thread, windows  # noqa: F401 (fixture)
-from tiny_models import tiny as tiny_model
+
+from tiny_models import one_thread, tiny as tiny_model, windows  # noqa: F401 (fixture)
 
 
 def tiny(arch="preln", n_layer=4, seed=0):

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from depthtools import checkpoint as ck
-from depthtools.errors import DepthToolsError
 from depthtools.interop import bytes_to_unicode
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")

@@ -1,13 +1,11 @@
 """Iso-parameter grid planner: exact counts, tolerance, DepthBench's rule, clean failures."""
 
-import json
 
 import pytest
-import torch
 
 from depthtools.arch import DepthModel
 from depthtools.errors import DepthToolsError
-from depthtools.grid import count_params, load_grid, parse_count, plan_grid, save_grid, grid_spec
+from depthtools.grid import count_params, grid_spec, load_grid, parse_count, plan_grid, save_grid
 
 
 def test_parse_count():

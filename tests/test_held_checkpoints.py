@@ -23,6 +23,7 @@ from depthtools import checkpoint as ck
 from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig
 from depthtools.grid import grid_spec, plan_grid, save_grid
+
 from tiny_models import SMALL
 
 runner = CliRunner()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_interop import hf_llama
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -22,7 +23,7 @@ from depthtools import checkpoint as ck
 from depthtools.errors import DepthToolsError
 from depthtools.interop import import_hf
 from depthtools.interop.checks import validate_imported_weights, validate_tokenizer
-from test_interop import hf_llama
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 runner = CliRunner()

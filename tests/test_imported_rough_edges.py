@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 runner = CliRunner()
@@ -98,6 +99,7 @@ def test_not_iso_parameter_models_are_said_to_be():
 def test_comparison_of_different_sizes_says_not_iso_parameter(tmp_path):
     from depthtools import checkpoint as ck
     from depthtools.report.build import model_report
+
     from tiny_models import tiny
 
     for L in (2, 3, 8):  # same width, so more layers = more parameters (like a family of real model sizes)

@@ -26,6 +26,7 @@ from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 from depthtools.interop import export_hf, from_hf, import_hf
+
 from tiny_models import one_thread, prepare_tiny  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")
@@ -433,9 +434,9 @@ def _finite(df):
 
 
 def test_every_probe_runs_on_an_imported_checkpoint(tmp_path, monkeypatch):
-    from depthtools.analysis.suite import run_causal, run_contrib, run_routing, run_similarity
     from depthtools.analysis.ablate import ablate
     from depthtools.analysis.lens import lens_analysis
+    from depthtools.analysis.suite import run_causal, run_contrib, run_routing, run_similarity
 
     hf_llama(tmp_path / "hf", kv_heads=2, layers=3)
     monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))

@@ -6,11 +6,18 @@ import torch
 import torch.nn.functional as F
 
 from depthtools.analysis import (
-    TunedLens, fit_tuned_lens, lens_analysis, load_tuned_lens, logit_lens, prediction_depths, sample_windows,
+    TunedLens,
+    fit_tuned_lens,
+    lens_analysis,
+    load_tuned_lens,
+    logit_lens,
+    prediction_depths,
+    sample_windows,
     train_tuned_lens,
 )
 from depthtools.arch import DepthModel, list_archs
 from depthtools.config import ModelConfig
+
 from tiny_models import VOCAB, one_thread, tiny, windows  # noqa: F401 (fixture)
 
 ARCHS = [spec.name for spec in list_archs()]

@@ -24,6 +24,7 @@ from cli.main import app
 from depthtools import checkpoint as ck
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.fsutil import LockHeldError, acquire_lock
+
 from tiny_models import SMALL, TINY_CORPUS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,6 +29,7 @@ from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 from depthtools.grid import count_params, plan_grid
 from depthtools.train import train_cell
+
 from tiny_models import SMALL, one_thread, windows  # noqa: F401 (fixture)
 
 NAME = "toygate"

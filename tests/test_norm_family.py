@@ -8,7 +8,10 @@ import torch.nn.functional as F
 
 from depthtools.arch import DepthModel, Plan
 from depthtools.arch.norm_family import (
-    deepnorm_constants, layerscale_init, mixln_post_blocks, sublayer_specs,
+    deepnorm_constants,
+    layerscale_init,
+    mixln_post_blocks,
+    sublayer_specs,
 )
 from depthtools.config import ModelConfig
 

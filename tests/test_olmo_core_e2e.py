@@ -25,13 +25,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from test_olmo_core_mapping import ARCHS, EXPECTED, fixture, perturbed_model, tokens
 from typer.testing import CliRunner
 
 from cli.main import app
 from depthtools.checkpoint import load, read_json
 from depthtools.interop.formats import import_path
 from depthtools.interop.olmo_core import olmo_core_mapping, to_olmo_core
-from test_olmo_core_mapping import ARCHS, EXPECTED, fixture, perturbed_model, tokens
+
 from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from olmo_core_reference import fork_logits
-from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 from depthtools.arch import DepthModel
 from depthtools.errors import DepthToolsError
@@ -27,6 +25,9 @@ from depthtools.interop.olmo_core import (
     olmo_core_shapes,
     to_olmo_core,
 )
+
+from olmo_core_reference import fork_logits
+from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "olmo_core_names"
 ARCHS = ("preln", "periln", "lns", "deepnorm", "keel", "hc", "mhc", "liger_mhc", "attnres", "blockattnres", "moda",

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from depthtools.arch import DepthModel, cpu_kernels
-from depthtools.arch.ops import bank as bank_ops
-from depthtools.arch.ops import moda as moda_ops
+from depthtools.arch.ops import bank as bank_ops, moda as moda_ops
 from depthtools.config import ModelConfig
 
 DTYPES = [torch.float32, torch.float64]

@@ -22,6 +22,7 @@ from depthtools.analysis.suite import eval_tokens
 from depthtools.analysis.tokens import checkpoint_data_dir
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
+
 from tiny_models import SMALL, one_thread, prepare_tiny  # noqa: F401  (autouse: torch on one thread)
 
 ROOT = Path(__file__).resolve().parents[1]

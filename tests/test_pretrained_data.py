@@ -18,6 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")

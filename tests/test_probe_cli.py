@@ -17,6 +17,7 @@ from depthtools.analysis.summary import load_results
 from depthtools.analysis.tables import load_settings, save_table
 from depthtools.arch import DepthModel
 from depthtools.config import ModelConfig
+
 from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 runner = CliRunner()

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from depthtools.analysis import suite
 from depthtools.analysis.suite import analysis_args
+
 from tiny_models import one_thread, tiny, windows  # noqa: F401 (fixture)
 
 VOCAB = 512  # larger than L·d of these models, so an [L × tokens × V] or [L × tokens × d] stack would show

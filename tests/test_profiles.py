@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+
+from depthtools import profiles
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 from depthtools.presets import DEPTHBENCH_TEN
-from depthtools import profiles
+
 from tiny_models import SMALL, one_thread  # noqa: F401
 
 

@@ -16,14 +16,21 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from report_fixtures import (  # noqa: F401 (fixtures)
-    CELLS, GRID_FIGURES, GRID_SECTIONS, TinyGrid, eval_losses, invoke, parse_report, tiny_grid,
-)
-from tiny_models import one_thread  # noqa: F401 (fixture)
-
 from depthtools.analysis.tables import save_table
 from depthtools.errors import DepthToolsError
 from depthtools.report import grid_report, model_report
+
+from report_fixtures import (  # noqa: F401 (fixtures)
+    CELLS,
+    GRID_FIGURES,
+    GRID_SECTIONS,
+    TinyGrid,
+    eval_losses,
+    invoke,
+    parse_report,
+    tiny_grid,
+)
+from tiny_models import one_thread  # noqa: F401 (fixture)
 
 EVIL_NAME = "hc_L4<img src=x onerror=alert(1)>"  # a directory name cannot hold '/', so no closing tag here
 EVIL_ARCH = "<script>alert(1)</script>"

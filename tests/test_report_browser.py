@@ -151,11 +151,11 @@ def test_report_of_an_imported_30_layer_model_in_chromium(browser, tmp_path, mon
     """Issue 48: an imported 30-layer Gemma-3's report shows its family and provenance, no section that does not
     apply to a model trained elsewhere, and every figure laid out; the screenshot is saved for a look."""
     pytest.importorskip("transformers")
+    from test_imported_first_class import TEXT, gemma3_folder
     from typer.testing import CliRunner
 
     from cli.main import app
     from depthtools.report import model_report
-    from test_imported_first_class import TEXT, gemma3_folder
 
     monkeypatch.setenv("DEPTHTOOLS_CHECKPOINTS", str(tmp_path / "ckpts"))
     runner = CliRunner()

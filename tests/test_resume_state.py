@@ -12,6 +12,7 @@ from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import CheckpointError
 from depthtools.train import train_cell
 from depthtools.train.state import STATE_DIR
+
 from tiny_models import SMALL, train_killed_after
 
 MODEL = ModelConfig(arch="preln", **SMALL)

@@ -18,12 +18,13 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
+from depthtools import checkpoint as ck
 from depthtools.arch import DepthModel
 from depthtools.arch.rope import RopeScaling
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
-from depthtools import checkpoint as ck
 from depthtools.interop import from_hf, import_hf
+
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
 transformers = pytest.importorskip("transformers")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from depthtools.analysis.routing import consumer_stats, routing_matrix, routing_stats
-from tiny_models import one_thread, windows  # noqa: F401 (fixture)
-from tiny_models import tiny as tiny_model
+
+from tiny_models import one_thread, tiny as tiny_model, windows  # noqa: F401 (fixture)
 
 
 def tiny(arch, n_layer=3, **options):

@@ -6,17 +6,17 @@ import math
 
 import pytest
 import torch
+from test_flops import counted_forward_flops
 
 from depthtools.analysis.routing import routing_matrix, routing_stats
-from depthtools.arch import ArchSpec, DepthModel, register
-from depthtools.arch import registry
+from depthtools.arch import ArchSpec, DepthModel, register, registry
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.scheme import DepthRouting, Option, ResidualScheme
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 from depthtools.train.flops import flops_per_token
 from depthtools.train.probe import DepthProbe
-from test_flops import counted_forward_flops
+
 from tiny_models import one_thread  # noqa: F401 (fixture)
 
 

@@ -17,7 +17,6 @@ from depthtools.grid import cell_name, parse_seeds, plan_grid
 from depthtools.report import findings
 from depthtools.train.sweep import cell_recipe, load_spec
 
-
 # -- statistics against closed forms and scipy's own tests ------------------------------------------
 
 def test_seed_interval_is_the_student_t_interval():

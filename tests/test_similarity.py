@@ -24,6 +24,7 @@ from depthtools.analysis.similarity import (
     token_collapse,
     top_outlier_dims,
 )
+
 from tiny_models import one_thread  # noqa: F401 (fixture)
 
 F64 = torch.float64

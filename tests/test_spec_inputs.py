@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from depthtools import checkpoint as ck
 from depthtools.errors import DepthToolsError
+
 from tiny_models import SMALL, TINY_CORPUS, one_thread  # noqa: F401 (autouse: one torch thread)
 
 runner = CliRunner()

@@ -15,8 +15,11 @@ from depthtools import checkpoint as ck
 from depthtools.analysis.ablate import ablate_skip
 from depthtools.analysis.summary import SUMMARY_FIELDS, effective_depth_row, grid_slopes, sequence_profile
 from depthtools.analysis.tables import model_columns
-from tiny_models import one_thread  # noqa: F401 (fixture)
-from tiny_models import tiny as tiny_model
+
+from tiny_models import (
+    one_thread,  # noqa: F401 (fixture)
+    tiny as tiny_model,
+)
 
 
 def tiny(arch="preln", n_layer=4, vocab=40, seed=0):

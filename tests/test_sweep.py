@@ -4,11 +4,18 @@ import pytest
 import torch
 
 from depthtools.analysis import (
-    check_tokens, intact_states, load_table, plan_logits, sample_windows, save_table, sweep, token_fingerprint,
+    check_tokens,
+    intact_states,
+    load_table,
+    plan_logits,
+    sample_windows,
+    save_table,
+    sweep,
+    token_fingerprint,
 )
-from depthtools.arch import DepthModel, Plan, list_archs
-from depthtools.config import ModelConfig
+from depthtools.arch import Plan, list_archs
 from depthtools.errors import DepthToolsError
+
 from tiny_models import VOCAB, one_thread, tiny, windows  # noqa: F401 (fixture)
 
 ARCHS = [spec.name for spec in list_archs()]

@@ -11,6 +11,7 @@ from scipy import stats
 
 from depthtools.presets import PRESETS, Preset, get_preset
 from depthtools.report import findings
+
 from tiny_models import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 

@@ -16,11 +16,20 @@ import torch
 from depthtools.arch import DepthModel
 from depthtools.checkpoint import load, read_metrics, read_tensors
 from depthtools.config import ModelConfig, TrainConfig
-from depthtools.data.tasks import MIX_TASKS, TASKS, Curriculum, TaskMix, TaskMixer, generate, max_sample_tokens, task_row
+from depthtools.data.tasks import (
+    MIX_TASKS,
+    TASKS,
+    Curriculum,
+    TaskMix,
+    TaskMixer,
+    generate,
+    max_sample_tokens,
+    task_row,
+)
 from depthtools.errors import DepthToolsError
-from depthtools.train import train_cell
-from depthtools.train import loop as train_loop
+from depthtools.train import loop as train_loop, train_cell
 from depthtools.train.batches import IGNORE, TrainBatches
+
 from tiny_models import one_thread, train_killed_after  # noqa: F401 (one_thread: autouse fixture)
 
 CPU = torch.device("cpu")

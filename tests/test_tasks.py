@@ -24,6 +24,7 @@ from depthtools.data import ByteTokenizer
 from depthtools.data.tasks import MAX_K, TASKS, TaskMix, TaskMixer, generate
 from depthtools.errors import DepthToolsError
 from depthtools.train.batches import TrainBatches
+
 from tiny_models import one_thread  # noqa: F401 (autouse fixture)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from depthtools.arch import DepthModel, list_archs
-from depthtools.config import ModelConfig
 from depthtools.arch.backbone import softcap
+from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
+
 from tiny_models import one_thread  # noqa: F401  (fixture)
 
 VOCAB, L, B, T = 61, 4, 2, 9

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from depthtools.arch import DepthModel, Plan, list_archs
-from depthtools.arch import layers, torch_private
+from depthtools.arch import DepthModel, Plan, layers, list_archs, torch_private
 from depthtools.config import ModelConfig
 
 VOCAB = 41

@@ -23,12 +23,19 @@ from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 from depthtools.grid import grid_spec, plan_grid, save_grid
 from depthtools.train import (
-    CellFinishedError, TrainingDivergedError, depth_scaling, lr_multiplier, param_groups, train_cell, train_grid,
+    CellFinishedError,
+    TrainingDivergedError,
+    depth_scaling,
+    loop as train_loop,
+    lr_multiplier,
+    param_groups,
+    train_cell,
+    train_grid,
 )
-from depthtools.train import loop as train_loop
 from depthtools.train.flops import flops_per_token
 from depthtools.train.optim import build_optimizer
 from depthtools.train.state import latest_step, load_train_state
+
 from tiny_models import SMALL, TINY_CORPUS, prepare_tiny
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -461,7 +461,8 @@ def logit_lens(model, input_ids, micro_batch_size: int = 4, top_k: int = 5) -> t
 
 
 # -- the whole set as one tidy table ----------------------------------------------------------
-def depthbench_metrics(model, input_ids, metrics: tuple[str, ...] | list[str] | None = None,
+# (C901 exempt: one pass per DepthBench script, in its order; docs/depthbench.md)
+def depthbench_metrics(model, input_ids, metrics: tuple[str, ...] | list[str] | None = None,  # noqa: C901
                        micro_batch_size: int = 4) -> pd.DataFrame:
     """Tidy table (metric, layer, layer_j, value, protocol="depthbench") of DepthBench's metrics, under
     DepthBench's result names. `metrics` None = every metric DepthBench defines for this architecture;

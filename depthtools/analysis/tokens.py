@@ -24,8 +24,12 @@ from tokenizers import Tokenizer
 from depthtools.checkpoint import CONFIG, imported_from, read_json
 from depthtools.config import ModelConfig
 from depthtools.data import load_split, read_meta
-from depthtools.data.tokenizer import (TOKENIZER_SPECS, check_tokenizer_file, tokenizer_file_fingerprint,
-                                     tokenizer_vocab_fingerprint)
+from depthtools.data.tokenizer import (
+    TOKENIZER_SPECS,
+    check_tokenizer_file,
+    tokenizer_file_fingerprint,
+    tokenizer_vocab_fingerprint,
+)
 from depthtools.errors import DepthToolsError
 
 FIRST_SCORED = 1  # position 0 is never scored

@@ -26,8 +26,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from depthtools.arch import cpu_kernels, torch_private
-from depthtools.arch.ops import bank as bank_ops
 from depthtools.arch.layers import BufferPool, fused_inverse_rms, inverse_rms_derivative
+from depthtools.arch.ops import bank as bank_ops
 
 
 def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

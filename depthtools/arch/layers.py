@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch.backbone import (HookedNorm, Norm, activation, backbone, banded_causal_mask, rotary_dim,
-                                      softcap)
+from depthtools.arch.backbone import HookedNorm, Norm, activation, backbone, banded_causal_mask, rotary_dim, softcap
 from depthtools.arch.rope import PLAIN, RopeScaling
 from depthtools.arch.torch_private import is_hooked, storage_unshared
 

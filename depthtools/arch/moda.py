@@ -61,18 +61,26 @@ place), and any block run at position L-1 writes no slots.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
 from depthtools.arch import reference
-from depthtools.arch.ops import moda as moda_ops
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
+from depthtools.arch.ops import moda as moda_ops
 from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
-from depthtools.arch.torch_private import (cpu_flash_attention, cpu_flash_attention_backward, cpu_flash_attention_ok,
-                                           is_hooked, set_tensor_tag, tensor_tag, untracked, view_base)
+from depthtools.arch.torch_private import (
+    cpu_flash_attention,
+    cpu_flash_attention_backward,
+    cpu_flash_attention_ok,
+    is_hooked,
+    set_tensor_tag,
+    tensor_tag,
+    untracked,
+    view_base,
+)
 
 if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
     from depthtools.config import ModelConfig

@@ -10,7 +10,7 @@ depth, so sweeps never recompute a shared prefix.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from torch import nn

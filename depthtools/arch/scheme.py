@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, make_dataclass
-from typing import Any, Callable, NamedTuple, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from torch import nn

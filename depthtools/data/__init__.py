@@ -7,7 +7,15 @@
     read_meta("data/default")           -> dict (tokenizer fingerprint, sources, checksums, counts)
 """
 
-from depthtools.data.corpora import CORPORA, MIXES, Availability, Corpus, CorpusChecksumWarning, Document, available_corpora
+from depthtools.data.corpora import (
+    CORPORA,
+    MIXES,
+    Availability,
+    Corpus,
+    CorpusChecksumWarning,
+    Document,
+    available_corpora,
+)
 from depthtools.data.prepare import load_split, prepare, read_meta
 from depthtools.data.shards import prepare_inputs
 from depthtools.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer

@@ -109,7 +109,7 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and ((path / HF_STATE).is_file() or (path / HF_DICT).is_file())
 
 
-def expand_inputs(inputs: list[str | os.PathLike]) -> list[tuple[str, list[Path]]]:
+def expand_inputs(inputs: list[str | os.PathLike]) -> list[tuple[str, list[Path]]]:  # noqa: C901 (one branch per input form the CLI accepts (glob, folder, file, list))
     """Resolve --input values into sources: ("jsonl:gzip"|"parquet"|"arrow"|"text", files), in argument order.
 
     Globs are expanded (sorted); a file listed twice is read once; a pattern matching nothing, a

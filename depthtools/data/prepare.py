@@ -31,11 +31,27 @@ import numpy as np
 
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
 from depthtools.data.sharded_tokens import load_sharded
-from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, file_tokenizer_name,
-                                       is_tokenizer_file)
+from depthtools.data.tokenizer import (
+    BPE_SIZES,
+    TOKENIZER_SPECS,
+    BPETokenizer,
+    ByteTokenizer,
+    file_tokenizer_name,
+    is_tokenizer_file,
+)
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import (atomic_write_json, check_dir_target, check_name, dir_mode, exclusive_lock, file_sha256,
-                               json_section, read_json_object, replace_dir, write_error)
+from depthtools.fsutil import (
+    atomic_write_json,
+    check_dir_target,
+    check_name,
+    dir_mode,
+    exclusive_lock,
+    file_sha256,
+    json_section,
+    read_json_object,
+    replace_dir,
+    write_error,
+)
 
 FORMAT = "depthtools.data/1"
 FORMAT_SHARDS = "depthtools.data.shards/1"  # depthtools.data.shards (kept here so reading needs no import)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import re
 import shutil
@@ -38,17 +39,37 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Callable, Iterator
 
-import multiprocessing as mp
 import numpy as np
 from tokenizers import Tokenizer
 
-from depthtools.data.inputs import (UNIT_BYTES, FieldReader, Unit, expand_inputs, plan_units, read_unit, sources_state,
-                                    zstd_without_checksum)
-from depthtools.data.prepare import (FINGERPRINT_SCOPE, FORMAT_SHARDS, changed_data_files, check_overwrite, data_fingerprint,
-                                     dataset_lock, is_prepared)
+from depthtools.data.inputs import (
+    UNIT_BYTES,
+    FieldReader,
+    Unit,
+    expand_inputs,
+    plan_units,
+    read_unit,
+    sources_state,
+    zstd_without_checksum,
+)
+from depthtools.data.prepare import (
+    FINGERPRINT_SCOPE,
+    FORMAT_SHARDS,
+    changed_data_files,
+    check_overwrite,
+    data_fingerprint,
+    dataset_lock,
+    is_prepared,
+)
 from depthtools.data.sharded_tokens import ShardedTokens, load_sharded  # noqa: F401  (re-exported)
-from depthtools.data.tokenizer import (BPE_SIZES, TOKENIZER_SPECS, BPETokenizer, ByteTokenizer, file_tokenizer_name,
-                                       is_tokenizer_file)
+from depthtools.data.tokenizer import (
+    BPE_SIZES,
+    TOKENIZER_SPECS,
+    BPETokenizer,
+    ByteTokenizer,
+    file_tokenizer_name,
+    is_tokenizer_file,
+)
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import AtomicFile, atomic_write_json, check_dir_target, check_name, replace_dir
 

@@ -32,8 +32,19 @@ import torch
 from tokenizers import Tokenizer
 
 from depthtools.arch import DepthModel, canonical_name, get_arch
-from depthtools.checkpoint import (CONFIG, atomic_save_tensors, atomic_write_json, check_shapes, checkpoints_root, load,
-                                   model_state, read_json, read_tensors, resolve, save)
+from depthtools.checkpoint import (
+    CONFIG,
+    atomic_save_tensors,
+    atomic_write_json,
+    check_shapes,
+    checkpoints_root,
+    load,
+    model_state,
+    read_json,
+    read_tensors,
+    resolve,
+    save,
+)
 from depthtools.config import ModelConfig
 from depthtools.data.tokenizer import tokenizer_file_fingerprint
 from depthtools.errors import DepthToolsError

@@ -519,7 +519,7 @@ def _check_overrides(model: Section, block_type: str, n_layer: int) -> None:
                       "moda_skip_ffn_kv=true on the last block")
 
 
-def _arch_options(block: Section, block_type: str, read: _Read) -> tuple[str, str, dict, list]:
+def _arch_options(block: Section, block_type: str, read: _Read) -> tuple[str, str, dict, list]:  # noqa: C901 (one branch per DepthBench block type, read as the fork's config reads it)
     """(arch, layout, options, notes) for one block type."""
     if block_type not in BLOCK_TYPES:
         raise refusal(block.key("name"), block_type, f"block types depthtools imports: {', '.join(BLOCK_TYPES)}")

@@ -9,10 +9,10 @@ Recipe: `depthtools.config.TrainConfig`. Schedules: `lr_multiplier`. FLOPs/MFU: 
 
 from depthtools.config import TrainConfig
 from depthtools.train.flops import flops_per_token
+from depthtools.train.launch import dry_run, launch_local, launch_ray, submit_cells
 from depthtools.train.loop import CellFinishedError, TrainingDivergedError, held_checkpoint, is_finished, train_cell
 from depthtools.train.optim import depth_scaling, param_groups
 from depthtools.train.schedule import lr_multiplier
-from depthtools.train.launch import dry_run, launch_local, launch_ray, submit_cells
 from depthtools.train.sweep import grid_status, run_cell, train_grid
 
 __all__ = [

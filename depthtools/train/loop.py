@@ -47,15 +47,30 @@ from torch import nn
 from depthtools import profiles
 from depthtools.analysis.tasks import answer_accuracy
 from depthtools.arch import DepthModel, compiled
-from depthtools.checkpoint import (CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json, imported_from, read_json,
-                                   read_metrics, save, weights_problem)
+from depthtools.checkpoint import (
+    CONFIG,
+    WEIGHTS,
+    atomic_write_bytes,
+    atomic_write_json,
+    imported_from,
+    read_json,
+    read_metrics,
+    save,
+    weights_problem,
+)
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.data import load_split, read_meta
-from depthtools.data.prepare import check_data_files
 from depthtools.data.budget import check_epochs, check_vocab, text_tokens_read
+from depthtools.data.prepare import check_data_files
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import (LockHeldError, acquire_lock, atomic_write_text, check_dir_target, json_section,
-                               write_error)
+from depthtools.fsutil import (
+    LockHeldError,
+    acquire_lock,
+    atomic_write_text,
+    check_dir_target,
+    json_section,
+    write_error,
+)
 from depthtools.grid import count_params
 from depthtools.train import distributed
 from depthtools.train.batches import TrainBatches, eval_windows
@@ -65,8 +80,15 @@ from depthtools.train.optim import build_optimizer, depth_scaling
 from depthtools.train.precision import NAMES, bf16_weights_supported, cast_params, resolve_param_dtype
 from depthtools.train.probe import DepthProbe
 from depthtools.train.schedule import lr_multiplier
-from depthtools.train.state import (STATE_DIR, load_train_state, older_states, prune_train_state, remove_partial_writes,
-                                    roll_back_train_state, save_train_state)
+from depthtools.train.state import (
+    STATE_DIR,
+    load_train_state,
+    older_states,
+    prune_train_state,
+    remove_partial_writes,
+    roll_back_train_state,
+    save_train_state,
+)
 
 EVAL = "eval.json"
 METRICS = "metrics.jsonl"

@@ -25,6 +25,7 @@ from depthtools.arch.registry import get_arch
 from depthtools.config import ModelConfig, TrainConfig
 from depthtools.errors import CheckpointError
 
+
 def depth_scaling(cfg: ModelConfig) -> tuple[float, float] | None:
     """(block LR factor, block eps factor) = ((L/L_base)^(a−1), (L/L_base)^(−a)) for the architectures with the
     options depth_exponent a and base_layers L_base (depth-μP, CompleteP; their defaults live in the schema)."""

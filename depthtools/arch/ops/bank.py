@@ -22,7 +22,6 @@ from torch import Tensor
 
 from depthtools.arch import cpu_kernels
 
-
 _MIX = cpu_kernels.Kernel("bank", "bank_mix_forward",
                           "values inv_rms dots N d M n col plogit pf n0 mu P p_stride h alpha threads")
 _PREFIX = cpu_kernels.Kernel("bank", "bank_prefix", "values inv_rms dots N d M n0 G cols mu P threads")

@@ -24,7 +24,6 @@ import torch
 from depthtools.arch import cpu_kernels
 from depthtools.arch.sinkhorn_torch import sinkhorn_backward as twin_backward, sinkhorn_forward as twin_forward
 
-
 # -- the C kernel (library "sinkhorn") --------------------------------------------------------------------------
 
 _FORWARD = cpu_kernels.Kernel("sinkhorn", "sinkhorn_forward", "z out N n t_max first tiny")
