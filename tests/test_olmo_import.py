@@ -124,8 +124,13 @@ def test_target_folder_refusals(tmp_path):
     (busy / "notes.txt").write_text("keep me")
     with pytest.raises(DepthToolsError, match="holds files but no checkpoint"):
         target_folder(None, busy, True)  # --force never replaces a folder that is not a checkpoint
+    hf = tmp_path / "hf"  # a Hugging Face folder: a config.json, but no depthtools checkpoint
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(DepthToolsError, match="holds files but no checkpoint"):
+        target_folder(None, hf, True)
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / "config.json").write_text("{}")
+    (tmp_path / "ck" / "config.json").write_text('{"model": {"arch": "preln"}}')
     with pytest.raises(DepthToolsError, match="pass --force"):
         target_folder(None, tmp_path / "ck", False)
     assert target_folder(None, tmp_path / "ck", True) == tmp_path / "ck"

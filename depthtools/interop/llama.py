@@ -290,12 +290,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     """
     path = Path(path)
     hf = read_hf_config(path)
-    if out is None and not name:
-        raise DepthToolsError("give a checkpoint name (--name) or an output directory (--out)")
-    if name is not None:  # one folder under $DEPTHTOOLS_CHECKPOINTS
-        check_name(name, "checkpoint name (--name)")
-    target = Path(out) if out is not None else checkpoints_root() / str(name)
-    _check_import_target(target, force)
+    target = import_target(name, out, force)
     carried = [f for f in HF_CARRIED_FILES if (path / f).is_file()]
     cfg = hf_to_model_config(hf, max_seq_len)
     # Everything is checked before the target is touched: a refusal leaves no half-written checkpoint
@@ -329,17 +324,24 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
             "tokenizer_files": [f for f in carried if f in HF_TOKENIZER_FILES], "carried": carried, "notes": notes}
 
 
-def _check_import_target(target: Path, force: bool) -> None:
-    """The import may replace `target`: a new or empty folder, or (with `force`) a depthtools checkpoint. Any
-    other folder (files of the user's, a Hugging Face folder, the folder being imported) is refused even with
-    `force`: the swap would delete it."""
+def import_target(name: str | None, out: str | Path | None, force: bool) -> Path:
+    """Where an import writes (`out`, or `$DEPTHTOOLS_CHECKPOINTS/<name>`), checked before anything is read. Every
+    import (Hugging Face, GGUF, OLMo-core) goes through it. The import may replace a new or empty folder, or (with
+    `force`) a depthtools checkpoint. Any other folder (files of the user's, a Hugging Face folder, the folder
+    being imported) is refused even with `force`: the swap would delete it."""
+    if out is None and not name:
+        raise DepthToolsError("give a checkpoint name (--name) or an output directory (--out)")
+    if name is not None:  # one folder under $DEPTHTOOLS_CHECKPOINTS
+        check_name(name, "checkpoint name (--name)")
+    target = Path(out) if out is not None else checkpoints_root() / str(name)
     check_dir_target(target, "checkpoint folder (--out)")
     if _is_checkpoint(target):
         if not force:
             raise DepthToolsError(f"{target} already holds a checkpoint; pass --force to overwrite it")
     elif target.is_dir() and any(target.iterdir()):
-        raise DepthToolsError(f"{target} is a non-empty folder that holds no depthtools checkpoint; an import "
-                              "replaces its whole folder, so choose a new or empty one")
+        raise DepthToolsError(f"{target} holds files but no checkpoint (it holds no depthtools checkpoint, and an "
+                              "import replaces its whole folder); choose a new or empty --out or --name")
+    return target
 
 
 def _is_checkpoint(folder: Path) -> bool:

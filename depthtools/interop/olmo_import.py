@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from depthtools.arch import DepthModel
-from depthtools.checkpoint import CONFIG, WEIGHTS, check_shapes, check_weights, checkpoints_root, save
+from depthtools.checkpoint import CONFIG, check_shapes, check_weights, checkpoints_root, save
 from depthtools.data.tokenizer import tokenizer_file_fingerprint
 from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import check_dir_target, check_name, file_sha256, read_json_object, replace_dir
 from depthtools.interop.checks import _tokenizer_json
 from depthtools.interop.dcp import check_files, read_model_tensors
-from depthtools.interop.llama import _load_state, _tokenizer_size
+from depthtools.interop.llama import _load_state, _tokenizer_size, import_target
 from depthtools.interop.olmo_core import build_from_olmo_core, olmo_core_mapping
 
 MODEL_DIR = "model_and_optim"
@@ -194,20 +194,9 @@ def tokenizer_record(file: Path, vocab_size: int, config: dict[str, Any]) -> dic
 
 # -- the import --------------------------------------------------------------------------------------------
 def target_folder(name: str | None, out: str | Path | None, force: bool) -> Path:
-    """Where the checkpoint goes (`--out`, or `$DEPTHTOOLS_CHECKPOINTS/<name>`), checked before anything is read:
-    an existing checkpoint is kept unless `force`, and a folder holding anything else is never replaced."""
-    if out is None and not name:
-        raise DepthToolsError("give a checkpoint name (--name) or an output directory (--out)")
-    if name is not None:
-        check_name(name, "checkpoint name (--name)")
-    target = Path(out) if out is not None else checkpoints_root() / str(name)
-    check_dir_target(target, "checkpoint folder (--out)")
-    if target.is_dir() and any(target.iterdir()):
-        if not (target / CONFIG).is_file() and not (target / WEIGHTS).is_file():
-            raise DepthToolsError(f"{target} holds files but no checkpoint; choose another --out or --name")
-        if not force:
-            raise DepthToolsError(f"{target} already holds a checkpoint; pass --force to overwrite it")
-    return target
+    """Where the checkpoint goes: the one rule every import uses (`llama.import_target`), so a folder that holds
+    no depthtools checkpoint (a Hugging Face folder included) is never replaced, even with `force`."""
+    return import_target(name, out, force)
 
 
 def read_step(step: Step) -> tuple[dict[str, Any], dict[str, Any]]:
