@@ -353,8 +353,8 @@ def test_a_refusal_inside_the_conversion_names_the_gguf_not_the_temporary_folder
     assert len(line.splitlines()) == 1 and not (tmp_path / "ck").exists()
 
 
-@pytest.mark.parametrize("arch,converts", [("gemma2", True), ("qwen2moe", True), ("qwen3moe", True), ("gemma", False),
-                                           ("falcon", False)])
+@pytest.mark.parametrize("arch,converts", [("mistral", True), ("qwen2moe", True), ("qwen3moe", True),
+                                           ("gemma3n", False), ("falcon", False)])
 def test_an_unsupported_architecture_is_refused_before_the_vocabulary_is_parsed(arch, converts, tmp_path,
                                                                               monkeypatch):
     """The architecture key is read from the header: the gguf reader (which parses every metadata array, minutes

@@ -37,10 +37,12 @@ from depthtools.interop.llama import import_hf
 
 GGUF_EXTRA = 'pip install -e ".[gguf]"'
 # GGUF general.architecture -> HF model_type, and whether llama.cpp permuted q/k rows.
-ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False)}
+ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False), "qwen3": ("qwen3", False),
+                 "gemma": ("gemma", False), "gemma2": ("gemma2", False), "gemma3": ("gemma3_text", False)}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales queries by n_embd/n_head for these (27B)
 # GGUF architectures transformers 5.x's GGUF loader converts to a family import-hf reads (its
 # GGUF_SUPPORTED_ARCHITECTURES; tests/test_gguf.py checks the list): a refusal of one of them says how
-TRANSFORMERS_CONVERTS = ("mistral", "phi3", "gpt2", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
+TRANSFORMERS_CONVERTS = ("mistral", "phi3", "gpt2", "qwen2_moe", "qwen3_moe")
 # llama.cpp's general.architecture of the MoE Qwens -> the name transformers' GGUF loader lists them under
 GGUF_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 LAYER_TENSORS = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
@@ -55,6 +57,10 @@ LAYER_TENSORS = {  # GGUF blk.N.<name> -> HF model.layers.N.<name>
 }
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                   "output.weight": "lm_head.weight"}
+# Gemma-2/3 (sandwich norms): llama.cpp's names of the four per-layer norms
+GEMMA2_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 IGNORED_TENSORS = ("rope_freqs.weight",)  # llama.cpp's precomputed RoPE factors: only written for scaled RoPE
 
 
@@ -175,15 +181,67 @@ def unsupported_architecture(arch: Any, path: Path) -> DepthToolsError:
     return DepthToolsError(line)
 
 
+def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
+    """HF `rope_scaling` of the file's `rope.scaling.type`: none, or linear (llama.cpp's freq_scale = 1/factor,
+    transformers' linear type; for Gemma-3 it scales the full-attention layers only, in both). Other types are
+    refused: their parameters are not all in the metadata (llama3's factors are a rope_freqs tensor)."""
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    if scaling != "linear":
+        raise DepthToolsError(f"{path}: GGUF {arch}.rope.scaling.type={scaling!r} is not supported (only linear RoPE "
+                              "scaling can be expressed exactly)")
+    return {"rope_type": "linear", "factor": _number(meta, f"{arch}.rope.scaling.factor", path, float, minimum=1e-9)}
+
+
+def _gemma_config(meta: dict[str, Any], arch: str, hf: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The Gemma-specific config.json keys llama.cpp's runtime implies.
+
+    query_pre_attn_scalar: `attention.scale` where written (scale = scalar^-1/2), else llama.cpp's rule:
+    n_embd / n_head for the 27B models (46 layers for Gemma-2, 62 for Gemma-3), the head dim otherwise.
+    Softcaps: Gemma-2's from the metadata (absent: none). Sliding layers: llama.cpp's pattern (every 2nd layer
+    full for Gemma-2, every 6th for Gemma-3, or `attention.sliding_window_pattern`); Gemma-3's sliding layers
+    use RoPE base 10000 (llama.cpp's fixed value)."""
+    out: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    if arch == "gemma":
+        return out
+    scale = meta.get(f"{arch}.attention.scale")
+    if scale is not None:
+        out["query_pre_attn_scalar"] = _number(meta, f"{arch}.attention.scale", path, float, minimum=1e-12) ** -2
+    elif hf["num_hidden_layers"] == GEMMA_27B_LAYERS[arch]:
+        out["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
+    else:
+        out["query_pre_attn_scalar"] = hf["head_dim"]
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        out[key] = _number(meta, f"{arch}.{key}", path, float, minimum=0) if f"{arch}.{key}" in meta else None
+    window = meta.get(f"{arch}.attention.sliding_window")
+    out["sliding_window"] = _number(meta, f"{arch}.attention.sliding_window", path, int) if window is not None else 4096
+    out["layer_types"] = _gemma_layer_types(meta, arch, hf["num_hidden_layers"], path)
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+    return out
+
+
+def _gemma_layer_types(meta: dict[str, Any], arch: str, n_layer: int, path: Path) -> list[str]:
+    """Per-layer attention kinds: `attention.sliding_window_pattern` (an int n: every n-th layer full; or one
+    bool per layer, true = sliding) else llama.cpp's fixed pattern (2 for Gemma-2, 6 for Gemma-3)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = meta.get(key, 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list) and len(pattern) == n_layer and all(isinstance(v, (bool, int)) for v in pattern):
+        sliding = [bool(v) for v in pattern]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+        sliding = [bool((i + 1) % pattern) for i in range(n_layer)]
+    else:
+        raise DepthToolsError(f"{path}: GGUF metadata {key}={pattern!r} (expected an integer >= 1 or one bool per layer)")
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
 def hf_config(meta: dict[str, Any], vocab_rows: int, tied: bool, path: Path) -> dict[str, Any]:
-    """The HF config.json equivalent to the GGUF metadata (llama/qwen2/qwen3), or a one-line refusal naming the file."""
+    """The HF config.json equivalent to the GGUF metadata (llama/qwen2/qwen3/gemma/gemma2/gemma3), or a
+    one-line refusal naming the file."""
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise unsupported_architecture(arch, path)
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise DepthToolsError(f"{path}: GGUF {arch}.rope.scaling.type={scaling!r} is not supported (scaled RoPE "
-                              "cannot be expressed exactly)")
     heads = _number(meta, f"{arch}.attention.head_count", path, int, layered=True)
     d_model = _number(meta, f"{arch}.embedding_length", path, int)
     head_dim = _number(meta, f"{arch}.attention.key_length", path, int, default=max(1, d_model // heads))
@@ -206,8 +264,13 @@ def hf_config(meta: dict[str, Any], vocab_rows: int, tied: bool, path: Path) -> 
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
     }
+    scaling = _rope_scaling(meta, arch, path)
+    if scaling is not None:
+        hf["rope_scaling"] = scaling
     if arch == "qwen3":
         hf["attention_bias"] = False
+    if arch.startswith("gemma"):
+        hf.update(_gemma_config(meta, arch, hf, path))
     for ours, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         if key in meta:
             hf[ours] = _number(meta, key, path, int, minimum=0)
@@ -241,9 +304,18 @@ def _dequantize(tensor, path: Path) -> torch.Tensor:
     return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
 
 
+def layer_names(hf: dict[str, Any]) -> dict[str, str]:
+    """GGUF blk.N.<name> -> HF model.layers.N.<name> for the config's family."""
+    return GEMMA2_LAYER_TENSORS if hf["model_type"] in ("gemma2", "gemma3_text") else LAYER_TENSORS
+
+
 def hf_tensors(reader, hf: dict[str, Any], permuted: bool, path: Path) -> dict[str, torch.Tensor]:
-    """Every GGUF tensor under its HF name (q/k un-permuted where llama.cpp permuted them)."""
+    """Every GGUF tensor under its HF name (q/k un-permuted where llama.cpp permuted them; Gemma's RMSNorm
+    gains, which llama.cpp's converter stores as 1 + w because its runtime multiplies by the stored gain, back
+    to HF's w, which the model multiplies by 1 + w)."""
     out: dict[str, torch.Tensor] = {}
+    names = layer_names(hf)
+    gemma = hf["model_type"].startswith("gemma")
     for tensor in reader.tensors:
         name = tensor.name
         if name in IGNORED_TENSORS:
@@ -252,10 +324,12 @@ def hf_tensors(reader, hf: dict[str, Any], permuted: bool, path: Path) -> dict[s
             hf_name = GLOBAL_TENSORS[name]
         else:
             parts = name.split(".", 2)
-            if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in LAYER_TENSORS:
+            if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in names:
                 raise DepthToolsError(f"{path}: unexpected GGUF tensor {name!r} for a {hf['model_type']} model")
-            hf_name = f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}"
+            hf_name = f"model.layers.{parts[1]}.{names[parts[2]]}"
         value = _dequantize(tensor, path)
+        if gemma and name.endswith("norm.weight"):
+            value = value - 1.0
         if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = hf["num_attention_heads"] if "attn_q" in name else hf["num_key_value_heads"]
             if value.shape[0] % (2 * heads):
