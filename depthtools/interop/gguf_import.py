@@ -9,8 +9,12 @@ checkpoint (up to the quantization the file itself carries).
 
 llama.cpp's converter permutes the rows of q/k for `llama` (its RoPE pairs (2j, 2j+1) where HF's
 rotate_half pairs (j, j + hd/2)); `unpermute` undoes that permutation exactly. Qwen2/Qwen3 are
-written unpermuted (their RoPE is the NEOX pairing llama.cpp applies as is). Architectures whose
-GGUF layout differs further (Gemma's norms stored as 1 + w, fused tensors, ...) are refused.
+written unpermuted (their RoPE is the NEOX pairing llama.cpp applies as is), as are Gemma, Gemma-2 and
+Gemma-3, whose RMSNorm gains llama.cpp stores as 1 + w (its runtime multiplies by the stored gain, HF's
+model by 1 + w): the import subtracts the 1. Gemma settings llama.cpp keeps in its runtime rather than the
+file (query scale, sliding-layer pattern, Gemma-3's local RoPE base) are set as that runtime sets them.
+The tokenizer is rebuilt by depthtools.interop.gguf_tokenizer. Architectures whose GGUF layout differs
+further (fused tensors, experts, ...) are refused.
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from depthtools.data.tokenizer import vocab_fingerprint
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import file_sha256
+from depthtools.interop.gguf_tokenizer import gguf_tokenizer
 from depthtools.interop.llama import import_hf
 
 GGUF_EXTRA = 'pip install -e ".[gguf]"'
@@ -337,58 +341,6 @@ def hf_tensors(reader, hf: dict[str, Any], permuted: bool, path: Path) -> dict[s
             value = unpermute(value, heads)
         out[hf_name] = value
     return out
-
-
-def bpe_parts(tokens: list[Any], merges: list[Any]) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """(vocabulary, merge pairs) of a GGUF byte-level BPE, or a one-line refusal of what `tokenizers` would choke
-    on or silently get wrong: a token listed twice (one id would vanish), a merge that is not two tokens
-    separated by a space, a merge of (or into) a token the list lacks."""
-    vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        if not isinstance(token, str):
-            raise DepthToolsError(f"GGUF tokenizer.ggml.tokens[{i}]={token!r} is not a string")
-        if token in vocab:
-            raise DepthToolsError(f"GGUF tokenizer.ggml.tokens lists {token!r} twice (ids {vocab[token]} and {i}); "
-                                  "each token must have one id")
-        vocab[token] = i
-    pairs: list[tuple[str, str]] = []
-    for merge in merges:
-        parts = merge.split(" ") if isinstance(merge, str) else []
-        if len(parts) != 2 or not all(parts):
-            raise DepthToolsError(f"GGUF tokenizer.ggml.merges entry {merge!r} is not two tokens separated by one space")
-        unknown = next((t for t in (*parts, "".join(parts)) if t not in vocab), None)
-        if unknown is not None:
-            raise DepthToolsError(f"GGUF tokenizer.ggml.merges entry {merge!r} merges into or from {unknown!r}, which "
-                                  "is not in tokenizer.ggml.tokens")
-        pairs.append((parts[0], parts[1]))
-    return vocab, pairs
-
-
-def gguf_tokenizer(meta: dict[str, Any], vocab_size: int):
-    """(tokenizers.Tokenizer, None) rebuilt exactly from the file's metadata, or (None, why not).
-
-    Rebuilt: byte-level BPE (`tokenizer.ggml.model` "gpt2") with GPT-2's own pre-tokenizer
-    (`tokenizer.ggml.pre` "gpt2" or absent). Other pre-tokenizers (llama-bpe, qwen2, ...) are regexes
-    llama.cpp keeps in C++, and SentencePiece ("llama") files store scores, not the model: neither can
-    be rebuilt exactly here, so the weights are imported without a tokenizer.
-    """
-    model = meta.get("tokenizer.ggml.model")
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
-    if model is None:
-        return None, "the file has no tokenizer metadata"
-    if model != "gpt2" or pre not in ("gpt2", "default"):
-        return None, f"tokenizer model {model!r} with pre-tokenizer {pre!r} cannot be rebuilt exactly from GGUF"
-    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        return None, "the file's tokenizer has no tokens or merges"
-    if len(tokens) > vocab_size:
-        raise DepthToolsError(f"GGUF tokenizer has {len(tokens)} tokens but the embedding has only {vocab_size} rows")
-
-    vocab, pairs = bpe_parts(tokens, merges)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok, None
 
 
 def vocab_record(meta: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
