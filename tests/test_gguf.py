@@ -92,7 +92,8 @@ def gguf_tensors(model, arch: str) -> dict[str, np.ndarray]:
 
 
 def write_gguf(model, arch: str, path: Path, qtype: str = "F32", tokenizer: bool = True, heads=None,
-               bpe: tuple[list[str], list[str]] | None = None) -> dict[str, np.ndarray]:
+               bpe: tuple[list[str], list[str]] | None = None,
+               extra: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Write `model` as a GGUF file with GGUFWriter; returns the float32 values the file holds per tensor
     (dequantized by gguf itself for quantized ones). `heads`: another attention.head_count value (an int, a
     per-layer list, a string); `bpe`: other (tokens, merges)."""
@@ -133,6 +134,8 @@ def write_gguf(model, arch: str, path: Path, qtype: str = "F32", tokenizer: bool
         else:
             writer.add_tensor(name, w)
             held[name] = w
+    for name, w in (extra or {}).items():
+        writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -389,3 +392,56 @@ def test_the_architectures_said_to_convert_are_transformers_and_import_families(
     assert not set(TRANSFORMERS_CONVERTS) & set(ARCHITECTURES)
     missed = {a for a in GGUF_SUPPORTED_ARCHITECTURES if hf_type.get(a, a) in FAMILIES} - set(ARCHITECTURES)
     assert missed == set(TRANSFORMERS_CONVERTS)
+
+
+# -- Llama-3.1+ RoPE scaling: llama.cpp writes it as a rope_freqs tensor ------------------------------------------
+def llama3_rope_freqs(cfg) -> np.ndarray:
+    """The divisors convert_hf_to_gguf.py's LlamaModel computes for a llama3 rope_scaling (its formula, written
+    out here): 1 above the high-frequency wavelength bound, `factor` below the low one, a smooth blend between."""
+    import math
+
+    params = cfg.rope_parameters
+    base, dim = params["rope_theta"], cfg.head_dim
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old = params["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_llama3_rope_freqs_are_applied_exactly(tmp_path):
+    """A Llama-3.1-style file (rope_freqs tensor, no rope.scaling key): our logits equal transformers' llama3
+    model's at 40 positions, past the original context of 32; ignoring the tensor would not."""
+    rope = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 2.0, "original_max_position_embeddings": 32}
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(byte_bpe()[0]), **{**COMMON, "head_dim": 32},
+                                   rope_parameters=rope, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    freqs = llama3_rope_freqs(cfg)
+    assert 1.0 < freqs.max() and freqs.min() == 1.0 and len(set(freqs.tolist())) > 3  # all three regimes present
+    write_gguf(model, "llama", tmp_path / "m.gguf", extra={"rope_freqs.weight": freqs})
+    result = runner.invoke(app, ["import-hf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "ck")])
+    assert result.exit_code == 0, result.output
+    x = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, **{**COMMON, "head_dim": 32}, rope_theta=500.0, tie_word_embeddings=False)).eval()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        theirs, unscaled = model(x).logits, plain(x).logits
+    mine = our_logits(tmp_path / "ck", x)
+    assert (mine - theirs).abs().max().item() <= 1e-4
+    assert (mine - unscaled).abs().max().item() > 1e-3
+
+
+def test_bad_rope_freqs_are_one_line(tmp_path):
+    write_gguf(build("llama"), "llama", tmp_path / "m.gguf", extra={"rope_freqs.weight": np.full(3, 2.0, np.float32)})
+    _refused([str(tmp_path / "m.gguf")], "tensor rope_freqs.weight has 3 values; expected 8 positive", tmp_path / "ck")

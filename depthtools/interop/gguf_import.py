@@ -65,7 +65,8 @@ GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm
 GEMMA2_LAYER_TENSORS = {**LAYER_TENSORS, "post_attention_norm.weight": "post_attention_layernorm.weight",
                         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                         "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
-IGNORED_TENSORS = ("rope_freqs.weight",)  # llama.cpp's precomputed RoPE factors: only written for scaled RoPE
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE divisors (Llama-3.1+'s llama3 scaling): see rope_freqs
+IGNORED_TENSORS = (ROPE_FREQS,)  # not a weight: applied through the config
 
 
 def _gguf():
@@ -188,7 +189,7 @@ def unsupported_architecture(arch: Any, path: Path) -> DepthToolsError:
 def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
     """HF `rope_scaling` of the file's `rope.scaling.type`: none, or linear (llama.cpp's freq_scale = 1/factor,
     transformers' linear type; for Gemma-3 it scales the full-attention layers only, in both). Other types are
-    refused: their parameters are not all in the metadata (llama3's factors are a rope_freqs tensor)."""
+    refused: their parameters are not all in the metadata (llama3's divisors are a tensor: `rope_freqs`)."""
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling in (None, "none"):
         return None
@@ -354,6 +355,28 @@ def vocab_record(meta: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
             "sep_id": hf.get("eos_token_id")}
 
 
+def rope_freqs(hf: dict[str, Any], factors: torch.Tensor, path: Path) -> None:
+    """Apply llama.cpp's `rope_freqs` tensor to the HF config, exactly.
+
+    llama.cpp's converter writes Llama-3.1+'s llama3 RoPE scaling as one divisor per frequency (theta_i =
+    pos * base^(-2i/d) / rope_freqs[i]), not as its parameters. All ones: plain RoPE. Otherwise the config gets
+    those divisors as they are: transformers' `longrope` with short = long factors = rope_freqs and attention
+    factor 1 computes exactly theta_i / rope_freqs[i] at every length (llama3's smooth blend reproduced by its
+    own output, not refitted). With another rope.scaling in the metadata, or of the wrong size, it is refused."""
+    values = [float(v) for v in factors.reshape(-1).tolist()]
+    if values and all(v == 1.0 for v in values):
+        return
+    pairs = hf["head_dim"] // 2
+    if len(values) != pairs or not all(math.isfinite(v) and v > 0 for v in values):
+        raise DepthToolsError(f"{path}: tensor {ROPE_FREQS} has {len(values)} values; expected {pairs} positive "
+                              "finite RoPE divisors (one per frequency of the head dimension)")
+    if "rope_scaling" in hf:
+        raise DepthToolsError(f"{path}: tensor {ROPE_FREQS} and {hf['rope_scaling']['rope_type']} rope.scaling "
+                              "together are not supported")
+    hf["rope_scaling"] = {"rope_type": "longrope", "short_factor": values, "long_factor": values, "factor": 1.0,
+                          "attention_factor": 1.0}
+
+
 def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """(HF config dict, HF-named float32 tensors, metadata) of a GGUF file."""
     path = Path(path)
@@ -368,6 +391,8 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         raise DepthToolsError(f"{path} has no token_embd.weight tensor (not a decoder language model?)")
     vocab_rows = int(names["token_embd.weight"].shape.tolist()[-1])
     hf = hf_config(meta, vocab_rows, tied="output.weight" not in names, path=path)
+    if ROPE_FREQS in names:
+        rope_freqs(hf, _dequantize(names[ROPE_FREQS], path), path)
     permuted = ARCHITECTURES[meta["general.architecture"]][1]
     return hf, hf_tensors(reader, hf, permuted, path), meta
 
