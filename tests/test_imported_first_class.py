@@ -230,7 +230,7 @@ def test_import_and_data_prepare_choose_one_separator(tmp_path, monkeypatch, eos
 
 # -- a GGUF import without a tokenizer knows its vocabulary (item 5) --------------------------------------------
 def gguf_without_tokenizer(root: Path, tok) -> Path:
-    """A llama GGUF (GGUFWriter) whose tokenizer metadata is `tok`'s vocabulary with llama.cpp's "llama-bpe"
+    """A llama GGUF (GGUFWriter) whose tokenizer metadata is `tok`'s vocabulary with llama.cpp's "deepseek-coder"
     pre-tokenizer: the import cannot rebuild it, so it carries no tokenizer.json."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
@@ -249,7 +249,7 @@ def gguf_without_tokenizer(root: Path, tok) -> Path:
                        (writer.add_key_length, 8), (writer.add_value_length, 8), (writer.add_rope_dimension_count, 8)):
         add(value)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_tokenizer_pre("deepseek-coder")
     writer.add_token_list(tokens)
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m
                              for m in json.loads(tok.to_str())["model"]["merges"]])
