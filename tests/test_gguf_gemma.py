@@ -216,3 +216,32 @@ def test_transformers_gguf_loader_reads_our_file_alike(arch, tmp_path):
         theirs, original = loaded(x).logits, model(x).logits
     assert (theirs - original).abs().max().item() <= 1e-4  # their loader reads the file as the model we wrote
     assert (mine - theirs).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("pattern,expected", [
+    (None, "sfsfs"), (3, "ssfss"), ([True, False, False, True, True], "sffss")])
+def test_the_sliding_layer_pattern_follows_llama_cpp(pattern, expected, tmp_path):
+    """Gemma-2 without attention.sliding_window_pattern: every 2nd layer full (llama.cpp's fixed pattern); an int
+    n: every n-th; a bool per layer: true = sliding."""
+    from depthtools.interop.gguf_import import hf_config
+
+    meta = {"general.architecture": "gemma2", "gemma2.embedding_length": 64, "gemma2.block_count": 5,
+            "gemma2.feed_forward_length": 96, "gemma2.attention.head_count": 4, "gemma2.attention.key_length": 16,
+            "gemma2.context_length": 64, "gemma2.attention.layer_norm_rms_epsilon": 1e-6}
+    if pattern is not None:
+        meta["gemma2.attention.sliding_window_pattern"] = pattern
+    types = hf_config(meta, 300, True, tmp_path / "m.gguf")["layer_types"]
+    assert "".join(t[0] for t in types) == expected
+
+
+def test_a_bad_sliding_pattern_is_one_line(tmp_path):
+    from depthtools.errors import DepthToolsError
+    from depthtools.interop.gguf_import import hf_config
+
+    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 64, "gemma3.block_count": 5,
+            "gemma3.feed_forward_length": 96, "gemma3.attention.head_count": 4, "gemma3.attention.key_length": 16,
+            "gemma3.context_length": 64, "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+            "gemma3.attention.sliding_window_pattern": [True, False]}
+    with pytest.raises(DepthToolsError, match=r"sliding_window_pattern=\[True, False\] \(expected an integer >= 1 or "
+                                              r"one bool per layer\)"):
+        hf_config(meta, 300, True, tmp_path / "m.gguf")

@@ -267,6 +267,8 @@ def test_gemma_sentencepiece_is_not_rebuilt(tmp_path):
     tok, why = gguf_tokenizer({"general.architecture": "gemma2", "tokenizer.ggml.model": "llama",
                                "tokenizer.ggml.tokens": meta["tokens"], "tokenizer.ggml.scores": meta["scores"]}, 10 ** 6)
     assert tok is None and "Gemma's SentencePiece vocabulary cannot be rebuilt exactly" in why
+    tok, why = gguf_tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": meta["tokens"]}, 10 ** 6)
+    assert tok is None and "without tokenizer.ggml.scores cannot be rebuilt" in why
 
 
 @pytest.mark.parametrize("change,needle", [

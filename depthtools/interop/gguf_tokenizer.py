@@ -165,6 +165,8 @@ def unsupported(meta: dict[str, Any]) -> str | None:
                 "merge order)")
     if model not in ("gpt2", "llama"):
         return f"tokenizer model {model!r} cannot be rebuilt exactly from GGUF (rebuilt: gpt2 BPE, llama SentencePiece)"
+    if model == "llama" and meta.get("tokenizer.ggml.scores") is None:
+        return "a SentencePiece vocabulary without tokenizer.ggml.scores cannot be rebuilt (they give the merge order)"
     return None
 
 
