@@ -188,7 +188,9 @@ def test_the_27b_query_scale_follows_llama_cpp(tmp_path):
             "gemma2.feed_forward_length": 36864, "gemma2.attention.head_count": 32,
             "gemma2.attention.head_count_kv": 16, "gemma2.attention.key_length": 128,
             "gemma2.context_length": 8192, "gemma2.attention.layer_norm_rms_epsilon": 1e-6}
-    assert hf_config(meta, 256000, True, tmp_path / "m.gguf")["query_pre_attn_scalar"] == 144
+    hf = hf_config(meta, 256000, True, tmp_path / "m.gguf")
+    assert hf["query_pre_attn_scalar"] == 144
+    assert (hf["attn_logit_softcapping"], hf["final_logit_softcapping"]) == (50.0, 30.0)  # llama.cpp's defaults
     assert hf_config({**meta, "gemma2.block_count": 42}, 256000, True, tmp_path)["query_pre_attn_scalar"] == 128
     scaled = hf_config({**meta, "gemma2.attention.scale": 0.125}, 256000, True, tmp_path)
     assert scaled["query_pre_attn_scalar"] == pytest.approx(64.0)

@@ -204,7 +204,7 @@ def _gemma_config(meta: dict[str, Any], arch: str, hf: dict[str, Any], path: Pat
 
     query_pre_attn_scalar: `attention.scale` where written (scale = scalar^-1/2), else llama.cpp's rule:
     n_embd / n_head for the 27B models (46 layers for Gemma-2, 62 for Gemma-3), the head dim otherwise.
-    Softcaps: Gemma-2's from the metadata (absent: none). Sliding layers: llama.cpp's pattern (every 2nd layer
+    Softcaps: from the metadata; absent, llama.cpp's defaults (Gemma-2: 50 on attention logits, 30 on the output). Sliding layers: llama.cpp's pattern (every 2nd layer
     full for Gemma-2, every 6th for Gemma-3, or `attention.sliding_window_pattern`); Gemma-3's sliding layers
     use RoPE base 10000 (llama.cpp's fixed value)."""
     out: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
@@ -217,8 +217,9 @@ def _gemma_config(meta: dict[str, Any], arch: str, hf: dict[str, Any], path: Pat
         out["query_pre_attn_scalar"] = hf["hidden_size"] // hf["num_attention_heads"]
     else:
         out["query_pre_attn_scalar"] = hf["head_dim"]
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        out[key] = _number(meta, f"{arch}.{key}", path, float, minimum=0) if f"{arch}.{key}" in meta else None
+    for key, gemma2_default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        default = gemma2_default if arch == "gemma2" else None  # llama.cpp's: Gemma-2 always caps, Gemma-3 never
+        out[key] = _number(meta, f"{arch}.{key}", path, float, minimum=0) if f"{arch}.{key}" in meta else default
     window = meta.get(f"{arch}.attention.sliding_window")
     out["sliding_window"] = _number(meta, f"{arch}.attention.sliding_window", path, int) if window is not None else 4096
     out["layer_types"] = _gemma_layer_types(meta, arch, hf["num_hidden_layers"], path)
