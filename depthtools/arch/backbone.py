@@ -11,6 +11,10 @@ Every default is the Llama block, so a config without these keys builds exactly 
 before (same modules, same parameter names, same initialisation order, same arithmetic). Every other
 architecture reads `Backbone()` (the defaults): they do not accept these options.
 
+One definition: `OPTIONS` (the rope_* records come from `depthtools.arch.rope.ROPE_OPTIONS`) is the schema the
+registry validates against, and the typed `Backbone` record is generated from it (`scheme.schema_record`: one
+field per option, its kind's type, its default), as is `RopeScaling`; `DEFAULTS` is every option at its default.
+
 Option semantics (h: the residual stream, x: a sublayer input; equations in docs/pretrained.md):
 
     head_dim          per-head width (0: d_model / n_heads)

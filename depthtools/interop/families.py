@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from depthtools.arch.backbone import DEFAULTS as BACKBONE_DEFAULTS
+from depthtools.arch.backbone import DEFAULTS as BACKBONE_DEFAULTS, backbone
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 from depthtools.interop.schema import check_config, nested_rope
@@ -730,7 +730,7 @@ def _template(ours: str) -> tuple[str, dict[str, str]]:
 
 def _check_expert_count(tensors: dict[str, torch.Tensor], cfg: ModelConfig, family: Family) -> None:
     """An MoE family's weights hold as many experts per layer as config.json says (one line naming both)."""
-    experts = cfg.options.get("moe_experts", 0)
+    experts = backbone(cfg).moe_experts
     src = family.tensors.get("blocks.{i}.mlp.experts.{e}.w1.weight")
     if not experts or src is None:
         return
