@@ -82,8 +82,8 @@ def validate_model_config(cfg: ModelConfig) -> ModelConfig:
     """`cfg` with its architecture's registry name, validated against the registry (one-line DepthToolsError):
     for a config built before the registry was loaded (then ModelConfig checks its shape only). Callers that
     build a model or accept a config from the user call it; a config built later is already checked."""
-    if isinstance(cfg.arch, str) and canonical_name(cfg.arch) != cfg.arch:
-        return cfg.replace(arch=cfg.arch)  # re-runs __post_init__: canonical name and every check
+    if isinstance(cfg.arch, str) and canonical_name(cfg.arch) != cfg.arch:  # an alias (an unknown name: refused)
+        return cfg.replace(arch=canonical_name(cfg.arch))  # a new config: every check runs as it is built
     cfg.validate()
     return cfg
 

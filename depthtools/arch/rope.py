@@ -144,7 +144,6 @@ class _RopeTables:
         scale = self.attention_scale()
         return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 
-
     @classmethod
     def from_options(cls, options) -> "RopeScaling":
         """The RopeScaling of an object with the rope_* options as attributes (a `Backbone`): numbers as
