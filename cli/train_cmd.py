@@ -151,6 +151,7 @@ def _recipe(preset_recipe: Optional[str], overrides: dict[str, Any], task_mix: O
 
 def _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max_seq_len, preset_recipe, tolerance):
     """The cell's ModelConfig: width from --d-model, or the iso-parameter width for --budget."""
+    from depthtools.arch.registry import validate_model_config  # lazy: arch/ imports torch (training does anyway)
     from depthtools.config import ModelConfig  # lazy: keeps the CLI torch-free
     from depthtools.grid import plan_grid  # lazy: keeps the CLI torch-free
     from depthtools.presets import get_preset  # lazy: keeps the CLI torch-free
@@ -162,8 +163,8 @@ def _model_config(arch, layers, budget, d_model, n_heads, vocab_size, max_seq_le
     plan = dict(get_preset(preset_recipe).plan) if preset_recipe else {}
     heads = n_heads if n_heads is not None else plan.get("n_heads", 16)
     if d_model is not None:
-        return ModelConfig(arch=arch, d_model=d_model, n_layer=layers, n_heads=heads, vocab_size=vocab_size,
-                           max_seq_len=max_seq_len)
+        return validate_model_config(ModelConfig(arch=arch, d_model=d_model, n_layer=layers, n_heads=heads,
+                                                 vocab_size=vocab_size, max_seq_len=max_seq_len))
     shape = {k: plan[k] for k in ("head_dim_multiple", "ffn_multiple") if k in plan}
     cells = plan_grid(arch, budget, vocab_size=vocab_size, layers=[layers], n_heads=heads, max_seq_len=max_seq_len,
                       tolerance=tolerance if tolerance is not None else plan.get("tolerance", 0.05), **shape)

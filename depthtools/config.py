@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from depthtools.data.tasks import TaskMix
 from depthtools.errors import DepthToolsError
@@ -88,6 +88,24 @@ def default_d_ff(d_model: int, multiple: int = 16, ratio: float = 8 / 3) -> int:
     return round_up(ratio * d_model, multiple)
 
 
+# The architecture checks, installed by depthtools.arch.registry when it loads: (canonical_name, check). This
+# module imports nothing from depthtools.arch (arch/ types against ModelConfig, so it sits above config); a config
+# built before the registry is loaded has its shape checked here and the rest by
+# `depthtools.arch.registry.validate_model_config`, which model construction and the entry points call.
+class ArchRules(NamedTuple):
+    canonical_name: Callable[[str], str]  # an architecture name or alias -> its registry name (or a refusal)
+    check: Callable[["ModelConfig"], None]  # the checks that need the architecture (one-line refusals)
+
+
+_ARCH_RULES: list[ArchRules] = []  # empty until the registry loads, then its one ArchRules
+
+
+def install_arch_rules(canonical_name: Callable[[str], str], check: Callable[["ModelConfig"], None]) -> None:
+    """Make every ModelConfig built from now on store `canonical_name(arch)` and run `check(cfg)` after its own
+    shape checks (one-line DepthToolsErrors). Called once, by the architecture registry."""
+    _ARCH_RULES[:] = [ArchRules(canonical_name, check)]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and architecture of one decoder-only LM.
@@ -96,6 +114,9 @@ class ModelConfig:
     stands for); `options` holds architecture-specific settings (e.g. ``{"n_streams": 4}`` for HC),
     checked against the architecture's option schema (`ResidualScheme.option_schema`): an unknown
     key or a bad value is a one-line error naming the architecture, the key and the valid ones.
+    Those checks belong to `depthtools.arch` (`registry.check_model_config`): they run as a config is
+    built once the registry is loaded, and `registry.validate_model_config(cfg)` runs them on a config
+    built before (a torch-free process checks the shape only).
     """
 
     arch: str = "preln"
@@ -118,38 +139,26 @@ class ModelConfig:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         object.__setattr__(self, "options", dict(self.options))
-        # imported here, not at the top: the registry imports torch and every scheme, and `import depthtools` and
-        # the torch-free CLI commands import this module (arch/ itself never imports config: no circle)
-        from depthtools.arch.registry import (
-            canonical_name,  # lazy: keeps depthtools.config torch-free (arch/ imports torch)
-        )
-
-        if isinstance(self.arch, str):
-            object.__setattr__(self, "arch", canonical_name(self.arch))
+        if _ARCH_RULES and isinstance(self.arch, str):  # an alias is stored as the name it stands for
+            object.__setattr__(self, "arch", _ARCH_RULES[0].canonical_name(self.arch))
         self.validate()
 
     @property
     def head_dim(self) -> int:
-        """Per-head width: the Pre-LN option `head_dim` where set (e.g. Gemma, Qwen3), else d_model / n_heads."""
+        """Per-head width: the Pre-LN option `head_dim` where set (e.g. Gemma, Qwen3), else d_model / n_heads.
+        (The one option this module reads: the width is shape, which torch-free planners need too.)"""
         explicit = self.options.get("head_dim")
         if isinstance(explicit, int) and not isinstance(explicit, bool) and explicit > 0:
             return explicit
         return self.d_model // self.n_heads
 
     def validate(self) -> None:
-        """Refuse impossible shapes with a one-line reason."""
+        """Refuse impossible shapes with a one-line reason; once `depthtools.arch` is loaded, also the checks
+        that need the registry (head shape against the options, the options themselves)."""
         for name in ("vocab_size", "d_model", "n_layer", "n_heads", "max_seq_len", "d_ff"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DepthToolsError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.d_model % self.n_heads and not self.options.get("head_dim"):
-            raise DepthToolsError(
-                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
-            )
-        if self.head_dim % 2 and self.options.get("positions", "rope") == "rope":
-            raise DepthToolsError(
-                f"head_dim=d_model/n_heads={self.head_dim} must be even for RoPE"
-            )
         if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads:
             raise DepthToolsError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
@@ -160,11 +169,8 @@ class ModelConfig:
                 raise DepthToolsError(f"ModelConfig.{name} must be a positive finite number, got {value!r}")
         if not isinstance(self.arch, str):
             raise DepthToolsError(f"ModelConfig.arch must be an architecture name, got {self.arch!r}")
-        from depthtools.arch.registry import (
-            check_options,  # lazy: keeps depthtools.config torch-free (arch/ imports torch)
-        )
-
-        check_options(self)  # unknown option keys and bad values
+        if _ARCH_RULES:
+            _ARCH_RULES[0].check(self)  # the head shape against the options, unknown option keys and bad values
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (re-validated)."""

@@ -99,7 +99,10 @@ class Cell:
     seed: int = 0  # training seed (weights init + batch order); part of the name unless 0
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_dict(self.model)
+        """The cell's ModelConfig, checked against the architecture registry (one-line refusals)."""
+        from depthtools.arch.registry import validate_model_config  # lazy: arch/ imports torch
+
+        return validate_model_config(ModelConfig.from_dict(self.model))
 
 
 def cell_name(arch: str, n_layer: int, seed: int = 0) -> str:
@@ -445,8 +448,10 @@ def check_cell(cell: Any, where: str = "cell") -> Cell:
     if lacking:
         raise DepthToolsError(f"{where}: model lacks {lacking} (it would train the default shape); "
                               "re-plan it with `depthtools grid plan`")
+    from depthtools.arch.registry import validate_model_config  # lazy: arch/ imports torch
+
     try:
-        cfg = ModelConfig.from_dict(model)
+        cfg = validate_model_config(ModelConfig.from_dict(model))
     except DepthToolsError as exc:
         raise DepthToolsError(f"{where}: model: {exc}") from None
     made = Cell(**data)

@@ -1,11 +1,15 @@
 """The import graph of depthtools/ has no circle (issue 36): KNOWN_CIRCLES is empty and must stay so.
 
 How it is checked: every module under depthtools/ is parsed with `ast` (nothing is imported), and every import in
-it -- at module level AND inside functions, classes and `try` blocks -- is an edge, as is
-`importlib.import_module("<constant>")`. Imports under `if TYPE_CHECKING:` are skipped: they never run (type
-annotations only). Edges follow import-linter's convention: `from a.b import c` points at module a.b.c when that
-is a module, else at a.b; the parent packages' `__init__` that Python runs on the way are not edges (else every
-package would be a circle with its own `__init__`).
+it -- at module level AND inside functions, classes, `try` blocks and `if TYPE_CHECKING:` blocks -- is an edge, as
+is `importlib.import_module("<constant>")`. Imports under TYPE_CHECKING never run, but they are edges all the same
+(issue 46): a module that types against another depends on it, and a circle through annotations is still a circle
+for a reader and a type checker. Edges follow import-linter's convention: `from a.b import c` points at module
+a.b.c when that is a module, else at a.b; the parent packages' `__init__` that Python runs on the way are not
+edges (else every package would be a circle with its own `__init__`).
+
+The layering it checks (issue 46): depthtools.config is below depthtools.arch. arch/ types against ModelConfig and
+its registry installs the architecture checks into config; config imports nothing from arch/, not even lazily.
 """
 
 from __future__ import annotations
@@ -39,21 +43,12 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST, module: str, is_package: bool):
     """(imports, lines of non-constant dynamic imports) of a parsed module; an import is a dotted name, or
     (module, name) for `from module import name`."""
     names, dynamic = [], []
 
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
+    def visit(node: ast.AST) -> None:  # `if TYPE_CHECKING:` is an ordinary `if`: both branches are read
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -147,13 +142,47 @@ def test_the_package_import_graph_has_no_circle_but_the_known_ones():
     assert not any(name.startswith("depthtools.arch") for c in found for name in c)
 
 
-def test_arch_imports_nothing_above_it():
-    """depthtools.arch depends only on itself and depthtools.errors at run time (ModelConfig appears in its
-    annotations only), so depthtools.config may validate names and options against the registry without a circle."""
+def test_arch_imports_nothing_above_it_but_the_config_it_validates():
+    """depthtools.arch depends on itself, depthtools.errors and depthtools.config (the ModelConfig it builds from, in
+    annotations and at the registry, which installs its checks there), run time and TYPE_CHECKING alike."""
     graph, _ = import_graph()
+    allowed = {"depthtools.errors", "depthtools.config"}
     outside = {(m, t) for m, targets in graph.items() if m.startswith("depthtools.arch")
-               for t in targets if not t.startswith("depthtools.arch") and t != "depthtools.errors"}
+               for t in targets if not t.startswith("depthtools.arch") and t not in allowed}
     assert not outside, sorted(outside)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others (TYPE_CHECKING imports included)."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_config_imports_nothing_from_arch():
+    """depthtools/config.py reaches no module of depthtools.arch, directly, lazily inside a function, under
+    TYPE_CHECKING or through another module (issue 46: arch/ owns model-config validation)."""
+    graph, _ = import_graph()
+    assert graph["depthtools.config"], "the reader found no import in depthtools/config.py"
+    reached = _reachable(graph, "depthtools.config")
+    assert not {m for m in reached if m.startswith("depthtools.arch")}, sorted(reached)
+
+
+def test_importing_config_loads_no_arch_module():
+    """The same, as Python runs it: a fresh `import depthtools.config` (package __init__s included) loads no
+    depthtools.arch module and no torch, and a ModelConfig built there checks its shape without the registry."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from depthtools.config import ModelConfig; ModelConfig(arch='preln', d_model=64, n_heads=4); "
+            "print(sorted(m for m in sys.modules if m.startswith('depthtools.arch') or m == 'torch'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr.strip().splitlines()[-1:]
+    assert proc.stdout.strip() == "[]", proc.stdout
 
 
 def test_dynamic_imports_are_only_the_known_ones():
@@ -162,9 +191,9 @@ def test_dynamic_imports_are_only_the_known_ones():
     assert set(dynamic) == set(DYNAMIC_IMPORTS), dynamic
 
 
-def test_the_walker_sees_function_level_and_dynamic_imports():
-    """The walker itself: a circle through a function-level import and one through importlib are found; an import
-    under TYPE_CHECKING is not an edge."""
+def test_the_walker_sees_function_level_type_checking_and_dynamic_imports():
+    """The walker itself: a circle through a function-level import, one through importlib and one through an import
+    under TYPE_CHECKING (annotations only, but an edge all the same) are found."""
     sources = {
         "pkg.a": "def f():\n    from pkg import b\n",
         "pkg.b": "import pkg.a\n",
@@ -176,7 +205,8 @@ def test_the_walker_sees_function_level_and_dynamic_imports():
     for name, text in sources.items():
         imported, _ = _imports(ast.parse(text), name, False)
         graph[name] = _resolve(imported, sources) - {name}
-    assert sorted(map(sorted, circles(graph))) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d"]]
+    assert sorted(map(sorted, circles(graph))) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d", "pkg.e"]]
+    assert graph["pkg.d"] == {"pkg.c", "pkg.e"}  # the TYPE_CHECKING import is an edge
 
 
 CLI_PACKAGE = PACKAGE.parent / "cli"

@@ -11,6 +11,10 @@ Every default is the Llama block, so a config without these keys builds exactly 
 before (same modules, same parameter names, same initialisation order, same arithmetic). Every other
 architecture reads `Backbone()` (the defaults): they do not accept these options.
 
+One definition: `OPTIONS` (the rope_* records come from `depthtools.arch.rope.ROPE_OPTIONS`) is the schema the
+registry validates against, and the typed `Backbone` record is generated from it (`scheme.schema_record`: one
+field per option, its kind's type, its default), as is `RopeScaling`; `DEFAULTS` is every option at its default.
+
 Option semantics (h: the residual stream, x: a sublayer input; equations in docs/pretrained.md):
 
     head_dim          per-head width (0: d_model / n_heads)
@@ -53,15 +57,13 @@ Option semantics (h: the residual stream, x: a sublayer input; equations in docs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformer_lens.hook_points import HookPoint
 
-from depthtools.arch.rope import NEEDS_CONTEXT, ROPE_TYPES, RopeScaling
-from depthtools.arch.scheme import Option
+from depthtools.arch.rope import NEEDS_CONTEXT, ROPE_OPTIONS, RopeScaling
+from depthtools.arch.scheme import Option, schema_record
 from depthtools.arch.torch_private import is_hooked
 from depthtools.errors import DepthToolsError
 
@@ -91,17 +93,7 @@ OPTIONS: dict[str, Option] = {
     "layer_types": Option("str", "", doc="per layer 's' (sliding) or 'f' (full); '': all 's' if a window is set"),
     "rope_theta_sliding": Option("number", 0.0, low=0, doc="RoPE base of sliding layers (0: rope_theta)"),
     "rotary_fraction": Option("number", 1.0, low=0, high=1, low_open=True, doc="share of head features rotated"),
-    "rope_type": Option("str", "default", choices=ROPE_TYPES, doc="RoPE scaling type (default: plain RoPE)"),
-    "rope_factor": Option("number", 1.0, low=0, low_open=True, doc="RoPE scaling factor"),
-    "rope_original_context": Option("int", 0, low=0, doc="pretraining context of scaled RoPE (dynamic: max positions)"),
-    "rope_low_freq_factor": Option("number", 1.0, low=0, low_open=True, doc="llama3 RoPE: low-frequency factor"),
-    "rope_high_freq_factor": Option("number", 4.0, low=0, low_open=True, doc="llama3 RoPE: high-frequency factor"),
-    "rope_beta_fast": Option("number", 32.0, low=0, low_open=True, doc="yarn RoPE: extrapolation boundary"),
-    "rope_beta_slow": Option("number", 1.0, low=0, low_open=True, doc="yarn RoPE: interpolation boundary"),
-    "rope_truncate": Option("bool", True, doc="yarn RoPE: round the correction range to whole dimensions"),
-    "rope_attention_factor": Option("number", 0.0, low=0, doc="yarn/longrope cos/sin factor (0: the type's default)"),
-    "rope_short_factor": Option("numbers", (), low=0, low_open=True, doc="longrope: per-pair factors, T <= context"),
-    "rope_long_factor": Option("numbers", (), low=0, low_open=True, doc="longrope: per-pair factors, T > context"),
+    **ROPE_OPTIONS,  # rope_type ... rope_long_factor: their records live with RopeScaling (depthtools.arch.rope)
     "positions": Option("str", "rope", choices=POSITIONS, doc="rotary or learned absolute positions"),
     "norm": Option("str", "rms", choices=NORMS, doc="RMSNorm or LayerNorm"),
     "norm_gain": Option("str", "weight", choices=NORM_GAINS, doc="norm gain: w, (1+w) or none"),
@@ -125,54 +117,8 @@ OPTIONS: dict[str, Option] = {
 }
 
 
-@dataclass(frozen=True)
-class Backbone:
-    """The resolved options (see the module docstring); defaults = the Llama block."""
-
-    family: str = ""
-    head_dim: int = 0
-    qkv_bias: bool = False
-    attn_out_bias: bool = False
-    qkv_clip: float = 0.0
-    clip_after_norm: bool = False
-    qk_norm: str = "none"
-    attn_scale: float = 0.0
-    attn_softcap: float = 0.0
-    sliding_window: int = 0
-    layer_types: str = ""
-    rope_theta_sliding: float = 0.0
-    rotary_fraction: float = 1.0
-    rope_type: str = "default"
-    rope_factor: float = 1.0
-    rope_original_context: int = 0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_truncate: bool = True
-    rope_attention_factor: float = 0.0
-    rope_short_factor: tuple = ()
-    rope_long_factor: tuple = ()
-    positions: str = "rope"
-    norm: str = "rms"
-    norm_gain: str = "weight"
-    norm_bias: bool = False
-    pre_norm: bool = True
-    out_norm: bool = False
-    parallel: bool = False
-    mlp: str = "gated"
-    mlp_act: str = "silu"
-    mlp_bias: bool = False
-    embed_scale: float = 1.0
-    final_softcap: float = 0.0
-    head_bias: bool = False
-    moe_experts: int = 0
-    moe_top_k: int = 1
-    moe_ff: int = 0
-    moe_norm_topk: bool = True
-    moe_shared_ff: int = 0
-    moe_shared_gate: bool = True
-    moe_layers: str = ""
+class _BackboneRules:
+    """Backbone's methods: what the options mean for one block (its fields are generated from OPTIONS)."""
 
     def is_moe(self, layer: int) -> bool:
         """Whether block `layer`'s MLP is the mixture of experts."""
@@ -200,11 +146,7 @@ class Backbone:
     @property
     def rope(self) -> RopeScaling:
         """The model's RoPE type and parameters (`depthtools.arch.rope`)."""
-        return RopeScaling(self.rope_type, float(self.rope_factor), self.rope_original_context,
-                           float(self.rope_low_freq_factor), float(self.rope_high_freq_factor),
-                           float(self.rope_beta_fast), float(self.rope_beta_slow), self.rope_truncate,
-                           float(self.rope_attention_factor), tuple(map(float, self.rope_short_factor)),
-                           tuple(map(float, self.rope_long_factor)))
+        return RopeScaling.from_options(self)
 
     def own_rope_base(self, layer: int, theta: float) -> bool:
         """Whether block `layer` rotates with its own plain RoPE of base rope_theta_sliding (a sliding layer
@@ -213,7 +155,10 @@ class Backbone:
                     and (self.rope_theta_sliding != theta or self.rope_type != "default"))
 
 
-assert [f.name for f in fields(Backbone)] == list(OPTIONS)  # one definition: the schema and the dataclass agree
+# The typed options ARE the schema: one field per Option, in its order, with its kind and default (one definition).
+Backbone = schema_record("Backbone", OPTIONS, _BackboneRules,
+                         doc="The resolved Pre-LN options (see the module docstring); defaults = the Llama block.")
+DEFAULTS = Backbone()  # every option at its default (the Llama block); `interop.families` reads its defaults here
 
 
 def backbone(cfg) -> Backbone:
@@ -221,6 +166,16 @@ def backbone(cfg) -> Backbone:
     if cfg.arch not in BACKBONE_ARCHS:
         return Backbone()
     return Backbone(**{k: cfg.options[k] for k in OPTIONS if k in cfg.options})
+
+
+def check_heads(cfg) -> None:
+    """The head shape every architecture needs (one line each): d_model splits into n_heads unless the
+    head_dim option sets the width, and RoPE rotates pairs, so a rotary head_dim is even. Runs before the
+    options are validated (a bad value here is read as unset; the option check names it next)."""
+    if cfg.d_model % cfg.n_heads and not cfg.options.get("head_dim"):
+        raise DepthToolsError(f"d_model={cfg.d_model} is not divisible by n_heads={cfg.n_heads}")
+    if cfg.head_dim % 2 and cfg.options.get("positions", OPTIONS["positions"].default) == "rope":
+        raise DepthToolsError(f"head_dim=d_model/n_heads={cfg.head_dim} must be even for RoPE")
 
 
 def check_backbone(cfg) -> None:

@@ -39,7 +39,7 @@ from depthtools.arch.bankops import weighted_sum
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
 
-if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
     from depthtools.config import ModelConfig
 
 

@@ -115,7 +115,7 @@ from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, Res
 from depthtools.arch.torch_private import forward_ad_active, is_hooked
 from depthtools.errors import DepthToolsError
 
-if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
     from depthtools.config import ModelConfig
 
 MHC_INITS = ("hc_like", "uniform", "lucidrains")

@@ -19,7 +19,7 @@ from depthtools.arch.backbone import HookedNorm, Norm, activation, backbone, ban
 from depthtools.arch.rope import PLAIN, RopeScaling
 from depthtools.arch.torch_private import is_hooked, storage_unshared
 
-if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
     from depthtools.config import ModelConfig
 
 

@@ -82,7 +82,7 @@ from depthtools.arch.torch_private import (
     view_base,
 )
 
-if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
     from depthtools.config import ModelConfig
 
 NORMS = ("pre", "post")

@@ -21,12 +21,12 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.backbone import backbone, rotary_dim, softcap
 from depthtools.arch.layers import Attention, SwiGLU, make_norm, rope_tables
 from depthtools.arch.moe import MoE
-from depthtools.arch.registry import get_arch
+from depthtools.arch.registry import get_arch, validate_model_config
 from depthtools.arch.scheme import ResidualScheme, State
 from depthtools.arch.tl_cache import DepthCache
 from depthtools.errors import DepthToolsError
 
-if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
     from depthtools.config import ModelConfig
 
 
@@ -100,6 +100,7 @@ class DepthModel(HookedRootModule):
 
     def __init__(self, cfg: ModelConfig, seed: int | None = None):
         super().__init__()
+        cfg = validate_model_config(cfg)  # a config built before the registry loaded is checked (and named) here
         spec = get_arch(cfg.arch)
         if seed is not None:
             torch.manual_seed(seed)

@@ -35,7 +35,7 @@ from depthtools.arch.layers import make_norm
 from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
 from depthtools.errors import DepthToolsError
 
-if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
     from depthtools.config import ModelConfig
 
 SUBLAYERS = ("attn", "mlp")

@@ -13,16 +13,11 @@ registered below (the scheme files import `scheme`, never this module, so the re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from depthtools.arch import attnres, denseformer, hyper, moda, norm_family
-from depthtools.arch.backbone import BACKBONE_ARCHS, check_backbone
+from depthtools.arch.backbone import BACKBONE_ARCHS, check_backbone, check_heads
 from depthtools.arch.scheme import ArchSpec, resolve_options
+from depthtools.config import ModelConfig, install_arch_rules
 from depthtools.errors import DepthToolsError
-
-if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
-    from depthtools.config import ModelConfig
-
 
 _REGISTRY: dict[str, ArchSpec] = {}
 _ALIASES: dict[str, str] = {}
@@ -76,6 +71,23 @@ def check_options(cfg: ModelConfig) -> dict:
     return resolved
 
 
+def check_model_config(cfg: ModelConfig) -> None:
+    """The checks of a ModelConfig that need architecture knowledge (one line each): the head shape, then the
+    options against the architecture's schema. `ModelConfig.validate` runs it once this module is loaded."""
+    check_heads(cfg)
+    check_options(cfg)
+
+
+def validate_model_config(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with its architecture's registry name, validated against the registry (one-line DepthToolsError):
+    for a config built before the registry was loaded (then ModelConfig checks its shape only). Callers that
+    build a model or accept a config from the user call it; a config built later is already checked."""
+    if isinstance(cfg.arch, str) and canonical_name(cfg.arch) != cfg.arch:  # an alias (an unknown name: refused)
+        return cfg.replace(arch=canonical_name(cfg.arch))  # a new config: every check runs as it is built
+    cfg.validate()
+    return cfg
+
+
 # The registration lines: each module defines its architectures' `ARCH_SPECS`; everything else an
 # architecture needs (options, extra FLOPs, routing, the probe's written tensor) is on its scheme.
 ARCH_MODULES = (norm_family, hyper, attnres, denseformer, moda)
@@ -83,3 +95,7 @@ for _module in ARCH_MODULES:
     for _spec in _module.ARCH_SPECS:
         register(_spec)
 del _module, _spec
+
+# From now on every ModelConfig built is checked against the registry as it is made (depthtools.config imports
+# nothing from arch/: the registry installs its checks there).
+install_arch_rules(canonical_name, check_model_config)

@@ -28,30 +28,40 @@ length, which is what a fresh transformers model gives for that sequence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
+
+from depthtools.arch.scheme import Option, schema_record
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 NEEDS_CONTEXT = ("dynamic", "yarn", "longrope", "llama3")  # types that read rope_original_context
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """One RoPE type and its parameters (the backbone's rope_* options)."""
+# The scaled-RoPE options of the Pre-LN block (`depthtools.arch.backbone.OPTIONS` splices them in): their one
+# definition. `RopeScaling` below is generated from these records (rope_type -> kind, rope_X -> X).
+ROPE_OPTIONS: dict[str, Option] = {
+    "rope_type": Option("str", "default", choices=ROPE_TYPES, doc="RoPE scaling type (default: plain RoPE)"),
+    "rope_factor": Option("number", 1.0, low=0, low_open=True, doc="RoPE scaling factor"),
+    "rope_original_context": Option("int", 0, low=0, doc="pretraining context of scaled RoPE (dynamic: max positions)"),
+    "rope_low_freq_factor": Option("number", 1.0, low=0, low_open=True, doc="llama3 RoPE: low-frequency factor"),
+    "rope_high_freq_factor": Option("number", 4.0, low=0, low_open=True, doc="llama3 RoPE: high-frequency factor"),
+    "rope_beta_fast": Option("number", 32.0, low=0, low_open=True, doc="yarn RoPE: extrapolation boundary"),
+    "rope_beta_slow": Option("number", 1.0, low=0, low_open=True, doc="yarn RoPE: interpolation boundary"),
+    "rope_truncate": Option("bool", True, doc="yarn RoPE: round the correction range to whole dimensions"),
+    "rope_attention_factor": Option("number", 0.0, low=0, doc="yarn/longrope cos/sin factor (0: the type's default)"),
+    "rope_short_factor": Option("numbers", (), low=0, low_open=True, doc="longrope: per-pair factors, T <= context"),
+    "rope_long_factor": Option("numbers", (), low=0, low_open=True, doc="longrope: per-pair factors, T > context"),
+}
 
-    kind: str = "default"
-    factor: float = 1.0
-    original_context: int = 0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 0.0  # 0: the type's default
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
+
+def rope_field(option: str) -> str:
+    """RopeScaling's field for a rope_* option: rope_type -> kind, rope_factor -> factor, ..."""
+    return "kind" if option == "rope_type" else option.removeprefix("rope_")
+
+
+class _RopeTables:
+    """RopeScaling's methods (its fields are generated from ROPE_OPTIONS below)."""
 
     @property
     def scaled(self) -> bool:
@@ -134,5 +144,23 @@ class RopeScaling:
         scale = self.attention_scale()
         return (angles.cos() * scale).float(), (angles.sin() * scale).float()
 
+    @classmethod
+    def from_options(cls, options) -> "RopeScaling":
+        """The RopeScaling of an object with the rope_* options as attributes (a `Backbone`): numbers as
+        floats, lists of numbers as tuples of floats (an option may hold an int or a JSON list)."""
+        values = {}
+        for name, opt in ROPE_OPTIONS.items():
+            value = getattr(options, name)
+            if opt.kind == "number":
+                value = float(value)
+            elif opt.kind == "numbers":
+                value = tuple(map(float, value))
+            values[rope_field(name)] = value
+        return cls(**values)
+
+
+RopeScaling = schema_record("RopeScaling", ROPE_OPTIONS, _RopeTables, rename=rope_field,
+                            doc="One RoPE type and its parameters: the backbone's rope_* options, one field each "
+                                "(kind = rope_type; attention_factor 0: the type's default).")
 
 PLAIN = RopeScaling()

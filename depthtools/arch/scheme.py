@@ -33,7 +33,7 @@ from torch import nn
 
 from depthtools.errors import DepthToolsError
 
-if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
+if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
     from depthtools.config import ModelConfig
 
 State = Any  # architecture-specific and opaque to analyses (tensor, stream stack, source bank...)
@@ -144,6 +144,23 @@ def build_options(schema: dict[str, Option], cfg: ModelConfig):
     """cfg.options validated against the schema (see `resolve_options`) as the architecture's frozen,
     typed options object: the one place an option's default is applied."""
     return options_type(cfg.arch, schema)(**resolve_options(schema, cfg))
+
+
+def schema_record(name: str, schema: dict[str, Option], base: type, doc: str,
+                  rename: Callable[[str], str] = str) -> type:
+    """A frozen dataclass whose fields ARE `schema`'s options, in its order, each typed by its kind and
+    defaulting to its default (constant defaults only), with `base`'s methods: a record of typed options
+    generated from the schema, so the two cannot drift. `rename` maps an option to its field name (e.g.
+    rope_factor -> factor). Used for the Pre-LN `Backbone` and `RopeScaling`."""
+    fields = []
+    for option_name, opt in schema.items():
+        if callable(opt.default):
+            raise TypeError(f"{name}: option {option_name} has a computed default; a record needs a constant")
+        fields.append((rename(option_name), _KIND_TYPES[opt.kind], field(default=opt.default)))
+    cls = make_dataclass(name, fields, bases=(base,), frozen=True, namespace={"__module__": base.__module__})
+    cls.__doc__ = doc
+    cls.__qualname__ = name
+    return cls
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from depthtools.arch.backbone import DEFAULTS as BACKBONE_DEFAULTS, backbone
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 from depthtools.interop.schema import check_config, nested_rope
@@ -602,6 +603,12 @@ def family_of(hf: dict[str, Any]) -> Family:
     return FAMILIES[model_type]
 
 
+# Options a family reader always sets that are left out of the config at their default (the Pre-LN schema's,
+# `depthtools.arch.backbone.OPTIONS`), so a family that does not use them gives the config plain Llama gives.
+OMIT_AT_DEFAULT = ("qkv_bias", "attn_out_bias", "mlp_bias", "mlp_act", "qkv_clip", "clip_after_norm", "attn_softcap",
+                   "final_softcap", "rotary_fraction", "rope_theta_sliding")
+
+
 def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> ModelConfig:
     """The `preln` ModelConfig equivalent to a supported family's `config.json`, or a one-line refusal."""
     family = family_of(hf)
@@ -637,9 +644,7 @@ def hf_to_model_config(hf: dict[str, Any], max_seq_len: int | None = None) -> Mo
     if max_seq_len is not None:
         shape["max_seq_len"] = int(max_seq_len)
     _set_windows(family, r, shape["n_layer"], options)
-    defaults = {"qkv_bias": False, "attn_out_bias": False, "mlp_bias": False, "mlp_act": "silu", "qkv_clip": 0.0, "clip_after_norm": False,
-                "attn_softcap": 0.0, "final_softcap": 0.0, "rotary_fraction": 1.0, "rope_theta_sliding": 0.0}
-    options = {k: v for k, v in options.items() if not (k in defaults and v == defaults[k])}
+    options = {k: v for k, v in options.items() if not (k in OMIT_AT_DEFAULT and v == getattr(BACKBONE_DEFAULTS, k))}
     plain_theta_sliding = options.get("rope_theta_sliding") == shape["rope_theta"] and "rope_type" not in options
     if plain_theta_sliding or not options.get("sliding_window"):
         options.pop("rope_theta_sliding", None)
@@ -725,7 +730,7 @@ def _template(ours: str) -> tuple[str, dict[str, str]]:
 
 def _check_expert_count(tensors: dict[str, torch.Tensor], cfg: ModelConfig, family: Family) -> None:
     """An MoE family's weights hold as many experts per layer as config.json says (one line naming both)."""
-    experts = cfg.options.get("moe_experts", 0)
+    experts = backbone(cfg).moe_experts
     src = family.tensors.get("blocks.{i}.mlp.experts.{e}.w1.weight")
     if not experts or src is None:
         return
