@@ -566,6 +566,28 @@ class HyperScheme(ResidualScheme):
             state = connector(state)[1]
         return state
 
+    # -- DepthBench's protocol (depthtools.analysis.depthbench): its "hyper-connections" family --------
+    depthbench_family = "hyper-connections"
+
+    def depthbench_state(self, state: torch.Tensor) -> torch.Tensor:
+        """[B,T,n·d]: `forward_depth_states` concatenates the n streams."""
+        return state.flatten(-2)
+
+    def depthbench_block_output(self, state: torch.Tensor) -> torch.Tensor:
+        """[B·n,T,d]: the older scripts fold the streams into the batch, b-major (`_flatten_from_streams`)."""
+        return state.movedim(-2, 1).flatten(0, 1)
+
+    def depthbench_with_input(self, state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The folded streams x [B·n,T,d] back as the state [B,T,n,d]."""
+        return x.unflatten(0, (-1, self.n)).movedim(1, -2)
+
+    def depthbench_lens_logits(self, model: nn.Module, state: torch.Tensor) -> torch.Tensor:
+        """The model's head, except readout "normed_sum" (DepthBench's HC head, Σ_s Norm(H_s)) without the head
+        mixer: DepthBench's lens still decodes Norm(Σ_s H_s), so at l = L it is not the model's output."""
+        if self.opts.readout == "normed_sum" and self.head_fn is None:
+            return model.readout_logits(state.sum(-2))
+        return model.head(state)
+
     def readout(self, state: torch.Tensor) -> torch.Tensor:
         """[B,T,d]: Σ_s H_s (readout "sum"), the mean (readout "mean"), or the learned head mixer
         Σ_s p_s H_s when enabled. readout "normed_sum" has no vector before the final norm: an error."""

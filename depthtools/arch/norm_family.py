@@ -166,6 +166,7 @@ class NormFamilyScheme(ResidualScheme):
 
     single_stream = True
     compile_region = "step"
+    depthbench_family = "residual"  # DepthBench's residual family: the state is z_l, a skip is the identity
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

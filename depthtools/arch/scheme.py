@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -294,6 +295,34 @@ class ResidualScheme(nn.Module):
                 f"skip rule {rule!r} is not defined for {self.cfg.arch}; valid: {list(self.skip_rules)}"
             )
         return rule
+
+    # -- DepthBench's depth-probe protocol (depthtools.analysis.depthbench, docs/depthbench.md) ---
+    # What `--protocol depthbench` needs per architecture, so that adding one to the protocol is an edit of
+    # its own scheme file: DepthBench's family name (None: its depth probes do not cover this architecture,
+    # and the protocol refuses it), its skip rule (one of `skip_rules`), the metrics it leaves undefined
+    # ({metric: why}), and the four state hooks below. The defaults are DepthBench's residual family.
+    depthbench_family: str | None = None
+    depthbench_skip_rule: str = "identity"
+    depthbench_undefined: Mapping[str, str] = MappingProxyType({})
+
+    def depthbench_block_output(self, state: State) -> torch.Tensor:
+        """[B',T,d]: the block output DepthBench's older scripts hook (output[0]: usefulness, Jacobian, token
+        collapse), with any extra streams folded into the batch. Default: the state itself."""
+        return state
+
+    def depthbench_state(self, state: State) -> torch.Tensor:
+        """[B,T,k]: `depth_probes.forward_depth_states`' z_l (angular distance, causal score).
+        Default: the block output (`depthbench_block_output`)."""
+        return self.depthbench_block_output(state)
+
+    def depthbench_with_input(self, state: State, x: torch.Tensor) -> State:
+        """`state` with the block's first input, what DepthBench differentiates (the Jacobian), replaced by x
+        (shaped as `depthbench_block_output` returns it). Default: x is the state."""
+        return x
+
+    def depthbench_lens_logits(self, model: nn.Module, state: State) -> torch.Tensor:
+        """[B,T,V] `compute_logit_lens.py` decodes at a depth, head(Norm(r_l)). Default: the model's head."""
+        return model.head(state)
 
     # -- TransformerLens' ActivationCache functions (DepthCache, tl_cache.py) ------------------
     def tl_limits(self) -> dict[str, str]:
