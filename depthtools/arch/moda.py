@@ -71,7 +71,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch import reference
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.ops import moda as moda_ops
-from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme, profile_defaults
 from depthtools.arch.torch_private import (
     cpu_flash_attention,
     cpu_flash_attention_backward,
@@ -575,5 +575,6 @@ ARCH_SPECS = [
         paper="Zhu et al. 2026, Mixture-of-Depths Attention, arXiv 2603.15619",
         scheme=MoDAScheme,
         in_depthbench=True,
+        profiles={"depthbench": profile_defaults({"moda_depth_rope": "query"})},  # DepthBench: RoPE-rotated depth query
     ),
 ]

@@ -250,7 +250,7 @@ class ResidualScheme(nn.Module):
     def recorded_config(self) -> ModelConfig:
         """The config a model of this scheme records (`DepthModel.config`, saved in checkpoints): `cfg`,
         plus any option whose default has changed written out, so that an absent key identifies a
-        config saved before the change (see `depthtools.arch.hyper.legacy_options`)."""
+        config saved before the change (see `ArchSpec.legacy_defaults`)."""
         return self.cfg
 
     # -- construction -------------------------------------------------------------------------
@@ -353,6 +353,17 @@ class ResidualScheme(nn.Module):
 
 # -- registration (depthtools.arch.registry) ------------------------------------------------------
 
+def profile_defaults(defaults: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """An `ArchSpec.profiles` entry that sets fixed option values, the options the user gave winning."""
+    fixed = dict(defaults)
+
+    def options(given: dict[str, Any]) -> dict[str, Any]:
+        return {**fixed, **given}
+
+    options.__doc__ = f"{fixed} under the profile; the user's options win"
+    return options
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """One registered architecture: its name, family, description, closed-form extra parameters, paper and scheme
@@ -367,9 +378,32 @@ class ArchSpec:
     scheme: type[ResidualScheme]
     in_depthbench: bool = False
     aliases: tuple[str, ...] = ()
+    # accepts the Pre-LN backbone options (depthtools.arch.backbone.OPTIONS) and their cross-option checks
+    backbone_options: bool = False
+    # options whose default changed: {option: the value a saved config without the key implies}; checkpoints
+    # written before the option existed load with it (`upgrade_options`), new models record the key
+    legacy_defaults: dict[str, Any] = field(default_factory=dict)
+    # {recipe profile: options under it} as a function of the options the user gave (they win): what
+    # `depthtools.profiles.apply_model` sets for this architecture; `profile_defaults` makes the plain kind
+    profiles: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = field(default_factory=dict)
 
     def build_scheme(self, cfg: ModelConfig):
         return self.scheme(cfg)
+
+    def upgrade_options(self, model: dict) -> dict:
+        """A saved config's "model" section (of this architecture) with the options it predates filled in with
+        their old defaults (`legacy_defaults`), so an old checkpoint reproduces its logits; else unchanged."""
+        options = model.get("options") or {}
+        if not isinstance(options, dict):
+            return model
+        missing = {k: v for k, v in self.legacy_defaults.items() if k not in options}
+        return {**model, "options": {**options, **missing}} if missing else model
+
+    def profile_options(self, profile: str, given: dict[str, Any]) -> dict[str, Any]:
+        """The options of a model of this architecture under recipe `profile`, `given` (the user's) winning;
+        `given` itself where the profile sets none for this architecture."""
+        make = self.profiles.get(profile)
+        return dict(given) if make is None else make(dict(given))
 
     def option_schema(self) -> dict:
         """{name: depthtools.arch.scheme.Option} of the options this architecture accepts."""
