@@ -77,6 +77,15 @@ def check_options(cfg: ModelConfig) -> dict:
     return resolved
 
 
+def baseline_config(cfg: ModelConfig) -> ModelConfig:
+    """The model `cfg`'s extra parameters are counted against: the baseline architecture (the registered one of
+    family "baseline", Pre-LN) in cfg's shape without options; `cfg` itself when it is of the baseline."""
+    if get_arch(cfg.arch).family == "baseline":
+        return cfg
+    baseline = next(spec for spec in _REGISTRY.values() if spec.family == "baseline")
+    return cfg.replace(arch=baseline.name, options={})
+
+
 def upgrade_options(model: Any) -> Any:
     """A saved config's "model" section with the options it predates filled in with their old defaults (its
     architecture's `ArchSpec.legacy_defaults`; depthtools.checkpoint applies it before building the config).
