@@ -220,4 +220,4 @@ def test_the_report_baseline_is_the_registry_baseline():
     from depthtools.arch import list_archs
     from depthtools.report.findings import REFERENCE_ARCH
 
-    assert [spec.name for spec in list_archs() if spec.family == "baseline"] == [REFERENCE_ARCH]
+    assert [spec.name for spec in list_archs() if spec.reference] == [REFERENCE_ARCH]

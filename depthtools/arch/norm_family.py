@@ -333,6 +333,7 @@ def _rows():
 _PROFILES = {"deepnorm": {"depthbench": profile_defaults({"norm": "layernorm"})}}
 
 ARCH_SPECS = [ArchSpec(name, family, desc, formula, extra, paper, NormFamilyScheme, in_db, aliases,
+                       reference=family == "baseline",  # preln: what extra parameters are counted against
                        backbone_options=_OPTIONS.get(name) is BACKBONE_OPTIONS,  # preln: the pretrained families'
                        profiles=_PROFILES.get(name, {}))
               for name, family, desc, formula, extra, paper, in_db, aliases in _rows()]

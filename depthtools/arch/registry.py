@@ -78,12 +78,12 @@ def check_options(cfg: ModelConfig) -> dict:
 
 
 def baseline_config(cfg: ModelConfig) -> ModelConfig:
-    """The model `cfg`'s extra parameters are counted against: the baseline architecture (the registered one of
-    family "baseline", Pre-LN) in cfg's shape without options; `cfg` itself when it is of the baseline."""
-    if get_arch(cfg.arch).family == "baseline":
+    """The model `cfg`'s extra parameters are counted against: the reference architecture (`ArchSpec.reference`,
+    Pre-LN) in cfg's shape without options; `cfg` itself when it is of the reference architecture."""
+    if get_arch(cfg.arch).reference:
         return cfg
-    baseline = next(spec for spec in _REGISTRY.values() if spec.family == "baseline")
-    return cfg.replace(arch=baseline.name, options={})
+    reference = next(spec for spec in _REGISTRY.values() if spec.reference)
+    return cfg.replace(arch=reference.name, options={})
 
 
 def upgrade_options(model: Any) -> Any:

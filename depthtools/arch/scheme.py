@@ -378,6 +378,9 @@ class ArchSpec:
     scheme: type[ResidualScheme]
     in_depthbench: bool = False
     aliases: tuple[str, ...] = ()
+    # the reference architecture (Pre-LN; one is registered): what every other's extra parameters are counted
+    # against (`extra_params`, `registry.baseline_config`) and what reports contrast with
+    reference: bool = False
     # accepts the Pre-LN backbone options (depthtools.arch.backbone.OPTIONS) and their cross-option checks
     backbone_options: bool = False
     # options whose default changed: {option: the value a saved config without the key implies}; checkpoints
