@@ -14,6 +14,11 @@ adding one is a scheme file (a subclass) and one `depthtools.arch.register(ArchS
     written_tensor(state) the tensor the last block wrote (the training depth probe's gradient norms)
     tl_limits / tl_norm_site / tl_branch_scale   TransformerLens cache functions (tl_cache.py)
     recorded_config, no_decay_names              checkpoints, weight decay
+    depthbench_family, depthbench_state, ...     DepthBench's depth-probe protocol (analysis/depthbench.py)
+
+and on its `ArchSpec`: `profiles` (a recipe profile's options), `legacy_defaults` (changed defaults that older
+checkpoints imply), `backbone_options` (takes the Pre-LN backbone options), `reference` (Pre-LN). Nothing outside
+arch/ tests a scheme class or an architecture's name (tests/test_arch_boundary.py).
 
 Swap convention (docs/design.md §3): a block's parameters travel with it; what is tied to a *position*
 (structure, position-bound parameters) stays. `step(position, block, state, home)` receives the
