@@ -587,9 +587,15 @@ class HyperScheme(ResidualScheme):
     def depthbench_lens_logits(self, model: nn.Module, state: torch.Tensor) -> torch.Tensor:
         """The model's head, except readout "normed_sum" (DepthBench's HC head, Σ_s Norm(H_s)) without the head
         mixer: DepthBench's lens still decodes Norm(Σ_s H_s), so at l = L it is not the model's output."""
-        if self.opts.readout == "normed_sum" and self.head_fn is None:
+        if self.no_readout() is not None:
             return model.readout_logits(state.sum(-2))
         return model.head(state)
+
+    def no_readout(self) -> tuple[str, str] | None:
+        """readout "normed_sum" without the head mixer norms every stream before the sum: no vector before it."""
+        if self.head_fn is None and self.opts.readout == "normed_sum":
+            return f"{self.cfg.arch} with readout='normed_sum'", "norms each stream before summing them"
+        return None
 
     def readout(self, state: torch.Tensor) -> torch.Tensor:
         """[B,T,d]: Σ_s H_s (readout "sum"), the mean (readout "mean"), or the learned head mixer

@@ -15,6 +15,7 @@ adding one is a scheme file (a subclass) and one `depthtools.arch.register(ArchS
     tl_limits / tl_norm_site / tl_branch_scale   TransformerLens cache functions (tl_cache.py)
     recorded_config, no_decay_names              checkpoints, weight decay
     depthbench_family, depthbench_state, ...     DepthBench's depth-probe protocol (analysis/depthbench.py)
+    no_readout()          why `readout` has no vector before the final norm (the tuned lens refuses), or None
 
 and on its `ArchSpec`: `profiles` (a recipe profile's options), `legacy_defaults` (changed defaults that older
 checkpoints imply), `backbone_options` (takes the Pre-LN backbone options), `reference` (Pre-LN). Nothing outside
@@ -283,6 +284,11 @@ class ResidualScheme(nn.Module):
     def readout(self, state: State) -> torch.Tensor:
         """[B,T,d]: what the final norm + unembedding read if the network stopped here."""
         return state
+
+    def no_readout(self) -> tuple[str, str] | None:
+        """(this configuration, what its head does instead) when `readout` has no vector before the final norm
+        (a head that norms before it collapses: the tuned lens has nothing to translate); None: it has one."""
+        return None
 
     def final_hidden(self, state: State, final_norm: nn.Module) -> torch.Tensor:
         """[B,T,d]: what the unembedding reads, final_norm(readout(state)). A scheme whose readout norms
