@@ -129,10 +129,10 @@ def weights_problem(path: str | Path, model: dict[str, Any] | None = None) -> st
 
 def _config_problem(path: Path, model: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> str | None:
     """Why the tensor names and shapes in `shapes` are not those config.json's `model` builds (None: they are)."""
-    from depthtools.arch.hyper import legacy_options  # lazy: TransformerLens (~2.5 s) only where a model is built
+    from depthtools.arch.registry import upgrade_options  # lazy: TransformerLens (~2.5 s) only where a model is built
 
     try:
-        cfg = ModelConfig.from_dict(legacy_options(model))
+        cfg = ModelConfig.from_dict(upgrade_options(model))
         check_shapes(cfg, shapes, path.parent)
     except (DepthToolsError, KeyError, TypeError, ValueError) as exc:
         return f"weights file {path} does not match config.json: {str(exc).splitlines()[0] if str(exc) else exc!r}"
@@ -344,12 +344,12 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
     import torch  # lazy: see the note at the top
 
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
-    from depthtools.arch.hyper import legacy_options  # lazy: TransformerLens (~2.5 s) only where a model is built
+    from depthtools.arch.registry import upgrade_options  # lazy: TransformerLens (~2.5 s) only where a model is built
 
     directory = resolve(name, root)
     config = read_json(directory / CONFIG)
     try:
-        cfg = ModelConfig.from_dict(legacy_options(model_section(config, directory)))  # options a config predates: old defaults
+        cfg = ModelConfig.from_dict(upgrade_options(model_section(config, directory)))  # options a config predates: old defaults
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"config.json in {directory} has no valid 'model' section: {exc}") from None
     except DepthToolsError as exc:

@@ -272,7 +272,10 @@ def _plan_cell(arch, n_layer, budget, basis, tolerance, rules, base, spec) -> Ce
             f"closest is d_model={cfg.d_model} with {counts[key]:,} ({deviation:+.1%}); "
             f"relax --tolerance, change the depths or the head/FFN rules"
         )
-    preln = count_params(cfg.replace(arch="preln", options={}))["total"] if arch != "preln" else counts["total"]
+    from depthtools.arch.registry import baseline_config  # lazy: arch/ imports torch
+
+    baseline = baseline_config(cfg)  # Pre-LN of this shape (the cell itself for a Pre-LN cell)
+    preln = counts["total"] if baseline is cfg else count_params(baseline)["total"]
     return Cell(
         name=cell_name(arch, n_layer), arch=arch, n_layer=n_layer, d_model=cfg.d_model, n_heads=cfg.n_heads,
         head_dim=cfg.head_dim, d_ff=cfg.d_ff, params_total=counts["total"],

@@ -58,15 +58,8 @@ from typing import Any
 from depthtools.config import PROFILES, ModelConfig, TrainConfig
 from depthtools.errors import DepthToolsError
 
-DEPTHBENCH_OPTIONS: dict[str, dict[str, Any]] = {
-    "hc": {"readout": "normed_sum"},
-    "mhc": {"mhc_init": "uniform", "sinkhorn_iters": 20, "sinkhorn_order": "cols_last"},
-    "moda": {"moda_depth_rope": "query"},
-    "deepnorm": {"norm": "layernorm"},
-}
-# DepthBench's head per mHC backend (`Transformer.forward`, collapse "auto"): Liger (our "uniform" init)
-# takes the mean of the streams, then the final norm; its PyTorch mHC norms each stream, then sums.
-MHC_READOUT = {"uniform": "mean"}
+# The architecture options a profile sets are each architecture's own (`ArchSpec.profiles` in its scheme file:
+# HC/mHC in depthtools/arch/hyper.py, MoDA in moda.py, DeepNorm in norm_family.py); this module asks the registry.
 DEPTHBENCH_NORM_EPS = 1e-6
 # What the profile cannot reproduce yet: (architectures it concerns, None = all; the line a run prints).
 NOT_REPRODUCED: dict[str, tuple[tuple[str, ...] | None, str]] = {}
@@ -103,9 +96,9 @@ def apply_model(profile: str, model: ModelConfig) -> ModelConfig:
     `model.options` win. Idempotent, so applying it to a config it already produced changes nothing."""
     if check_profile(profile) == "depthtools":
         return model
-    options = {**DEPTHBENCH_OPTIONS.get(model.arch, {}), **model.options}
-    if model.arch == "mhc" and "readout" not in model.options:
-        options["readout"] = MHC_READOUT.get(options["mhc_init"], "normed_sum")
+    from depthtools.arch.registry import profile_options  # lazy: keeps this module torch-free (arch/ imports torch)
+
+    options = profile_options(profile, model.arch, model.options)  # the architecture's own (ArchSpec.profiles)
     return model.replace(norm_eps=DEPTHBENCH_NORM_EPS, options=options)
 
 

@@ -87,3 +87,13 @@ print(json.dumps([validate_model_config(alias).arch, ModelConfig(arch="sandwich"
     for (late, at_build), kw in zip(rows[:-1], BAD):
         assert late == at_build and late != "accepted" and "\n" not in late, (kw, late, at_build)
     assert rows[-1] == ["periln", "periln"]
+
+
+def test_backbone_archs_agree_with_the_registrations():
+    """`backbone(cfg)` reads the Pre-LN options for BACKBONE_ARCHS; the registry's ArchSpec.backbone_options says
+    which architectures accept them. The two must name the same architectures."""
+    from depthtools.arch import registry
+    from depthtools.arch.backbone import BACKBONE_ARCHS
+
+    flagged = {spec.name for spec in registry.list_archs() if spec.backbone_options}
+    assert flagged == set(BACKBONE_ARCHS)

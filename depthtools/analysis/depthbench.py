@@ -26,8 +26,7 @@ A metric DepthBench does not define for an architecture raises a one-line DepthT
 from __future__ import annotations
 
 import math
-from dataclasses import replace as dc_replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import pandas as pd
@@ -37,46 +36,33 @@ import torch.nn.functional as F
 from depthtools.analysis.suite import eval_tokens, table_settings
 from depthtools.analysis.tables import model_columns, save_table
 from depthtools.analysis.tokens import config_limits
-from depthtools.arch.attnres import AttnResScheme
-from depthtools.arch.hyper import HyperScheme
-from depthtools.arch.moda import MoDAScheme
 from depthtools.arch.model import Plan
-from depthtools.arch.norm_family import NormFamilyScheme
 from depthtools.checkpoint import load
 from depthtools.errors import DepthToolsError
 
 PROTOCOLS = ("depthtools", "depthbench")
 METRICS = ("angular_distance", "causal_score", "permutation_score", "layer_pruning", "usefulness_score",
            "token_collapse", "jacobian", "logit_lens")
-RESIDUAL, HYPER, ATTNRES, MODA = "residual", "hyper-connections", "attnres", "moda"
 SEQ_LEN = 512  # DepthBench's window length (every script's default but causal/permutation/pruning: 256)
 TOP_K = 10  # DepthBench's top causal-score pairs
 
-# Why a DepthBench metric is undefined (or not reproduced) for a family; absent = defined.
-_UNDEFINED = {
-    ("usefulness_score", ATTNRES): "its linear replacement returns one tensor where an AttnRes block returns "
-                                   "(output, source bank)",
-    ("usefulness_score", MODA): "its linear replacement returns one tensor where a MoDA block passes "
-                                "(hidden, depth keys, depth values)",
-    ("jacobian", MODA): "its script differentiates the block's first input, which for MoDA is a (hidden, depth "
-                        "keys, depth values) tuple",
-}
-
 
 def family(model) -> str:
-    """DepthBench's family of `model`: residual, moda, hyper-connections or attnres; a one-line error for
-    an architecture DepthBench's probes do not cover (or that depthtools does not reproduce)."""
-    scheme, arch = model.scheme, model.config.arch
-    if isinstance(scheme, NormFamilyScheme):
-        return RESIDUAL
-    if isinstance(scheme, MoDAScheme):
-        return MODA
-    if isinstance(scheme, HyperScheme):
-        return HYPER
-    if isinstance(scheme, AttnResScheme):  # Full and Block AttnRes
-        return ATTNRES
-    raise DepthToolsError(f"--protocol depthbench is undefined for {arch}: DepthBench's depth probes cover the "
-                          "residual family, MoDA, HC/mHC and AttnRes only; use --protocol depthtools")
+    """DepthBench's family of `model` (its scheme's `depthbench_family`: residual, moda, hyper-connections or
+    attnres); a one-line error for an architecture DepthBench's probes do not cover (or that depthtools does
+    not reproduce). Every per-architecture step of the protocol is a `ResidualScheme.depthbench_*` hook."""
+    fam = model.scheme.depthbench_family
+    if fam is None:
+        raise DepthToolsError(f"--protocol depthbench is undefined for {model.config.arch}: DepthBench's depth "
+                              "probes cover the residual family, MoDA, HC/mHC and AttnRes only; use --protocol "
+                              "depthtools")
+    return fam
+
+
+def undefined(model) -> Mapping[str, str]:
+    """{metric: why DepthBench does not define it (or depthtools does not reproduce it)} for `model`'s family."""
+    family(model)
+    return model.scheme.depthbench_undefined
 
 
 def check_defined(model, metric: str) -> str:
@@ -84,16 +70,17 @@ def check_defined(model, metric: str) -> str:
     if metric not in METRICS:
         raise DepthToolsError(f"unknown DepthBench metric {metric!r}; valid: {', '.join(METRICS)}")
     fam = family(model)
-    why = _UNDEFINED.get((metric, fam))
+    why = undefined(model).get(metric)
     if why is not None:
         raise DepthToolsError(f"DepthBench's {metric} is undefined for {model.config.arch}: {why}")
     return fam
 
 
 def skip_rule(model) -> str:
-    """DepthBench's skip rule in depthtools' names: identity (residual, HC), zero (MoDA), depthbench (Full and
-    Block AttnRes: `depth_probes.skip_block`, see depthtools.arch.attnres)."""
-    return {RESIDUAL: "identity", HYPER: "identity", MODA: "zero", ATTNRES: "depthbench"}[family(model)]
+    """DepthBench's skip rule in depthtools' names (the scheme's `depthbench_skip_rule`): identity (residual,
+    HC), zero (MoDA), depthbench (Full and Block AttnRes: `depth_probes.skip_block`, see depthtools.arch.attnres)."""
+    family(model)
+    return model.scheme.depthbench_skip_rule
 
 
 def skip_plan(model, position: int) -> Plan:
@@ -123,27 +110,17 @@ def probe_state(model, state) -> torch.Tensor:
     """[B,T,k]: `depth_probes.forward_depth_states`' z_l (HC: the n streams concatenated, n·d; AttnRes:
     the raw mix the next consumer computes at a true boundary — every depth for Full AttnRes; Block AttnRes:
     depth 0, L and l whose attention closes a block, 2l mod S = 0 — else the running sum the block returns;
-    residual/MoDA: the block output)."""
-    fam = family(model)
-    if fam == HYPER:
-        return state.flatten(-2)
-    if fam == ATTNRES:
-        l, S = state.depth, model.scheme.block_size
-        if l in (0, model.n_layer) or (2 * l) % S == 0:
-            return model.readout(state)
-        return block_output(model, state)
-    return state.h if fam == MODA else state
+    residual/MoDA: the block output); the scheme's `depthbench_state`."""
+    family(model)
+    return model.scheme.depthbench_state(state)
 
 
 def block_output(model, state) -> torch.Tensor:
     """[B',T,d]: the block output the older scripts hook (output[0]); HC streams folded into the batch
-    (b-major, as `_flatten_from_streams`), AttnRes the running sum the block returns (the embedding at 0)."""
-    fam = family(model)
-    if fam == HYPER:
-        return state.movedim(-2, 1).flatten(0, 1)
-    if fam == ATTNRES:
-        return state.partial if state.partial is not None else state.sources[-1]
-    return state.h if fam == MODA else state
+    (b-major, as `_flatten_from_streams`), AttnRes the running sum the block returns (the embedding at 0);
+    the scheme's `depthbench_block_output`."""
+    family(model)
+    return model.scheme.depthbench_block_output(state)
 
 
 def probe_states(model, ids: torch.Tensor, plan: Plan | None = None) -> list[torch.Tensor]:
@@ -373,15 +350,10 @@ def token_collapse(model, input_ids, micro_batch_size: int = 4) -> dict[str, np.
 
 # -- Jacobian ---------------------------------------------------------------------------------
 def _with_input(model, state, x: torch.Tensor):
-    """`state` with the block's first input (what DepthBench differentiates) replaced by x."""
-    fam = family(model)
-    if fam == HYPER:
-        return x.unflatten(0, (-1, model.scheme.n)).movedim(1, -2)
-    if fam == ATTNRES:
-        if state.partial is not None:
-            return dc_replace(state, partial=x, bank=None, handle=None)
-        return dc_replace(state, sources=state.sources[:-1] + (x,), bank=None, handle=None)
-    return x
+    """`state` with the block's first input (what DepthBench differentiates) replaced by x (HC: the folded
+    streams unfolded; AttnRes: its running sum or newest source); the scheme's `depthbench_with_input`."""
+    family(model)
+    return model.scheme.depthbench_with_input(state, x)
 
 
 def mean_block_jacobian(model, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, int]:
@@ -426,11 +398,9 @@ def lens_logits(model, state) -> torch.Tensor:
     """[B,T,V] `compute_logit_lens.py` decodes at a depth: head(Norm(r_l)), the model's head on the state.
     HC/mHC whose head norms every stream before the sum (readout "normed_sum", the depthbench profile's
     HC head) are the exception: the lens still decodes Norm(Σ_s H_s), so at l = L it is not the model's
-    output (kl_to_final > 0 there, as in DepthBench)."""
-    if family(model) == HYPER and getattr(model.scheme.opts, "readout", None) == "normed_sum" \
-            and getattr(model.scheme, "head_fn", None) is None:
-        return model.readout_logits(state.sum(-2))
-    return model.head(state)
+    output (kl_to_final > 0 there, as in DepthBench). The scheme's `depthbench_lens_logits`."""
+    family(model)
+    return model.scheme.depthbench_lens_logits(model, state)
 
 
 @torch.no_grad()
@@ -467,9 +437,8 @@ def depthbench_metrics(model, input_ids, metrics: tuple[str, ...] | list[str] | 
     """Tidy table (metric, layer, layer_j, value, protocol="depthbench") of DepthBench's metrics, under
     DepthBench's result names. `metrics` None = every metric DepthBench defines for this architecture;
     naming an undefined one is a one-line error."""
-    fam = family(model)
     if metrics is None:
-        metrics = [m for m in METRICS if (m, fam) not in _UNDEFINED]
+        metrics = [m for m in METRICS if m not in undefined(model)]
     for m in metrics:
         check_defined(model, m)
     L, rows = model.n_layer, []

@@ -70,21 +70,16 @@ class TunedLens(nn.Module):
         return h + F.linear(h, self.weight[depth].to(h.dtype), self.bias[depth].to(h.dtype))
 
 
-def normed_sum_head(model) -> bool:
-    """Whether the model's head norms every stream before it sums them (HC/mHC readout "normed_sum"):
-    then there is no single vector before the final norm, so `model.readout` refuses the state."""
-    return getattr(getattr(model.scheme, "opts", None), "readout", None) == "normed_sum" \
-        and getattr(model.scheme, "head_fn", None) is None
-
-
 def check_tuned_lens(model) -> None:
-    """Refuse, in one line, a tuned lens on a model whose head has no vector before the final norm
-    (its translators act on readout(z_l)); the logit lens runs on such a model."""
-    if normed_sum_head(model):
+    """Refuse, in one line, a tuned lens on a model whose head has no vector before the final norm (the scheme's
+    `no_readout`, e.g. HC/mHC readout "normed_sum"; its translators act on readout(z_l)); the logit lens runs on
+    such a model."""
+    missing = model.scheme.no_readout()
+    if missing is not None:
+        what, head = missing
         raise DepthToolsError(
             f"the tuned lens needs one vector before the final norm to translate, but {model_columns(model)['model']} "
-            f"({model.config.arch} with readout='normed_sum') norms each stream before summing them; "
-            "run the logit lens (lens without --tuned)")
+            f"({what}) {head}; run the logit lens (lens without --tuned)")
 
 
 def _lens_logprobs(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:

@@ -78,6 +78,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -243,6 +244,31 @@ class AttnResScheme(ResidualScheme):
         partial = state.sources[0] if position == 0 and state.partial is None else state.partial
         boundary = position == self.cfg.n_layer - 1 or (2 * position + 2) % self.block_size == 0
         return replace(state, partial=partial, depth=position + 1, consumer=None if boundary else position)
+
+    # -- DepthBench's protocol (depthtools.analysis.depthbench): its "attnres" family -----------------
+    depthbench_family, depthbench_skip_rule = "attnres", "depthbench"
+    depthbench_undefined = MappingProxyType({
+        "usefulness_score": "its linear replacement returns one tensor where an AttnRes block returns "
+                            "(output, source bank)"})
+
+    def depthbench_state(self, state: SourceBank) -> torch.Tensor:
+        """`forward_depth_states`' z_l: the raw mix the next consumer computes at a true boundary (every depth
+        for Full AttnRes; Block AttnRes: depth 0, L and l whose attention closes a block, 2l mod S = 0), else
+        the running sum the block returns."""
+        l, S = state.depth, self.block_size
+        if l in (0, self.cfg.n_layer) or (2 * l) % S == 0:
+            return self.readout(state)
+        return self.depthbench_block_output(state)
+
+    def depthbench_block_output(self, state: SourceBank) -> torch.Tensor:
+        """The running sum the block returns (the newest source where none is open; the embedding at 0)."""
+        return state.partial if state.partial is not None else state.sources[-1]
+
+    def depthbench_with_input(self, state: SourceBank, x: torch.Tensor) -> SourceBank:
+        """The block's input (its running sum, else its newest source) replaced by x; a fresh bank follows."""
+        if state.partial is not None:
+            return replace(state, partial=x, bank=None, handle=None)
+        return replace(state, sources=state.sources[:-1] + (x,), bank=None, handle=None)
 
     def readout(self, state: SourceBank) -> torch.Tensor:
         """Next-consumer mix [B,T,d]; at depth L the final mix the logits use."""

@@ -76,7 +76,8 @@ sinkhorn_order ("rows_last").
   (γ is not weight-decayed) but not what an HC connector can compute. True adds 2L·d parameters.
   sinkhorn_order: new models record it in their config (`explicit_options`, `DepthModel.config`); an
   mhc config saved without the key predates the option and loads as "cols_last", the order it was
-  trained with (`legacy_options`, applied by `depthtools.checkpoint.load`). Weight decay: static routing params,
+  trained with (the mhc `ArchSpec.legacy_defaults`, applied by `depthtools.checkpoint.load` through
+  `registry.upgrade_options`). Weight decay: static routing params,
 gates and biases are excluded (`no_decay_names`, as DepthBench's disable_static_weight_decay);
 the dynamic projections (dynamic_alpha/beta, φ, head_fn) decay like other matrices.
 
@@ -111,7 +112,7 @@ from depthtools.arch import reference
 from depthtools.arch.compiled import compiling
 from depthtools.arch.layers import RMSNorm
 from depthtools.arch.ops import connector as connector_ops, sinkhorn as sinkhorn_ops
-from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme, profile_defaults
 from depthtools.arch.torch_private import forward_ad_active, is_hooked
 from depthtools.errors import DepthToolsError
 
@@ -150,20 +151,22 @@ def explicit_options(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(options={**cfg.options, **{k: _DEFAULTS[cfg.arch][k] for k in missing}})
 
 
-def legacy_options(model: dict) -> dict:
-    """A saved config's "model" section with the options it predates filled in with the old defaults.
+# The `depthbench` recipe profile (depthtools.profiles): HC's head as DepthBench's `Transformer.forward`
+# computes it (every stream normed by the final norm, then summed); mHC's Liger-style init and
+# `sinkhorn_log`'s order (20 iterations, columns normalised last), and its head per mHC backend (collapse
+# "auto"): Liger (our "uniform" init) takes the mean of the streams, then the final norm; its PyTorch mHC
+# (any other init) norms each stream, then sums.
+MHC_READOUT = {"uniform": "mean"}
+_HC_DEPTHBENCH = profile_defaults({"readout": "normed_sum"})
+_MHC_DEPTHBENCH = profile_defaults({"mhc_init": "uniform", "sinkhorn_iters": 20, "sinkhorn_order": "cols_last"})
 
-    For checkpoints: an mhc config.json without "sinkhorn_order" was written before the option
-    existed, when the Sinkhorn ran rows then columns, so it loads as "cols_last" and reproduces its
-    logits exactly. Configs of new models always carry the key (`explicit_options`).
-    """
-    if not isinstance(model, dict) or model.get("arch") not in _LEGACY_DEFAULTS:
-        return model
-    options = model.get("options") or {}
-    if not isinstance(options, dict):
-        return model
-    missing = {k: v for k, v in _LEGACY_DEFAULTS[model["arch"]].items() if k not in options}
-    return {**model, "options": {**options, **missing}} if missing else model
+
+def _mhc_depthbench(given: dict) -> dict:
+    """mHC's options under the depthbench profile: the fixed ones, then the readout its init implies unless given."""
+    options = _MHC_DEPTHBENCH(given)
+    if "readout" not in given:
+        options["readout"] = MHC_READOUT.get(options["mhc_init"], "normed_sum")
+    return options
 
 
 def _option(default, choices: tuple = ()) -> Option:
@@ -566,6 +569,34 @@ class HyperScheme(ResidualScheme):
             state = connector(state)[1]
         return state
 
+    # -- DepthBench's protocol (depthtools.analysis.depthbench): its "hyper-connections" family --------
+    depthbench_family = "hyper-connections"
+
+    def depthbench_state(self, state: torch.Tensor) -> torch.Tensor:
+        """[B,T,n·d]: `forward_depth_states` concatenates the n streams."""
+        return state.flatten(-2)
+
+    def depthbench_block_output(self, state: torch.Tensor) -> torch.Tensor:
+        """[B·n,T,d]: the older scripts fold the streams into the batch, b-major (`_flatten_from_streams`)."""
+        return state.movedim(-2, 1).flatten(0, 1)
+
+    def depthbench_with_input(self, state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The folded streams x [B·n,T,d] back as the state [B,T,n,d]."""
+        return x.unflatten(0, (-1, self.n)).movedim(1, -2)
+
+    def depthbench_lens_logits(self, model: nn.Module, state: torch.Tensor) -> torch.Tensor:
+        """The model's head, except readout "normed_sum" (DepthBench's HC head, Σ_s Norm(H_s)) without the head
+        mixer: DepthBench's lens still decodes Norm(Σ_s H_s), so at l = L it is not the model's output."""
+        if self.no_readout() is not None:
+            return model.readout_logits(state.sum(-2))
+        return model.head(state)
+
+    def no_readout(self) -> tuple[str, str] | None:
+        """readout "normed_sum" without the head mixer norms every stream before the sum: no vector before it."""
+        if self.head_fn is None and self.opts.readout == "normed_sum":
+            return f"{self.cfg.arch} with readout='normed_sum'", "norms each stream before summing them"
+        return None
+
     def readout(self, state: torch.Tensor) -> torch.Tensor:
         """[B,T,d]: Σ_s H_s (readout "sum"), the mean (readout "mean"), or the learned head mixer
         Σ_s p_s H_s when enabled. readout "normed_sum" has no vector before the final norm: an error."""
@@ -716,7 +747,7 @@ ARCH_SPECS = [
         extra_formula="2L·(n² + 2n + 2 + d(n+2)) [+ 2Ld connector norm gains] [+ n²d + n + 1 head mixer]",
         extra_params=hc_extra_params,
         paper="Zhu et al. 2024, Hyper-Connections, arXiv 2409.19606",
-        scheme=HCScheme, in_depthbench=True,
+        scheme=HCScheme, in_depthbench=True, profiles={"depthbench": _HC_DEPTHBENCH},
     ),
     ArchSpec(
         name="mhc", family="multi-stream",
@@ -724,6 +755,9 @@ ARCH_SPECS = [
         extra_formula="2L·(nd(n² + 2n) + n² + 2n + 3) [+ n²d + n + 1 head mixer]",
         extra_params=mhc_extra_params,
         paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections, arXiv 2512.24880",
-        scheme=MHCScheme, in_depthbench=True,
+        scheme=MHCScheme, in_depthbench=True, profiles={"depthbench": _mhc_depthbench},
+        # an mhc config.json without "sinkhorn_order" was written before the option existed, when the Sinkhorn
+        # ran rows then columns: it loads as "cols_last" and reproduces its logits exactly
+        legacy_defaults=_LEGACY_DEFAULTS["mhc"],
     ),
 ]

@@ -61,6 +61,7 @@ place), and any block run at position L-1 writes no slots.
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -70,7 +71,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch import reference
 from depthtools.arch.layers import BufferPool, RMSNorm, apply_rope
 from depthtools.arch.ops import moda as moda_ops
-from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme, profile_defaults
 from depthtools.arch.torch_private import (
     cpu_flash_attention,
     cpu_flash_attention_backward,
@@ -336,6 +337,19 @@ class MoDAScheme(ResidualScheme):
 
     single_stream = True
     skip_rules = ("mask", "zero")
+    # DepthBench's protocol: z_l is the residual stream; a skipped block's depth slots stay zero; its linear
+    # replacement and Jacobian scripts take one tensor where a MoDA block passes (hidden, depth keys, depth values)
+    depthbench_family, depthbench_skip_rule = "moda", "zero"
+    depthbench_undefined = MappingProxyType({
+        "usefulness_score": "its linear replacement returns one tensor where a MoDA block passes "
+                            "(hidden, depth keys, depth values)",
+        "jacobian": "its script differentiates the block's first input, which for MoDA is a (hidden, depth "
+                    "keys, depth values) tuple",
+    })
+
+    def depthbench_block_output(self, state: MoDAState) -> torch.Tensor:
+        """[B,T,d]: the residual stream (the depth K/V cache is not a depth state)."""
+        return state.h
 
     @classmethod
     def option_schema(cls, arch: str) -> dict[str, Option]:
@@ -561,5 +575,6 @@ ARCH_SPECS = [
         paper="Zhu et al. 2026, Mixture-of-Depths Attention, arXiv 2603.15619",
         scheme=MoDAScheme,
         in_depthbench=True,
+        profiles={"depthbench": profile_defaults({"moda_depth_rope": "query"})},  # DepthBench: RoPE-rotated depth query
     ),
 ]

@@ -32,7 +32,7 @@ from torch import nn
 
 from depthtools.arch.backbone import OPTIONS as BACKBONE_OPTIONS, backbone
 from depthtools.arch.layers import make_norm
-from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import ArchSpec, NormSite, Option, ResidualScheme, profile_defaults
 from depthtools.errors import DepthToolsError
 
 if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
@@ -166,6 +166,7 @@ class NormFamilyScheme(ResidualScheme):
 
     single_stream = True
     compile_region = "step"
+    depthbench_family = "residual"  # DepthBench's residual family: the state is z_l, a skip is the identity
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -327,5 +328,12 @@ def _rows():
     ]
 
 
-ARCH_SPECS = [ArchSpec(name, family, desc, formula, extra, paper, NormFamilyScheme, in_db, aliases)
+# The `depthbench` recipe profile (depthtools.profiles): DeepNorm's post-norms as LayerNorm without bias
+# (`examples/pretrain_deepnorm.py` renames the blocks' norm config to `LayerNormType.default`, bias=False)
+_PROFILES = {"deepnorm": {"depthbench": profile_defaults({"norm": "layernorm"})}}
+
+ARCH_SPECS = [ArchSpec(name, family, desc, formula, extra, paper, NormFamilyScheme, in_db, aliases,
+                       reference=family == "baseline",  # preln: what extra parameters are counted against
+                       backbone_options=_OPTIONS.get(name) is BACKBONE_OPTIONS,  # preln: the pretrained families'
+                       profiles=_PROFILES.get(name, {}))
               for name, family, desc, formula, extra, paper, in_db, aliases in _rows()]

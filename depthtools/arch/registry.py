@@ -13,8 +13,10 @@ registered below (the scheme files import `scheme`, never this module, so the re
 
 from __future__ import annotations
 
+from typing import Any
+
 from depthtools.arch import attnres, denseformer, hyper, moda, norm_family
-from depthtools.arch.backbone import BACKBONE_ARCHS, check_backbone, check_heads
+from depthtools.arch.backbone import check_backbone, check_heads
 from depthtools.arch.scheme import ArchSpec, resolve_options
 from depthtools.config import ModelConfig, install_arch_rules
 from depthtools.errors import DepthToolsError
@@ -65,8 +67,9 @@ def list_archs() -> list[ArchSpec]:
 
 def check_options(cfg: ModelConfig) -> dict:
     """cfg.options validated against its architecture's schema, defaults filled in (one-line errors)."""
-    resolved = resolve_options(get_arch(cfg.arch).option_schema(), cfg)
-    if cfg.arch in BACKBONE_ARCHS:
+    spec = get_arch(cfg.arch)
+    resolved = resolve_options(spec.option_schema(), cfg)
+    if spec.backbone_options:
         check_backbone(cfg)  # checks across options (layer_types' length, rotary width, ...)
     return resolved
 
@@ -86,6 +89,31 @@ def validate_model_config(cfg: ModelConfig) -> ModelConfig:
         return cfg.replace(arch=canonical_name(cfg.arch))  # a new config: every check runs as it is built
     cfg.validate()
     return cfg
+
+
+def baseline_config(cfg: ModelConfig) -> ModelConfig:
+    """The model `cfg`'s extra parameters are counted against: the reference architecture (`ArchSpec.reference`,
+    Pre-LN) in cfg's shape without options; `cfg` itself when it is of the reference architecture."""
+    if get_arch(cfg.arch).reference:
+        return cfg
+    reference = next(spec for spec in _REGISTRY.values() if spec.reference)
+    return cfg.replace(arch=reference.name, options={})
+
+
+def upgrade_options(model: Any) -> Any:
+    """A saved config's "model" section with the options it predates filled in with their old defaults (its
+    architecture's `ArchSpec.legacy_defaults`; depthtools.checkpoint applies it before building the config).
+    Anything that is not a model section of a registered architecture is returned as it is."""
+    if not isinstance(model, dict):
+        return model
+    arch = model.get("arch")
+    spec = _REGISTRY.get(_ALIASES.get(arch, arch))
+    return spec.upgrade_options(model) if spec is not None else model
+
+
+def profile_options(profile: str, arch: str, given: dict[str, Any]) -> dict[str, Any]:
+    """The options of a model of `arch` under recipe `profile` (`ArchSpec.profiles`), `given` winning."""
+    return get_arch(arch).profile_options(profile, given)
 
 
 # The registration lines: each module defines its architectures' `ARCH_SPECS`; everything else an

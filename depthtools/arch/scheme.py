@@ -14,6 +14,12 @@ adding one is a scheme file (a subclass) and one `depthtools.arch.register(ArchS
     written_tensor(state) the tensor the last block wrote (the training depth probe's gradient norms)
     tl_limits / tl_norm_site / tl_branch_scale   TransformerLens cache functions (tl_cache.py)
     recorded_config, no_decay_names              checkpoints, weight decay
+    depthbench_family, depthbench_state, ...     DepthBench's depth-probe protocol (analysis/depthbench.py)
+    no_readout()          why `readout` has no vector before the final norm (the tuned lens refuses), or None
+
+and on its `ArchSpec`: `profiles` (a recipe profile's options), `legacy_defaults` (changed defaults that older
+checkpoints imply), `backbone_options` (takes the Pre-LN backbone options), `reference` (Pre-LN). Nothing outside
+arch/ tests a scheme class or an architecture's name (tests/test_arch_boundary.py).
 
 Swap convention (docs/design.md §3): a block's parameters travel with it; what is tied to a *position*
 (structure, position-bound parameters) stays. `step(position, block, state, home)` receives the
@@ -26,7 +32,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, make_dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -266,7 +273,7 @@ class ResidualScheme(nn.Module):
     def recorded_config(self) -> ModelConfig:
         """The config a model of this scheme records (`DepthModel.config`, saved in checkpoints): `cfg`,
         plus any option whose default has changed written out, so that an absent key identifies a
-        config saved before the change (see `depthtools.arch.hyper.legacy_options`)."""
+        config saved before the change (see `ArchSpec.legacy_defaults`)."""
         return self.cfg
 
     # -- construction -------------------------------------------------------------------------
@@ -295,6 +302,11 @@ class ResidualScheme(nn.Module):
         """[B,T,d]: what the final norm + unembedding read if the network stopped here."""
         return state
 
+    def no_readout(self) -> tuple[str, str] | None:
+        """(this configuration, what its head does instead) when `readout` has no vector before the final norm
+        (a head that norms before it collapses: the tuned lens has nothing to translate); None: it has one."""
+        return None
+
     def final_hidden(self, state: State, final_norm: nn.Module) -> torch.Tensor:
         """[B,T,d]: what the unembedding reads, final_norm(readout(state)). A scheme whose readout norms
         before it collapses (HC/mHC readout="normed_sum") overrides this and has no `readout`."""
@@ -311,6 +323,34 @@ class ResidualScheme(nn.Module):
                 f"skip rule {rule!r} is not defined for {self.cfg.arch}; valid: {list(self.skip_rules)}"
             )
         return rule
+
+    # -- DepthBench's depth-probe protocol (depthtools.analysis.depthbench, docs/depthbench.md) ---
+    # What `--protocol depthbench` needs per architecture, so that adding one to the protocol is an edit of
+    # its own scheme file: DepthBench's family name (None: its depth probes do not cover this architecture,
+    # and the protocol refuses it), its skip rule (one of `skip_rules`), the metrics it leaves undefined
+    # ({metric: why}), and the four state hooks below. The defaults are DepthBench's residual family.
+    depthbench_family: str | None = None
+    depthbench_skip_rule: str = "identity"
+    depthbench_undefined: Mapping[str, str] = MappingProxyType({})
+
+    def depthbench_block_output(self, state: State) -> torch.Tensor:
+        """[B',T,d]: the block output DepthBench's older scripts hook (output[0]: usefulness, Jacobian, token
+        collapse), with any extra streams folded into the batch. Default: the state itself."""
+        return state
+
+    def depthbench_state(self, state: State) -> torch.Tensor:
+        """[B,T,k]: `depth_probes.forward_depth_states`' z_l (angular distance, causal score).
+        Default: the block output (`depthbench_block_output`)."""
+        return self.depthbench_block_output(state)
+
+    def depthbench_with_input(self, state: State, x: torch.Tensor) -> State:
+        """`state` with the block's first input, what DepthBench differentiates (the Jacobian), replaced by x
+        (shaped as `depthbench_block_output` returns it). Default: x is the state."""
+        return x
+
+    def depthbench_lens_logits(self, model: nn.Module, state: State) -> torch.Tensor:
+        """[B,T,V] `compute_logit_lens.py` decodes at a depth, head(Norm(r_l)). Default: the model's head."""
+        return model.head(state)
 
     # -- TransformerLens' ActivationCache functions (DepthCache, tl_cache.py) ------------------
     def tl_limits(self) -> dict[str, str]:
@@ -341,6 +381,17 @@ class ResidualScheme(nn.Module):
 
 # -- registration (depthtools.arch.registry) ------------------------------------------------------
 
+def profile_defaults(defaults: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """An `ArchSpec.profiles` entry that sets fixed option values, the options the user gave winning."""
+    fixed = dict(defaults)
+
+    def options(given: dict[str, Any]) -> dict[str, Any]:
+        return {**fixed, **given}
+
+    options.__doc__ = f"{fixed} under the profile; the user's options win"
+    return options
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """One registered architecture: its name, family, description, closed-form extra parameters, paper and scheme
@@ -355,9 +406,35 @@ class ArchSpec:
     scheme: type[ResidualScheme]
     in_depthbench: bool = False
     aliases: tuple[str, ...] = ()
+    # the reference architecture (Pre-LN; one is registered): what every other's extra parameters are counted
+    # against (`extra_params`, `registry.baseline_config`) and what reports contrast with
+    reference: bool = False
+    # accepts the Pre-LN backbone options (depthtools.arch.backbone.OPTIONS) and their cross-option checks
+    backbone_options: bool = False
+    # options whose default changed: {option: the value a saved config without the key implies}; checkpoints
+    # written before the option existed load with it (`upgrade_options`), new models record the key
+    legacy_defaults: dict[str, Any] = field(default_factory=dict)
+    # {recipe profile: options under it} as a function of the options the user gave (they win): what
+    # `depthtools.profiles.apply_model` sets for this architecture; `profile_defaults` makes the plain kind
+    profiles: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = field(default_factory=dict)
 
     def build_scheme(self, cfg: ModelConfig):
         return self.scheme(cfg)
+
+    def upgrade_options(self, model: dict) -> dict:
+        """A saved config's "model" section (of this architecture) with the options it predates filled in with
+        their old defaults (`legacy_defaults`), so an old checkpoint reproduces its logits; else unchanged."""
+        options = model.get("options") or {}
+        if not isinstance(options, dict):
+            return model
+        missing = {k: v for k, v in self.legacy_defaults.items() if k not in options}
+        return {**model, "options": {**options, **missing}} if missing else model
+
+    def profile_options(self, profile: str, given: dict[str, Any]) -> dict[str, Any]:
+        """The options of a model of this architecture under recipe `profile`, `given` (the user's) winning;
+        `given` itself where the profile sets none for this architecture."""
+        make = self.profiles.get(profile)
+        return dict(given) if make is None else make(dict(given))
 
     def option_schema(self) -> dict:
         """{name: depthtools.arch.scheme.Option} of the options this architecture accepts."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from depthtools.arch import canonical_name
+from depthtools.arch.registry import baseline_config
 from depthtools.config import ModelConfig
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import read_json_object
@@ -90,7 +91,8 @@ def depthbench_cells(files: Iterable[str | Path], archs: Iterable[str], seeds: I
                                   f"depth {twice[0]}: one grid has one cell per (architecture, depth)")
         middle = statistics.median(counts[key] for _, _, counts in shaped)
         for file, cfg, counts in shaped:
-            preln = counts["total"] if arch == "preln" else count_params(cfg.replace(arch="preln", options={}))["total"]
+            baseline = baseline_config(cfg)  # Pre-LN of this shape (the cell itself for a Pre-LN cell)
+            preln = counts["total"] if baseline is cfg else count_params(baseline)["total"]
             for seed in parse_seeds(seeds):
                 cells.append(Cell(
                     name=cell_name(arch, cfg.n_layer, seed), arch=arch, n_layer=cfg.n_layer, d_model=cfg.d_model,
