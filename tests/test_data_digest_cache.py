@@ -3,7 +3,7 @@
 
 Reads are counted by wrapping the hashing function; every digest the cache holds is compared with hashlib over
 the file's bytes. A changed file is refused as before, whether its mtime moved or was set back by hand (the ctime
-in the key still moves); `data verify` (`changed_data_files` without `cached`) always reads every file.
+in the key still moves); `shards.verify` (`changed_data_files` without `cached`) always reads every file.
 """
 
 from __future__ import annotations
@@ -94,14 +94,14 @@ def test_unchanged_files_are_read_once_then_answered_from_the_cache(data, reads)
     prep.check_data_files(data)
     prep.check_data_files(data, read_meta(data))
     assert reads == []  # no file read again
-    assert prep.changed_data_files(data) == [] and len(reads) == len(files)  # data verify: every file, always
+    assert prep.changed_data_files(data) == [] and len(reads) == len(files)  # shards.verify: every file, always
 
 
 @pytest.mark.parametrize("restore_mtime", [False, True], ids=["new mtime", "mtime set back"])
 def test_a_changed_file_is_read_again_and_refused(data, reads, restore_mtime):
     """(c) new mtime: refused as without the cache. (b) mtime set back by hand (os.utime): the ctime, which no
     call can set back, is in the key, so it is refused too; the cache's limit is content changed with no stat
-    field moving at all (module docstring), which `data verify` still catches."""
+    field moving at all (module docstring), which `shards.verify` still catches."""
     prep.check_data_files(data)
     changed = _files(data)[0]
     _rewrite_one_token(data / changed, restore_mtime)

@@ -10,7 +10,7 @@ file changes the inode, so a changed file is hashed again and refused as before.
 
 Limits, as for git's index (which keys on the same stat fields): content changed without a change to any of
 them (a write to the block device under the filesystem, a filesystem whose ctime does not move, or a clock set
-back to the very nanosecond) is not seen by the cached check; `depthtools data verify` (`shards.verify`) always
+back to the very nanosecond) is not seen by the cached check; `shards.verify` (`changed_data_files` uncached) always
 re-reads every file. A file whose mtime or ctime is within `RACY_S` of the moment its hash began is not cached
 ("racily clean" in git's words): a write in the same timestamp tick after the hash would keep its key.
 The cache is a hint: unreadable, of another format or not writable (a read-only dataset), it is ignored.

@@ -518,7 +518,7 @@ def check_data_files(data_dir: str | os.PathLike, meta: dict | None = None, cach
     """One line naming the data files that changed since the dataset was prepared (`changed_data_files`):
     a run that starts reads its data against the recorded sha256s before training on it. `cached` (the
     default): a file whose size, mtime, ctime, inode and device are those of its last match is not read
-    again (`depthtools.data.digest_cache`, and its limits); `depthtools data verify` always reads everything."""
+    again (`depthtools.data.digest_cache`, and its limits); `shards.verify` always reads everything."""
     bad = changed_data_files(data_dir, meta, cached=cached)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
