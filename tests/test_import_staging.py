@@ -188,3 +188,34 @@ def test_a_staging_folder_swaps_in_without_its_owner_file_and_a_failure_removes_
             (staging / "b.txt").write_text("b")
             raise RuntimeError("stop")
     assert sorted(p.name for p in target.iterdir()) == ["a.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_gguf_imports_scratch_folder_is_owned_too(tmp_path, monkeypatch, capsys):
+    """import_gguf converts into a temporary folder (the whole dequantized model): a killed import's is removed by
+    the next GGUF import, a live one's (here: another host's, fresh heartbeat) is left."""
+    pytest.importorskip("gguf")
+    import tempfile
+
+    from test_gguf import build, write_gguf
+
+    from depthtools.interop.gguf_import import import_gguf
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    code = ("import os, signal, sys, tempfile; from pathlib import Path; from depthtools.fsutil import StagingFolder; "
+            "s = StagingFolder(Path(sys.argv[1]) / 'depthtools-gguf', '.convert.tmp'); print(s.path, flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.run([sys.executable, "-c", code, str(scratch)], env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    dead = Path(proc.stdout.strip())
+    assert proc.returncode == -signal.SIGKILL and dead.is_dir(), proc.stderr
+    live = _hand_made(scratch, ".depthtools-gguf.live.convert.tmp", {"pid": 1, "host": "elsewhere.example", "since": 0})
+    model = build("llama")
+    write_gguf(model, "llama", tmp_path / "m.gguf")
+    capsys.readouterr()
+    import_gguf(tmp_path / "m.gguf", out=tmp_path / "ck")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"removed {dead}:"), lines
+    assert sorted(os.listdir(scratch)) == [live.name]
+    assert ck.load(tmp_path / "ck").config.n_layer == model.config.num_hidden_layers
