@@ -437,6 +437,148 @@ class exclusive_lock:  # noqa: N801 - used as a context manager
             self.lock.release()
 
 
+# -- staging folders owned by a live process (imports): a killed import's leftover is removed later ------
+STAGING_OWNER = ".owner.lock"  # inside a staging folder: its writer's flock'ed record (pid, host, since)
+STAGING_NOTE_AFTER_S = 60.0  # an ownerless staging folder older than this is named (never removed)
+
+
+def _stderr_line(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
+def _own(folder: Path) -> _Lock:
+    """Take ownership of the new, empty `folder`: an flock'ed `STAGING_OWNER` with this process's pid, host and
+    start time and a heartbeat (`_Lock`). The record is written under another name and renamed, so a cleaner
+    never sees an owner file that is not yet locked and filled in."""
+    import fcntl  # optional: POSIX-only module
+
+    fd, temp = tempfile.mkstemp(dir=folder, prefix=".owner.", suffix=".new")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "what": "import staging"}
+        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.replace(temp, folder / STAGING_OWNER)
+    except BaseException:
+        os.close(fd)
+        Path(temp).unlink(missing_ok=True)
+        raise
+    return _Lock(folder / STAGING_OWNER, fd, LOCK_BEAT_S)
+
+
+def _dead_owner(folder: Path, stale_after: float = LOCK_STALE_S) -> str | None:
+    """Why `folder`'s owner is gone ("its process is gone", "no heartbeat for N s"), or None when it may be alive.
+
+    The owner's flock is dropped by the kernel however it dies, so a held flock means a live writer; a free
+    one is then checked as `acquire_lock` checks a lock (a pid of this host that no longer runs, or no heartbeat
+    for `stale_after` seconds, for a writer on another host whose flock does not reach here). No owner file
+    (an older depthtools, or a writer between two steps): None, the folder is left alone."""
+    import fcntl  # optional: POSIX-only module
+
+    try:
+        fd = os.open(folder / STAGING_OWNER, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        except OSError:
+            pass  # no flock on this filesystem: the record and its heartbeat decide
+        info, age = _read_lock_info(fd), time.time() - os.fstat(fd).st_mtime
+        pid = info.get("pid") if info else None
+        here = bool(info) and info.get("host") == socket.gethostname()
+        if here and isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid):
+            return f"{_describe_holder(info, age)}; its process is gone"
+        if age >= stale_after:
+            return f"{_describe_holder(info, age)}; no heartbeat for {age:.0f} s"
+        return None
+    finally:
+        os.close(fd)
+
+
+def remove_dead_staging(parent: Path, prefix: str, suffix: str, log=_stderr_line) -> list[Path]:
+    """Remove the staging folders `parent/<prefix>*<suffix>` whose owner is gone (`_dead_owner`), one `log` line
+    each; returns them. A live owner's folder is never touched; an ownerless one (written by a depthtools
+    before owner records) is only named, once it is `STAGING_NOTE_AFTER_S` old, for the user to remove."""
+    removed = []
+    try:
+        names = sorted(n for n in os.listdir(parent) if n.startswith(prefix) and n.endswith(suffix)
+                       and len(n) > len(prefix) + len(suffix))
+    except OSError:
+        return removed
+    for name in names:
+        folder = Path(parent) / name
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        why = _dead_owner(folder)
+        if why is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                removed.append(folder)
+                log(f"removed {folder}: the staging folder of an import that stopped ({why})")
+        elif not (folder / STAGING_OWNER).exists() and _age_s(folder) > STAGING_NOTE_AFTER_S:
+            log(f"left {folder}: a staging folder without an owner record (an earlier depthtools's?); "
+                "remove it by hand if no import is writing it")
+    return removed
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+class StagingFolder:
+    """`with StagingFolder(target, suffix) as staging:` a hidden folder `.<target name>.<random><suffix>` beside
+    `target`, owned by this process (`STAGING_OWNER`: flock, pid, host, heartbeat), swapped in for `target`
+    (`replace_dir`) on a clean exit and removed on an exception.
+
+    Creating one first removes the dead leftovers of earlier writers of the same target (a killed import:
+    `remove_dead_staging`, one `log` line each), never a live writer's. The owner file is removed just before
+    the swap, so it never lands in `target`."""
+
+    def __init__(self, target: str | os.PathLike, suffix: str, log=_stderr_line):
+        self.target = Path(target)
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        prefix = f".{self.target.name}."
+        remove_dead_staging(self.target.parent, prefix, suffix, log=log)
+        self.path = Path(tempfile.mkdtemp(dir=self.target.parent, prefix=prefix, suffix=suffix))
+        try:
+            self.path.chmod(dir_mode())  # mkdtemp's 0700 would make the result private whatever the umask
+            self._lock = _own(self.path)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+
+    def commit(self) -> Path:
+        """Drop the owner record and swap the folder in for `target` (`replace_dir`); returns `target`."""
+        self._lock.release()
+        replace_dir(self.path, self.target)
+        return self.target
+
+    def discard(self) -> None:
+        """Drop the owner record and remove the folder (idempotent)."""
+        self._lock.release()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.discard()
+                raise
+        else:
+            self.discard()
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     """Hex sha256 of a file's bytes, read in blocks (checkpoint provenance, GGUF sources, shard manifests)."""
     with open(path, "rb") as handle:

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from depthtools.data.corpora import CORPORA, MIXES, Corpus, Document, cache_root, text_dir_corpus
+from depthtools.data.digest_cache import DigestCache
 from depthtools.data.sharded_tokens import load_sharded
 from depthtools.data.tokenizer import (
     BPE_SIZES,
@@ -489,24 +490,36 @@ def check_data_fingerprint(meta: dict, path: Path) -> None:
                               f"tokenizer and split records give ({expected[:12]}): meta.json was edited; prepare it again")
 
 
-def changed_data_files(data_dir: str | os.PathLike, meta: dict | None = None) -> list[str]:
+def changed_data_files(data_dir: str | os.PathLike, meta: dict | None = None, cached: bool = False) -> list[str]:
     """The data files whose sha256 differs from the one meta.json records (missing ones included):
-    every shard of a sharded dataset, every split file of a single-file one. Reads all the data once."""
+    every shard of a sharded dataset, every split file of a single-file one. Reads all the data once;
+    `cached`: only the files whose stat key changed since their digest last matched (`digest_cache`)."""
     data_dir = Path(data_dir)
     meta = meta if meta is not None else read_meta(data_dir)
+    cache = DigestCache(data_dir) if cached else None
     bad = []
     for split in meta["splits"].values():
         for record in split.get("shards", [split]):
             path = data_dir / record["file"]
-            if not path.is_file() or file_sha256(path) != record.get("sha256"):
+            if not path.is_file():
                 bad.append(record["file"])
+                continue
+            digest = cache.sha256(record["file"], path) if cache is not None else file_sha256(path)
+            if digest != record.get("sha256"):
+                bad.append(record["file"])
+            elif cache is not None:
+                cache.verified(record["file"], digest)
+    if cache is not None:
+        cache.save()
     return bad
 
 
-def check_data_files(data_dir: str | os.PathLike, meta: dict | None = None) -> None:
+def check_data_files(data_dir: str | os.PathLike, meta: dict | None = None, cached: bool = True) -> None:
     """One line naming the data files that changed since the dataset was prepared (`changed_data_files`):
-    a run that starts reads its data against the recorded sha256s before training on it."""
-    bad = changed_data_files(data_dir, meta)
+    a run that starts reads its data against the recorded sha256s before training on it. `cached` (the
+    default): a file whose size, mtime, ctime, inode and device are those of its last match is not read
+    again (`depthtools.data.digest_cache`, and its limits); `shards.verify` always reads everything."""
+    bad = changed_data_files(data_dir, meta, cached=cached)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise DepthToolsError(f"{data_dir}: {', '.join(bad[:3])}{more} differ from the sha256 meta.json records "

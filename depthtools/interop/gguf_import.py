@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import struct
 import tempfile
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from safetensors.torch import save_file
 
 from depthtools.data.tokenizer import vocab_fingerprint
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import file_sha256
+from depthtools.fsutil import StagingFolder, file_sha256
 from depthtools.interop.gguf_tokenizer import gguf_tokenizer
 from depthtools.interop.llama import import_hf
 
@@ -419,7 +418,9 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
 
     The file is translated into a temporary HF folder (config.json, model.safetensors, tokenizer.json
     when it can be rebuilt exactly) which `import_hf` imports, so every check and the all-or-nothing
-    write of the HF path apply; the provenance then names the GGUF file.
+    write of the HF path apply; the provenance then names the GGUF file. The temporary folder
+    (`<tmp>/.depthtools-gguf.<random>.convert.tmp`) is owned (`fsutil.StagingFolder`), so one left by a killed
+    import is removed by the next GGUF import, never one of an import still running.
     """
     path = Path(path)
     with _naming(path):
@@ -427,7 +428,8 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
         tokenizer, why = gguf_tokenizer(meta, hf["vocab_size"])
     source = {"format": f"gguf-{meta.get('general.architecture')}", "path": str(path.resolve()), "hf_config": hf,
               "gguf_sha256": file_sha256(path), "quantization": sorted({t.tensor_type.name for t in open_gguf(path).tensors})}
-    staging = Path(tempfile.mkdtemp(prefix="depthtools-gguf-"))
+    scratch = StagingFolder(Path(tempfile.gettempdir()) / "depthtools-gguf", ".convert.tmp")  # owned: a killed
+    staging = scratch.path  # import's converted weights are removed by the next GGUF import (only ever discarded)
     try:
         (staging / "config.json").write_text(json.dumps(hf), encoding="utf-8")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"))
@@ -438,7 +440,7 @@ def import_gguf(path: str | Path, name: str | None = None, out: str | Path | Non
             summary = import_hf(staging, name=name, out=out, force=force, max_seq_len=max_seq_len, source=source,
                                 tokenizer_record=record)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        scratch.discard()
     summary["source"] = str(path)
     summary["notes"] = [*summary.get("notes", []), *([] if tokenizer is not None else [f"no tokenizer was carried: {why}"])]
     return summary

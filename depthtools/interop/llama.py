@@ -48,7 +48,7 @@ from depthtools.checkpoint import (
 from depthtools.config import ModelConfig
 from depthtools.data.tokenizer import tokenizer_file_fingerprint
 from depthtools.errors import DepthToolsError
-from depthtools.fsutil import check_dir_target, check_name, dir_mode, file_sha256, replace_dir
+from depthtools.fsutil import StagingFolder, check_dir_target, check_name, dir_mode, file_sha256, replace_dir
 from depthtools.interop.checks import check_special_ids, validate_imported_weights, validate_tokenizer
 from depthtools.interop.families import head_from_file, hf_state, hf_to_model_config as family_config, untied_note
 from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, import_separator, resolve_tokenizer
@@ -59,6 +59,7 @@ HF_INDEX = "model.safetensors.index.json"
 SOURCE_FILE = "depthtools_source.json"  # provenance written beside an exported model
 MISTRAL_DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig.sliding_window when config.json has no key
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed from theta
+IMPORT_STAGING = ".import.tmp"  # suffix of every import's hidden staging folder `.<target>.<random>.import.tmp`
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -286,7 +287,9 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     tokenizer under "tokenizer" (or `tokenizer_record` when no tokenizer file is carried: a GGUF import's
     vocabulary fingerprint). An existing checkpoint is kept unless `force`; with `force` the whole
     folder is replaced. All or nothing: the new checkpoint is written in a hidden folder beside the
-    target and swapped in by renames, so a failure at any point (a full disk) leaves the old one intact.
+    target and swapped in by renames, so a failure at any point (a full disk) leaves the old one intact;
+    the hidden folder of an import that was killed is removed by the next import of the same target
+    (`fsutil.StagingFolder`: only when its owner process is gone, one line on stderr).
     """
     path = Path(path)
     hf = read_hf_config(path)
@@ -309,17 +312,10 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     if source is None:
         source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
                   "weights_sha256": {f.name: file_sha256(f) for f in sorted(path.glob("*.safetensors"))}}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".import.tmp"))
-    staging.chmod(dir_mode())  # mkdtemp's 0700 would make the checkpoint private whatever the umask
-    try:
+    with StagingFolder(target, IMPORT_STAGING) as staging:  # a killed import's leftover is removed here
         for file in carried:
             shutil.copyfile(path / file, staging / file)
         save(model, staging, extra={"source": source, "tokenizer": tokenizer, "train": None})
-        replace_dir(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return {"checkpoint": str(target), "model": model.config.to_dict(), "params": model.param_counts(),
             "tokenizer_files": [f for f in carried if f in HF_TOKENIZER_FILES], "carried": carried, "notes": notes}
 

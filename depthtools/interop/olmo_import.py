@@ -17,7 +17,6 @@ and a forced re-import keeps the old one until the new one is whole.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -28,10 +27,10 @@ from depthtools.arch import DepthModel
 from depthtools.checkpoint import CONFIG, check_shapes, check_weights, checkpoints_root, save
 from depthtools.data.tokenizer import tokenizer_file_fingerprint
 from depthtools.errors import CheckpointError, DepthToolsError
-from depthtools.fsutil import check_dir_target, check_name, file_sha256, read_json_object, replace_dir
+from depthtools.fsutil import StagingFolder, check_dir_target, check_name, file_sha256, read_json_object
 from depthtools.interop.checks import _tokenizer_json
 from depthtools.interop.dcp import check_files, read_model_tensors
-from depthtools.interop.llama import _load_state, _tokenizer_size, import_target
+from depthtools.interop.llama import IMPORT_STAGING, _load_state, _tokenizer_size, import_target
 from depthtools.interop.olmo_core import build_from_olmo_core, olmo_core_mapping
 
 MODEL_DIR = "model_and_optim"
@@ -228,19 +227,12 @@ def _source(path: Path, step: Step, provenance: dict[str, Any]) -> dict[str, Any
 
 
 def write_checkpoint(model, target: Path, extra: dict[str, Any], tokenizer: Path | None) -> None:
-    """Write the checkpoint into a staging folder beside `target`, then rename it into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.import-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        staging.mkdir()
+    """Write the checkpoint into a staging folder beside `target`, then rename it into place (the staging folder
+    every import uses, `llama.IMPORT_STAGING`: a killed import's leftover is removed by the next one)."""
+    with StagingFolder(target, IMPORT_STAGING) as staging:
         save(model, staging, extra=extra)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, staging / TOKENIZER_FILE)
-        replace_dir(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 @dataclass

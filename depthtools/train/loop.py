@@ -852,7 +852,8 @@ def train_cell(model_cfg: ModelConfig, train_cfg: TrainConfig, data_dir: str | P
     # refuse unusable inputs before the cell folder, its lock or a heartbeat exist: a refused start writes nothing
     meta = read_meta(Path(data_dir))
     check_inputs(model_cfg, train_cfg, meta, Path(data_dir), out_dir.name, warn=False)
-    check_data_files(data_dir, meta)  # what the run reads is what the data fingerprint vouches for
+    check_data_files(data_dir, meta)  # what the run reads is what the data fingerprint vouches for (files unchanged
+    # since their last match, by stat key, are not re-read: depthtools.data.digest_cache)
     dist = distributed.setup(resolve_device(train_cfg).type, train_cfg.parallel)  # torchrun: join the group
     ok, lock = False, None
     try:
