@@ -245,6 +245,47 @@ class Attention(nn.Module):
         pattern = self.hook_pattern(scores.masked_fill(~mask, float("-inf")).softmax(-1))
         return pattern @ v
 
+    def attend_rows(self, x: torch.Tensor, start: int, past, cos: torch.Tensor, sin: torch.Tensor):
+        """Attention output [B,S,d] of the rows at positions start..start+S-1 of a sequence, x [B,S,d] their
+        (normed) sublayer input, given `past` = (k, v) [B,start,Hkv,hd] of the rows before them (rotated; None
+        at start 0); returns (output, (k, v) of all start+S rows) so a later call can extend the sequence.
+
+        Why: the causal probe's future-effect runs share their first rows (`analysis.causal`), and attention
+        is the only part of a block that reads other rows, only through their keys and values. Exact: q, k, v
+        are per-row projections (biases, clip, QK-norm), RoPE rotates each row by its absolute position
+        (the tables of length start+S: a length-dependent RoPE gets the whole sequence's), and the mask is
+        the causal / sliding-window band at those positions, so each row sees what `forward` gives it.
+        At start 0 it is `forward`'s own arithmetic. Hook points are not called on whole tensors: callers
+        use it on unhooked models only."""
+        B, S, _ = x.shape
+        T = start + S
+        q = self._project(self.w_q, "q_norm", x, self.n_heads)
+        k = self._project(self.w_k, "k_norm", x, self.n_kv_heads)
+        v = self._project(self.w_v, "", x, self.n_kv_heads)
+        if self.rotary:
+            own = getattr(self, "rope_cos", None)
+            if own is not None:
+                cos, sin = own, self.rope_sin
+            elif self.length_rope is not None:
+                cos, sin = self.tables_for_length(T, q.device)
+            q, k = apply_rope(q, cos[start:T], sin[start:T]), apply_rope(k, cos[start:T], sin[start:T])
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
+        if start == 0:
+            return self.out(self.attend(q, k, v)), (k, v)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B,H,rows,hd]
+        rows = torch.arange(start, T, device=x.device)[:, None]
+        keys = torch.arange(T, device=x.device)[None, :]
+        mask = keys <= rows  # [S,T]: the causal band at absolute positions
+        if self.window:
+            mask = mask & (keys > rows - self.window)
+        if is_hooked(self.hook_pattern) or self.softcap:
+            z = self._explicit_attention(qt, kt, vt, mask)
+        else:
+            z = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.out(z.transpose(1, 2)), (k, v)
+
     def out(self, z: torch.Tensor) -> torch.Tensor:
         return self.w_o(z.flatten(2))
 
