@@ -242,11 +242,20 @@ def suffix_support(model) -> str | None:
     each cut runs whole sequences: the scheme has no suffix step (`NormFamilyScheme.step_suffix` states the
     contract), or a hook is attached (a suffix step calls no hook point on whole tensors; with
     DEPTHTOOLS_TORCH_FALLBACKS set every module counts as hooked, so this fast path is off too)."""
-    if getattr(model.scheme, "step_suffix", None) is None or not hasattr(model, "rope_cos"):
+    if not _defines_suffix(model.scheme) or not hasattr(model, "rope_cos"):
         return f"{model.config.arch} has no suffix step"
     if is_hooked(*model.modules()):
         return "a hook is attached to the model"
     return None
+
+
+def _defines_suffix(scheme) -> bool:
+    """Whether the class that defines the scheme's `step` also defines `step_suffix` (a subclass that changes
+    the step does not inherit a suffix step written for its parent's)."""
+    for cls in type(scheme).__mro__:
+        if "step" in vars(cls):
+            return "step_suffix" in vars(cls)
+    return False
 
 
 def _rows_run(model, s: int, first: torch.Tensor, start: int, past: list | None) -> tuple[list, list]:

@@ -23,8 +23,10 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
     ablate_prune        at most, per rule: the removal curve + Gromov 2L + Σ_n (L − n) blocks, where the curve is
                         single-skip order L + Σ_k (L − k) (+ the skip sweep unless ablate_skip is saved or
                         planned), or with prune="greedy" Σ_k [L + (L − k)(L − k)]
-    causal              L + Σ_s (L − s − 1)(1 + cuts) blocks (cuts only with future=True; a cut's run reuses
-                        the cached intact output of block s)
+    causal              L + Σ_s (L − s − 1)(1 + F) blocks, F the cuts' runs (future=True only; a cut's run reuses
+                        the cached intact output of block s): F = cuts where each cut runs whole sequences, and
+                        F = 1 + Σ_(c < c*) (T − c)/T block-equivalents in rows where the scheme has a suffix step
+                        (`causal.suffix_support`: the largest cut c* runs whole, each smaller one its rows ≥ c)
     sequence_profile    as one skip rule; within the suite it and ablate_skip's default rule are one sweep
                         (`sweep.shared_sweeps`): whichever runs second pays for one rule less
     similarity          L blocks + its statistics (angular distances, spectra, token collapse, CKA), timed
@@ -52,7 +54,7 @@ from typing import Any
 import torch
 
 from depthtools.analysis.ablate import chosen_pairs
-from depthtools.analysis.causal import default_cuts
+from depthtools.analysis.causal import default_cuts, suffix_support
 from depthtools.analysis.contrib import block_map, jvp
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
 from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs
@@ -89,13 +91,16 @@ def _n_rules(model, args: dict[str, Any]) -> int:
     return len(rules) if rules else len(model.scheme.skip_rules)
 
 
-def _n_cuts(model, args: dict[str, Any], seq_len: int) -> int:
+def _cut_runs(model, args: dict[str, Any], seq_len: int) -> float:
+    """The future effect's runs per skipped block, in whole-sequence runs: one per cut, or with a suffix step
+    (`causal.suffix_support`) the largest cut whole and each other cut c its rows ≥ c, (T − c)/T of a run."""
     if not args.get("future", True):
-        return 0
-    if args.get("cuts") is not None:
-        return len(args["cuts"])
-
-    return len(default_cuts(seq_len))
+        return 0.0
+    cuts = list(default_cuts(seq_len) if args.get("cuts") is None else args["cuts"])
+    if not cuts or suffix_support(model) is not None:
+        return float(len(cuts))
+    top = max(cuts)
+    return 1.0 + sum((seq_len - c) / seq_len for c in cuts if c != top)
 
 
 def _prune_per_rule(L: int, args: dict[str, Any], skip_measured: bool) -> tuple[int, int]:
@@ -134,8 +139,8 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
         rules = _n_rules(model, args)
         return rules * blocks, rules * heads, True
     if name == "causal":
-        cuts = _n_cuts(model, args, seq_len)
-        return L + sum((L - s - 1) * (1 + cuts) for s in range(L)), 0, False
+        runs = _cut_runs(model, args, seq_len)
+        return L + sum((L - s - 1) * (1 + runs) for s in range(L)), 0, False
     if name == "contrib":
         jac = L + FULL_JVP_BLOCKS * args.get("probes", 2) * L if args.get("jacobian", True) else 0
         return L + jac, 0, False

@@ -253,10 +253,11 @@ class Attention(nn.Module):
         Why: the causal probe's future-effect runs share their first rows (`analysis.causal`), and attention
         is the only part of a block that reads other rows, only through their keys and values. Exact: q, k, v
         are per-row projections (biases, clip, QK-norm), RoPE rotates each row by its absolute position
-        (the tables of length start+S: a length-dependent RoPE gets the whole sequence's), and the mask is
-        the causal / sliding-window band at those positions, so each row sees what `forward` gives it.
-        At start 0 it is `forward`'s own arithmetic. Hook points are not called on whole tensors: callers
-        use it on unhooked models only."""
+        (the tables of length start+S: a length-dependent RoPE gets the whole sequence's), and the rows
+        attend through `attend` itself over the whole length, the queries of rows < start zero (their
+        outputs are dropped): the same causal or sliding-window mask, soft-cap and kernel, so each row gets
+        what `forward` gives it, to the bit (the attention products of the zero rows are the only work
+        spent on them). Hook points are not called on whole tensors: callers use it on unhooked models."""
         B, S, _ = x.shape
         T = start + S
         q = self._project(self.w_q, "q_norm", x, self.n_heads)
@@ -271,20 +272,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos[start:T], sin[start:T]), apply_rope(k, cos[start:T], sin[start:T])
         if past is not None:
             k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
-        if start == 0:
-            return self.out(self.attend(q, k, v)), (k, v)
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B,H,rows,hd]
-        rows = torch.arange(start, T, device=x.device)[:, None]
-        keys = torch.arange(T, device=x.device)[None, :]
-        mask = keys <= rows  # [S,T]: the causal band at absolute positions
-        if self.window:
-            mask = mask & (keys > rows - self.window)
-        if is_hooked(self.hook_pattern) or self.softcap:
-            z = self._explicit_attention(qt, kt, vt, mask)
-        else:
-            z = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=self.scale,
-                                               enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.out(z.transpose(1, 2)), (k, v)
+            q = torch.cat((q.new_zeros(B, start, *q.shape[2:]), q), dim=1)
+        return self.out(self.attend(q, k, v)[:, start:]), (k, v)
 
     def out(self, z: torch.Tensor) -> torch.Tensor:
         return self.w_o(z.flatten(2))
