@@ -294,6 +294,29 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
     return rest * n_seqs / n_sample + chunk * chunks + spectra
 
 
+@torch.no_grad()
+def lens_depth_seconds(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float:
+    """Seconds of one logit-lens depth on one batch: `lens._lens_logprobs` and `lens._DepthSums.add` over the
+    batch's scored rows in the lens' chunks (the lens' own code, timed at depth 0; best of `repeats`). Its
+    metrics (probabilities, top-5, two KLs, an entropy, a rank count over V) cost more than the sweep's that
+    `time_parts` times with the head, so the lens is planned with this instead of h per depth."""
+    from depthtools.analysis.lens import FinalRows, _DepthSums, _lens_logprobs, _scored_rows  # lazy: lens imports sweep
+
+    inputs, targets = split_inputs(tokens[:batch_size])
+    targets, L, chunk = targets.flatten(), model.n_layer, 4096
+    states = model.run_states(inputs)
+    first, last = _scored_rows(model, [states[0], states[-1]], None)
+    finals = [FinalRows.of(_lens_logprobs(model, last[lo:lo + chunk], L, None)) for lo in range(0, len(targets), chunk)]
+    best = math.inf
+    for _ in range(repeats):
+        sums = _DepthSums(1)
+        t0 = time.perf_counter()
+        for i, lo in enumerate(range(0, len(targets), chunk)):
+            sums.add(0, _lens_logprobs(model, first[lo:lo + chunk], 0, None), finals[i], targets[lo:lo + chunk])
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def jvp_blocks(model, tokens: torch.Tensor, batch_size: int) -> float | None:
     """A Jacobian-vector product through block 0 on one batch, in block calls (timed; the plan's default
     FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path); None when the
@@ -391,6 +414,10 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
         extra = 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * analyses["contrib"].get("probes", 2) * \
             model.n_layer * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
+    if "lens_logit" in analyses and t_block > 0:  # its per-depth metrics, timed: more than a head's
+        per_depth = lens_depth_seconds(model, tokens, batch_size)
+        extra = (per_depth - t_head) / t_block * (model.n_layer + 1) * math.ceil(n_seqs / batch_size)
+        costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "lens_logit" else c for c in costs]
     if shared_states and h is not None and states_fit(model, tokens):
         passes = {name: intact_passes(name, model, args, skip_measured, name == shared)
                   for name, args in analyses.items()}
