@@ -317,7 +317,7 @@ def lens_depth_seconds(model, tokens: torch.Tensor, batch_size: int, repeats: in
     return best
 
 
-def jvp_blocks(model, tokens: torch.Tensor, batch_size: int) -> float | None:
+def jvp_blocks(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float | None:
     """A Jacobian-vector product through block 0 on one batch, in block calls (timed; the plan's default
     FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path); None when the
     state is not one `contrib.block_map` handles (contrib then runs no JVP)."""
@@ -330,13 +330,15 @@ def jvp_blocks(model, tokens: torch.Tensor, batch_size: int) -> float | None:
     x, f = mapped
     v = torch.ones_like(x)
     jvp(model, f, x, v)  # warm-up: forward AD registers its decompositions on first use
-    t0 = time.perf_counter()
-    jvp(model, f, x, v)
-    t_jvp = time.perf_counter() - t0
-    with torch.no_grad():
+    t_jvp = t_block = math.inf
+    for _ in range(repeats):  # best of each, interleaved: one pair of single timings drifted 3x on a busy machine
         t0 = time.perf_counter()
-        model.block_step(0, states[0])
-        t_block = time.perf_counter() - t0
+        jvp(model, f, x, v)
+        t_jvp = min(t_jvp, time.perf_counter() - t0)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model.block_step(0, states[0])
+            t_block = min(t_block, time.perf_counter() - t0)
     return t_jvp / t_block if t_block > 0 else None
 
 
