@@ -89,6 +89,18 @@ def test_cost_formula_equals_counted_block_calls(name, options):
     assert cost.forwards == pytest.approx((cost.blocks + h * cost.heads) / (L + h))
 
 
+@pytest.mark.parametrize("arch,options", [("preln", {}), ("hc", {}), ("preln", {"moe_experts": 2, "moe_layers": "dmdm"})])
+def test_routing_cost_equals_counted_block_calls(arch, options):
+    """Issue 47: the normalisation family has no native depth routing, so routing runs no block there."""
+    model = tiny(arch, n_layer=4, **options)
+    counter, cost = run_counted("routing", model, windows(n=4, length=13), 2)
+    L = model.n_layer
+    # routing runs all 4 sequences at once (HC's native routing; the expert routing's batches of 8): each call
+    # does the work of 2 of the plan's batches of 2
+    expected = 2 * (L + 3 + 2 + 1) if options else {"preln": 0, "hc": 2 * L}[arch]  # MoE 1, 3: L + Σ_(s<3) (L−s−1)
+    assert 2 * counter.blocks == cost.blocks == expected
+
+
 @pytest.mark.parametrize("prune", ["order", "greedy"])
 def test_prune_cost_is_an_upper_bound(prune):
     model = tiny("preln", n_layer=4)

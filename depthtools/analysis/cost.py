@@ -31,7 +31,8 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
                         (`sweep.shared_sweeps`): whichever runs second pays for one rule less
     similarity          L blocks + its statistics (angular distances, spectra, token collapse, CKA), timed
                         before the run on 2 sequences and scaled (`similarity_seconds`), in block-equivalents
-    routing             L blocks (routing of a mixture-of-experts model: + Σ_(s < last MoE block) (L − s − 1))
+    routing             L blocks where the scheme has native depth routing (0 on the normalisation family), + the
+                        expert routing of a mixture-of-experts model: L + Σ_(s < last MoE block) (L − s − 1)
     contrib             L blocks, + L + j · probes · L block-equivalents with the Jacobian (a JVP costs j blocks:
                         3 without timing, timed on block 0 before a run: `jvp_blocks`)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
@@ -91,6 +92,16 @@ def _n_rules(model, args: dict[str, Any]) -> int:
     return len(rules) if rules else len(model.scheme.skip_rules)
 
 
+def _routes_natively(model) -> bool:
+    """Whether `routing` reads the scheme's native depth routing through a forward (HC, mHC, AttnRes hook it;
+    DenseFormer's static weights are counted too, an over-count of L blocks); the normalisation family has
+    none, so routing runs nothing there unless the model has experts (measured: 0.1 of a planned 0.7
+    forwards at L = 12)."""
+    from depthtools.arch.scheme import ResidualScheme  # lazy: arch is heavy only on first use
+
+    return type(model.scheme).depth_routing is not ResidualScheme.depth_routing
+
+
 def _cut_runs(model, args: dict[str, Any], seq_len: int) -> float:
     """The future effect's runs per skipped block, in whole-sequence runs: one per cut, or with a suffix step
     (`causal.suffix_support`) the largest cut whole and each other cut c its rows ≥ c, (T − c)/T of a run."""
@@ -144,10 +155,11 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
     if name == "contrib":
         jac = L + FULL_JVP_BLOCKS * args.get("probes", 2) * L if args.get("jacobian", True) else 0
         return L + jac, 0, False
-    if name == "routing":  # + a mixture-of-experts model's skip runs: block s bypassed, s+1.. rerun
+    if name == "routing":  # a mixture-of-experts model's intact and skip runs; a forward for native routing
         bb = getattr(model, "backbone", None)
         moe = [l for l in range(L) if bb is not None and bb.is_moe(l)]
-        return L + sum(L - s - 1 for s in range(max(moe, default=0))), 0, False
+        experts = L + sum(L - s - 1 for s in range(max(moe))) if moe else 0
+        return experts + (L if _routes_natively(model) else 0), 0, False
     if name == "similarity":
         return L, 0, False
     if name == "lens_tuned":
