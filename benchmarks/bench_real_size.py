@@ -114,9 +114,27 @@ def old_plan(code: Path, ckpt: Path, n_seqs: int, seq_len: int, names: list[str]
 
 def forward_now(model, tokens, args) -> float:
     """One forward of one batch as the plan counts it (L blocks + the head with its metrics), timed now: the
-    unit of --local-forward's ratios, which then carry the machine's drift between probes less."""
-    t_block, t_head = time_parts(model, tokens, args.batch, repeats=1)
-    return model.n_layer * t_block + t_head
+    unit of --local-forward's ratios, which then carry the machine's drift between probes less. With
+    --cpu-time: this process's CPU seconds of the same work (best of 2), which other processes' load
+    changes far less than wall time."""
+    if not args.cpu_time:
+        t_block, t_head = time_parts(model, tokens, args.batch, repeats=1)
+        return model.n_layer * t_block + t_head
+    from depthtools.analysis.sweep import scored_logprobs
+    from depthtools.analysis.tokens import split_inputs
+
+    inputs = split_inputs(tokens[:args.batch])[0]
+    best = math.inf
+    with torch.no_grad():
+        ref = scored_logprobs(model.head(model.run_states(inputs)[-1])).roll(1, 0)  # as time_parts: not timed
+        p_ref = ref.exp()
+        for _ in range(2):  # the plan's unit: L blocks + one head with log-softmax, KL and argmax
+            t0 = time.process_time()
+            lp = scored_logprobs(model.head(model.run_states(inputs)[-1]))
+            float((p_ref * (ref - lp)).sum())
+            lp.argmax(-1)
+            best = min(best, time.process_time() - t0)
+    return best
 
 
 def run_suite(args) -> None:
@@ -155,9 +173,10 @@ def run_suite(args) -> None:
         with shared_sweeps():  # as analyze_grid runs one model's analyses
             for name, cost in zip(names, costs):
                 local = forward_now(model, tokens, args) if args.local_forward else forward_s
-                t0 = time.perf_counter()
+                clock = time.process_time if args.cpu_time else time.perf_counter
+                t0 = clock()
                 suite.run_analysis(name, model, tokens, recompute=True, **options)
-                seconds = time.perf_counter() - t0
+                seconds = clock() - t0
                 rows.append((name, cost.forwards, cost.upper_bound, seconds, local))
                 print(f"  [{name}: {seconds:.1f} s; load average {os.getloadavg()[0]:.1f}"
                       + (f"; one forward just before: {local * 1000:.0f} ms]" if args.local_forward else "]"), flush=True)
@@ -195,6 +214,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="--suite: comma-separated probes (default: the suite)")
     parser.add_argument("--prune", default="order", help="--suite: pruning curve (order, greedy)")
     parser.add_argument("--plan-only", action="store_true", help="--suite: print the plans, run nothing")
+    parser.add_argument("--cpu-time", action="store_true", help="--suite --local-forward: CPU seconds of this process "
+                        "(probe and forward) instead of wall time, for a machine other processes load")
     parser.add_argument("--local-forward", action="store_true", help="--suite: also time one forward just before "
                         "each probe and print each probe's ratio against it (a loaded machine drifts)")
     parser.add_argument("--old", type=Path, default=None, help="--suite: also print the plan of the code at this "
