@@ -137,3 +137,14 @@ def test_the_plan_counts_rows_at_the_suite_default():
     assert shared.blocks == pytest.approx(L + sum((L - s - 1) * (2 + 248 / 128) for s in range(L)))
     whole = analysis_cost("causal", tiny("hc", n_layer=30, vocab=61, context=128), args, 8, 128, 8)
     assert whole.blocks == L + sum((L - s - 1) * 5 for s in range(L))
+
+
+def test_attend_rows_refuses_keys_of_the_wrong_rows():
+    from depthtools.errors import DepthToolsError
+
+    model = tiny("preln", n_layer=1)
+    attn, x = model.blocks[0].attn, torch.randn(1, 6, 32, dtype=torch.float64)
+    _, (k, v) = attn.attend_rows(x, 0, None, model.rope_cos, model.rope_sin)
+    for start, past in ((2, None), (0, (k[:, :2], v[:, :2])), (3, (k[:, :2], v[:, :2]))):
+        with pytest.raises(DepthToolsError, match="earlier rows"):
+            attn.attend_rows(x[:, start:], start, past, model.rope_cos, model.rope_sin)

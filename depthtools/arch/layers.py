@@ -18,6 +18,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.backbone import HookedNorm, Norm, activation, backbone, banded_causal_mask, rotary_dim, softcap
 from depthtools.arch.rope import PLAIN, RopeScaling
 from depthtools.arch.torch_private import is_hooked, storage_unshared
+from depthtools.errors import DepthToolsError
 
 if TYPE_CHECKING:  # annotations only: arch/ never imports depthtools.config (config validates against the registry)
     from depthtools.config import ModelConfig
@@ -258,6 +259,8 @@ class Attention(nn.Module):
         outputs are dropped): the same causal or sliding-window mask, soft-cap and kernel, so each row gets
         what `forward` gives it, to the bit (the attention products of the zero rows are the only work
         spent on them). Hook points are not called on whole tensors: callers use it on unhooked models."""
+        if (past is None) != (start == 0) or (past is not None and past[0].shape[1] != start):
+            raise DepthToolsError(f"attend_rows needs the keys and values of exactly the {start} earlier rows")
         B, S, _ = x.shape
         T = start + S
         q = self._project(self.w_q, "q_norm", x, self.n_heads)
