@@ -16,7 +16,8 @@ without timing (`head_ratio`, the ratio of their matmul sizes) — so
 
 Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
 
-    lens_logit          L blocks, L + 1 heads (one per depth)
+    lens_logit          L blocks, L + 1 heads (one per depth); each depth's head and metrics are timed as the lens
+                        runs them (`lens_depth_seconds`), more than the h of a sweep's plan
     ablate_skip         per rule: L + Σ_l (L − l − 1) blocks, 1 + L heads
     ablate_swap         L + Σ_(i,j) (L − i) blocks over the chosen pairs, 1 + pairs heads
     ablate_mean/linear  2L + Σ_l (L − l − 1) blocks (statistics pass + sweep), 1 + L heads
