@@ -301,7 +301,11 @@ def _future_effects(model, states: list, base: list[torch.Tensor], s: int, cuts:
     shared rows: `_future_effects_by_rows`); False (with a note) when the partial skip is not defined for
     this state."""
     if suffix_support(model) is None:
-        _future_effects_by_rows(model, states, base, s, cuts, exclude_first, rule, fut)
+        try:
+            _future_effects_by_rows(model, states, base, s, cuts, exclude_first, rule, fut)
+        except UnsupportedState as exc:
+            notes.append(f"future effect unsupported for {model.config.arch}: {exc}")
+            return False
         return True
     L = model.n_layer
     B, T = base[0].shape[:2]  # geometry updates [B,T,k]
