@@ -23,7 +23,8 @@ the prune curve reuses the skip sweep as in `analyze`), and print per probe the 
 the cost plan predicts and those measured (wall time / one timed forward of one batch, the plan's unit),
 the wall time, and the totals; then the forward re-timed, so a drifting machine shows. --layers and
 --vocab shrink the model and --n-tokens the token set for quick iteration; --only runs some probes;
---prune greedy times the opt-in greedy curve; --old DIR also prints the plan the code at DIR (a checkout of
+--prune greedy times the opt-in greedy curve; --local-forward also divides each probe's time by a forward
+timed just before it (ratios that carry less of a loaded machine's drift); --old DIR also prints the plan the code at DIR (a checkout of
 main before issue 47) makes for the same checkpoint and tokens; --plan-only prints the plans and runs nothing.
 
     python benchmarks/bench_real_size.py --suite [--layers 30 --vocab 49152 --n-tokens 4096 --seq-len 128]
@@ -111,6 +112,31 @@ def old_plan(code: Path, ckpt: Path, n_seqs: int, seq_len: int, names: list[str]
     return result.stdout.strip() if result.returncode == 0 else f"(failed: {result.stderr.strip()[-500:]})"
 
 
+def forward_now(model, tokens, args) -> float:
+    """One forward of one batch as the plan counts it (L blocks + the head with its metrics), timed now: the
+    unit of --local-forward's ratios, which then carry the machine's drift between probes less. With
+    --cpu-time: this process's CPU seconds of the same work (best of 2), which other processes' load
+    changes far less than wall time."""
+    if not args.cpu_time:
+        t_block, t_head = time_parts(model, tokens, args.batch, repeats=1)
+        return model.n_layer * t_block + t_head
+    from depthtools.analysis.sweep import scored_logprobs
+    from depthtools.analysis.tokens import split_inputs
+
+    inputs = split_inputs(tokens[:args.batch])[0]
+    best = math.inf
+    with torch.no_grad():
+        ref = scored_logprobs(model.head(model.run_states(inputs)[-1])).roll(1, 0)  # as time_parts: not timed
+        p_ref = ref.exp()
+        for _ in range(2):  # the plan's unit: L blocks + one head with log-softmax, KL and argmax
+            t0 = time.process_time()
+            lp = scored_logprobs(model.head(model.run_states(inputs)[-1]))
+            float((p_ref * (ref - lp)).sum())
+            lp.argmax(-1)
+            best = min(best, time.process_time() - t0)
+    return best
+
+
 def run_suite(args) -> None:
     """The default suite on the real-size model: per probe, planned and measured forward equivalents and time."""
     from depthtools.analysis import suite
@@ -146,22 +172,27 @@ def run_suite(args) -> None:
         rows = []
         with shared_sweeps():  # as analyze_grid runs one model's analyses
             for name, cost in zip(names, costs):
-                t0 = time.perf_counter()
+                local = forward_now(model, tokens, args) if args.local_forward else forward_s
+                clock = time.process_time if args.cpu_time else time.perf_counter
+                t0 = clock()
                 suite.run_analysis(name, model, tokens, recompute=True, **options)
-                seconds = time.perf_counter() - t0
-                rows.append((name, cost.forwards, cost.upper_bound, seconds))
-                print(f"  [{name}: {seconds:.1f} s]", flush=True)
+                seconds = clock() - t0
+                rows.append((name, cost.forwards, cost.upper_bound, seconds, local))
+                print(f"  [{name}: {seconds:.1f} s; load average {os.getloadavg()[0]:.1f}"
+                      + (f"; one forward just before: {local * 1000:.0f} ms]" if args.local_forward else "]"), flush=True)
         t_block2, t_head2 = time_parts(model, tokens, args.batch)
         forward_after = L * t_block2 + t_head2
         if args.old is not None:
             print("before issue 47 (the same checkpoint, tokens and options, the code at --old):", flush=True)
             print(old_plan(args.old, Path(tmp) / "ckpt", n_seqs, seq_len, names, args.batch), flush=True)
-    print(f"{'probe':<18} {'planned fwd':>12} {'measured fwd':>13} {'ratio':>7} {'wall':>12}")
-    for name, planned, bound, seconds in rows:
+    print(f"{'probe':<18} {'planned fwd':>12} {'measured fwd':>13} {'ratio':>7} {'wall':>12}"
+          + (f" {'ratio (local fwd)':>18}" if args.local_forward else ""))
+    for name, planned, bound, seconds, local in rows:
         measured = seconds / forward_s
         ratio = f"{measured / planned:7.2f}" if planned > 0 else f"{'—':>7}"  # 0: shared with an earlier probe
+        local_ratio = f"{seconds / local / planned:18.2f}" if planned > 0 else f"{'—':>18}"
         print(f"{name:<18} {('≤' if bound else '') + f'{planned:.1f}':>12} {measured:13.1f} "
-              f"{ratio} {duration(seconds):>12}")
+              f"{ratio} {duration(seconds):>12}" + (f" {local_ratio}" if args.local_forward else ""))
     planned, seconds = sum(r[1] for r in rows), sum(r[3] for r in rows)
     print(f"{'total':<18} {planned:12.1f} {seconds / forward_s:13.1f} {seconds / forward_s / planned:7.2f} "
           f"{duration(seconds):>12}")
@@ -183,6 +214,10 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="--suite: comma-separated probes (default: the suite)")
     parser.add_argument("--prune", default="order", help="--suite: pruning curve (order, greedy)")
     parser.add_argument("--plan-only", action="store_true", help="--suite: print the plans, run nothing")
+    parser.add_argument("--cpu-time", action="store_true", help="--suite --local-forward: CPU seconds of this process "
+                        "(probe and forward) instead of wall time, for a machine other processes load")
+    parser.add_argument("--local-forward", action="store_true", help="--suite: also time one forward just before "
+                        "each probe and print each probe's ratio against it (a loaded machine drifts)")
     parser.add_argument("--old", type=Path, default=None, help="--suite: also print the plan of the code at this "
                         "checkout (e.g. /work/main before issue 47) for the same run")
     args = parser.parse_args()

@@ -14,8 +14,9 @@ from tiny_models import one_thread, tiny, windows  # noqa: F401 (fixture)
 
 
 class Counter:
-    """Wraps model.block_step and model.head / model.readout_logits / model.hidden_logits on the instance,
-    counting block calls and head work in whole-batch units (rows evaluated / rows of one batch)."""
+    """Wraps model.block_step, the scheme's suffix step (causal's shared rows) and model.head /
+    model.readout_logits / model.hidden_logits on the instance, counting block calls (a suffix step on S of
+    T rows counts S/T) and head work in whole-batch units (rows evaluated / rows of one batch)."""
 
     def __init__(self, model, rows_per_batch: int):
         self.blocks, self.head_rows, self.rows = 0, 0, rows_per_batch
@@ -25,6 +26,14 @@ class Counter:
         def count_block(*a, **k):
             self.blocks += 1
             return block_step(*a, **k)
+
+        suffix_step = getattr(model.scheme, "step_suffix", None)
+        if suffix_step is not None:
+            def count_suffix(position, block, rows, home, rope, start, past):
+                self.blocks += rows.shape[1] / (start + rows.shape[1])
+                return suffix_step(position, block, rows, home, rope, start, past)
+
+            model.scheme.step_suffix = count_suffix
 
         def count_head(state):
             self.head_rows += state.shape[0] * state.shape[1]
@@ -66,17 +75,30 @@ def run_counted(name, model, tokens, bs, **options):
     ("sequence_profile", {}),
     ("causal", {}),
     ("causal", {"future": False}),
+    ("causal", {"cuts": [3, 9, 5, 9]}),
     ("similarity", {}),
 ])
 def test_cost_formula_equals_counted_block_calls(name, options):
     model = tiny("preln", n_layer=5)
     tokens = windows(n=4, length=13)  # 2 batches of 2: per-batch costs are multiplied, not assumed
     counter, cost = run_counted(name, model, tokens, 2, **options)
-    assert counter.blocks == cost.blocks
+    assert counter.blocks == pytest.approx(cost.blocks, rel=1e-12)
     if name not in ("causal", "similarity"):
         assert counter.heads == pytest.approx(cost.heads)
     h, L = head_ratio(model), model.n_layer
     assert cost.forwards == pytest.approx((cost.blocks + h * cost.heads) / (L + h))
+
+
+@pytest.mark.parametrize("arch,options", [("preln", {}), ("hc", {}), ("preln", {"moe_experts": 2, "moe_layers": "dmdm"})])
+def test_routing_cost_equals_counted_block_calls(arch, options):
+    """Issue 47: the normalisation family has no native depth routing, so routing runs no block there."""
+    model = tiny(arch, n_layer=4, **options)
+    counter, cost = run_counted("routing", model, windows(n=4, length=13), 2)
+    L = model.n_layer
+    # routing runs all 4 sequences at once (HC's native routing; the expert routing's batches of 8): each call
+    # does the work of 2 of the plan's batches of 2
+    expected = 2 * (L + 3 + 2 + 1) if options else {"preln": 0, "hc": 2 * L}[arch]  # MoE 1, 3: L + Σ_(s<3) (L−s−1)
+    assert 2 * counter.blocks == cost.blocks == expected
 
 
 @pytest.mark.parametrize("prune", ["order", "greedy"])

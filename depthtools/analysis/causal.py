@@ -15,7 +15,12 @@ Future effect (Csordás "future" matrix): block s is skipped only at positions 1
 updates are compared only at positions t ≥ cut, isolating what reaches later tokens through
 attention. Implemented with `Plan(replace={s: f})`, f(state) = position-wise mix of the skipped and
 the intact block output (state_out = where(t < cut, skip_state, block_state)); the run starts from the
-intact z_s, so the intact block output is the cached z_{s+1} (L−s−1 blocks per cut, not L−s). The mix is defined
+intact z_s, so the intact block output is the cached z_{s+1} (L−s−1 blocks per cut, not L−s). Attention is
+causal, so the runs of two cuts c < c' agree at every position < c in every later layer: where the scheme
+has a suffix step (`suffix_support`: the normalisation family, every imported Hugging Face family included)
+the largest cut runs whole and keeps each block's keys and values, and every smaller cut c runs only its
+rows t ≥ c, reading the keys and values of rows < c from it ((L−s−1)·(T−c)/T block-equivalents, not L−s−1);
+only rows ≥ c are compared, so the scores are those of whole runs. Other schemes run whole sequences. The mix is defined
 for tensor states and for states whose skipped and intact versions have the same structure with
 tensor leaves [B,T,...] (e.g. DenseFormer); otherwise (a skip that changes the state's structure,
 such as AttnRes' source deletion or MoDA's masked depth slots) it is *unsupported*: the rows are
@@ -40,6 +45,7 @@ from depthtools.analysis.geometry import check_positions, model_inputs, tidy_fra
 from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tokens import batches, token_fingerprint
 from depthtools.arch.model import Plan
+from depthtools.arch.torch_private import is_hooked
 from depthtools.errors import DepthToolsError
 
 F64 = torch.float64
@@ -231,10 +237,76 @@ def causal_scores(
     return tidy_frame(model, rows, settings, notes)
 
 
+def suffix_support(model) -> str | None:
+    """None when the future-effect runs may share their first rows (`_future_effects_by_rows`); else why
+    each cut runs whole sequences: the scheme has no suffix step (`NormFamilyScheme.step_suffix` states the
+    contract), or a hook is attached (a suffix step calls no hook point on whole tensors; with
+    DEPTHTOOLS_TORCH_FALLBACKS set every module counts as hooked, so this fast path is off too)."""
+    if not _defines_suffix(model.scheme) or not hasattr(model, "rope_cos"):
+        return f"{model.config.arch} has no suffix step"
+    if is_hooked(*model.modules()):
+        return "a hook is attached to the model"
+    return None
+
+
+def _defines_suffix(scheme) -> bool:
+    """Whether the class that defines the scheme's `step` also defines `step_suffix` (a subclass that changes
+    the step does not inherit a suffix step written for its parent's)."""
+    for cls in type(scheme).__mro__:
+        if "step" in vars(cls):
+            return "step_suffix" in vars(cls)
+    return False
+
+
+def _rows_run(model, s: int, first: torch.Tensor, start: int, past: list | None) -> tuple[list, list]:
+    """Blocks s+1..L−1 on the rows at positions start.. of z_{s+1} (`first`, those rows), each block reading
+    the keys and values of rows < start from `past` (one (k, v) per block; None at start 0): the states
+    z_{s+1}.. of those rows and each block's (k, v) of all rows."""
+    rope, out, caches = (model.rope_cos, model.rope_sin), [first], []
+    for i, p in enumerate(range(s + 1, model.n_layer)):
+        block = model.blocks[p]
+        h, kv = model.scheme.step_suffix(p, block, out[-1], block, rope, start, None if past is None else past[i])
+        out.append(h)
+        caches.append(kv)
+    return out, caches
+
+
+def _future_effects_by_rows(model, states: list, base: list[torch.Tensor], s: int, cuts: Sequence[int],
+                            exclude_first: int, rule: str | None, fut: _PairStats) -> None:
+    """`_future_effects` with shared rows: the largest cut c* runs whole from z_s (its block-s output mixed as
+    `partial_skip` mixes it) and keeps every block's keys and values; each smaller cut c starts from the
+    intact z_{s+1} at rows ≥ c (block s is intact there) and runs only those rows, with the keys and values
+    of rows < c from c*'s run: both runs skip block s at the same positions < c, so (causal attention) their
+    rows < c agree in every later block."""
+    B, T = base[0].shape[:2]
+    positions = torch.arange(T)
+    order = sorted(cuts, reverse=True)
+    top = order[0]
+    mask = ((positions >= exclude_first) & (positions < top)).expand(B, T)
+    first = partial_skip(model, s, mask, rule, intact_out=states[s + 1])(states[s])
+    part, caches = _rows_run(model, s, first, 0, None)
+    for cut in order:
+        if cut != top:
+            part, _ = _rows_run(model, s, states[s + 1][:, cut:], cut,
+                                [(k[:, :cut], v[:, :cut]) for k, v in caches])
+        g = [model.geometry(z).float() for z in part]  # z_{s+1}..z_L: rows ≥ cut (all rows for the top cut)
+        for l in range(s + 1, model.n_layer):
+            changed = g[l - s] - g[l - s - 1]  # block l's update
+            fut.add(s, l, _ratio(changed[:, cut:] if cut == top else changed, base[l][:, cut:]))
+
+
 def _future_effects(model, states: list, base: list[torch.Tensor], s: int, cuts: Sequence[int], exclude_first: int,
                     rule: str | None, fut: _PairStats, notes: list[str]) -> bool:
-    """Add the future effects of skipping block s before each cut to `fut` (one suffix run per cut);
-    False (with a note) when the partial skip is not defined for this state."""
+    """Add the future effects of skipping block s before each cut to `fut` (one suffix run per cut, or
+    shared rows: `_future_effects_by_rows`); False (with a note) when the partial skip is not defined for
+    this state."""
+    if suffix_support(model) is None:
+        try:
+            _future_effects_by_rows(model, states, base, s, cuts, exclude_first, rule, fut)
+        except UnsupportedState as exc:
+            notes.append(f"future effect unsupported for {model.config.arch}: {exc}")
+            return False
+        return True
     L = model.n_layer
     B, T = base[0].shape[:2]  # geometry updates [B,T,k]
     positions = torch.arange(T)

@@ -16,20 +16,24 @@ without timing (`head_ratio`, the ratio of their matmul sizes) — so
 
 Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
 
-    lens_logit          L blocks, L + 1 heads (one per depth)
+    lens_logit          L blocks, L + 1 heads (one per depth); each depth's head and metrics are timed as the lens
+                        runs them (`lens_depth_seconds`), more than the h of a sweep's plan
     ablate_skip         per rule: L + Σ_l (L − l − 1) blocks, 1 + L heads
     ablate_swap         L + Σ_(i,j) (L − i) blocks over the chosen pairs, 1 + pairs heads
     ablate_mean/linear  2L + Σ_l (L − l − 1) blocks (statistics pass + sweep), 1 + L heads
     ablate_prune        at most, per rule: the removal curve + Gromov 2L + Σ_n (L − n) blocks, where the curve is
                         single-skip order L + Σ_k (L − k) (+ the skip sweep unless ablate_skip is saved or
                         planned), or with prune="greedy" Σ_k [L + (L − k)(L − k)]
-    causal              L + Σ_s (L − s − 1)(1 + cuts) blocks (cuts only with future=True; a cut's run reuses
-                        the cached intact output of block s)
+    causal              L + Σ_s (L − s − 1)(1 + F) blocks, F the cuts' runs (future=True only; a cut's run reuses
+                        the cached intact output of block s): F = cuts where each cut runs whole sequences, and
+                        F = 1 + Σ_(c < c*) (T − c)/T block-equivalents in rows where the scheme has a suffix step
+                        (`causal.suffix_support`: the largest cut c* runs whole, each smaller one its rows ≥ c)
     sequence_profile    as one skip rule; within the suite it and ablate_skip's default rule are one sweep
                         (`sweep.shared_sweeps`): whichever runs second pays for one rule less
     similarity          L blocks + its statistics (angular distances, spectra, token collapse, CKA), timed
                         before the run on 2 sequences and scaled (`similarity_seconds`), in block-equivalents
-    routing             L blocks (routing of a mixture-of-experts model: + Σ_(s < last MoE block) (L − s − 1))
+    routing             L blocks where the scheme has native depth routing (0 on the normalisation family), + the
+                        expert routing of a mixture-of-experts model: L + Σ_(s < last MoE block) (L − s − 1)
     contrib             L blocks, + L + j · probes · L block-equivalents with the Jacobian (a JVP costs j blocks:
                         3 without timing, timed on block 0 before a run: `jvp_blocks`)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
@@ -52,7 +56,7 @@ from typing import Any
 import torch
 
 from depthtools.analysis.ablate import chosen_pairs
-from depthtools.analysis.causal import default_cuts
+from depthtools.analysis.causal import default_cuts, suffix_support
 from depthtools.analysis.contrib import block_map, jvp
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
 from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs
@@ -89,13 +93,26 @@ def _n_rules(model, args: dict[str, Any]) -> int:
     return len(rules) if rules else len(model.scheme.skip_rules)
 
 
-def _n_cuts(model, args: dict[str, Any], seq_len: int) -> int:
-    if not args.get("future", True):
-        return 0
-    if args.get("cuts") is not None:
-        return len(args["cuts"])
+def _routes_natively(model) -> bool:
+    """Whether `routing` reads the scheme's native depth routing through a forward (HC, mHC, AttnRes hook it;
+    DenseFormer's static weights are counted too, an over-count of L blocks); the normalisation family has
+    none, so routing runs nothing there unless the model has experts (measured: 0.1 of a planned 0.7
+    forwards at L = 12)."""
+    from depthtools.arch.scheme import ResidualScheme  # lazy: arch is heavy only on first use
 
-    return len(default_cuts(seq_len))
+    return type(model.scheme).depth_routing is not ResidualScheme.depth_routing
+
+
+def _cut_runs(model, args: dict[str, Any], seq_len: int) -> float:
+    """The future effect's runs per skipped block, in whole-sequence runs: one per cut, or with a suffix step
+    (`causal.suffix_support`) the largest cut whole and each other cut c its rows ≥ c, (T − c)/T of a run."""
+    if not args.get("future", True):
+        return 0.0
+    cuts = list(default_cuts(seq_len) if args.get("cuts") is None else args["cuts"])
+    if not cuts or suffix_support(model) is not None:
+        return float(len(cuts))
+    top = max(cuts)
+    return 1.0 + sum((seq_len - c) / seq_len for c in cuts if c != top)
 
 
 def _prune_per_rule(L: int, args: dict[str, Any], skip_measured: bool) -> tuple[int, int]:
@@ -134,15 +151,16 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
         rules = _n_rules(model, args)
         return rules * blocks, rules * heads, True
     if name == "causal":
-        cuts = _n_cuts(model, args, seq_len)
-        return L + sum((L - s - 1) * (1 + cuts) for s in range(L)), 0, False
+        runs = _cut_runs(model, args, seq_len)
+        return L + sum((L - s - 1) * (1 + runs) for s in range(L)), 0, False
     if name == "contrib":
         jac = L + FULL_JVP_BLOCKS * args.get("probes", 2) * L if args.get("jacobian", True) else 0
         return L + jac, 0, False
-    if name == "routing":  # + a mixture-of-experts model's skip runs: block s bypassed, s+1.. rerun
+    if name == "routing":  # a mixture-of-experts model's intact and skip runs; a forward for native routing
         bb = getattr(model, "backbone", None)
         moe = [l for l in range(L) if bb is not None and bb.is_moe(l)]
-        return L + sum(L - s - 1 for s in range(max(moe, default=0))), 0, False
+        experts = L + sum(L - s - 1 for s in range(max(moe))) if moe else 0
+        return experts + (L if _routes_natively(model) else 0), 0, False
     if name == "similarity":
         return L, 0, False
     if name == "lens_tuned":
@@ -254,7 +272,7 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
 
 @torch.no_grad()
 def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[str, Any],
-                       sample: int = 2) -> float:
+                       sample: int = 2, repeats: int = 2) -> float:
     """Seconds of similarity's statistics (angular distances, moments, token collapse, CKA; not its
     forward passes) on the whole token set, timed on `sample` sequences and scaled: all but CKA grow
     with the sequences; CKA with its minibatches of `cka_batch` rows, each costing ∝ rows² (its Gram
@@ -268,11 +286,16 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
     stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), (), args.get("seed", 0))
 
     def timed(variants) -> float:
+        """Best of `repeats` (the CKA part is a difference of two timings: one slow single timing on a busy
+        machine planned similarity at 7x the measured time)."""
         nonlocal stats
-        stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), variants, args.get("seed", 0))
-        t0 = time.perf_counter()
-        stats.add(states)
-        return time.perf_counter() - t0
+        best = math.inf
+        for _ in range(repeats):
+            stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), variants, args.get("seed", 0))
+            t0 = time.perf_counter()
+            stats.add(states)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     rest = timed(())
     t0 = time.perf_counter()  # once per run: each depth's spectrum, with and without its outlier dims
@@ -289,7 +312,30 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
     return rest * n_seqs / n_sample + chunk * chunks + spectra
 
 
-def jvp_blocks(model, tokens: torch.Tensor, batch_size: int) -> float | None:
+@torch.no_grad()
+def lens_depth_seconds(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float:
+    """Seconds of one logit-lens depth on one batch: `lens._lens_logprobs` and `lens._DepthSums.add` over the
+    batch's scored rows in the lens' chunks (the lens' own code, timed at depth 0; best of `repeats`). Its
+    metrics (probabilities, top-5, two KLs, an entropy, a rank count over V) cost more than the sweep's that
+    `time_parts` times with the head, so the lens is planned with this instead of h per depth."""
+    from depthtools.analysis.lens import FinalRows, _DepthSums, _lens_logprobs, _scored_rows  # lazy: lens imports sweep
+
+    inputs, targets = split_inputs(tokens[:batch_size])
+    targets, L, chunk = targets.flatten(), model.n_layer, 4096
+    states = model.run_states(inputs)
+    first, last = _scored_rows(model, [states[0], states[-1]], None)
+    finals = [FinalRows.of(_lens_logprobs(model, last[lo:lo + chunk], L, None)) for lo in range(0, len(targets), chunk)]
+    best = math.inf
+    for _ in range(repeats):
+        sums = _DepthSums(1)
+        t0 = time.perf_counter()
+        for i, lo in enumerate(range(0, len(targets), chunk)):
+            sums.add(0, _lens_logprobs(model, first[lo:lo + chunk], 0, None), finals[i], targets[lo:lo + chunk])
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def jvp_blocks(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float | None:
     """A Jacobian-vector product through block 0 on one batch, in block calls (timed; the plan's default
     FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path); None when the
     state is not one `contrib.block_map` handles (contrib then runs no JVP)."""
@@ -302,13 +348,15 @@ def jvp_blocks(model, tokens: torch.Tensor, batch_size: int) -> float | None:
     x, f = mapped
     v = torch.ones_like(x)
     jvp(model, f, x, v)  # warm-up: forward AD registers its decompositions on first use
-    t0 = time.perf_counter()
-    jvp(model, f, x, v)
-    t_jvp = time.perf_counter() - t0
-    with torch.no_grad():
+    t_jvp = t_block = math.inf
+    for _ in range(repeats):  # best of each, interleaved: one pair of single timings drifted 3x on a busy machine
         t0 = time.perf_counter()
-        model.block_step(0, states[0])
-        t_block = time.perf_counter() - t0
+        jvp(model, f, x, v)
+        t_jvp = min(t_jvp, time.perf_counter() - t0)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model.block_step(0, states[0])
+            t_block = min(t_block, time.perf_counter() - t0)
     return t_jvp / t_block if t_block > 0 else None
 
 
@@ -386,6 +434,10 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
         extra = 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * analyses["contrib"].get("probes", 2) * \
             model.n_layer * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
+    if "lens_logit" in analyses and t_block > 0:  # its per-depth metrics, timed: more than a head's
+        per_depth = lens_depth_seconds(model, tokens, batch_size)
+        extra = (per_depth - t_head) / t_block * (model.n_layer + 1) * math.ceil(n_seqs / batch_size)
+        costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "lens_logit" else c for c in costs]
     if shared_states and h is not None and states_fit(model, tokens):
         passes = {name: intact_passes(name, model, args, skip_measured, name == shared)
                   for name, args in analyses.items()}

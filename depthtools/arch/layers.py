@@ -18,6 +18,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch.backbone import HookedNorm, Norm, activation, backbone, banded_causal_mask, rotary_dim, softcap
 from depthtools.arch.rope import PLAIN, RopeScaling
 from depthtools.arch.torch_private import is_hooked, storage_unshared
+from depthtools.errors import DepthToolsError
 
 if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
     from depthtools.config import ModelConfig
@@ -244,6 +245,38 @@ class Attention(nn.Module):
             mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         pattern = self.hook_pattern(scores.masked_fill(~mask, float("-inf")).softmax(-1))
         return pattern @ v
+
+    def attend_rows(self, x: torch.Tensor, start: int, past, cos: torch.Tensor, sin: torch.Tensor):
+        """Attention output [B,S,d] of the rows at positions start..start+S-1 of a sequence, x [B,S,d] their
+        (normed) sublayer input, given `past` = (k, v) [B,start,Hkv,hd] of the rows before them (rotated; None
+        at start 0); returns (output, (k, v) of all start+S rows) so a later call can extend the sequence.
+
+        Why: the causal probe's future-effect runs share their first rows (`analysis.causal`), and attention
+        is the only part of a block that reads other rows, only through their keys and values. Exact: q, k, v
+        are per-row projections (biases, clip, QK-norm), RoPE rotates each row by its absolute position
+        (the tables of length start+S: a length-dependent RoPE gets the whole sequence's), and the rows
+        attend through `attend` itself over the whole length, the queries of rows < start zero (their
+        outputs are dropped): the same causal or sliding-window mask, soft-cap and kernel, so each row gets
+        what `forward` gives it, to the bit (the attention products of the zero rows are the only work
+        spent on them). Hook points are not called on whole tensors: callers use it on unhooked models."""
+        if (past is None) != (start == 0) or (past is not None and past[0].shape[1] != start):
+            raise DepthToolsError(f"attend_rows needs the keys and values of exactly the {start} earlier rows")
+        B, S, _ = x.shape
+        T = start + S
+        q = self._project(self.w_q, "q_norm", x, self.n_heads)
+        k = self._project(self.w_k, "k_norm", x, self.n_kv_heads)
+        v = self._project(self.w_v, "", x, self.n_kv_heads)
+        if self.rotary:
+            own = getattr(self, "rope_cos", None)
+            if own is not None:
+                cos, sin = own, self.rope_sin
+            elif self.length_rope is not None:
+                cos, sin = self.tables_for_length(T, q.device)
+            q, k = apply_rope(q, cos[start:T], sin[start:T]), apply_rope(k, cos[start:T], sin[start:T])
+        if past is not None:
+            k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
+            q = torch.cat((q.new_zeros(B, start, *q.shape[2:]), q), dim=1)
+        return self.out(self.attend(q, k, v)[:, start:]), (k, v)
 
     def out(self, z: torch.Tensor) -> torch.Tensor:
         return self.w_o(z.flatten(2))

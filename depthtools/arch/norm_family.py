@@ -221,6 +221,33 @@ class NormFamilyScheme(ResidualScheme):
         h = self._sublayer(h, "mlp", block.mlp, mlp_spec, block, home)
         return block.hook_resid_post(h)
 
+    def step_suffix(self, position, block, rows, home, rope, start: int, past):
+        """`step` on the rows at positions start..T-1 only: rows [B,T-start,d] of the block's input stream,
+        `past` the (k, v) of rows 0..start-1 at this block (None at start 0; from an earlier call's return);
+        returns (the block's output rows [B,T-start,d], (k, v) of rows 0..T-1).
+
+        The contract of a scheme's suffix step (`analysis.causal.suffix_support` looks for this method; a
+        scheme without it runs whole sequences): the result equals rows start.. of `step` on any stream whose
+        rows before `start` have keys and values `past`, and `geometry` is per row. Exact here because every
+        part of the family's step but attention is per token (norms, the LNS scale, gains, output norms, alpha,
+        post-norms, the parallel residual, the MLP or mixture of experts), and `Attention.attend_rows` gives
+        each row what attention gives it in the whole sequence. Hook points are passed over (identity when
+        unhooked; the caller refuses hooked models)."""
+        attn_spec, mlp_spec = self.specs[position]
+        caches = []
+
+        def attn(x):
+            y, kv = block.attn.attend_rows(x, start, past, *rope)
+            caches.append(kv)
+            return y
+
+        h = rows
+        if self.parallel:
+            a = self._branch(h, "attn", attn, attn_spec, block, home)
+            return h + (a + self._branch(h, "mlp", block.mlp, mlp_spec, block, home)), caches[0]
+        h = self._sublayer(h, "attn", attn, attn_spec, block, home)
+        return self._sublayer(h, "mlp", block.mlp, mlp_spec, block, home), caches[0]
+
     @property
     def parallel(self) -> bool:
         """Attention and MLP both read the block's input (the Pre-LN option `parallel`)."""
