@@ -156,10 +156,12 @@ def test_logit_lens_through_final_hidden_is_unchanged_where_a_readout_exists(arc
     import depthtools.analysis.lens as lens
 
     model, toks = tiny(arch).float(), windows()
-    new = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7)
+    # the full-vocabulary path on both sides: what is compared is the rows decoded (the chunked head's
+    # rounding against a float64 log-softmax is tests/test_headmetrics.py's)
+    new = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7, chunked_head=False)
     monkeypatch.setattr(lens, "_scored_rows", _old_scored_rows)
     monkeypatch.setattr(lens, "_lens_logprobs", _old_lens_logprobs)
-    old = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7)
+    old = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7, chunked_head=False)
     pd.testing.assert_frame_equal(new.depths, old.depths, check_exact=True)
     assert (new.prediction_depth == old.prediction_depth).all() and (new.token_loss == old.token_loss).all()
 

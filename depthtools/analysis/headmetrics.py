@@ -1,0 +1,236 @@
+"""The head fused with its metrics, over vocabulary chunks: no [rows, V] log-probs per depth or plan.
+
+A probe that decodes rows x [n, d] with the model's head (logits = softcap(unembed(x))) and keeps only
+per-row metrics — the lens at every depth, each sweep plan — needs no [n, V] log-probs. `row_metrics`
+computes the logits `chunk` vocabulary columns at a time (rows `ROW_TILE` at a time, so one logit block
+stays small enough to sit in cache) and keeps, per row, an online log-sum-exp and running sums:
+
+    lse        log Σ_v exp z_v                                  (running max m, Σ exp(z − m))
+    ce         lse − z_target
+    entropy    lse − Σ p z                                      (Σ exp(z − m)(z − m), rescaled as m moves)
+    kl_ref     KL(p_ref || p) = Σ p_ref log p_ref − Σ p_ref z + lse
+    kl_rev     KL(p || p_ref) = −entropy − Σ p log p_ref
+    top        the k largest logits' ids (running top-k merge; top-1 = argmax)
+    rank       1 + #{v : z_v > z_target}
+
+Precision: a chunk's logits are in the model's dtype and are widened to float32; sums within a chunk are
+float32 (BLAS dot products), across chunks and rows float64, and every combination above is float64.
+Against a float64 log-softmax reference the metrics agree to float32 rounding (tests/test_headmetrics.py).
+
+The target logit for `rank` is taken from the same GEMM shape as the chunk's (each row tile against its
+targets' weight rows); a row whose recomputed target logit is not bit-identical to the chunk's is
+re-ranked on a fresh full row, so the count is always `z > z_target` within one computation of z.
+
+The reference distribution (`Reference`: the intact model for a sweep, the final output for the lens) is
+computed once per batch as today, with a full float32 log-softmax; only the rows compared against it stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 8192  # vocabulary columns per logit block
+ROW_TILE = 256  # rows per logit block: a [256, 8192] float32 block is 8 MiB
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise Σ a·b of two [n, c] blocks (one BLAS pass, in the wider dtype), as float64 [n]."""
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return torch.bmm(a.to(dtype).unsqueeze(1), b.to(dtype).unsqueeze(2)).view(-1).double()
+
+
+def _widen(z: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 at least (a bfloat16/float16 model's are widened before any sum)."""
+    return z.to(torch.promote_types(z.dtype, torch.float32))
+
+
+@dataclass(frozen=True)
+class Head:
+    """The model's unembedding as the chunked head reads it: logits = softcap(x Wᵀ + b)."""
+
+    weight: torch.Tensor  # [V, d]
+    bias: torch.Tensor | None  # [V]
+    cap: float  # final soft-cap (0: off)
+
+    @classmethod
+    def of(cls, model) -> "Head":
+        """The head of a DepthModel (`model.hidden_logits`: softcap(unembed(x)))."""
+        unembed = model.unembed
+        return cls(unembed.weight, unembed.bias, float(getattr(model.backbone, "final_softcap", 0.0) or 0.0))
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    def logits(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """[n, hi−lo] logits (float32, or float64 for a float64 model) of rows x [n, d], ids lo..hi−1."""
+        bias = None if self.bias is None else self.bias[lo:hi]
+        return _widen(self._cap(F.linear(x, self.weight[lo:hi], bias)))
+
+    def target_logits(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[n] logit of each row's target, computed as a [n, n] GEMM like a chunk's (its diagonal)."""
+        bias = None if self.bias is None else self.bias[targets]
+        return _widen(self._cap(F.linear(x, self.weight[targets], bias))).diagonal()
+
+    def ref_logit_mean(self, x: torch.Tensor, ref: "Reference") -> torch.Tensor:
+        """[n] float64 Σ_v p_ref,v z_v for uncapped logits z = x Wᵀ + b, as x · (p_ref W) + p_ref · b:
+        a [n, V] × [V, d] product instead of a pass over every chunk (float64 from float32 products)."""
+        u = ref.p_weight if ref.p_weight is not None else ref.p @ self.weight.to(ref.p.dtype)
+        x = x.to(u.dtype) if x.dtype != u.dtype else x
+        out = (x.double() * u.double()).sum(1)
+        return out if self.bias is None else out + (ref.p.double() @ self.bias.double())
+
+    def _cap(self, z: torch.Tensor) -> torch.Tensor:
+        return z if not self.cap else torch.tanh(z / self.cap) * self.cap
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The distribution the rows are compared with, on the same rows: float32 log-probs, their
+    probabilities, Σ p log p (float64) and the top-k ids (computed once per batch, a full log-softmax)."""
+
+    logp: torch.Tensor  # [n, V] float32
+    p: torch.Tensor  # [n, V]
+    plogp: torch.Tensor  # [n] float64: Σ_v p_v log p_v
+    top: torch.Tensor  # [n, k]
+    p_weight: torch.Tensor | None = None  # [n, d] p Wᵀ... = Σ_v p_v W_v, for `Head.ref_logit_mean`
+
+    @classmethod
+    def of(cls, logp: torch.Tensor, k: int = 1, head: Head | None = None, p: torch.Tensor | None = None,
+           top: torch.Tensor | None = None) -> "Reference":
+        """The reference of float32 log-probs [n, V] (p = exp(logp) and its top ids when already computed);
+        with `head`, also Σ_v p_v W_v (once, shared by every depth or plan compared against it)."""
+        p = logp.exp() if p is None else p
+        plogp = _dot(p, logp)
+        if top is None:
+            top = logp.topk(min(k, logp.shape[-1]), dim=-1).indices if k > 1 else logp.argmax(-1, keepdim=True)
+        p_weight = None if head is None or head.cap else p @ head.weight.to(p.dtype)
+        return cls(logp, p, plogp, top, p_weight)
+
+    def rows(self, sl: slice) -> "Reference":
+        return Reference(self.logp[sl], self.p[sl], self.plogp[sl], self.top[sl],
+                         None if self.p_weight is None else self.p_weight[sl])
+
+
+@dataclass(frozen=True)
+class RowMetrics:
+    """Per-row metrics of a head evaluation (float64 unless noted; see the module docstring)."""
+
+    lse: torch.Tensor
+    ce: torch.Tensor
+    entropy: torch.Tensor
+    kl_ref: torch.Tensor | None  # KL(p_ref || p), with a reference
+    kl_rev: torch.Tensor | None  # KL(p || p_ref), with a reference and reverse=True
+    top: torch.Tensor  # [n, k] int64 ids, largest first
+    rank: torch.Tensor | None  # [n] int64 (1 = top), with rank=True
+
+    @staticmethod
+    def cat(parts: list["RowMetrics"]) -> "RowMetrics":
+        def join(name):
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+        return RowMetrics(*(join(name) for name in RowMetrics.__dataclass_fields__))
+
+
+BLOCK = 128  # columns per block maximum: the top-k candidates are in the k blocks with the largest maxima
+
+
+def _chunk_top(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of the k largest logits of each row of z [n, c], largest first: through the
+    block maxima (one cheap pass) and a top-k over the k best blocks' columns (exact: each of the k
+    largest values lies in a block whose maximum is at least it)."""
+    n, c = z.shape
+    if c % BLOCK or c // BLOCK <= k:
+        return z.topk(k, dim=1)
+    blocks = z.view(n, c // BLOCK, BLOCK)
+    best = blocks.amax(2).topk(k, dim=1).indices.sort(dim=1).values  # [n, k] block ids, in column order
+    cand = blocks.gather(1, best.unsqueeze(2).expand(n, k, BLOCK)).reshape(n, k * BLOCK)
+    cols = (best.unsqueeze(2) * BLOCK + torch.arange(BLOCK, device=z.device)).reshape(n, k * BLOCK)
+    v, i = cand.topk(k, dim=1)
+    return v, cols.gather(1, i)
+
+
+class _Online:
+    """The per-row partial results of one row tile over the vocabulary chunks (combined in `finish`)."""
+
+    def __init__(self, n: int, k: int, device, ref: "Reference | None", reverse: bool, linear_ref: bool):
+        self.k, self.ref, self.reverse, self.linear_ref = k, ref, reverse, linear_ref
+        self.lse, self.pz, self.plf = [], [], []  # per chunk: lse_c, Σ q z, Σ q log p_ref (q: the chunk softmax)
+        self.refz = torch.zeros(n, dtype=torch.float64, device=device)  # Σ p_ref z (per chunk, if not linear)
+        self.top_v = torch.full((n, k), -torch.inf, dtype=torch.float32, device=device)
+        self.top_i = torch.zeros((n, k), dtype=torch.long, device=device)
+        self.target = torch.zeros(n, dtype=torch.float64, device=device)
+        self.above = torch.zeros(n, dtype=torch.float32, device=device)
+
+    def add(self, z: torch.Tensor, lo: int, targets: torch.Tensor, est: torch.Tensor | None) -> None:
+        """Fold in one logit block z [n, c] (float32) of vocabulary ids lo..lo+c−1."""
+        hi = lo + z.shape[1]
+        v, i = _chunk_top(z, self.k)
+        lp = F.log_softmax(z, dim=1)  # the chunk's own log-softmax: one fused pass
+        lse_c = v[:, 0].double() - lp.gather(1, i[:, :1]).squeeze(1).double()
+        q = lp.exp()
+        self.lse.append(lse_c)
+        self.pz.append(lse_c + _dot(q, lp))  # Σ q z = Σ q (log q + lse_c)
+        if self.reverse:
+            self.plf.append(_dot(q, self.ref.logp[:, lo:hi]))
+        if self.ref is not None and not self.linear_ref:
+            self.refz += _dot(self.ref.p[:, lo:hi], z)
+        del lp, q
+        vals, pos = torch.cat([self.top_v, v], 1).topk(self.k, dim=1)  # earlier chunks first
+        self.top_v, self.top_i = vals, torch.cat([self.top_i, i + lo], 1).gather(1, pos)
+        inside = ((targets >= lo) & (targets < hi)).nonzero().squeeze(1)
+        if inside.numel():
+            self.target[inside] = z[inside, targets[inside] - lo].double()
+        if est is not None:  # count z > est: sign(z − est) clamped at 0, summed (float: exact up to 2^24)
+            self.above += torch.sub(z, est.unsqueeze(1)).sign_().clamp_(min=0).sum(1)
+
+    def finish(self, refz: torch.Tensor | None) -> tuple:
+        """(lse, Σ p z, Σ p log p_ref or None, Σ p_ref z or None) of whole rows, float64."""
+        lse_c = torch.stack(self.lse, 1)  # [n, chunks]
+        lse = torch.logsumexp(lse_c, 1)
+        w = (lse_c - lse.unsqueeze(1)).exp()  # each chunk's share of the probability
+        pz = (w * torch.stack(self.pz, 1)).sum(1)
+        plf = (w * torch.stack(self.plf, 1)).sum(1) if self.reverse else None
+        if self.ref is None:
+            return lse, pz, plf, None
+        return lse, pz, plf, refz if self.linear_ref else self.refz
+
+
+def _tile_metrics(head: Head, x: torch.Tensor, targets: torch.Tensor, ref: Reference | None, k: int,
+                  rank: bool, reverse: bool, chunk: int) -> RowMetrics:
+    """`row_metrics` on one row tile."""
+    linear_ref = ref is not None and not head.cap  # Σ_v p_ref,v z_v = x · (p_ref W) + p_ref · b
+    state = _Online(x.shape[0], min(k, head.vocab), x.device, ref, reverse and ref is not None, linear_ref)
+    est = head.target_logits(x, targets) if rank else None
+    for lo in range(0, head.vocab, chunk):
+        state.add(head.logits(x, lo, min(lo + chunk, head.vocab)), lo, targets, est)
+    refz = head.ref_logit_mean(x, ref) if linear_ref else None
+    lse, pz, plf, refz = state.finish(refz)
+    entropy = lse - pz
+    kl_ref = None if ref is None else ref.plogp - refz + lse
+    kl_rev = None if plf is None else -entropy - plf
+    ranks = None
+    if rank:
+        ranks = state.above.long() + 1
+        for row in (state.target != est.double()).nonzero().squeeze(1).tolist():  # a GEMM that rounded otherwise
+            z = torch.cat([head.logits(x[row:row + 1], lo, min(lo + chunk, head.vocab))
+                           for lo in range(0, head.vocab, chunk)], 1)[0]
+            ranks[row] = (z > z[targets[row]]).sum() + 1
+    return RowMetrics(lse, lse - state.target.double(), entropy, kl_ref, kl_rev, state.top_i, ranks)
+
+
+@torch.no_grad()
+def row_metrics(head: Head, x: torch.Tensor, targets: torch.Tensor, ref: Reference | None = None, k: int = 1,
+                rank: bool = False, reverse: bool = False, chunk: int = CHUNK) -> RowMetrics:
+    """Per-row metrics of the head on rows x [n, d] with targets [n] (see the module docstring), computed
+    over vocabulary chunks of `chunk` columns and row tiles of ROW_TILE rows: never an [n, V] block.
+    `ref` (on the same rows) adds kl_ref (and kl_rev with reverse=True); k top ids; rank=True the rank."""
+    parts = []
+    for lo in range(0, x.shape[0], ROW_TILE):
+        sl = slice(lo, lo + ROW_TILE)
+        parts.append(_tile_metrics(head, x[sl], targets[sl], None if ref is None else ref.rows(sl), k, rank,
+                                   reverse, chunk))
+    return RowMetrics.cat(parts)
