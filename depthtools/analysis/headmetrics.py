@@ -164,7 +164,8 @@ class _Online:
         self.top_v = torch.full((n, k), -torch.inf, dtype=torch.float32, device=device)
         self.top_i = torch.zeros((n, k), dtype=torch.long, device=device)
         self.target = torch.zeros(n, dtype=torch.float64, device=device)
-        self.above = torch.zeros(n, dtype=torch.float32, device=device)
+        self.above = torch.zeros(n, dtype=torch.long, device=device)
+        self.gap = torch.full((n,), torch.inf, dtype=torch.float64, device=device)
 
     def add(self, z: torch.Tensor, lo: int, targets: torch.Tensor, est: torch.Tensor | None) -> None:
         """Fold in one logit block z [n, c] (float32) of vocabulary ids lo..lo+c−1."""
@@ -186,8 +187,12 @@ class _Online:
         inside = ((targets >= lo) & (targets < hi)).nonzero().squeeze(1)
         if inside.numel():
             self.target[inside] = z[inside, targets[inside] - lo].double()
-        if est is not None:  # count z > est: sign(z − est) clamped at 0, summed (float: exact up to 2^24)
-            self.above += torch.sub(z, est.unsqueeze(1)).sign_().clamp_(min=0).sum(1)
+        if est is not None:  # count z > z_target, and the smallest |z − z_target| of another id (`_tie_rows`)
+            d = torch.sub(z, est.unsqueeze(1))
+            self.above += (d > 0).sum(1)
+            if inside.numel():
+                d[inside, targets[inside] - lo] = torch.inf
+            self.gap = torch.minimum(self.gap, d.abs_().amin(1).double())
 
     def finish(self, refz: torch.Tensor | None) -> tuple:
         """(lse, Σ p z, Σ p log p_ref or None, Σ p_ref z or None) of whole rows, float64."""
@@ -199,6 +204,32 @@ class _Online:
         if self.ref is None:
             return lse, pz, plf, None
         return lse, pz, plf, refz if self.linear_ref else self.refz
+
+
+MIN_GEMM_ROWS = 16  # fewer rows take another BLAS path, whose logits can round otherwise
+
+
+def _tie_rows(state: "_Online", est: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Rows whose rank a full float32 log-softmax could count otherwise: another logit within a few float32
+    ulps of log-prob of the target's (there lp = z − max − log Σ rounds two logits to one value, so
+    `lp > lp_target` — the definition every saved rank used — does not count it), or a target logit that
+    a [n, n] GEMM rounded differently from the chunk's."""
+    eps = torch.finfo(torch.float32).eps
+    m = state.top_v[:, 0].double()
+    scale = (state.target - m).abs() + (lse - m).abs() + (lse - state.target).abs()
+    close = state.gap <= 8 * eps * scale + 1e-30
+    return (close | (state.target != est.double())).nonzero().squeeze(1)
+
+
+def _full_ranks(head: Head, x: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+    """1 + #{v : lp_v > lp_target} from a full float32 log-softmax of `rows` (a few; padded to MIN_GEMM_ROWS
+    rows of the tile so their logits are the ones a whole-batch head computes, bit for bit)."""
+    pad = [r for r in range(x.shape[0]) if r not in set(rows.tolist())][:max(0, MIN_GEMM_ROWS - rows.numel())]
+    take = torch.cat([rows, torch.tensor(pad, dtype=rows.dtype, device=rows.device)])
+    z = torch.cat([head.logits(x[take], lo, min(lo + chunk, head.vocab)) for lo in range(0, head.vocab, chunk)], 1)
+    lp = F.log_softmax(z[:rows.numel()], dim=-1)
+    target_lp = lp.gather(1, targets[rows].unsqueeze(1))
+    return (lp > target_lp).sum(1) + 1
 
 
 def _tile_metrics(head: Head, x: torch.Tensor, targets: torch.Tensor, ref: Reference | None, k: int,
@@ -216,11 +247,10 @@ def _tile_metrics(head: Head, x: torch.Tensor, targets: torch.Tensor, ref: Refer
     kl_rev = None if plf is None else -entropy - plf
     ranks = None
     if rank:
-        ranks = state.above.long() + 1
-        for row in (state.target != est.double()).nonzero().squeeze(1).tolist():  # a GEMM that rounded otherwise
-            z = torch.cat([head.logits(x[row:row + 1], lo, min(lo + chunk, head.vocab))
-                           for lo in range(0, head.vocab, chunk)], 1)[0]
-            ranks[row] = (z > z[targets[row]]).sum() + 1
+        ranks = state.above + 1
+        redo = _tie_rows(state, est, lse)
+        if redo.numel():
+            ranks[redo] = _full_ranks(head, x, targets, redo, chunk)
     return RowMetrics(lse, lse - state.target.double(), entropy, kl_ref, kl_rev, state.top_i, ranks)
 
 
