@@ -203,18 +203,24 @@ def run_lens_cost(args) -> None:
     print(f"  plain forward {t_fwd:.2f} s (the unit)", flush=True)
     lens, sweeps = {}, {}
     plans = [Plan.skipping(l) for l in range(L)]
-    for label, chunked in (("before (full-vocab)", False), ("after (chunked head)", True)):
+    labels = (("before (full-vocab)", False), ("after (chunked head)", True))
+    for label, chunked in labels:
         t0 = time.perf_counter()
         lens[label] = lens_analysis(model, tokens, batch_size=args.batch, chunked_head=chunked).depths
         t_lens = time.perf_counter() - t0
+        print(f"  {label:<22} lens {t_lens:7.2f} s = {t_lens / t_fwd:5.1f} forward equivalents (target <= 8)",
+              flush=True)
+    old, new = (lens[k] for k in lens)
+    print("  lens max |after − before| per metric (mean over tokens, any depth): "
+          + ", ".join(f"{m} {float((old[m] - new[m]).abs().max()):.1e}" for m in LENS_METRICS), flush=True)
+    if args.no_sweep:
+        return
+    for label, chunked in labels:
         t0 = time.perf_counter()
         sweeps[label] = sweep(model, tokens, plans, batch_size=args.batch, chunked_head=chunked)
         t_sweep = time.perf_counter() - t0
-        print(f"  {label:<22} lens {t_lens:7.2f} s = {t_lens / t_fwd:5.1f} forward equivalents (target <= 8); "
-              f"skip sweep ({L} plans) {t_sweep:7.2f} s = {t_sweep / t_fwd:5.1f}", flush=True)
-    old, new = (lens[k] for k in lens)
-    print("  lens max |after − before| per metric (mean over tokens, any depth): "
-          + ", ".join(f"{m} {float((old[m] - new[m]).abs().max()):.1e}" for m in LENS_METRICS))
+        print(f"  {label:<22} skip sweep ({L} plans) {t_sweep:7.2f} s = {t_sweep / t_fwd:5.1f} forward equivalents",
+              flush=True)
     a, b = (sweeps[k] for k in sweeps)
     worst = {m: max(abs(getattr(x, m) - getattr(y, m)) for x, y in zip(a.plans, b.plans))
              for m in ("ce", "kl", "top1_agree", "top1_acc")}
@@ -229,6 +235,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--suite", action="store_true", help="time the whole default suite per probe")
+    parser.add_argument("--no-sweep", action="store_true", help="--lens-cost: the lens only")
     parser.add_argument("--lens-cost", action="store_true", help="the lens and skip sweep before/after the "
                         "vocabulary-chunked head, in forward equivalents, with each metric's largest difference")
     parser.add_argument("--layers", type=int, default=None, help="--suite: layers (default 30)")
