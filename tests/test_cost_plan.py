@@ -46,13 +46,30 @@ class Counter:
         return self.head_rows / self.rows
 
 
+from depthtools.analysis.headmetrics import Head  # noqa: E402
+
+
 def run_counted(name, model, tokens, bs, **options):
     from depthtools.analysis import suite
 
     args = analysis_args(name, batch_size=bs, **options)
     scored = tokens.shape[1] - 2 if name.startswith("lens") else tokens.shape[1] - 1  # the lens reads scored rows
     counter = Counter(model, bs * scored)
-    suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args)
+    logits = Head.logits
+
+    # the vocabulary-chunked head decodes the scored rows only (T − 1 of a sweep plan's T), a chunk being
+    # (hi − lo) / V of a head row: counted as the full-width head evaluation it stands for
+    per_row = 1.0 if name.startswith("lens") else (tokens.shape[1] - 1) / (tokens.shape[1] - 2)
+
+    def count_chunk(head, x, lo, hi):
+        counter.head_rows += x.shape[0] * (hi - lo) / head.vocab * per_row
+        return logits(head, x, lo, hi)
+
+    Head.logits = count_chunk
+    try:
+        suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args)
+    finally:
+        Head.logits = logits
     return counter, analysis_cost(name, model, args, tokens.shape[0], tokens.shape[1] - 1, bs)
 
 

@@ -214,7 +214,7 @@ def _tie_rows(state: "_Online", est: torch.Tensor, lse: torch.Tensor) -> torch.T
     ulps of log-prob of the target's (there lp = z − max − log Σ rounds two logits to one value, so
     `lp > lp_target` — the definition every saved rank used — does not count it), or a target logit that
     a [n, n] GEMM rounded differently from the chunk's."""
-    eps = torch.finfo(torch.float32).eps
+    eps = torch.finfo(state.top_v.dtype).eps  # of the logits: float32 (widened low precision) or float64
     m = state.top_v[:, 0].double()
     scale = (state.target - m).abs() + (lse - m).abs() + (lse - state.target).abs()
     close = state.gap <= 8 * eps * scale + 1e-30
