@@ -33,7 +33,21 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 8192  # vocabulary columns per logit block
+# A probe's head path by default: full [rows, V] float32 log-probs while one such block is at most this many
+# bytes (fewer, longer passes: faster on CPU, benchmarks/RESULTS.md issue 45), the chunked head above it.
+FULL_HEAD_BYTES = 2**29
 ROW_TILE = 256  # rows per logit block: a [256, 8192] float32 block is 8 MiB
+
+
+def chunked_head(model, rows: int, choice: bool | None = None) -> "Head | None":
+    """The head a probe decodes `rows` rows at a time with: the chunked `Head` (choice True; None: when a
+    float32 [rows, V] block would exceed FULL_HEAD_BYTES), or None for the full log-softmax (choice False,
+    or a model without an nn.Linear unembedding)."""
+    if choice is False or not isinstance(getattr(model, "unembed", None), torch.nn.Linear):
+        return None
+    if choice is None and rows * model.unembed.weight.shape[0] * 4 <= FULL_HEAD_BYTES:
+        return None
+    return Head.of(model)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -88,6 +102,15 @@ class Head:
         return z if not self.cap else torch.tanh(z / self.cap) * self.cap
 
 
+def _plogp(p: torch.Tensor, logp: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """[n] float64 Σ_v p_v log p_v, in float64 (KL = Σ p log p − Σ p z + lse cancels down to the KL), over
+    vocabulary chunks so no float64 [n, V] copy is made."""
+    out = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+    for lo in range(0, p.shape[1], chunk):
+        out += (p[:, lo:lo + chunk].double() * logp[:, lo:lo + chunk].double()).sum(1)
+    return out
+
+
 @dataclass(frozen=True)
 class Reference:
     """The distribution the rows are compared with, on the same rows: float32 log-probs, their
@@ -105,7 +128,7 @@ class Reference:
         """The reference of float32 log-probs [n, V] (p = exp(logp) and its top ids when already computed);
         with `head`, also Σ_v p_v W_v (once, shared by every depth or plan compared against it)."""
         p = logp.exp() if p is None else p
-        plogp = (p.double() * logp.double()).sum(-1)  # float64: KL = Σ p log p − Σ p z + lse cancels to ~KL
+        plogp = _plogp(p, logp)
         if top is None:
             top = logp.topk(min(k, logp.shape[-1]), dim=-1).indices if k > 1 else logp.argmax(-1, keepdim=True)
         p_weight = None if head is None or head.cap else p @ head.weight.to(p.dtype)
@@ -256,10 +279,12 @@ def _tile_metrics(head: Head, x: torch.Tensor, targets: torch.Tensor, ref: Refer
 
 @torch.no_grad()
 def row_metrics(head: Head, x: torch.Tensor, targets: torch.Tensor, ref: Reference | None = None, k: int = 1,
-                rank: bool = False, reverse: bool = False, chunk: int = CHUNK) -> RowMetrics:
+                rank: bool = False, reverse: bool = False, chunk: int | None = None) -> RowMetrics:
     """Per-row metrics of the head on rows x [n, d] with targets [n] (see the module docstring), computed
     over vocabulary chunks of `chunk` columns and row tiles of ROW_TILE rows: never an [n, V] block.
-    `ref` (on the same rows) adds kl_ref (and kl_rev with reverse=True); k top ids; rank=True the rank."""
+    `ref` (on the same rows) adds kl_ref (and kl_rev with reverse=True); k top ids; rank=True the rank.
+    chunk: vocabulary columns per block (default CHUNK, read at the call)."""
+    chunk = CHUNK if chunk is None else chunk
     parts = []
     for lo in range(0, x.shape[0], ROW_TILE):
         sl = slice(lo, lo + ROW_TILE)

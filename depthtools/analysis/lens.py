@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from depthtools.analysis.headmetrics import Head, Reference, RowMetrics, row_metrics
+from depthtools.analysis.headmetrics import Head, Reference, RowMetrics, chunked_head as chunked_head_for, row_metrics
 from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tables import ANALYSIS_DIR, model_columns, normalise_settings
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
@@ -171,11 +171,6 @@ class _DepthSums:
         return m.top[:, 0]
 
 
-def _chunked_head(model) -> Head | None:
-    """The model's head for `headmetrics.row_metrics` (None: decode through `model.hidden_logits`)."""
-    return Head.of(model) if isinstance(getattr(model, "unembed", None), nn.Linear) else None
-
-
 def _depth_rows(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
     """What the unembedding reads at `depth`: the logit lens' final-hidden rows as they are, the tuned
     lens' readouts through the translator and ln_final."""
@@ -211,11 +206,11 @@ def lens_analysis(
     batch_size: int = 8,
     chunk_tokens: int = 4096,
     progress: Callable[[float], None] | None = None,
-    chunked_head: bool = True,
+    chunked_head: bool | None = None,
 ) -> LensResult:
     """Logit lens (translators=None) or tuned lens at every depth 0..L on a token set [N, T+1].
-    Depths 0..L−1 go through the vocabulary-chunked head (`headmetrics`; chunked_head=False: full
-    [rows, V] log-probs per depth, the reference path benchmarks compare with)."""
+    chunked_head: depths 0..L−1 through the vocabulary-chunked head (`headmetrics`: True), or full [rows, V]
+    log-probs per depth (False); None: the full path while its block fits `headmetrics.FULL_HEAD_BYTES`."""
     tokens = check_tokens(model, tokens)
     if translators is not None:
         check_tuned_lens(model)
@@ -224,7 +219,7 @@ def lens_analysis(
     model.eval()
     L = model.n_layer
     sums, top1_all, loss_all = _DepthSums(L + 1), [], []
-    head = _chunked_head(model) if chunked_head else None
+    head = chunked_head_for(model, min(chunk_tokens, batch_size * max(tokens.shape[1] - 2, 1)), chunked_head)
     n_batches = -(-tokens.shape[0] // batch_size)
     for batch in batches(tokens, batch_size):
         inputs, targets = split_inputs(batch)

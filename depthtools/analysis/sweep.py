@@ -28,7 +28,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from depthtools.analysis.headmetrics import Head, Reference as HeadReference, RowMetrics, row_metrics
+from depthtools.analysis.headmetrics import (
+    Head,
+    Reference as HeadReference,
+    RowMetrics,
+    chunked_head as chunked_head_for,
+    row_metrics,
+)
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
 from depthtools.arch.model import Plan
 
@@ -221,11 +227,6 @@ def scored_rows(model, state) -> torch.Tensor:
     return model.scheme.final_hidden(state, model.ln_final)[:, FIRST_SCORED:].flatten(0, 1)
 
 
-def _chunked_head(model) -> Head | None:
-    """The head for the chunked metrics (None: a model without an nn.Linear unembedding: full log-softmax)."""
-    return Head.of(model) if isinstance(getattr(model, "unembed", None), torch.nn.Linear) else None
-
-
 def _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, tick) -> None:
     """Accumulate every plan's metrics on one batch. refs: (the intact `Reference`, its `headmetrics.Reference`
     or None for the full log-softmax per plan). A plan that changes nothing is the intact model: its sums
@@ -255,19 +256,22 @@ def sweep(
     batch_size: int = 8,
     reuse_prefix: bool = True,
     progress: Callable[[float], None] | None = None,
-    chunked_head: bool = True,
+    chunked_head: bool | None = None,
 ) -> SweepResult:
     """Evaluate every plan on the token set [N, T+1]; returns intact and per-plan `PlanStats`.
 
-    Each plan's rows are decoded by the vocabulary-chunked head (`headmetrics.row_metrics`; chunked_head=False:
-    a full [rows, V] log-softmax per plan, the path benchmarks compare with).
+    chunked_head: each changed plan's rows decoded by the vocabulary-chunked head (`headmetrics.row_metrics`:
+    True) or a full [rows, V] log-softmax per plan (False); None: the full path while its block fits
+    `headmetrics.FULL_HEAD_BYTES`.
 
     `progress(advance)` is called after each plan on each batch with the fraction of one plan done
     (1 / number of batches), so a progress bar over plans reaches len(plans).
     """
     tokens = check_tokens(model, tokens)
     shared = _SHARED.get()
-    key = _sweep_key(model, tokens, plans, batch_size) if shared is not None and reuse_prefix and chunked_head else None
+    head = chunked_head_for(model, batch_size * max(tokens.shape[1] - 2, 1), chunked_head)
+    key = _sweep_key(model, tokens, plans, batch_size) if shared is not None and reuse_prefix else None
+    key = None if key is None else (*key, head is not None)
     if key is not None and key in shared:
         if progress is not None:
             progress(float(len(plans)))
@@ -275,7 +279,6 @@ def sweep(
     model.eval()
     n_batches = -(-tokens.shape[0] // batch_size)
     intact, sums = _Sums(), [_Sums() for _ in plans]
-    head = _chunked_head(model) if chunked_head else None
 
     def tick() -> None:
         if progress is not None:
