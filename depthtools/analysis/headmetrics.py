@@ -27,6 +27,7 @@ computed once per batch as today, with a full float32 log-softmax; only the rows
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,8 @@ import torch.nn.functional as F
 CHUNK = 8192  # vocabulary columns per logit block
 # A probe's head path by default: full [rows, V] float32 log-probs while one such block is at most this many
 # bytes (fewer, longer passes: faster on CPU, benchmarks/RESULTS.md issue 45), the chunked head above it.
-FULL_HEAD_BYTES = 2**29
+# DEPTHTOOLS_FULL_HEAD_BYTES overrides it (0: always chunked; the same-run benchmarks use it).
+FULL_HEAD_BYTES = int(os.environ.get("DEPTHTOOLS_FULL_HEAD_BYTES", 2**29))
 ROW_TILE = 256  # rows per logit block: a [256, 8192] float32 block is 8 MiB
 
 
