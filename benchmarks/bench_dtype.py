@@ -38,7 +38,9 @@ SHAPES = {
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rms_norm_eps=1e-5,
                rope_theta=500000.0, tie_word_embeddings=True, hidden_act="silu"),
 }
-STORED = {"smollm": torch.float32, "1b": torch.bfloat16}
+SHAPES["tiny"] = dict(SHAPES["smollm"], vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2)  # a quick check of the script itself
+STORED = {"smollm": torch.float32, "1b": torch.bfloat16, "tiny": torch.float32}
 CHEAP = dict(swap_pairs_max=4, max_prune_steps=4, probes=1)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -75,46 +77,55 @@ def run_all(ckpt: Path, dtype: str, names: list[str], seqs: int, seq_len: int) -
     return tables
 
 
-def column_diffs(ref: pd.DataFrame, other: pd.DataFrame) -> dict[str, tuple[float, float]]:
-    """Per numeric column: (max |other − ref| over rows, NaN where either is NaN skipped; max |ref|)."""
+SKIP = {"n_layer", "n_tokens", "layer", "layer2", "layer_j", "depth", "n_removed", "seed", "d_model", "rel_depth",
+        "rel_depth_j", "token", "seq", "n_pairs_total"}
+
+
+def _keys(df: pd.DataFrame) -> list[str]:
+    """The columns that identify a row: text columns and the integer positions (layer, depth, token, ...)."""
+    return [c for c in df.columns if not pd.api.types.is_float_dtype(df[c]) and c not in ("value",)]
+
+
+def diffs(ref: pd.DataFrame, other: pd.DataFrame) -> dict[str, tuple[float, float, float]]:
+    """Per metric — a numeric column, or a long table's `metric` value — (max |other − ref| over the rows
+    matched on their key columns, the same for a third table filled in later, max |ref|); NaNs skipped."""
+    keys = _keys(ref)
+    both = ref.merge(other, on=keys, how="inner", suffixes=("", "_low"))
     out = {}
-    for column in ref.columns:
-        a = ref[column]
-        if column not in other or not pd.api.types.is_numeric_dtype(a) or pd.api.types.is_bool_dtype(a):
-            continue
-        x, y = a.astype("float64").to_numpy(), other[column].astype("float64").to_numpy()
-        if len(x) != len(y):
-            out[column] = (float("inf"), float("nan"))
-            continue
-        ok = ~(np.isnan(x) | np.isnan(y))
-        if not ok.any():
-            continue
-        out[column] = (float(np.abs(x[ok] - y[ok]).max()), float(np.abs(x[ok]).max()))
+    groups = both.groupby("metric") if "metric" in both.columns and "value" in both.columns else [(None, both)]
+    for metric, rows in groups:
+        for column in ([("value")] if metric is not None else [c for c in ref.columns if c not in keys]):
+            if column in SKIP or f"{column}_low" not in rows or not pd.api.types.is_numeric_dtype(rows[column]):
+                continue
+            x, y = rows[column].astype("float64").to_numpy(), rows[f"{column}_low"].astype("float64").to_numpy()
+            ok = ~(np.isnan(x) | np.isnan(y))
+            if ok.any():
+                name = column if metric is None else str(metric)
+                out[name] = (float(np.abs(x[ok] - y[ok]).max()), float(np.abs(x[ok]).max()))
     return out
 
 
 def report(shape: str, runs: dict[str, dict[str, pd.DataFrame]]) -> None:
-    print(f"{shape}: max |low − float32| per saved table and column (|float32| max for scale)")
-    print(f"  {'table.column':<44} {'bfloat16':>10} {'float16':>10} {'|f32| max':>10}")
+    print(f"{shape}: max |low − float32| per saved table and metric (|float32| max for scale)")
+    print(f"  {'table.metric':<48} {'bfloat16':>10} {'float16':>10} {'|f32| max':>10}")
     for table, ref in runs["float32"].items():
-        bf, fp = (column_diffs(ref, runs[d].get(table, ref.iloc[0:0])) for d in ("bfloat16", "float16"))
-        for column, (d_bf, scale) in bf.items():
-            if column in ("n_layer", "n_tokens", "layer", "layer2", "depth", "n_removed", "seed"):
-                continue
-            d_fp = fp.get(column, (float("nan"),))[0]
-            print(f"  {table + '.' + column:<44} {d_bf:10.2e} {d_fp:10.2e} {scale:10.3g}")
+        bf = diffs(ref, runs["bfloat16"].get(table, ref.iloc[0:0]))
+        fp = diffs(ref, runs["float16"].get(table, ref.iloc[0:0]))
+        for metric, (d_bf, scale) in bf.items():
+            d_fp = fp.get(metric, (float("nan"),))[0]
+            print(f"  {table + '.' + metric:<48} {d_bf:10.2e} {d_fp:10.2e} {scale:10.3g}")
 
 
 def main() -> None:
     from depthtools.analysis import suite
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=["smollm", "1b", "both"], default="both")
+    parser.add_argument("--shape", choices=["smollm", "1b", "tiny", "both"], default="both")
     parser.add_argument("--seqs", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seqs-1b", type=int, default=1, help="sequences for the 1B shape (fewer: time)")
     parser.add_argument("--probes", default=None, help="comma-separated analyses (default: the suite)")
-    parser.add_argument("--probes-1b", default="similarity,contrib,sequence_profile,lens_logit,ablate_skip",
+    parser.add_argument("--probes-1b", default="lens_logit,ablate_skip",
                         help="analyses on the 1B shape (default: the cheaper ones)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -122,8 +133,8 @@ def main() -> None:
     shapes = ["smollm", "1b"] if args.shape == "both" else [args.shape]
     print(f"{args.threads} thread(s), CPU, load average {os.getloadavg()[0]:.1f}; cheap settings {CHEAP}", flush=True)
     for shape in shapes:
-        names = (args.probes or ",".join(suite.SUITE)) if shape == "smollm" else (args.probes or args.probes_1b)
-        seqs = args.seqs if shape == "smollm" else args.seqs_1b
+        names = (args.probes or args.probes_1b) if shape == "1b" else (args.probes or ",".join(suite.SUITE))
+        seqs = args.seqs_1b if shape == "1b" else args.seqs
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             ckpt = build(Path(tmp), shape, args.seq_len)
