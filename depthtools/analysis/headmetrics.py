@@ -2,27 +2,32 @@
 
 A probe that decodes rows x [n, d] with the model's head (logits = softcap(unembed(x))) and keeps only
 per-row metrics — the lens at every depth, each sweep plan — needs no [n, V] log-probs. `row_metrics`
-computes the logits `chunk` vocabulary columns at a time (rows `ROW_TILE` at a time, so one logit block
-stays small enough to sit in cache) and keeps, per row, an online log-sum-exp and running sums:
+computes the logits `chunk` vocabulary columns and `ROW_TILE` rows at a time and keeps, per row and chunk,
+the chunk's log-sum-exp ℓ_c (from its fused log-softmax) and sums under the chunk's softmax q_c, combined
+in float64 with the chunks' weights w_c = exp(ℓ_c − lse):
 
-    lse        log Σ_v exp z_v                                  (running max m, Σ exp(z − m))
+    lse        log Σ_c exp ℓ_c
     ce         lse − z_target
-    entropy    lse − Σ p z                                      (Σ exp(z − m)(z − m), rescaled as m moves)
-    kl_ref     KL(p_ref || p) = Σ p_ref log p_ref − Σ p_ref z + lse
-    kl_rev     KL(p || p_ref) = −entropy − Σ p log p_ref
-    top        the k largest logits' ids (running top-k merge; top-1 = argmax)
-    rank       1 + #{v : z_v > z_target}
+    entropy    lse − Σ_c w_c Σ q_c z
+    kl_ref     KL(p_ref || p) = Σ p_ref log p_ref − Σ p_ref z + lse   (Σ p_ref z = x · (p_ref W) + p_ref · b
+               without a soft-cap: one product per reference; with one, per chunk)
+    kl_rev     KL(p || p_ref) = −entropy − Σ_c w_c Σ q_c log p_ref
+    top        the k largest logits' ids (block maxima, then a top-k over the best blocks; merged over chunks)
+    rank       1 + #{v : lp_v > lp_target} under a full float32 log-softmax, as every saved rank counted it
 
-Precision: a chunk's logits are in the model's dtype and are widened to float32; sums within a chunk are
-float32 (BLAS dot products), across chunks and rows float64, and every combination above is float64.
-Against a float64 log-softmax reference the metrics agree to float32 rounding (tests/test_headmetrics.py).
+Precision: a chunk's logits are in the model's dtype and are widened to float32 (float64 stays float64);
+row sums within a chunk are a product and torch's cascade sum in float32, across chunks float64; Σ p_ref log
+p_ref is float64. Against a float64 log-softmax the metrics agree to float32 rounding, and against the full
+float32 path within 3.2e-7 at a 49k vocabulary (tests/test_headmetrics.py; benchmarks/RESULTS.md, issue 45).
 
-The target logit for `rank` is taken from the same GEMM shape as the chunk's (each row tile against its
-targets' weight rows); a row whose recomputed target logit is not bit-identical to the chunk's is
-re-ranked on a fresh full row, so the count is always `z > z_target` within one computation of z.
+Rank: the count of logits above the target's (its logit taken from a [n, n] GEMM of the same rows, which
+rounds as the chunk's); a row with another logit within a few ulps of the target's log-prob — where the
+float32 log-softmax can round both to one value — or whose target logit rounded otherwise is re-ranked on a
+full row (`_tie_rows`, `_full_ranks`).
 
 The reference distribution (`Reference`: the intact model for a sweep, the final output for the lens) is
-computed once per batch as today, with a full float32 log-softmax; only the rows compared against it stream.
+computed once per batch with a full float32 log-softmax; only the rows compared against it stream.
+`chunked_head` picks, per probe, this head or the full log-softmax (faster on CPU while it fits).
 """
 
 from __future__ import annotations
