@@ -18,7 +18,9 @@ Per-depth metrics (mean over scored tokens, position 0 excluded; nats):
 
 Memory: one batch of sequences at a time; within it, rows (tokens) are processed `chunk_tokens` at a
 time and depths one after another, so at most two [chunk_tokens, V] log-prob blocks exist at once —
-never [depths, tokens, vocab] (benchmarks/bench_lens_memory.py).
+never [depths, tokens, vocab] (benchmarks/bench_lens_memory.py). Where one [chunk_tokens, V] float32 block
+exceeds `headmetrics.FULL_HEAD_BYTES` (or with chunked_head=True) the depths below L are decoded over
+vocabulary chunks instead (`headmetrics.row_metrics`): only the final output's block (the reference) is whole.
 
 Tuned lens (Belrose et al. 2023): per depth l < L a residual affine translator h + A_l h + b_l
 (A, b zero-initialised, so the untrained tuned lens is the logit lens) applied to readout(z_l);
