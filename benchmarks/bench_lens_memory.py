@@ -4,7 +4,10 @@ Setting (defaults): Pre-LN, L = 16 blocks (17 depths), d = 64, vocab 2048, 32 se
 tokens, float32, one thread.
 
 * chunked: `depthtools.analysis.logit_lens` — one batch of 8 sequences at a time, depths one after
-  another, rows in chunks of 4096 tokens: at most a few [rows, V] blocks are alive.
+  another, rows in chunks of 4096 tokens, each depth decoded over vocabulary chunks (`headmetrics`): the
+  final output's [rows, V] log-probs (the reference) and one [256, 8192] logit block are alive.
+* full-vocab: the same with `chunked_head=False`: each depth's full [rows, V] log-probs (the code before
+  the vocabulary-chunked head, `depthtools.analysis.headmetrics`).
 * naive: all states of all tokens, then the lens logits of every depth stacked into one
   [depths, tokens, V] tensor, then the same metrics (CE, both KLs, entropy, top-1/top-5, rank)
   vectorised over it.
@@ -85,8 +88,8 @@ def child(args) -> None:
             handle.write("5")
         base = rss_kib("VmRSS") * 1024
     start = time.perf_counter()
-    if args.child == "chunked":
-        df = logit_lens(model, tokens, batch_size=args.batch)
+    if args.child in ("chunked", "full-vocab"):
+        df = logit_lens(model, tokens, batch_size=args.batch, chunked_head=args.child == "chunked")
         metrics = df[list(LENS_METRICS)].to_numpy().tolist()
     else:
         metrics = naive_lens(model, tokens)
@@ -106,18 +109,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--child", choices=["chunked", "naive"])
+    parser.add_argument("--child", choices=["chunked", "full-vocab", "naive"])
     args = parser.parse_args()
     if args.child:
         child(args)
         return
     results = {}
-    for method in ("chunked", "naive"):
+    for method in ("chunked", "full-vocab", "naive"):
         proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", method],
                               capture_output=True, text=True, check=True)
         results[method] = json.loads(proc.stdout.strip().splitlines()[-1])
-    a, b = torch.tensor(results["chunked"]["metrics"]), torch.tensor(results["naive"]["metrics"])
+    a, b = (torch.tensor(results[m]["metrics"], dtype=torch.float64) for m in ("chunked", "naive"))
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    c = torch.tensor(results["full-vocab"]["metrics"], dtype=torch.float64)
+    worst = (a - c).abs().max(0).values.tolist()
+    print("max |chunked − full-vocab| per metric: "
+          + ", ".join(f"{name} {value:.1e}" for name, value in zip(LENS_METRICS, worst)))
     depths, n = args.layers + 1, args.seqs * (args.seq_len - 1)
     print(f"{args.arch} L={args.layers} ({depths} depths) d={args.width} V={args.vocab}, {n} scored tokens, "
           f"{args.device}; one [depths, tokens, V] float32 tensor = {depths * n * args.vocab * 4 / 2**20:.0f} MiB")
@@ -125,6 +132,8 @@ def main() -> None:
         print(f"{method:8s} peak +{r['peak_bytes'] / 2**20:8.1f} MiB   {r['seconds']:.2f} s")
     ratio = results["chunked"]["peak_bytes"] / max(results["naive"]["peak_bytes"], 1)
     print(f"peak memory ratio chunked / naive: {ratio:.3f}x (metrics agree)")
+    ratio = results["chunked"]["peak_bytes"] / max(results["full-vocab"]["peak_bytes"], 1)
+    print(f"peak memory ratio vocabulary-chunked head / full-vocabulary log-probs per depth (before): {ratio:.3f}x")
 
 
 if __name__ == "__main__":

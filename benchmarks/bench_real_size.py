@@ -28,6 +28,13 @@ timed just before it (ratios that carry less of a loaded machine's drift); --old
 main before issue 47) makes for the same checkpoint and tokens; --plan-only prints the plans and runs nothing.
 
     python benchmarks/bench_real_size.py --suite [--layers 30 --vocab 49152 --n-tokens 4096 --seq-len 128]
+
+--lens-cost (issues 45 and 47): the logit lens at all depths and the 30-plan skip sweep with the head as
+before (a full [rows, V] log-softmax per depth/plan, `chunked_head=False`) and with the vocabulary-chunked
+head (`depthtools.analysis.headmetrics`), in forward equivalents of the same run, and the largest
+difference of every lens and sweep metric between the two.
+
+    python benchmarks/bench_real_size.py --lens-cost [--seqs 8 --seq-len 64]
 """
 
 from __future__ import annotations
@@ -200,6 +207,57 @@ def run_suite(args) -> None:
           f"after ({forward_after / forward_s:.2f}x: machine drift)")
 
 
+def run_lens_cost(args) -> None:
+    """Issue 45/47: the logit lens at all depths and the skip sweep, before (full [rows, V] log-probs per
+    depth/plan, chunked_head=False) and after (the vocabulary-chunked head, `headmetrics`), in forward-pass
+    equivalents of the same run, with the largest difference of every metric between the two."""
+    from depthtools.analysis.lens import LENS_METRICS
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        model, n_params = build_checkpoint(Path(tmp), args.seq_len, args.layers, args.vocab)
+        print(f"[build + save_pretrained + import + load: {time.perf_counter() - t0:.1f} s]", flush=True)
+    L, V = model.n_layer, model.config.vocab_size
+    tokens = torch.randint(0, V, (args.seqs, args.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    inputs = tokens[:, :-1]
+
+    @torch.no_grad()
+    def forward():
+        for lo in range(0, args.seqs, args.batch):
+            model.run(inputs[lo:lo + args.batch])
+
+    forward()
+    t_fwd = best(forward, args.reps)
+    print(f"SmolLM-135M-shaped Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, V={V}), "
+          f"{args.seqs}x{args.seq_len} tokens, batch {args.batch}, {args.threads} thread(s), float32, CPU; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"  plain forward {t_fwd:.2f} s (the unit)", flush=True)
+    lens, sweeps = {}, {}
+    plans = [Plan.skipping(l) for l in range(L)]
+    labels = (("before (full-vocab)", False), ("after (chunked head)", True))
+    for label, chunked in labels:
+        t0 = time.perf_counter()
+        lens[label] = lens_analysis(model, tokens, batch_size=args.batch, chunked_head=chunked).depths
+        t_lens = time.perf_counter() - t0
+        print(f"  {label:<22} lens {t_lens:7.2f} s = {t_lens / t_fwd:5.1f} forward equivalents (target <= 8)",
+              flush=True)
+    old, new = (lens[k] for k in lens)
+    print("  lens max |after − before| per metric (mean over tokens, any depth): "
+          + ", ".join(f"{m} {float((old[m] - new[m]).abs().max()):.1e}" for m in LENS_METRICS), flush=True)
+    if args.no_sweep:
+        return
+    for label, chunked in labels:
+        t0 = time.perf_counter()
+        sweeps[label] = sweep(model, tokens, plans, batch_size=args.batch, chunked_head=chunked)
+        t_sweep = time.perf_counter() - t0
+        print(f"  {label:<22} skip sweep ({L} plans) {t_sweep:7.2f} s = {t_sweep / t_fwd:5.1f} forward equivalents",
+              flush=True)
+    a, b = (sweeps[k] for k in sweeps)
+    worst = {m: max(abs(getattr(x, m) - getattr(y, m)) for x, y in zip(a.plans, b.plans))
+             for m in ("ce", "kl", "top1_agree", "top1_acc")}
+    print("  skip sweep max |after − before| per metric: " + ", ".join(f"{m} {v:.1e}" for m, v in worst.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, default=8)
@@ -208,6 +266,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--suite", action="store_true", help="time the whole default suite per probe")
+    parser.add_argument("--no-sweep", action="store_true", help="--lens-cost: the lens only")
+    parser.add_argument("--lens-cost", action="store_true", help="the lens and skip sweep before/after the "
+                        "vocabulary-chunked head, in forward equivalents, with each metric's largest difference")
     parser.add_argument("--layers", type=int, default=None, help="--suite: layers (default 30)")
     parser.add_argument("--vocab", type=int, default=None, help="--suite: vocabulary (default 49152)")
     parser.add_argument("--n-tokens", type=int, default=4096, help="--suite: evaluation tokens")
@@ -226,6 +287,9 @@ def main() -> None:
         run_suite(args)
         return
     args.seq_len = args.seq_len or 64
+    if args.lens_cost:
+        run_lens_cost(args)
+        return
     stages = []
 
     def done(name: str, seconds: float) -> None:

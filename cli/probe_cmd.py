@@ -35,6 +35,7 @@ from cli.common import check_device, console, err_console, fmt, parse_list, prin
 from cli.plain import PlainLog, PlainProgress, is_plain
 from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
 from depthtools.analysis.suite import (
+    DTYPES,
     N_TOKENS,
     SEQ_LEN,
     ablate_analysis,
@@ -64,10 +65,10 @@ N_TOKENS_GIVEN: contextvars.ContextVar[bool] = contextvars.ContextVar("n_tokens_
 
 class ProbeCommand(TyperCommand):
     """A command that accepts the old option spellings (hidden), printing a one-line note for each,
-    and takes `--dtype float32|bfloat16` (the analysis dtype; `probe` and `analyze` read ANALYSIS_DTYPE)."""
+    and takes `--dtype float32|bfloat16|float16` (the analysis dtype; `probe` and `analyze` read ANALYSIS_DTYPE)."""
 
-    DTYPE_HELP = ("--dtype float32|bfloat16: the analysis dtype (default float32; the metrics accumulate "
-                  "in float32/float64 either way).")
+    DTYPE_HELP = ("--dtype float32|bfloat16|float16: the analysis dtype, weights loaded straight into it "
+                  "(default float32; the metrics accumulate in float32/float64 either way).")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -86,7 +87,7 @@ class ProbeCommand(TyperCommand):
                 dtype = arg.split("=", 1)[1]
             elif arg == "--dtype":
                 if i + 1 >= len(args):
-                    raise DepthToolsError("--dtype needs a value; valid: float32, bfloat16")
+                    raise DepthToolsError(f"--dtype needs a value; valid: {', '.join(DTYPES)}")
                 dtype, i = str(args[i + 1]), i + 1
             else:
                 rest.append(arg)

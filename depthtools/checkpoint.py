@@ -18,6 +18,7 @@ import math
 import os
 import re
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -339,8 +340,51 @@ def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
             raise CheckpointError(f"weights in {directory}: {problem}")
 
 
-def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
-    """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model."""
+@contextmanager
+def _parameters_on_meta():
+    """While building a model, each parameter moves to the meta device as it is registered (its float32
+    init tensor is freed at once); buffers (RoPE tables) are built for real, in float32 as always."""
+    import torch  # lazy
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _load_in_dtype(model_cls, cfg, tensors: dict, dtype):
+    """A model whose parameters are the checkpoint's tensors cast to `dtype` (its buffers cast from their
+    float32 tables, as `model.to(dtype)` would), or None when the checkpoint lacks a parameter (then the
+    caller takes the float32 path, whose init fills it)."""
+    import torch  # lazy
+
+    with _parameters_on_meta():
+        model = model_cls(cfg)
+    tied = getattr(model.config, "tie_embeddings", False)
+    names = {name for name, _ in model.named_parameters()} - ({"unembed.weight"} if tied else set())
+    if not names <= set(tensors):
+        return None
+    model = model.to(dtype)  # buffers; the parameters are meta
+    with torch.no_grad():
+        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items() if k in names}, strict=False, assign=True)
+    if tied:
+        model.unembed.weight = model.tok_embed.weight
+    return model
+
+
+def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None,
+         dtype: "str | torch.dtype | None" = None):
+    """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model. `dtype` (e.g.
+    "bfloat16", "float16"): the weights are cast tensor by tensor straight into that dtype
+    (`_load_in_dtype`), never through a float32 copy of the model; None: float32 (the model's default)."""
     import torch  # lazy: see the note at the top
 
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
@@ -356,10 +400,14 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
         raise CheckpointError(f"config.json in {directory}: {exc}") from None
     check_shapes(cfg, read_header(directory / WEIGHTS), directory)  # before anything of that size is allocated
     tensors = read_tensors(directory / WEIGHTS)
-    model = DepthModel(cfg)
     check_weights(tensors, directory)
-    with torch.no_grad():
-        model.load_state_dict(tensors, strict=False)  # tied unembedding shares tok_embed's storage
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = None if dtype in (None, torch.float32) else _load_in_dtype(DepthModel, cfg, tensors, dtype)
+    if model is None:
+        model = DepthModel(cfg)
+        with torch.no_grad():
+            model.load_state_dict(tensors, strict=False)  # tied unembedding shares tok_embed's storage
+        model = model if dtype in (None, torch.float32) else model.to(dtype)
     model.checkpoint_dir = directory
     return model.to(device).eval()
 

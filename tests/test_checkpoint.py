@@ -96,3 +96,24 @@ def test_interrupted_write_leaves_previous_file_intact(tmp_path, monkeypatch):
         ck.atomic_write_json(path, {"v": 2})
     assert json.loads(path.read_text()) == {"v": 1}
     assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("arch,tie", [("preln", True), ("hc", False)])
+def test_load_in_a_low_precision_dtype_equals_a_cast_float32_load(tmp_path, dtype, arch, tie):
+    """Issue 45: load(dtype=...) (parameters built on the meta device, then the checkpoint's tensors cast
+    straight to the dtype) is bit-identical to load() cast with .to(dtype): parameters, RoPE tables and
+    logits; every parameter is in the dtype on the CPU; a tied unembedding stays tied."""
+    model = DepthModel(ModelConfig(arch=arch, vocab_size=64, d_model=16, n_layer=2, n_heads=2, max_seq_len=16,
+                                   tie_embeddings=tie), seed=0)
+    ck.save(model, tmp_path / "c")
+    cast = ck.load(tmp_path / "c").to(getattr(torch, dtype))
+    direct = ck.load(tmp_path / "c", dtype=dtype)
+    assert {p.dtype for p in direct.parameters()} == {getattr(torch, dtype)}
+    assert all(p.device.type == "cpu" for p in direct.parameters())
+    a, b = cast.state_dict(), direct.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(x, y) for x, y in zip(cast.buffers(), direct.buffers()))
+    assert (direct.unembed.weight is direct.tok_embed.weight) == tie
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cast.run(tokens), direct.run(tokens))

@@ -55,13 +55,30 @@ class Counter:
         return self.head_rows / self.rows
 
 
+from depthtools.analysis.headmetrics import Head  # noqa: E402
+
+
 def run_counted(name, model, tokens, bs, **options):
     from depthtools.analysis import suite
 
     args = analysis_args(name, batch_size=bs, **options)
     scored = tokens.shape[1] - 2 if name.startswith("lens") else tokens.shape[1] - 1  # the lens reads scored rows
     counter = Counter(model, bs * scored)
-    suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args)
+    logits = Head.logits
+
+    # the vocabulary-chunked head decodes the scored rows only (T − 1 of a sweep plan's T), a chunk being
+    # (hi − lo) / V of a head row: counted as the full-width head evaluation it stands for
+    per_row = 1.0 if name.startswith("lens") else (tokens.shape[1] - 1) / (tokens.shape[1] - 2)
+
+    def count_chunk(head, x, lo, hi):
+        counter.head_rows += x.shape[0] * (hi - lo) / head.vocab * per_row
+        return logits(head, x, lo, hi)
+
+    Head.logits = count_chunk
+    try:
+        suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args)
+    finally:
+        Head.logits = logits
     return counter, analysis_cost(name, model, args, tokens.shape[0], tokens.shape[1] - 1, bs)
 
 
@@ -230,20 +247,21 @@ def test_prune_option_names_the_curve_and_bad_values_are_refused(cell):
         assert len([line for line in bad.output.splitlines() if line.strip()]) == 1
 
 
-def test_dtype_bfloat16_runs_close_to_float32_and_bad_values_are_refused(cell):
+def test_dtype_bfloat16_and_float16_run_close_to_float32_and_bad_values_are_refused(cell):
     from depthtools.analysis.tables import load_settings
 
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "float16"):
         result = cli("lens", "--ckpt", "preln_L4", *EVAL, "--dtype", dtype, "--out", cell.parent / f"{dtype}.csv")
         assert result.exit_code == 0, result.output
+        assert load_settings(cell, "lens_logit").get("dtype", "float32") == dtype  # the table says its dtype
     import pandas as pd
 
-    f32, bf16 = (pd.read_csv(cell.parent / f"{d}.csv") for d in ("float32", "bfloat16"))
-    assert load_settings(cell, "lens_logit")["dtype"] == "bfloat16"  # the last run's table says its dtype
-    assert (f32["ce"] - bf16["ce"]).abs().max() < 0.05 * f32["ce"].abs().max()
-    assert not f32["ce"].equals(bf16["ce"])  # it really ran in bfloat16
-    bad = cli("lens", "--ckpt", "preln_L4", *EVAL, "--dtype", "float16")
-    assert bad.exit_code == 2 and "--dtype" in bad.output and "bfloat16" in bad.output
+    f32, bf16, f16 = (pd.read_csv(cell.parent / f"{d}.csv") for d in ("float32", "bfloat16", "float16"))
+    for low, bound in ((bf16, 0.05), (f16, 0.01)):  # float16 has 3 more mantissa bits than bfloat16
+        assert (f32["ce"] - low["ce"]).abs().max() < bound * f32["ce"].abs().max()
+        assert not f32["ce"].equals(low["ce"])  # it really ran in the low precision
+    bad = cli("lens", "--ckpt", "preln_L4", *EVAL, "--dtype", "int8")
+    assert bad.exit_code == 2 and "--dtype" in bad.output and "bfloat16, float16" in bad.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

@@ -156,10 +156,12 @@ def test_logit_lens_through_final_hidden_is_unchanged_where_a_readout_exists(arc
     import depthtools.analysis.lens as lens
 
     model, toks = tiny(arch).float(), windows()
-    new = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7)
+    # the full-vocabulary path on both sides: what is compared is the rows decoded (the chunked head's
+    # rounding against a float64 log-softmax is tests/test_headmetrics.py's)
+    new = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7, chunked_head=False)
     monkeypatch.setattr(lens, "_scored_rows", _old_scored_rows)
     monkeypatch.setattr(lens, "_lens_logprobs", _old_lens_logprobs)
-    old = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7)
+    old = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7, chunked_head=False)
     pd.testing.assert_frame_equal(new.depths, old.depths, check_exact=True)
     assert (new.prediction_depth == old.prediction_depth).all() and (new.token_loss == old.token_loss).all()
 
@@ -198,3 +200,33 @@ def test_tuned_lens_refuses_a_normed_sum_head_in_one_line():
         with pytest.raises(DepthToolsError, match=r"tuned lens.*hc with readout='normed_sum'") as err:
             call()
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["preln", "hc", "attnres"])
+@pytest.mark.parametrize("tuned", [False, True])
+def test_chunked_head_lens_equals_the_full_vocabulary_lens(arch, tuned):
+    """Issue 45/47: the lens through the vocabulary-chunked head (`headmetrics`, chunks of 64 ids here so
+    a tiny vocabulary spans several) gives every per-depth metric of the full [rows, V] log-softmax path
+    (float64 models: to 1e-9; the rank and the top-1/top-5 agreement exactly), and the same prediction depths."""
+    import depthtools.analysis.headmetrics as hm
+    import depthtools.analysis.lens as lens
+    from depthtools.analysis.lens import LENS_METRICS
+
+    model, toks = tiny(arch), windows()
+    translators = None
+    if tuned:
+        translators = lens.TunedLens(model.n_layer, model.config.d_model).double()
+        with torch.no_grad():
+            translators.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    chunk = hm.CHUNK
+    hm.CHUNK = 64
+    try:
+        new = lens.lens_analysis(model, toks, translators, batch_size=2, chunk_tokens=7, chunked_head=True)
+    finally:
+        hm.CHUNK = chunk
+    old = lens.lens_analysis(model, toks, translators, batch_size=2, chunk_tokens=7, chunked_head=False)
+    for metric in LENS_METRICS:
+        assert (new.depths[metric] - old.depths[metric]).abs().max() < 1e-9, metric
+    for metric in ("top1_agree", "top5_overlap", "target_rank"):
+        assert new.depths[metric].equals(old.depths[metric]), metric
+    assert (new.prediction_depth == old.prediction_depth).all()

@@ -101,3 +101,27 @@ def test_save_table_round_trips_and_refuses_other_settings(tmp_path):
     pd.testing.assert_frame_equal(back, df)
     assert load_table(tmp_path, "ablate_skip", {**settings, "tau": 0.1}) is None
     assert load_table(tmp_path, "missing", settings) is None
+
+
+@pytest.mark.parametrize("arch", ["preln", "hc", "denseformer"])
+def test_chunked_head_sweep_equals_the_full_vocabulary_sweep(arch):
+    """Issue 45/47: every plan decoded by the vocabulary-chunked head (`headmetrics`, chunks of 64 ids so a
+    tiny vocabulary spans several) has the CE, KL and top-1 metrics of the full log-softmax path (float64
+    models: to 1e-9; agreement exactly); an unchanged plan is the intact model exactly (KL 0)."""
+    import depthtools.analysis.headmetrics as hm
+
+    model, toks = tiny(arch), windows()
+    L = model.n_layer
+    plans = [Plan(), *(Plan.skipping(l) for l in range(L)), Plan.swapping(0, L - 1, L)]
+    chunk = hm.CHUNK
+    hm.CHUNK = 64
+    try:
+        new = sweep(model, toks, plans, batch_size=2, chunked_head=True)
+    finally:
+        hm.CHUNK = chunk
+    old = sweep(model, toks, plans, batch_size=2, chunked_head=False)
+    assert new.intact == old.intact and new.plans[0] == old.plans[0] and new.plans[0].kl == 0
+    for a, b in zip(new.plans, old.plans):
+        assert abs(a.ce - b.ce) < 1e-9 and abs(a.kl - b.kl) < 1e-9
+        assert (a.top1_agree, a.top1_acc, a.n_tokens) == (b.top1_agree, b.top1_acc, b.n_tokens)
+    assert torch.allclose(torch.stack(new.plan_sequences), torch.stack(old.plan_sequences), rtol=0, atol=1e-8)

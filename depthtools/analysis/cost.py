@@ -8,8 +8,8 @@ two units that dominate it, per batch of `batch_size` sequences:
     head evaluations `head`/`readout_logits`/`hidden_logits` over the whole batch (unembedding to V logits)
 
 and converted to forward-pass equivalents: one plain forward is L block calls + 1 head, and a head
-costs h blocks — measured before a run (`time_parts`: the head with its metrics' log-softmax, KL and
-argmax, which at a 49k vocabulary cost as much as its matmul), or V·d / (non-embedding parameters / L)
+costs h blocks — measured before a run (`time_parts`: the vocabulary-chunked head with its CE, KL and
+top-1, `headmetrics.row_metrics`, as the sweeps and the lens run it), or V·d / (non-embedding parameters / L)
 without timing (`head_ratio`, the ratio of their matmul sizes) — so
 
     forward equivalents = (block calls + h · heads) / (L + h)
@@ -59,7 +59,8 @@ from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts, suffix_support
 from depthtools.analysis.contrib import block_map, jvp
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
-from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs
+from depthtools.analysis.headmetrics import Head, Reference, row_metrics
+from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs, scored_rows
 from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import split_inputs
 
@@ -243,14 +244,17 @@ def plan_cost(model, analyses: dict[str, dict[str, Any]], n_seqs: int, seq_len: 
 def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> tuple[float, float]:
     """(seconds of one block call, seconds of one head evaluation with its metrics) on one batch.
 
-    The head is timed with what every lens depth and sweep plan does after it (float32 log-softmax,
-    a KL sum against a reference's probabilities computed once per batch, an argmax): at a 49k
-    vocabulary these cost about as much as the head's matmul
-    (benchmarks/RESULTS.md, issue 38), so a parameter ratio alone underestimates the lens and sweeps.
+    The head is timed as every sweep plan (and, with a few more sums, every lens depth) now runs it: the
+    vocabulary-chunked head with CE, KL against a reference computed once per batch and the top-1
+    (`headmetrics.row_metrics`; a model without an nn.Linear unembedding: the full float32 log-softmax,
+    KL sum and argmax). At a 49k vocabulary the metrics still cost a good part of the head's matmul
+    (benchmarks/RESULTS.md, issues 38 and 45), so a parameter ratio alone underestimates the lens and sweeps.
     """
-    inputs = split_inputs(tokens[:batch_size])[0]
+    inputs, targets = split_inputs(tokens[:batch_size])
+    targets = targets.flatten()
     model.eval()
     sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
+    head = Head.of(model) if isinstance(getattr(model, "unembed", None), torch.nn.Linear) else None
     t_states = t_head = math.inf
     ref = p_ref = None
     for _ in range(repeats):
@@ -259,12 +263,15 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
         states = model.run_states(inputs)
         if ref is None:  # the reference and its probabilities: once per batch in a sweep, not per plan
             ref = scored_logprobs(model.head(states[-1])).roll(1, 0)
-            p_ref = ref.exp()
+            p_ref = ref.exp() if head is None else Reference.of(ref, head=head)
         sync()
         t1 = time.perf_counter()
-        lp = scored_logprobs(model.head(states[-1]))
-        float((p_ref * (ref - lp)).sum())
-        lp.argmax(-1)
+        if head is not None:
+            row_metrics(head, scored_rows(model, states[-1]), targets, p_ref)
+        else:
+            lp = scored_logprobs(model.head(states[-1]))
+            float((p_ref * (ref - lp)).sum())
+            lp.argmax(-1)
         sync()
         t_states, t_head = min(t_states, t1 - t0), min(t_head, time.perf_counter() - t1)
     return t_states / max(model.n_layer, 1), t_head

@@ -18,7 +18,9 @@ Per-depth metrics (mean over scored tokens, position 0 excluded; nats):
 
 Memory: one batch of sequences at a time; within it, rows (tokens) are processed `chunk_tokens` at a
 time and depths one after another, so at most two [chunk_tokens, V] log-prob blocks exist at once —
-never [depths, tokens, vocab] (benchmarks/bench_lens_memory.py).
+never [depths, tokens, vocab] (benchmarks/bench_lens_memory.py). Where one [chunk_tokens, V] float32 block
+exceeds `headmetrics.FULL_HEAD_BYTES` (or with chunked_head=True) the depths below L are decoded over
+vocabulary chunks instead (`headmetrics.row_metrics`): only the final output's block (the reference) is whole.
 
 Tuned lens (Belrose et al. 2023): per depth l < L a residual affine translator h + A_l h + b_l
 (A, b zero-initialised, so the untrained tuned lens is the logit lens) applied to readout(z_l);
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from depthtools.analysis.headmetrics import Head, Reference, RowMetrics, chunked_head as chunked_head_for, row_metrics
 from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tables import ANALYSIS_DIR, model_columns, normalise_settings
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
@@ -112,9 +115,14 @@ class FinalRows:
     p: torch.Tensor  # [n, V]
     top5: torch.Tensor  # [n, min(5, V)]
 
+    ref: Reference | None = None  # the same, as the chunked head's reference (`headmetrics`)
+
     @classmethod
-    def of(cls, logp: torch.Tensor) -> "FinalRows":
-        return cls(logp, logp.exp(), logp.topk(min(5, logp.shape[-1]), dim=-1).indices)
+    def of(cls, logp: torch.Tensor, head: Head | None = None) -> "FinalRows":
+        top5 = logp.topk(min(5, logp.shape[-1]), dim=-1).indices
+        p = logp.exp()
+        ref = None if head is None else Reference.of(logp, head=head, p=p, top=top5)
+        return cls(logp, p, top5, ref)
 
 
 class _DepthSums:
@@ -125,7 +133,8 @@ class _DepthSums:
         self.n = 0
 
     def add(self, depth: int, lp: torch.Tensor, final: "FinalRows", targets: torch.Tensor) -> torch.Tensor:
-        """Accumulate one depth on one row chunk; returns the lens top-1 ids [n]."""
+        """Accumulate one depth from its full [n, V] log-probs on one row chunk; returns the top-1 ids [n].
+        (The final depth, and models without the chunked head; the other depths go through `add_rows`.)"""
         p = lp.exp()
         final, p_final, top5_final = final.logp, final.p, final.top5
         target_lp = lp.gather(-1, targets.unsqueeze(-1))
@@ -143,6 +152,26 @@ class _DepthSums:
         for j, value in enumerate(values):
             self.sums[depth, j] += float(value.double().sum())
         return top1
+
+    def add_rows(self, depth: int, m: RowMetrics, final: "FinalRows") -> torch.Tensor:
+        """Accumulate one depth from the chunked head's per-row metrics (`headmetrics.row_metrics`, with the
+        final output as the reference); returns the top-1 ids [n]."""
+        top5_final = final.top5
+        values = (
+            m.ce, m.kl_ref, m.kl_rev, m.entropy,
+            (m.top[:, 0] == top5_final[:, 0]).double(),
+            (m.top.unsqueeze(-1) == top5_final.unsqueeze(-2)).any(-1).sum(-1).double() / 5,
+            m.rank.double(),
+        )
+        for j, value in enumerate(values):
+            self.sums[depth, j] += float(value.sum())
+        return m.top[:, 0]
+
+
+def _depth_rows(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
+    """What the unembedding reads at `depth`: the logit lens' final-hidden rows as they are, the tuned
+    lens' readouts through the translator and ln_final."""
+    return rows if translators is None else model.ln_final(translators(rows, depth))
 
 
 @dataclass
@@ -174,8 +203,11 @@ def lens_analysis(
     batch_size: int = 8,
     chunk_tokens: int = 4096,
     progress: Callable[[float], None] | None = None,
+    chunked_head: bool | None = None,
 ) -> LensResult:
-    """Logit lens (translators=None) or tuned lens at every depth 0..L on a token set [N, T+1]."""
+    """Logit lens (translators=None) or tuned lens at every depth 0..L on a token set [N, T+1].
+    chunked_head: depths 0..L−1 through the vocabulary-chunked head (`headmetrics`: True), or full [rows, V]
+    log-probs per depth (False); None: the full path while its block fits `headmetrics.FULL_HEAD_BYTES`."""
     tokens = check_tokens(model, tokens)
     if translators is not None:
         check_tuned_lens(model)
@@ -184,6 +216,7 @@ def lens_analysis(
     model.eval()
     L = model.n_layer
     sums, top1_all, loss_all = _DepthSums(L + 1), [], []
+    head = chunked_head_for(model, min(chunk_tokens, batch_size * max(tokens.shape[1] - 2, 1)), chunked_head)
     n_batches = -(-tokens.shape[0] // batch_size)
     for batch in batches(tokens, batch_size):
         inputs, targets = split_inputs(batch)
@@ -192,11 +225,17 @@ def lens_analysis(
         for lo in range(0, targets.numel(), chunk_tokens):
             rows, tgt = slice(lo, lo + chunk_tokens), targets[lo:lo + chunk_tokens]
             final = _lens_logprobs(model, reads[L][rows], L, translators)
-            reference = FinalRows.of(final)
+            reference = FinalRows.of(final, head)
             top1 = torch.empty(L + 1, tgt.numel(), dtype=torch.long, device=tgt.device)
-            for depth in range(L + 1):
-                lp = final if depth == L else _lens_logprobs(model, reads[depth][rows], depth, translators)
-                top1[depth] = sums.add(depth, lp, reference, tgt)
+            top1[L] = sums.add(L, final, reference, tgt)
+            for depth in range(L):
+                if head is None:
+                    lp = _lens_logprobs(model, reads[depth][rows], depth, translators)
+                    top1[depth] = sums.add(depth, lp, reference, tgt)
+                    continue
+                m = row_metrics(head, _depth_rows(model, reads[depth][rows], depth, translators), tgt,
+                                reference.ref, k=reference.top5.shape[-1], rank=True, reverse=True)
+                top1[depth] = sums.add_rows(depth, m, reference)
             top1_all.append(top1.cpu())
             loss_all.append((-final.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)).double().cpu())
             sums.n += tgt.numel()

@@ -162,9 +162,12 @@ def table_settings(name: str, args: dict[str, Any], model, tokens) -> dict[str, 
 
 
 # The dtypes an analysis may run in. float32 is the default (on CPU bfloat16 matmuls are not faster
-# everywhere, and every metric is exact to float32); bfloat16 halves the weights' memory. Whatever
-# the dtype, log-softmax runs in float32 and the metric sums accumulate in float64.
-DTYPES = ("float32", "bfloat16")
+# everywhere, and every metric is exact to float32); bfloat16 and float16 halve the weights' memory and
+# the activations'. A low-precision model is loaded straight into its dtype (`checkpoint.load(dtype=)`);
+# the head's logits are widened to float32 before log-softmax/CE/KL, and the probes' statistics (CKA,
+# least squares, angles, norms) widen to float32/float64; every metric sum accumulates in float64
+# (docs/probes.md: each metric's error against float32).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def model_dtype(model) -> str:
@@ -567,7 +570,7 @@ def loaded_checkpoints(dirs: list[Path], data: str | Path | None, n_tokens: int,
                 raise
             skip(exc)
             continue
-        model = cast_model(load(ckpt_dir, device=device), dtype)
+        model = cast_model(load(ckpt_dir, device=device, dtype=check_dtype(dtype)), dtype)
         yield ckpt_dir, model, probe_tokens(model, data, n_tokens, seq_len, split, seed, tokens=windows)
 
 

@@ -28,6 +28,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from depthtools.analysis.headmetrics import (
+    Head,
+    Reference as HeadReference,
+    RowMetrics,
+    chunked_head as chunked_head_for,
+    row_metrics,
+)
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
 from depthtools.arch.model import Plan
 
@@ -99,6 +106,14 @@ class Reference:
         return cls(logp, logp.exp(), logp.argmax(-1))
 
 
+@dataclass(frozen=True)
+class _HeadRef:
+    """The chunked head and the intact model's reference for it, on one batch."""
+
+    head: Head
+    ref: HeadReference
+
+
 class _Sums:
     """float64 sums of the per-token metrics of one plan, per sequence ([N, 4] in METRICS order: what
     `sequence_profile` reads; a plan's `PlanStats` is their total over the sequences)."""
@@ -114,6 +129,13 @@ class _Sums:
         top1 = logp.argmax(-1)
         values = torch.stack([ce.double(), kl.double(), (top1 == ref.top1).double(),
                               (top1 == targets).double()], -1)  # [B·T', 4]
+        self.per_seq.append(values.view(B, -1, len(METRICS)).sum(1).cpu())
+        self.n_positions = values.shape[0] // B
+
+    def add_rows(self, m: RowMetrics, ref: "HeadReference", targets: torch.Tensor, B: int) -> None:
+        """The same sums from the chunked head's per-row metrics (`headmetrics.row_metrics`)."""
+        top1 = m.top[:, 0]
+        values = torch.stack([m.ce, m.kl_ref, (top1 == ref.top[:, 0]).double(), (top1 == targets).double()], -1)
         self.per_seq.append(values.view(B, -1, len(METRICS)).sum(1).cpu())
         self.n_positions = values.shape[0] // B
 
@@ -184,6 +206,49 @@ def plan_logits(
 
 
 @torch.no_grad()
+def plan_rows(
+    model, plans: Sequence[Plan], states: list, inputs: torch.Tensor | None = None, reuse_prefix: bool = True
+) -> Iterator[torch.Tensor]:
+    """Each plan's final-hidden rows at the scored positions [B·(T-1), d] (what the head unembeds), from its
+    cached prefix state (reuse_prefix=False: a full re-run from `inputs`): the chunked head (`headmetrics`)
+    decodes them without [B,T,V] logits."""
+    L = model.n_layer
+    for plan in plans:
+        if reuse_prefix:
+            start = plan.first_change(L)
+            state = model.run_states(plan=plan, start=start, from_state=states[start])[-1]
+        else:
+            state = model.run_states(inputs, plan=plan)[-1]
+        yield scored_rows(model, state)
+
+
+def scored_rows(model, state) -> torch.Tensor:
+    """final_hidden(state) at the scored positions, flattened to [B·(T-1), d]."""
+    return model.scheme.final_hidden(state, model.ln_final)[:, FIRST_SCORED:].flatten(0, 1)
+
+
+def _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, tick) -> None:
+    """Accumulate every plan's metrics on one batch. refs: (the intact `Reference`, its `headmetrics.Reference`
+    or None for the full log-softmax per plan). A plan that changes nothing is the intact model: its sums
+    are the intact ones (KL exactly 0), without decoding it again."""
+    ref, href = refs
+    B, L = inputs.shape[0], model.n_layer
+    if href is None:
+        for acc, logits in zip(sums, plan_logits(model, plans, states, inputs, reuse_prefix)):
+            acc.add(scored_logprobs(logits), ref, targets, B)
+            tick()
+        return
+    changed = [(acc, plan) for acc, plan in zip(sums, plans) if plan.first_change(L) < L]
+    for acc, plan in zip(sums, plans):
+        if plan.first_change(L) >= L:
+            acc.add(ref.logp, ref, targets, B)
+            tick()
+    for (acc, _), rows in zip(changed, plan_rows(model, [p for _, p in changed], states, inputs, reuse_prefix)):
+        acc.add_rows(row_metrics(href.head, rows, targets, href.ref), href.ref, targets, B)
+        tick()
+
+
+@torch.no_grad()
 def sweep(
     model,
     tokens: torch.Tensor,
@@ -191,15 +256,22 @@ def sweep(
     batch_size: int = 8,
     reuse_prefix: bool = True,
     progress: Callable[[float], None] | None = None,
+    chunked_head: bool | None = None,
 ) -> SweepResult:
     """Evaluate every plan on the token set [N, T+1]; returns intact and per-plan `PlanStats`.
+
+    chunked_head: each changed plan's rows decoded by the vocabulary-chunked head (`headmetrics.row_metrics`:
+    True) or a full [rows, V] log-softmax per plan (False); None: the full path while its block fits
+    `headmetrics.FULL_HEAD_BYTES`.
 
     `progress(advance)` is called after each plan on each batch with the fraction of one plan done
     (1 / number of batches), so a progress bar over plans reaches len(plans).
     """
     tokens = check_tokens(model, tokens)
     shared = _SHARED.get()
+    head = chunked_head_for(model, batch_size * max(tokens.shape[1] - 2, 1), chunked_head)
     key = _sweep_key(model, tokens, plans, batch_size) if shared is not None and reuse_prefix else None
+    key = None if key is None else (*key, head is not None)
     if key is not None and key in shared:
         if progress is not None:
             progress(float(len(plans)))
@@ -207,6 +279,11 @@ def sweep(
     model.eval()
     n_batches = -(-tokens.shape[0] // batch_size)
     intact, sums = _Sums(), [_Sums() for _ in plans]
+
+    def tick() -> None:
+        if progress is not None:
+            progress(1.0 / n_batches)
+
     for batch in batches(tokens, batch_size):
         inputs, targets = split_inputs(batch)
         targets = targets.flatten()
@@ -214,10 +291,9 @@ def sweep(
         states = intact_states(model, inputs)
         ref = Reference.of(scored_logprobs(model.head(states[-1])))
         intact.add(ref.logp, ref, targets, B)
-        for acc, logits in zip(sums, plan_logits(model, plans, states, inputs, reuse_prefix)):
-            acc.add(scored_logprobs(logits), ref, targets, B)
-            if progress is not None:
-                progress(1.0 / n_batches)
+        href = None if head is None else _HeadRef(head, HeadReference.of(ref.logp, head=head, p=ref.p,
+                                                                          top=ref.top1.unsqueeze(1)))
+        _plan_sums(model, plans, states, inputs, targets, (ref, href), sums, reuse_prefix, tick)
         del states
     result = SweepResult(intact.stats(), [s.stats() for s in sums], intact.sequences(),
                          [s.sequences() for s in sums], intact.n_positions)
