@@ -13,11 +13,13 @@ Layout of one cell directory `checkpoints/<grid>/<arch>_L<n>/`:
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import os
 import re
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +44,9 @@ if TYPE_CHECKING:
 # torch-free modules (reports, grid specs, `grid status`), which must not pay torch's import.
 
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint: {"weight_map": {tensor: shard file}}
 CONFIG = "config.json"
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")  # weights depthtools never reads (unpickling runs code)
 
 
 def checkpoints_root() -> Path:
@@ -339,14 +343,87 @@ def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
             raise CheckpointError(f"weights in {directory}: {problem}")
 
 
-def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None):
-    """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model."""
+# How `load` builds models when its caller does not say: the CLI's --stream / --devices N (`loading`), so that every
+# probe command and `analyze` reach the loader without each signature growing the options.
+LOAD_OPTIONS: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("load_options", default={})
+
+
+@contextmanager
+def loading(stream: bool = False, devices: int | None = None, budget: int | None = None):
+    """Within it, `load` streams weights (`stream`) and/or places blocks over `devices` CUDA devices."""
+    token = LOAD_OPTIONS.set({"stream": stream, "devices": devices, "budget": budget})
+    try:
+        yield
+    finally:
+        LOAD_OPTIONS.reset(token)
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it: model.safetensors, or the shards named by
+    model.safetensors.index.json (each inside the folder, each whole by its header: `_header_of`). A folder
+    whose only weights are pickles is refused without opening them; a damaged shard is one line."""
+    directory = Path(directory)
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise CheckpointError(f"corrupt {index}: weight_map must be an object of tensor name -> shard file name")
+        shards = {shard: directory / shard for shard in set(weight_map.values())}
+        for shard, path in sorted(shards.items()):
+            if Path(shard).anchor or ".." in Path(shard).parts or path.parent != directory:
+                raise CheckpointError(f"{index} names a shard outside the checkpoint folder: {shard!r}")
+    elif (directory / WEIGHTS).is_file() or not _pickled(directory):
+        weight_map, shards = None, {WEIGHTS: directory / WEIGHTS}
+    else:
+        raise CheckpointError(f"{directory} holds only pickled weights ({_pickled(directory)[0]}); depthtools reads "
+                              "safetensors only and never unpickles (re-save with safetensors)")
+    headers = {}
+    for shard, path in sorted(shards.items()):
+        header, problem = _header_of(path)
+        if problem is not None:
+            raise CheckpointError(problem)
+        headers[shard] = [k for k in header if k != "__metadata__"]
+    if weight_map is None:
+        return {name: shards[WEIGHTS] for name in headers[WEIGHTS]}
+    for shard, names in headers.items():
+        if any(weight_map.get(name) != shard for name in names):
+            raise CheckpointError(f"{directory / shard} holds tensors {WEIGHTS_INDEX} does not map to it")
+    return {name: shards[shard] for name, shard in weight_map.items()}
+
+
+def _pickled(directory: Path) -> list[str]:
+    return sorted(p.name for pattern in PICKLED for p in Path(directory).glob(pattern))
+
+
+def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the headers of the weight files (nothing is loaded)."""
+    shapes = {}
+    for path in sorted(set(files.values())):
+        shapes.update(read_header(path))
+    return {name: shapes[name] for name in files}
+
+
+def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None,
+         stream: bool | None = None, devices: int | None = None, budget: int | None = None):
+    """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model.
+
+    stream=True: nothing of the weights' size is loaded; each block is read from the (memory-mapped)
+    safetensors file(s) when it runs and released after (`depthtools.arch.stream`), keeping up to `budget`
+    bytes of blocks between uses. devices=N: blocks over the first N CUDA devices, split by bytes. Either
+    defaults to the enclosing `loading(...)` (the CLI's --stream / --devices)."""
     import torch  # lazy: see the note at the top
 
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
     from depthtools.arch.hyper import legacy_options  # lazy: TransformerLens (~2.5 s) only where a model is built
+    from depthtools.arch.stream import attach, check_devices  # lazy: torch
 
+    options = LOAD_OPTIONS.get()
+    stream = bool(options.get("stream")) if stream is None else stream
+    devices = options.get("devices") if devices is None else devices
+    budget = options.get("budget") if budget is None else budget
     directory = resolve(name, root)
+    targets = check_devices(str(torch.device(device).type), devices) if devices else [str(device)]
+    files = weight_files(directory) if stream or (directory / WEIGHTS_INDEX).is_file() else None
     config = read_json(directory / CONFIG)
     try:
         cfg = ModelConfig.from_dict(legacy_options(model_section(config, directory)))  # options a config predates: old defaults
@@ -354,14 +431,47 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
         raise CheckpointError(f"config.json in {directory} has no valid 'model' section: {exc}") from None
     except DepthToolsError as exc:
         raise CheckpointError(f"config.json in {directory}: {exc}") from None
-    check_shapes(cfg, read_header(directory / WEIGHTS), directory)  # before anything of that size is allocated
-    tensors = read_tensors(directory / WEIGHTS)
+    shapes = _shapes(files) if files is not None else read_header(directory / WEIGHTS)
+    check_shapes(cfg, shapes, directory)  # before anything of that size is allocated
+    if stream:
+        return _streamed(cfg, files, directory, targets, budget)
+    tensors = {}
+    for path in sorted(set(files.values())) if files is not None else [directory / WEIGHTS]:
+        tensors.update(read_tensors(path))
     model = DepthModel(cfg)
     check_weights(tensors, directory)
     with torch.no_grad():
         model.load_state_dict(tensors, strict=False)  # tied unembedding shares tok_embed's storage
     model.checkpoint_dir = directory
-    return model.to(device).eval()
+    model = model.to(targets[0]).eval()
+    if len(targets) > 1:
+        attach(model, None, targets)
+    return model
+
+
+def _streamed(cfg: ModelConfig, files: dict[str, Path], directory: Path, targets: list[str], budget: int | None):
+    """An eval-mode model whose blocks and head are read from `files` when they run (`depthtools.arch.stream`);
+    the embedding and the scheme's model-level parameters are read now (float32, checked like `load`'s)."""
+    import torch  # lazy: see the note at the top
+
+    from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
+    from depthtools.arch.stream import DEFAULT_BUDGET, TensorSource, attach, params_on_meta, unit_of  # lazy: torch
+
+    with params_on_meta():
+        model = DepthModel(cfg)
+    model.checkpoint_dir = directory
+    source = TensorSource(files)
+
+    names = [n for n, _ in model.named_parameters() if unit_of(n) in ("embed", "rest")]
+    tensors = source.read(names)
+    for name in names:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[attr] = torch.nn.Parameter(tensors.pop(name).to(torch.float32))
+    if model.config.tie_embeddings:  # the unembedding is the embedding's (now real) parameter again
+        model.unembed.weight = model.tok_embed.weight
+    attach(model, source, targets, DEFAULT_BUDGET if budget is None else budget)
+    return model.eval()
 
 
 def read_metrics(directory: str | Path) -> list[dict[str, Any]]:

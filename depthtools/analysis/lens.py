@@ -328,7 +328,9 @@ def train_tuned_lens(
 def model_fingerprint(model) -> str:
     """A content hash of the model's weights and config (a retrained checkpoint invalidates its lens)."""
     digest = hashlib.sha256(model.config.to_json().encode())
-    for name, tensor in sorted(model.state_dict().items()):
+    state = getattr(model, "streamed_weights", None) or model.state_dict()  # streamed: read one tensor at a time
+    for name in sorted(state):
+        tensor = state[name]
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -1,0 +1,317 @@
+"""Streamed weights and blocks over several devices: a `DepthModel` larger than memory, or than one device.
+
+`streamed(cfg, files, ...)` builds the model with every parameter on the `meta` device (shapes, no storage),
+keeps the embedding and the scheme's model-level parameters resident, and materialises each block (and the
+head: final norm + unembedding) from the checkpoint's safetensors files when it runs, in the model's dtype,
+then releases it. A small byte budget keeps the first blocks that fit materialised, so a sweep that runs the
+same blocks again reads them once (the rest are read on each use: a cyclic scan under LRU would miss every
+time; keeping the first ones hits the budget's share of every pass). Results are those of the in-memory model,
+bit for bit: the same tensors, cast the same way, run by the same code.
+
+`place(model, devices)` (and `streamed(..., devices=...)`) puts contiguous block ranges on several devices with
+a split balanced by bytes (`split_by_bytes`, a pure function): embedding on the first device, head on the last.
+States live on the first device; a block's input moves to the block's device and its output back, so every
+analysis sees its states where it expects them.
+
+Both hook into `DepthModel.block_step` through `model.stream` (a `Streamer`) and into the head through forward
+pre-hooks on `ln_final` and `unembed`; nothing else of the model changes. The files are checked by the caller
+(`depthtools.checkpoint.load`); this module reads tensors only from safetensors (memory-mapped; never pickles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from depthtools.errors import CheckpointError, DepthToolsError
+
+DEFAULT_BUDGET = 1 << 30  # bytes of materialised blocks kept between uses (1 GiB)
+EMBED, HEAD, REST = "embed", "head", "rest"
+# Block parameters a scheme reads at every depth, not only when the block runs: the AttnRes mixers (each block's
+# query and key norm are stacked into one depth bank at the embedding). They stay resident (REST).
+EVERY_DEPTH = ("attn_res", "mlp_res")
+
+
+# -- placement: a pure function of byte sizes ----------------------------------------------------------------
+def split_by_bytes(sizes: list[int], n: int) -> list[int]:
+    """The device index (0..n-1) of each unit, for units of `sizes` bytes in order: contiguous ranges, every
+    device at least one unit, minimising the largest device's bytes (ties: the earliest split). Callers pass
+    [embedding, block 0, ..., block L-1, head], so the embedding lands on the first device, the head on the last.
+
+    Exact: a binary search over the largest load, each checked greedily (fill a device while it fits)."""
+    if n < 1 or n > len(sizes):
+        raise DepthToolsError(f"cannot split {len(sizes)} units over {n} devices")
+    if any(s < 0 for s in sizes):
+        raise DepthToolsError("unit sizes must be >= 0 bytes")
+
+    def fill(limit: int) -> list[int] | None:
+        """Greedy assignment with at most `limit` bytes a device, leaving a unit for every later device."""
+        out, device, load = [], 0, 0
+        for i, size in enumerate(sizes):
+            must_move = len(sizes) - i == n - device  # as many units left as devices still empty after this
+            if out and (load + size > limit or must_move) and device + 1 < n:
+                device, load = device + 1, 0
+            if load + size > limit:
+                return None
+            out.append(device)
+            load += size
+        return out if device == n - 1 else None
+
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        mid = (low + high) // 2
+        if fill(mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    best = fill(low)
+    assert best is not None  # fill(sum) always succeeds
+    return best
+
+
+def check_devices(device: str, n: int | None, available: int | None = None) -> list[str]:
+    """The device names `--device D --devices N` places blocks on, or a one-line error: N needs CUDA and at
+    most the visible count (`available`: torch.cuda.device_count() unless given)."""
+    if n is None or n == 1 and device == "cpu":
+        return [device]
+    if n < 1:
+        raise DepthToolsError(f"--devices must be >= 1, got {n}")
+    if device != "cuda":
+        raise DepthToolsError(f"--devices {n} places blocks across CUDA devices; it needs --device cuda")
+    count = torch.cuda.device_count() if available is None else available
+    if count == 0:
+        raise DepthToolsError(f"--devices {n} needs CUDA devices, but none is available")
+    if n > count:
+        raise DepthToolsError(f"--devices {n} asks for more CUDA devices than the {count} visible")
+    return [f"cuda:{i}" for i in range(n)]
+
+
+# -- moving states ----------------------------------------------------------------------------------------
+def move(state: Any, device: torch.device) -> Any:
+    """`state` with every tensor on `device` (tensors, tuples and named tuples, lists, dicts, dataclasses)."""
+    if isinstance(state, torch.Tensor):
+        return state if state.device == device else state.to(device)
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*(move(v, device) for v in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(move(v, device) for v in state)
+    if isinstance(state, dict):
+        return {k: move(v, device) for k, v in state.items()}
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
+        return dataclasses.replace(state, **{f.name: move(getattr(state, f.name), device)
+                                             for f in dataclasses.fields(state) if f.init})
+    return state
+
+
+# -- building without weights --------------------------------------------------------------------------------
+@contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Every nn.Parameter registered inside is moved to `meta` (no storage; buffers stay real: RoPE tables)."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def unit_of(name: str) -> str | int:
+    """The unit a parameter belongs to: a block index, EMBED, HEAD, or REST (the scheme's model-level ones)."""
+    top = name.split(".")[0]
+    if top == "blocks":
+        return REST if any(part in EVERY_DEPTH for part in name.split(".")[2:]) else int(name.split(".")[1])
+    if top in ("tok_embed", "pos_embed"):
+        return EMBED
+    if top in ("ln_final", "unembed"):
+        return HEAD
+    return REST
+
+
+class TensorSource:
+    """Tensor name -> its safetensors file; `read` copies one tensor out of the memory-mapped file."""
+
+    def __init__(self, files: Mapping[str, Path]):
+        self.files = dict(files)
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The tensors `names`, in their stored dtype, on the CPU (each file opened once, then unmapped)."""
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self.files:
+                raise CheckpointError(f"streamed weights have no tensor {name}")
+            by_file.setdefault(self.files[name], []).append(name)
+        for path, keys in by_file.items():
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as handle:
+                    for key in keys:
+                        out[key] = handle.get_tensor(key)
+            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise CheckpointError(f"cannot stream weights file {path}: {text}") from None
+        for key, tensor in out.items():  # what checkpoint.load refuses, refused when the tensor is read
+            if not tensor.dtype.is_floating_point or not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(f"weights file {self.files[key]}: tensor {key} is not finite floating-point "
+                                      f"({str(tensor.dtype).replace('torch.', '')}); the weights are unusable")
+        return out
+
+
+class Streamer:
+    """Which device each unit lives on, which units are materialised, and the step that uses them.
+
+    `source` None: every weight is resident (placement over devices only)."""
+
+    def __init__(self, model, source: TensorSource | None, devices: list[torch.device], budget: int):
+        self.model, self.source, self.budget = model, source, budget
+        self.devices = devices
+        self.params: dict[Any, list[tuple[nn.Module, str, str]]] = {}
+        for name, _ in model.named_parameters():
+            module_name, _, attr = name.rpartition(".")
+            self.params.setdefault(unit_of(name), []).append((model.get_submodule(module_name), attr, name))
+        units = [EMBED, *range(model.n_layer), HEAD]
+        sizes = [self.nbytes(u) for u in units]
+        where = split_by_bytes(sizes, len(devices)) if len(devices) > 1 else [0] * len(units)
+        self.device = {u: devices[i] for u, i in zip(units, where)}
+        self.device[REST] = devices[0]
+        self.kept: dict[Any, int] = {}  # materialised units held between uses (bytes), within the budget
+        self.transient: set[Any] = set()  # materialised beyond the budget: released at the next materialisation
+        self.ropes: dict[torch.device, tuple] = {}
+        self.reads = 0  # units read from the files (for tests and benchmarks)
+
+    def nbytes(self, unit) -> int:
+        """Bytes of a unit's parameters in the model's current dtype."""
+        return sum(getattr(m, a).numel() * getattr(m, a).element_size() for m, a, _ in self.params.get(unit, []))
+
+    def materialised(self, unit) -> bool:
+        return all(not getattr(m, a).is_meta for m, a, _ in self.params.get(unit, []))
+
+    def ensure(self, keep: tuple, device: torch.device | None = None) -> None:
+        """Materialise the units `keep` (on `device`, else their own), releasing transient others first."""
+        for unit in list(self.transient):
+            if unit not in keep:
+                self.release(unit)
+        for unit in keep:
+            target = device or self.device[unit]
+            if self.source is None or unit in (EMBED, REST):
+                self.relocate(unit, target)
+                continue
+            if self.materialised(unit):
+                self.relocate(unit, target)
+                continue
+            self.load(unit, target)
+
+    def load(self, unit, device: torch.device) -> None:
+        """Read a unit's tensors and put them in place as parameters of the model's dtype on `device`."""
+        entries = self.params.get(unit, [])
+        tensors = self.source.read([name for _, _, name in entries])
+        size = 0
+        for module, attr, name in entries:
+            meta = getattr(module, attr)
+            value = tensors.pop(name).to(device=device, dtype=meta.dtype)
+            module._parameters[attr] = nn.Parameter(value, requires_grad=meta.requires_grad)
+            size += value.numel() * value.element_size()
+        self.reads += 1
+        if sum(self.kept.values()) + size <= self.budget:
+            self.kept[unit] = size
+        else:
+            self.transient.add(unit)
+
+    def release(self, unit) -> None:
+        """Put a unit's parameters back on `meta` (their storage is freed)."""
+        for module, attr, _ in self.params.get(unit, []):
+            param = getattr(module, attr)
+            module._parameters[attr] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                                    requires_grad=param.requires_grad)
+        self.transient.discard(unit)
+        self.kept.pop(unit, None)
+
+    def relocate(self, unit, device: torch.device) -> None:
+        """Move a materialised unit's parameters to `device` (a swapped block run beside another device's)."""
+        for module, attr, _ in self.params.get(unit, []):
+            param = getattr(module, attr)
+            if param.device != device:
+                module._parameters[attr] = nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+
+    def rope(self, device: torch.device) -> tuple:
+        """The model's RoPE tables on `device` (copied once per device and dtype)."""
+        cos, sin = self.model.rope_cos, self.model.rope_sin
+        if cos.device == device:
+            return cos, sin
+        cached = self.ropes.get(device)
+        if cached is None or cached[0] is not cos:
+            cached = self.ropes[device] = (cos, sin, cos.to(device), sin.to(device))
+        return cached[2], cached[3]
+
+    def step(self, position: int, running: nn.Module, state, home: nn.Module):
+        """`DepthModel.block_step` with materialised blocks: the running block on its device (the home block,
+        whose position-bound tensors the scheme may read, beside it), the state moved there and back."""
+        device = self.device[running.index]
+        self.ensure(tuple(dict.fromkeys((running.index, home.index))), device)
+        out = self.model.scheme.step(position, running, move(state, device), home, self.rope(device))
+        return move(out, self.devices[0])
+
+    def before_head(self, module, args):
+        """Forward pre-hook of ln_final / unembed: the head materialised, its input on the head's device."""
+        self.ensure((HEAD,))
+        return move(args, self.device[HEAD])
+
+    def after_head(self, module, args, output):
+        """Forward hook of ln_final / unembed: outputs back on the first device, where the states live."""
+        return move(output, self.devices[0])
+
+
+class StreamedWeights(Mapping):
+    """The model's state dict, read one tensor at a time (for a content hash of a streamed model's weights)."""
+
+    def __init__(self, model, streamer: Streamer):
+        self.model, self.streamer = model, streamer
+        self.names = list(model.state_dict(keep_vars=True).keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self.model.state_dict(keep_vars=True)[name] if name in self.names else None
+        if value is None:
+            raise KeyError(name)
+        if not value.is_meta:
+            return value.detach()
+        return self.streamer.source.read([name])[name].to(value.dtype)
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def attach(model, source: TensorSource | None, devices: list[str], budget: int = DEFAULT_BUDGET) -> Streamer:
+    """Hook a Streamer into `model` (block_step, head) and put its resident units on their devices."""
+    targets = [torch.device(d) for d in devices]
+    streamer = Streamer(model, source, targets, budget)
+    if len(set(targets)) > 1 and streamer.params.get(REST):
+        raise DepthToolsError(f"--devices: the {model.config.arch} architecture keeps parameters outside its blocks "
+                              "(used at every depth), which cannot be split over devices; use one device")
+    for name, buf in list(model.named_buffers()):  # RoPE tables and any block's buffers: where their unit runs
+        module_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(module_name)
+        owner._buffers[attr] = buf.to(streamer.device.get(unit_of(name), targets[0]))
+    for unit in [EMBED, REST, *([] if source is not None else [*range(model.n_layer), HEAD])]:
+        streamer.relocate(unit, streamer.device[unit])
+    for module in (model.ln_final, model.unembed):
+        module.register_forward_pre_hook(streamer.before_head)
+        module.register_forward_hook(streamer.after_head)
+    model.stream = streamer
+    if source is not None:
+        model.streamed_weights = StreamedWeights(model, streamer)
+    return streamer
