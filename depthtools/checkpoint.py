@@ -455,7 +455,14 @@ def _streamed(cfg: ModelConfig, files: dict[str, Path], directory: Path, targets
     import torch  # lazy: see the note at the top
 
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
-    from depthtools.arch.stream import DEFAULT_BUDGET, TensorSource, attach, params_on_meta, unit_of  # lazy: torch
+    from depthtools.arch.stream import (  # lazy: torch
+        DEFAULT_BUDGET,
+        TensorSource,
+        attach,
+        owned,
+        params_on_meta,
+        unit_of,
+    )
 
     with params_on_meta():
         model = DepthModel(cfg)
@@ -467,7 +474,7 @@ def _streamed(cfg: ModelConfig, files: dict[str, Path], directory: Path, targets
     for name in names:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        module._parameters[attr] = torch.nn.Parameter(tensors.pop(name).to(torch.float32))
+        module._parameters[attr] = torch.nn.Parameter(owned(tensors.pop(name), "cpu", torch.float32))
     if model.config.tie_embeddings:  # the unembedding is the embedding's (now real) parameter again
         model.unembed.weight = model.tok_embed.weight
     attach(model, source, targets, DEFAULT_BUDGET if budget is None else budget)

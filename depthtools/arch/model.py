@@ -267,6 +267,8 @@ class DepthModel(HookedRootModule):
             if position in plan.replace:
                 return plan.replace[position](state)
             if position in plan.skip:
+                if self.stream is not None:  # a skip rule may read the bypassed block's parameters (HC)
+                    return self.stream.skip(position, state, plan.skip_rule)
                 return self.scheme.skip(position, state, plan.skip_rule)
             return self.block_step(position, state, plan.block_at(position))
         return self.block_step(position, state)

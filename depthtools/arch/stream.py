@@ -140,6 +140,13 @@ def unit_of(name: str) -> str | int:
     return REST
 
 
+def owned(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` on `device` in `dtype`, in memory of its own: safetensors' tensors may view the file's memory map,
+    which a file changed under a running analysis would turn into a bus error instead of a one-line refusal."""
+    out = tensor.to(device=device, dtype=dtype)
+    return out.clone() if out is tensor else out
+
+
 class TensorSource:
     """Tensor name -> its safetensors file; `read` copies one tensor out of the memory-mapped file."""
 
@@ -220,7 +227,7 @@ class Streamer:
         size = 0
         for module, attr, name in entries:
             meta = getattr(module, attr)
-            value = tensors.pop(name).to(device=device, dtype=meta.dtype)
+            value = owned(tensors.pop(name), device, meta.dtype)
             module._parameters[attr] = nn.Parameter(value, requires_grad=meta.requires_grad)
             size += value.numel() * value.element_size()
         self.reads += 1
@@ -263,6 +270,12 @@ class Streamer:
         out = self.model.scheme.step(position, running, move(state, device), home, self.rope(device))
         return move(out, self.devices[0])
 
+    def skip(self, position: int, state, rule: str | None):
+        """`scheme.skip` with block `position` materialised (a skip rule may read its connection weights)."""
+        device = self.device[position]
+        self.ensure((position,), device)
+        return move(self.model.scheme.skip(position, move(state, device), rule), self.devices[0])
+
     def before_head(self, module, args):
         """Forward pre-hook of ln_final / unembed: the head materialised, its input on the head's device."""
         self.ensure((HEAD,))
@@ -286,7 +299,7 @@ class StreamedWeights(Mapping):
             raise KeyError(name)
         if not value.is_meta:
             return value.detach()
-        return self.streamer.source.read([name])[name].to(value.dtype)
+        return owned(self.streamer.source.read([name])[name], "cpu", value.dtype)
 
     def __iter__(self):
         return iter(self.names)
@@ -315,3 +328,40 @@ def attach(model, source: TensorSource | None, devices: list[str], budget: int =
     if source is not None:
         model.streamed_weights = StreamedWeights(model, streamer)
     return streamer
+
+
+# -- writing a sharded checkpoint, one tensor at a time ----------------------------------------------------
+def write_sharded(directory: Path, tensors, shard_bytes: int = 2 << 30, dtype: torch.dtype | None = None) -> Path:
+    """Write `tensors` (an iterable of (name, tensor), consumed lazily) as safetensors shards of at most about
+    `shard_bytes` each plus model.safetensors.index.json (the Hugging Face layout `checkpoint.weight_files`
+    reads), cast to `dtype` if given. Memory stays at one shard: a model larger than RAM can be written from a
+    generator. Each file is written atomically (a hidden temporary file, then rename); returns the index path."""
+    from safetensors.torch import save_file  # lazy: nothing else here writes
+
+    from depthtools.fsutil import AtomicFile, atomic_write_json
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    count = 0
+
+    def flush() -> None:
+        nonlocal count, shard
+        if shard:
+            count += 1
+            name = f"model-{count:05d}.safetensors"
+            with AtomicFile(directory / name, fsync=False) as out:
+                save_file(shard, out.temp, metadata={"format": "pt"})
+            weight_map.update({key: name for key in shard})
+            shard = {}
+
+    for name, tensor in tensors:
+        tensor = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
+        if shard and sum(t.numel() * t.element_size() for t in shard.values()) + tensor.nbytes > shard_bytes:
+            flush()
+        shard[name] = tensor
+    flush()
+    index = directory / "model.safetensors.index.json"
+    atomic_write_json(index, {"metadata": {"format": "pt"}, "weight_map": weight_map})
+    return index
