@@ -42,38 +42,35 @@ EVERY_DEPTH = ("attn_res", "mlp_res")
 # -- placement: a pure function of byte sizes ----------------------------------------------------------------
 def split_by_bytes(sizes: list[int], n: int) -> list[int]:
     """The device index (0..n-1) of each unit, for units of `sizes` bytes in order: contiguous ranges, every
-    device at least one unit, minimising the largest device's bytes (ties: the earliest split). Callers pass
-    [embedding, block 0, ..., block L-1, head], so the embedding lands on the first device, the head on the last.
+    device at least one unit, minimising the largest device's bytes. Callers pass [embedding, block 0, ...,
+    block L-1, head], so the embedding lands on the first device and the head on the last.
 
-    Exact: a binary search over the largest load, each checked greedily (fill a device while it fits)."""
+    Exact, by dynamic programming over (devices used, units placed): O(n L^2) for L units, nothing at model sizes."""
     if n < 1 or n > len(sizes):
         raise DepthToolsError(f"cannot split {len(sizes)} units over {n} devices")
     if any(s < 0 for s in sizes):
         raise DepthToolsError("unit sizes must be >= 0 bytes")
-
-    def fill(limit: int) -> list[int] | None:
-        """Greedy assignment with at most `limit` bytes a device, leaving a unit for every later device."""
-        out, device, load = [], 0, 0
-        for i, size in enumerate(sizes):
-            must_move = len(sizes) - i == n - device  # as many units left as devices still empty after this
-            if out and (load + size > limit or must_move) and device + 1 < n:
-                device, load = device + 1, 0
-            if load + size > limit:
-                return None
-            out.append(device)
-            load += size
-        return out if device == n - 1 else None
-
-    low, high = max(sizes), sum(sizes)
-    while low < high:
-        mid = (low + high) // 2
-        if fill(mid) is None:
-            low = mid + 1
-        else:
-            high = mid
-    best = fill(low)
-    assert best is not None  # fill(sum) always succeeds
-    return best
+    count = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    # best[k][i]: the smallest largest load placing the first i units on k devices; cut[k][i]: where device k starts
+    best = [[inf] * (count + 1) for _ in range(n + 1)]
+    cut = [[0] * (count + 1) for _ in range(n + 1)]
+    best[0][0] = 0
+    for k in range(1, n + 1):
+        for i in range(k, count - (n - k) + 1):
+            for j in range(k - 1, i):
+                load = max(best[k - 1][j], prefix[i] - prefix[j])
+                if load < best[k][i]:
+                    best[k][i], cut[k][i] = load, j
+    where, i = [0] * count, count
+    for k in range(n, 0, -1):
+        j = cut[k][i]
+        where[j:i] = [k - 1] * (i - j)
+        i = j
+    return where
 
 
 def check_devices(device: str, n: int | None, available: int | None = None) -> list[str]:
@@ -191,8 +188,9 @@ class Streamer:
         units = [EMBED, *range(model.n_layer), HEAD]
         sizes = [self.nbytes(u) for u in units]
         where = split_by_bytes(sizes, len(devices)) if len(devices) > 1 else [0] * len(units)
-        self.device = {u: devices[i] for u, i in zip(units, where)}
-        self.device[REST] = devices[0]
+        self.where = {u: i for u, i in zip(units, where)}  # unit -> index into devices
+        self.where[REST] = 0
+        self.device = {u: devices[i] for u, i in self.where.items()}
         self.kept: dict[Any, int] = {}  # materialised units held between uses (bytes), within the budget
         self.transient: set[Any] = set()  # materialised beyond the budget: released at the next materialisation
         self.ropes: dict[torch.device, tuple] = {}
