@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 from depthtools import checkpoint as ck  # noqa: E402
 from depthtools.analysis.suite import ANALYSES, run_analysis  # noqa: E402
 from depthtools.arch import DepthModel  # noqa: E402
-from depthtools.arch.stream import write_sharded  # noqa: E402
 from depthtools.config import ModelConfig  # noqa: E402
 from depthtools.fsutil import atomic_write_json  # noqa: E402
 
@@ -58,7 +57,7 @@ def random_checkpoint(directory: Path, cfg: ModelConfig, dtype: torch.dtype, sha
 
     directory.mkdir(parents=True, exist_ok=True)
     if sharded:
-        write_sharded(directory, tensors(), shard_bytes=1 << 30)
+        ck.write_sharded(directory, tensors(), shard_bytes=1 << 30)
     else:
         ck.atomic_save_tensors(directory / ck.WEIGHTS, dict(tensors()))
     atomic_write_json(directory / ck.CONFIG, {"model": cfg.to_dict(), "params": {}, "depthtools_version": "bench"})

@@ -391,6 +391,41 @@ def weight_files(directory: Path) -> dict[str, Path]:
     return {name: shards[shard] for name, shard in weight_map.items()}
 
 
+# -- writing a sharded checkpoint, one tensor at a time ----------------------------------------------------
+def write_sharded(directory: Path, tensors, shard_bytes: int = 2 << 30, dtype: torch.dtype | None = None) -> Path:
+    """Write `tensors` (an iterable of (name, tensor), consumed lazily) as safetensors shards of at most about
+    `shard_bytes` each plus model.safetensors.index.json (the Hugging Face layout `checkpoint.weight_files`
+    reads), cast to `dtype` if given. Memory stays at one shard: a model larger than RAM can be written from a
+    generator. Each file is written atomically (a hidden temporary file, then rename); returns the index path."""
+    from safetensors.torch import save_file  # lazy: safetensors.torch imports torch (see the note at the top)
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    count = 0
+
+    def flush() -> None:
+        nonlocal count, shard
+        if shard:
+            count += 1
+            name = f"model-{count:05d}.safetensors"
+            with AtomicFile(directory / name, fsync=False) as out:
+                save_file(shard, out.temp, metadata={"format": "pt"})
+            weight_map.update({key: name for key in shard})
+            shard = {}
+
+    for name, tensor in tensors:
+        tensor = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
+        if shard and sum(t.numel() * t.element_size() for t in shard.values()) + tensor.nbytes > shard_bytes:
+            flush()
+        shard[name] = tensor
+    flush()
+    index = directory / WEIGHTS_INDEX
+    atomic_write_json(index, {"metadata": {"format": "pt"}, "weight_map": weight_map})
+    return index
+
+
 def _pickled(directory: Path) -> list[str]:
     return sorted(p.name for pattern in PICKLED for p in Path(directory).glob(pattern))
 

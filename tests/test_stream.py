@@ -13,7 +13,6 @@ from cli.main import app
 from depthtools import checkpoint as ck
 from depthtools.analysis.suite import ANALYSES, analyze_grid, read_result
 from depthtools.arch import DepthModel, Plan
-from depthtools.arch.stream import write_sharded
 from depthtools.config import ModelConfig
 from depthtools.errors import CheckpointError
 
@@ -77,7 +76,7 @@ def test_sharded_bf16_checkpoint_streams_and_loads_as_its_float32_upcast(tmp_pat
     directory = cell(tmp_path, data_dir)
     model = ck.load(directory)
     (directory / ck.WEIGHTS).unlink()
-    write_sharded(directory, ck.model_state(model).items(), shard_bytes=20_000, dtype=torch.bfloat16)
+    ck.write_sharded(directory, ck.model_state(model).items(), shard_bytes=20_000, dtype=torch.bfloat16)
     assert len(list(directory.glob("model-*.safetensors"))) > 3
     reference = DepthModel(model.config)
     with torch.no_grad():
@@ -133,7 +132,7 @@ def test_stream_refuses_a_truncated_shard_in_one_line(tmp_path, data_dir):
     directory = cell(tmp_path, data_dir)
     model = ck.load(directory)
     (directory / ck.WEIGHTS).unlink()
-    write_sharded(directory, ck.model_state(model).items(), shard_bytes=20_000)
+    ck.write_sharded(directory, ck.model_state(model).items(), shard_bytes=20_000)
     shard = sorted(directory.glob("model-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-100])
     refused(["ablate", "--ckpt", directory, "--n-tokens", "64", "--seq-len", "16", "--stream"], "truncated")
