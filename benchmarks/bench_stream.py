@@ -113,6 +113,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--d-ff", type=int, help="default 2.75 d (TinyLlama; Llama-3.2-3B: --d-model 3072 --d-ff 8192)")
+    parser.add_argument("--big-probes", default=",".join(PROBES), help="the probes of (a) (default: all but the tuned "
+                        "lens)")
     parser.add_argument("--small-layers", type=int, default=30)
     parser.add_argument("--tmp", default="/tmp/bench_stream")
     parser.add_argument("--skip-big", action="store_true")
@@ -126,13 +130,14 @@ def main() -> None:
     try:
         if not args.skip_big:
             d = args.d_model
-            big = ModelConfig(arch="preln", vocab_size=32000, d_model=d, n_layer=args.layers, n_heads=d // 64,
-                              n_kv_heads=max(1, d // 512), d_ff=int(2.75 * d), max_seq_len=64)
+            heads, kv = (d // 128, 8) if d >= 3072 else (d // 64, max(1, d // 512))  # Llama-3.2-3B / TinyLlama
+            big = ModelConfig(arch="preln", vocab_size=args.vocab, d_model=d, n_layer=args.layers, n_heads=heads,
+                              n_kv_heads=kv, d_ff=args.d_ff or int(2.75 * d), max_seq_len=64)
             start = time.perf_counter()
             f32 = random_checkpoint(tmp / "big", big, torch.bfloat16, sharded=True)
             print(f"(a) {f32 / 4 / 1e9:.2f}B params (L{big.n_layer} d{d} ff{big.d_ff} V{big.vocab_size}), sharded bf16 "
                   f"written in {time.perf_counter() - start:.0f} s")
-            result = run_child(tmp / "big", PROBES, stream=True, budget=0)
+            result = run_child(tmp / "big", args.big_probes.split(","), stream=True, budget=0)
             print("    seconds per probe: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in result["seconds"].items()))
             print(f"    peak RSS {result['peak_rss'] / 1e9:.2f} GB / float32 size {f32 / 1e9:.2f} GB = "
                   f"{result['peak_rss'] / f32:.3f} (target <= 0.35); {result['reads']} unit reads")
