@@ -76,6 +76,9 @@ def child(directory: str, probes: list[str], stream: bool, budget: int | None, r
             start = time.perf_counter()
             run_analysis(name, model, tokens, save=False, recompute=True, **CHEAP)
             seconds[name].append(time.perf_counter() - start)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            print(f"      {name}: {seconds[name][-1]:.1f} s, peak RSS so far {peak / 1e9:.2f} GB", file=sys.stderr,
+                  flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"seconds": seconds, "peak_rss": peak, "reads": getattr(model.stream, "reads", 0)}))
 
@@ -84,7 +87,7 @@ def run_child(directory: Path, probes: list[str], stream: bool, budget: int | No
     args = [sys.executable, __file__, "--child", str(directory), "--probes", ",".join(probes), "--repeats", str(repeats)]
     args += ["--stream"] if stream else []
     args += ["--budget", str(budget)] if budget is not None else []
-    out = subprocess.run(args, check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(args, check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
