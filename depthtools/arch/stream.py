@@ -290,6 +290,7 @@ class StreamedWeights(Mapping):
     def __init__(self, model, streamer: Streamer):
         self.model, self.streamer = model, streamer
         self.names = list(model.state_dict(keep_vars=True).keys())
+        self.fingerprints: dict = {}  # `lens.model_fingerprint` per dtype: the files do not change under a model
 
     def __getitem__(self, name: str) -> torch.Tensor:
         value = self.model.state_dict(keep_vars=True)[name] if name in self.names else None
