@@ -442,7 +442,7 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
          stream: bool | None = None, devices: int | None = None, budget: int | None = None):
     """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model.
 
-    stream=True: nothing of the weights' size is loaded; each block is read from the (memory-mapped)
+    stream=True: nothing of the weights' size is loaded; each block is read from the
     safetensors file(s) when it runs and released after (`depthtools.arch.stream`), keeping up to `budget`
     bytes of blocks between uses. devices=N: blocks over the first N CUDA devices, split by bytes. Either
     defaults to the enclosing `loading(...)` (the CLI's --stream / --devices)."""
@@ -494,7 +494,6 @@ def _streamed(cfg: ModelConfig, files: dict[str, Path], directory: Path, targets
         DEFAULT_BUDGET,
         TensorSource,
         attach,
-        owned,
         params_on_meta,
         unit_of,
     )
@@ -505,11 +504,11 @@ def _streamed(cfg: ModelConfig, files: dict[str, Path], directory: Path, targets
     source = TensorSource(files)
 
     names = [n for n, _ in model.named_parameters() if unit_of(n) in ("embed", "rest")]
-    tensors = source.read(names)
+    tensors = source.read(names, torch.float32)  # float32, as an in-memory load holds them
     for name in names:
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        module._parameters[attr] = torch.nn.Parameter(owned(tensors.pop(name), "cpu", torch.float32))
+        module._parameters[attr] = torch.nn.Parameter(tensors.pop(name))
     if model.config.tie_embeddings:  # the unembedding is the embedding's (now real) parameter again
         model.unembed.weight = model.tok_embed.weight
     attach(model, source, targets, DEFAULT_BUDGET if budget is None else budget)

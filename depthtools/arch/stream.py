@@ -6,7 +6,9 @@ head: final norm + unembedding) from the checkpoint's safetensors files when it 
 then releases it. A small byte budget keeps the first blocks that fit materialised, so a sweep that runs the
 same blocks again reads them once (the rest are read on each use: a cyclic scan under LRU would miss every
 time; keeping the first ones hits the budget's share of every pass). Results are those of the in-memory model,
-bit for bit: the same tensors, cast the same way, run by the same code.
+bit for bit: the same tensors, cast the same way, run by the same code. Tensors are read from the files with
+positioned reads in chunks, cast as they arrive (`TensorSource`): a memory map's touched pages would count as
+the process' memory, and a bf16 copy beside its float32 cast would double a large head's footprint.
 
 `place(model, devices)` (and `streamed(..., devices=...)`) puts contiguous block ranges on several devices with
 a split balanced by bytes (`split_by_bytes`, a pure function): embedding on the first device, head on the last.
@@ -15,19 +17,20 @@ analysis sees its states where it expects them.
 
 Both hook into `DepthModel.block_step` through `model.stream` (a `Streamer`) and into the head through forward
 pre-hooks on `ln_final` and `unembed`; nothing else of the model changes. The files are checked by the caller
-(`depthtools.checkpoint.load`); this module reads tensors only from safetensors (memory-mapped; never pickles).
+(`depthtools.checkpoint.load`); this module reads tensors only from safetensors files (never pickles).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import struct
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from depthtools.errors import CheckpointError, DepthToolsError
@@ -137,40 +140,75 @@ def unit_of(name: str) -> str | int:
     return REST
 
 
-def owned(tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    """`tensor` on `device` in `dtype`, in memory of its own: safetensors' tensors may view the file's memory map,
-    which a file changed under a running analysis would turn into a bus error instead of a one-line refusal."""
-    out = tensor.to(device=device, dtype=dtype)
-    return out.clone() if out is tensor else out
+STORED = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+CHUNK_BYTES = 64 << 20  # bytes read (and converted) at a time
 
 
 class TensorSource:
-    """Tensor name -> its safetensors file; `read` copies one tensor out of the memory-mapped file."""
+    """Tensor name -> its safetensors file; `read` converts one tensor out of the file into memory of its own.
+
+    The bytes are read with plain positioned reads in chunks of CHUNK_BYTES and cast into the output as they
+    come (the cast `Tensor.to` does), so reading a bf16 tensor into float32 holds the float32 result and one
+    chunk, not the file's mapping (whose touched pages count as the process' memory) plus a bf16 copy plus the
+    result. The headers were checked whole by `checkpoint.weight_files`; a file changed since is one line."""
 
     def __init__(self, files: Mapping[str, Path]):
         self.files = dict(files)
+        self.entries: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
+        for path in sorted(set(self.files.values())):
+            self._index(path)
 
-    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The tensors `names`, in their stored dtype, on the CPU (each file opened once, then unmapped)."""
-        out: dict[str, torch.Tensor] = {}
-        by_file: dict[Path, list[str]] = {}
+    def _index(self, path: Path) -> None:
+        """Record (file, dtype, shape, first byte, last byte) of every tensor the file's header lists."""
+        try:
+            with open(path, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length).decode("utf-8"))
+        except (OSError, ValueError, struct.error) as exc:
+            raise CheckpointError(f"cannot stream weights file {path}: {exc}") from None
+        for name, info in header.items():
+            if name != "__metadata__" and self.files.get(name) == path:
+                begin, stop = (8 + length + int(v) for v in info["data_offsets"])
+                self.entries[name] = (path, info["dtype"], tuple(int(d) for d in info["shape"]), begin, stop)
+
+    def read(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The tensors `names` on the CPU, in `dtype` (None: as stored); non-finite or non-float ones refused."""
+        out = {}
         for name in names:
-            if name not in self.files:
+            if name not in self.entries:
                 raise CheckpointError(f"streamed weights have no tensor {name}")
-            by_file.setdefault(self.files[name], []).append(name)
-        for path, keys in by_file.items():
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as handle:
-                    for key in keys:
-                        out[key] = handle.get_tensor(key)
-            except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise CheckpointError(f"cannot stream weights file {path}: {text}") from None
-        for key, tensor in out.items():  # what checkpoint.load refuses, refused when the tensor is read
-            if not tensor.dtype.is_floating_point or not bool(torch.isfinite(tensor).all()):
-                raise CheckpointError(f"weights file {self.files[key]}: tensor {key} is not finite floating-point "
-                                      f"({str(tensor.dtype).replace('torch.', '')}); the weights are unusable")
+            out[name] = self._read(name, dtype)
         return out
+
+    def _read(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        path, stored, shape, begin, stop = self.entries[name]
+        source = STORED.get(stored)
+        if source is None:
+            raise CheckpointError(f"weights file {path}: tensor {name} has dtype {stored}, expected a floating-point "
+                                  "dtype; the weights are unusable")
+        result = torch.empty(shape, dtype=dtype or source)
+        flat, size = result.view(-1), torch.empty((), dtype=source).element_size()
+        step = max(1, CHUNK_BYTES // size)
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(begin)
+                for lo in range(0, flat.numel(), step):
+                    count = min(step, flat.numel() - lo)
+                    raw = bytearray(count * size)  # a Python buffer: no tensor's data pointer (jvp-safe)
+                    if handle.readinto(raw) != count * size:
+                        raise CheckpointError(f"weights file {path} is damaged (truncated): it ends inside "
+                                              f"tensor {name}")
+                    values = torch.frombuffer(raw, dtype=source)
+                    if not bool(torch.isfinite(values).all()):
+                        raise CheckpointError(f"weights file {path}: tensor {name} has non-finite (NaN/inf) values; "
+                                              "the weights are unusable")
+                    flat[lo:lo + count].copy_(values)
+        except OSError as exc:
+            raise CheckpointError(f"cannot stream weights file {path}: {exc.strerror or exc}") from None
+        if stop - begin != flat.numel() * size:
+            raise CheckpointError(f"weights file {path} is damaged: tensor {name} spans {stop - begin} bytes, "
+                                  f"its shape needs {flat.numel() * size}")
+        return result
 
 
 class Streamer:
@@ -221,11 +259,10 @@ class Streamer:
     def load(self, unit, device: torch.device) -> None:
         """Read a unit's tensors and put them in place as parameters of the model's dtype on `device`."""
         entries = self.params.get(unit, [])
-        tensors = self.source.read([name for _, _, name in entries])
         size = 0
         for module, attr, name in entries:
             meta = getattr(module, attr)
-            value = owned(tensors.pop(name), device, meta.dtype)
+            value = self.source.read([name], meta.dtype)[name].to(device)  # memory of its own, cast as read
             module._parameters[attr] = nn.Parameter(value, requires_grad=meta.requires_grad)
             size += value.numel() * value.element_size()
         self.reads += 1
@@ -298,7 +335,7 @@ class StreamedWeights(Mapping):
             raise KeyError(name)
         if not value.is_meta:
             return value.detach()
-        return owned(self.streamer.source.read([name])[name], "cpu", value.dtype)
+        return self.streamer.source.read([name], value.dtype)[name]
 
     def __iter__(self):
         return iter(self.names)
