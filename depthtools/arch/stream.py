@@ -35,6 +35,34 @@ from torch import nn
 
 from depthtools.errors import CheckpointError, DepthToolsError
 
+
+def _libc():
+    """glibc through ctypes, or None elsewhere (then memory is left to the platform's allocator)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
+LIBC = _libc()
+M_MMAP_THRESHOLD = -3
+
+
+def return_freed_memory(fixed_threshold: bool = False) -> None:
+    """Give freed heap memory back to the system (glibc malloc_trim), and with `fixed_threshold` serve every
+    allocation of 4 MiB or more by its own mapping from now on (glibc otherwise raises that threshold to 32 MiB
+    after the first large free, and keeps mid-sized tensors of released blocks in fragmented heaps: a stream
+    of blocks then grows the process by GBs). A no-op off glibc."""
+    if LIBC is None:
+        return
+    if fixed_threshold:
+        LIBC.mallopt(M_MMAP_THRESHOLD, 4 << 20)
+    LIBC.malloc_trim(0)
+
+
 DEFAULT_BUDGET = 1 << 30  # bytes of materialised blocks kept between uses (1 GiB)
 EMBED, HEAD, REST = "embed", "head", "rest"
 # Block parameters a scheme reads at every depth, not only when the block runs: the AttnRes mixers (each block's
@@ -279,6 +307,7 @@ class Streamer:
                                                     requires_grad=param.requires_grad)
         self.transient.discard(unit)
         self.kept.pop(unit, None)
+        return_freed_memory()
 
     def relocate(self, unit, device: torch.device) -> None:
         """Move a materialised unit's parameters to `device` (a swapped block run beside another device's)."""
@@ -362,6 +391,7 @@ def attach(model, source: TensorSource | None, devices: list[str], budget: int =
         module.register_forward_hook(streamer.after_head)
     model.stream = streamer
     if source is not None:
+        return_freed_memory(fixed_threshold=True)
         model.streamed_weights = StreamedWeights(model, streamer)
     return streamer
 
