@@ -71,16 +71,18 @@ def child(directory: str, probes: list[str], stream: bool, budget: int | None, r
     model = ck.load(directory, stream=stream, budget=budget)
     tokens = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
     seconds: dict[str, list[float]] = {name: [] for name in probes}
+    cpu: dict[str, list[float]] = {name: [] for name in probes}
     for _ in range(repeats):
         for name in probes:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             run_analysis(name, model, tokens, save=False, recompute=True, **CHEAP)
             seconds[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             print(f"      {name}: {seconds[name][-1]:.1f} s, peak RSS so far {peak / 1e9:.2f} GB", file=sys.stderr,
                   flush=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": seconds, "peak_rss": peak, "reads": getattr(model.stream, "reads", 0)}))
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_rss": peak, "reads": getattr(model.stream, "reads", 0)}))
 
 
 def run_child(directory: Path, probes: list[str], stream: bool, budget: int | None = None, repeats: int = 1) -> dict:
@@ -91,21 +93,27 @@ def run_child(directory: Path, probes: list[str], stream: bool, budget: int | No
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def small_model(tmp: Path, layers: int, repeats: int) -> None:
-    """(b): lens and skip sweep, in memory and streamed (default budget), each child running them `repeats` times;
-    the first pass (streamed: every block read from the file) and the best pass are both reported."""
+def small_model(tmp: Path, layers: int, repeats: int, rounds: int) -> None:
+    """(b): lens and skip sweep, in memory and streamed (default budget), in `rounds` alternating pairs of children,
+    each running them `repeats` times; the first pass (streamed: every block read from the file) and the best pass
+    are reported, as wall and as CPU seconds of the child (less sensitive to a shared machine's load)."""
     small = ModelConfig(arch="preln", vocab_size=49152, d_model=576, n_layer=layers, n_heads=9, n_kv_heads=3,
                         d_ff=1536, max_seq_len=64, tie_embeddings=True)
     random_checkpoint(tmp / "small", small, torch.float32, sharded=False)
     probes = ["lens_logit", "ablate_skip"]
-    memory = run_child(tmp / "small", probes, stream=False, repeats=repeats)
-    streamed = run_child(tmp / "small", probes, stream=True, repeats=repeats)
-    print(f"(b) L{layers} d576 V49152 float32, {repeats} passes each")
-    for name in probes:
-        a, b = memory["seconds"][name], streamed["seconds"][name]
-        print(f"    {name}: first pass in-memory {a[0]:.2f} s, streamed {b[0]:.2f} s, ratio {b[0] / a[0]:.2f}; "
-              f"best pass {min(a):.2f} s vs {min(b):.2f} s, ratio {min(b) / min(a):.2f} (target <= 1.3)")
-    print(f"    peak RSS in-memory {memory['peak_rss'] / 1e9:.2f} GB, streamed {streamed['peak_rss'] / 1e9:.2f} GB")
+    print(f"(b) L{layers} d576 V49152 float32 (tied), {rounds} rounds x {repeats} passes; streamed / in-memory:")
+    for round_ in range(rounds):
+        memory = run_child(tmp / "small", probes, stream=False, repeats=repeats)
+        streamed = run_child(tmp / "small", probes, stream=True, repeats=repeats)
+        for name in probes:
+            ratios = []
+            for kind in ("seconds", "cpu"):
+                a, b = memory[kind][name], streamed[kind][name]
+                ratios.append(f"{kind} first {b[0]:.2f}/{a[0]:.2f} = {b[0] / a[0]:.2f}, best {min(b):.2f}/{min(a):.2f} "
+                              f"= {min(b) / min(a):.2f}")
+            print(f"    round {round_ + 1} {name}: " + "; ".join(ratios))
+        print(f"    round {round_ + 1} peak RSS in-memory {memory['peak_rss'] / 1e9:.2f} GB, "
+              f"streamed {streamed['peak_rss'] / 1e9:.2f} GB")
 
 
 def main() -> None:
@@ -125,6 +133,7 @@ def main() -> None:
     parser.add_argument("--skip-big", action="store_true")
     parser.add_argument("--skip-small", action="store_true")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.probes.split(","), args.stream, args.budget, args.repeats)
@@ -146,7 +155,7 @@ def main() -> None:
                   f"{result['peak_rss'] / f32:.3f} (target <= 0.35); {result['reads']} unit reads")
             shutil.rmtree(tmp / "big")
         if not args.skip_small:
-            small_model(tmp, args.small_layers, args.repeats)
+            small_model(tmp, args.small_layers, args.repeats, args.rounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
