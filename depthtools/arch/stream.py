@@ -390,8 +390,9 @@ def attach(model, source: TensorSource | None, devices: list[str], budget: int =
         module.register_forward_pre_hook(streamer.before_head)
         module.register_forward_hook(streamer.after_head)
     model.stream = streamer
-    if source is not None:
-        return_freed_memory(fixed_threshold=True)
+    streamed_bytes = sum(streamer.nbytes(u) for u in [*range(model.n_layer), HEAD])
+    if source is not None and streamed_bytes > budget:  # blocks will be released and read again: keep RSS flat
+        return_freed_memory(fixed_threshold=True)  # (not when all fit: fresh mappings cost large activations time)
         model.streamed_weights = StreamedWeights(model, streamer)
     return streamer
 
