@@ -53,6 +53,7 @@ def test_every_probe_streamed_equals_in_memory(tmp_path, data_dir, arch):
 
 
 def test_budget_keeps_blocks_and_prefix_caching_still_holds(tmp_path, data_dir):
+    from depthtools.analysis.lens import model_fingerprint
     from depthtools.analysis.sweep import intact_states, plan_logits
 
     directory = cell(tmp_path, data_dir)
@@ -70,6 +71,7 @@ def test_budget_keeps_blocks_and_prefix_caching_still_holds(tmp_path, data_dir):
         else:
             assert model.stream.reads > 12
         assert torch.equal(model.tok_embed.weight, memory.tok_embed.weight)
+        assert model_fingerprint(model) == model_fingerprint(memory)  # read one tensor at a time, whatever the budget
 
 
 def test_sharded_bf16_checkpoint_streams_and_loads_as_its_float32_upcast(tmp_path, data_dir):

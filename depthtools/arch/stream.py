@@ -393,6 +393,7 @@ def attach(model, source: TensorSource | None, devices: list[str], budget: int =
     streamed_bytes = sum(streamer.nbytes(u) for u in [*range(model.n_layer), HEAD])
     if source is not None and streamed_bytes > budget:  # blocks will be released and read again: keep RSS flat
         return_freed_memory(fixed_threshold=True)  # (not when all fit: fresh mappings cost large activations time)
+    if source is not None:
         model.streamed_weights = StreamedWeights(model, streamer)
     return streamer
 
