@@ -63,6 +63,15 @@ def check_device(device: str) -> str:
     return device
 
 
+def check_devices(device: str, n: int) -> list[str]:
+    """The devices `--device D --devices N` places blocks on, or a one-line error (N needs --device cuda and
+    at most the visible CUDA devices)."""
+    from depthtools.arch.stream import check_devices as check  # lazy: keeps the CLI torch-free
+
+    check_device(device)
+    return check(device, n)
+
+
 def write_out(df: pd.DataFrame, out: Path | None) -> None:
     """A probe command's --out: the table written to `out` (by its suffix), with a line on stderr."""
     from depthtools.analysis.tables import write_frame  # lazy: keeps the CLI torch-free

@@ -31,7 +31,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from typer.core import TyperCommand
 
 from cli.app import app
-from cli.common import check_device, console, err_console, fmt, parse_list, print_json, table, write_out
+from cli.common import check_device, check_devices, console, err_console, fmt, parse_list, print_json, table, write_out
 from cli.plain import PlainLog, PlainProgress, is_plain
 from cli.probe_depthbench import PROTOCOL_OPT, check_protocol, emit_depthbench, run_probe as run_depthbench_probe
 from depthtools.analysis.suite import (
@@ -50,6 +50,7 @@ from depthtools.analysis.suite import (
     run_analysis,
     skip_is_measured,
 )
+from depthtools.checkpoint import loading
 from depthtools.errors import DepthToolsError
 
 # -- the shared option vocabulary --------------------------------------------------------------------
@@ -68,7 +69,9 @@ class ProbeCommand(TyperCommand):
     and takes `--dtype float32|bfloat16|float16` (the analysis dtype; `probe` and `analyze` read ANALYSIS_DTYPE)."""
 
     DTYPE_HELP = ("--dtype float32|bfloat16|float16: the analysis dtype, weights loaded straight into it "
-                  "(default float32; the metrics accumulate in float32/float64 either way).")
+                  "(default float32; the metrics accumulate in float32/float64 either way). --stream: read each block "
+                  "from the checkpoint's safetensors when it runs (a model larger than memory; same results). "
+                  "--devices N (with --device cuda): blocks over the first N CUDA devices, split by bytes.")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -94,8 +97,36 @@ class ProbeCommand(TyperCommand):
             i += 1
         return rest, dtype
 
+    @staticmethod
+    def take_loading(args: list) -> tuple[list, bool, int | None]:
+        """Remove `--stream` and `--devices N` / `--devices=N` from args: (the rest, stream, N or None)."""
+        rest, stream, devices, i = [], False, None, 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                rest += args[i:]
+                break
+            value = None
+            if arg == "--stream":
+                stream = True
+            elif isinstance(arg, str) and arg.startswith("--devices="):
+                value = arg.split("=", 1)[1]
+            elif arg == "--devices":
+                if i + 1 >= len(args):
+                    raise DepthToolsError("--devices needs a value: the number of CUDA devices, e.g. --devices 2")
+                value, i = str(args[i + 1]), i + 1
+            else:
+                rest.append(arg)
+            if value is not None:
+                if not value.isdigit():
+                    raise DepthToolsError(f"--devices {value!r} is not a whole number of CUDA devices, e.g. --devices 2")
+                devices = int(value)
+            i += 1
+        return rest, stream, devices
+
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         args, ctx.meta["depthtools.dtype"] = self.take_dtype(list(args))
+        args, ctx.meta["depthtools.stream"], ctx.meta["depthtools.devices"] = self.take_loading(args)
         known = {opt for param in self.params for opt in getattr(param, "opts", [])}
         rewritten = []
         for i, arg in enumerate(args):
@@ -128,8 +159,12 @@ class ProbeCommand(TyperCommand):
             ctx.params["data"], ctx.params["text"] = Path(text), None
         token = ANALYSIS_DTYPE.set(check_dtype(ctx.meta.get("depthtools.dtype", "float32")))
         given = N_TOKENS_GIVEN.set(self.given(ctx, "n_tokens"))
+        devices = ctx.meta.get("depthtools.devices")
         try:
-            return super().invoke(ctx)
+            if devices is not None:
+                check_devices(ctx.params.get("device") or "cpu", devices)
+            with loading(stream=ctx.meta.get("depthtools.stream", False), devices=devices):
+                return super().invoke(ctx)
         finally:
             ANALYSIS_DTYPE.reset(token)
             N_TOKENS_GIVEN.reset(given)

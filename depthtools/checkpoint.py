@@ -13,6 +13,7 @@ Layout of one cell directory `checkpoints/<grid>/<arch>_L<n>/`:
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import os
@@ -43,7 +44,9 @@ if TYPE_CHECKING:
 # torch-free modules (reports, grid specs, `grid status`), which must not pay torch's import.
 
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint: {"weight_map": {tensor: shard file}}
 CONFIG = "config.json"
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.pkl", "*.ckpt")  # weights depthtools never reads (unpickling runs code)
 
 
 def checkpoints_root() -> Path:
@@ -340,24 +343,99 @@ def check_weights(tensors: dict[str, torch.Tensor], directory: Path) -> None:
             raise CheckpointError(f"weights in {directory}: {problem}")
 
 
+# How `load` builds models when its caller does not say: the CLI's --stream / --devices N (`loading`), so that every
+# probe command and `analyze` reach the loader without each signature growing the options.
+LOAD_OPTIONS: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("load_options", default={})
+
+
 @contextmanager
-def _parameters_on_meta():
-    """While building a model, each parameter moves to the meta device as it is registered (its float32
-    init tensor is freed at once); buffers (RoPE tables) are built for real, in float32 as always."""
-    import torch  # lazy
-
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        if param is not None:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    torch.nn.Module.register_parameter = on_meta
+def loading(stream: bool = False, devices: int | None = None, budget: int | None = None):
+    """Within it, `load` streams weights (`stream`) and/or places blocks over `devices` CUDA devices."""
+    token = LOAD_OPTIONS.set({"stream": stream, "devices": devices, "budget": budget})
     try:
         yield
     finally:
-        torch.nn.Module.register_parameter = register
+        LOAD_OPTIONS.reset(token)
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it: model.safetensors, or the shards named by
+    model.safetensors.index.json (each inside the folder, each whole by its header: `_header_of`). A folder
+    whose only weights are pickles is refused without opening them; a damaged shard is one line."""
+    directory = Path(directory)
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise CheckpointError(f"corrupt {index}: weight_map must be an object of tensor name -> shard file name")
+        shards = {shard: directory / shard for shard in set(weight_map.values())}
+        for shard, path in sorted(shards.items()):
+            if Path(shard).anchor or ".." in Path(shard).parts or path.parent != directory:
+                raise CheckpointError(f"{index} names a shard outside the checkpoint folder: {shard!r}")
+    elif (directory / WEIGHTS).is_file() or not _pickled(directory):
+        weight_map, shards = None, {WEIGHTS: directory / WEIGHTS}
+    else:
+        raise CheckpointError(f"{directory} holds only pickled weights ({_pickled(directory)[0]}); depthtools reads "
+                              "safetensors only and never unpickles (re-save with safetensors)")
+    headers = {}
+    for shard, path in sorted(shards.items()):
+        header, problem = _header_of(path)
+        if problem is not None:
+            raise CheckpointError(problem)
+        headers[shard] = [k for k in header if k != "__metadata__"]
+    if weight_map is None:
+        return {name: shards[WEIGHTS] for name in headers[WEIGHTS]}
+    for shard, names in headers.items():
+        if any(weight_map.get(name) != shard for name in names):
+            raise CheckpointError(f"{directory / shard} holds tensors {WEIGHTS_INDEX} does not map to it")
+    return {name: shards[shard] for name, shard in weight_map.items()}
+
+
+# -- writing a sharded checkpoint, one tensor at a time ----------------------------------------------------
+def write_sharded(directory: Path, tensors, shard_bytes: int = 2 << 30, dtype: torch.dtype | None = None) -> Path:
+    """Write `tensors` (an iterable of (name, tensor), consumed lazily) as safetensors shards of at most about
+    `shard_bytes` each plus model.safetensors.index.json (the Hugging Face layout `checkpoint.weight_files`
+    reads), cast to `dtype` if given. Memory stays at one shard: a model larger than RAM can be written from a
+    generator. Each file is written atomically (a hidden temporary file, then rename); returns the index path."""
+    from safetensors.torch import save_file  # lazy: safetensors.torch imports torch (see the note at the top)
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    count = 0
+
+    def flush() -> None:
+        nonlocal count, shard
+        if shard:
+            count += 1
+            name = f"model-{count:05d}.safetensors"
+            with AtomicFile(directory / name, fsync=False) as out:
+                save_file(shard, out.temp, metadata={"format": "pt"})
+            weight_map.update({key: name for key in shard})
+            shard = {}
+
+    for name, tensor in tensors:
+        tensor = tensor.detach().to("cpu", dtype=dtype or tensor.dtype).contiguous()
+        if shard and sum(t.numel() * t.element_size() for t in shard.values()) + tensor.nbytes > shard_bytes:
+            flush()
+        shard[name] = tensor
+    flush()
+    index = directory / WEIGHTS_INDEX
+    atomic_write_json(index, {"metadata": {"format": "pt"}, "weight_map": weight_map})
+    return index
+
+
+def _pickled(directory: Path) -> list[str]:
+    return sorted(p.name for pattern in PICKLED for p in Path(directory).glob(pattern))
+
+
+def _shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the headers of the weight files (nothing is loaded)."""
+    shapes = {}
+    for path in sorted(set(files.values())):
+        shapes.update(read_header(path))
+    return {name: shapes[name] for name in files}
 
 
 def _load_in_dtype(model_cls, cfg, tensors: dict, dtype):
@@ -366,7 +444,9 @@ def _load_in_dtype(model_cls, cfg, tensors: dict, dtype):
     caller takes the float32 path, whose init fills it)."""
     import torch  # lazy
 
-    with _parameters_on_meta():
+    from depthtools.arch.stream import params_on_meta  # lazy: torch
+
+    with params_on_meta():
         model = model_cls(cfg)
     tied = getattr(model.config, "tie_embeddings", False)
     names = {name for name, _ in model.named_parameters()} - ({"unembed.weight"} if tied else set())
@@ -381,16 +461,30 @@ def _load_in_dtype(model_cls, cfg, tensors: dict, dtype):
 
 
 def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path | None = None,
-         dtype: "str | torch.dtype | None" = None):
-    """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model. `dtype` (e.g.
-    "bfloat16", "float16"): the weights are cast tensor by tensor straight into that dtype
-    (`_load_in_dtype`), never through a float32 copy of the model; None: float32 (the model's default)."""
+         dtype: "str | torch.dtype | None" = None, stream: bool | None = None, devices: int | None = None,
+         budget: int | None = None):
+    """Load a checkpoint as an eval-mode `DepthModel`; bit-identical to the saved model.
+
+    dtype (e.g. "bfloat16", "float16"): the weights are cast tensor by tensor straight into that dtype
+    (`_load_in_dtype`), never through a float32 copy of the model; None: float32 (the model's default).
+
+    stream=True: nothing of the weights' size is loaded; each block is read from the
+    safetensors file(s) when it runs and released after (`depthtools.arch.stream`), keeping up to `budget`
+    bytes of blocks between uses. devices=N: blocks over the first N CUDA devices, split by bytes. Either
+    defaults to the enclosing `loading(...)` (the CLI's --stream / --devices)."""
     import torch  # lazy: see the note at the top
 
     from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
     from depthtools.arch.registry import upgrade_options  # lazy: TransformerLens (~2.5 s) only where a model is built
+    from depthtools.arch.stream import attach, check_devices  # lazy: torch
 
+    options = LOAD_OPTIONS.get()
+    stream = bool(options.get("stream")) if stream is None else stream
+    devices = options.get("devices") if devices is None else devices
+    budget = options.get("budget") if budget is None else budget
     directory = resolve(name, root)
+    targets = check_devices(str(torch.device(device).type), devices) if devices else [str(device)]
+    files = weight_files(directory) if stream or (directory / WEIGHTS_INDEX).is_file() else None
     config = read_json(directory / CONFIG)
     try:
         cfg = ModelConfig.from_dict(upgrade_options(model_section(config, directory)))  # options a config predates: old defaults
@@ -398,10 +492,16 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
         raise CheckpointError(f"config.json in {directory} has no valid 'model' section: {exc}") from None
     except DepthToolsError as exc:
         raise CheckpointError(f"config.json in {directory}: {exc}") from None
-    check_shapes(cfg, read_header(directory / WEIGHTS), directory)  # before anything of that size is allocated
-    tensors = read_tensors(directory / WEIGHTS)
-    check_weights(tensors, directory)
+    shapes = _shapes(files) if files is not None else read_header(directory / WEIGHTS)
+    check_shapes(cfg, shapes, directory)  # before anything of that size is allocated
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if stream:
+        model = _streamed(cfg, files, directory, targets, budget)
+        return model if dtype in (None, torch.float32) else model.to(dtype)
+    tensors = {}
+    for path in sorted(set(files.values())) if files is not None else [directory / WEIGHTS]:
+        tensors.update(read_tensors(path))
+    check_weights(tensors, directory)
     model = None if dtype in (None, torch.float32) else _load_in_dtype(DepthModel, cfg, tensors, dtype)
     if model is None:
         model = DepthModel(cfg)
@@ -409,7 +509,41 @@ def load(name: str | Path, device: str | torch.device = "cpu", root: str | Path 
             model.load_state_dict(tensors, strict=False)  # tied unembedding shares tok_embed's storage
         model = model if dtype in (None, torch.float32) else model.to(dtype)
     model.checkpoint_dir = directory
-    return model.to(device).eval()
+    model = model.to(targets[0]).eval()
+    if len(targets) > 1:
+        attach(model, None, targets)
+    return model
+
+
+def _streamed(cfg: ModelConfig, files: dict[str, Path], directory: Path, targets: list[str], budget: int | None):
+    """An eval-mode model whose blocks and head are read from `files` when they run (`depthtools.arch.stream`);
+    the embedding and the scheme's model-level parameters are read now (float32, checked like `load`'s)."""
+    import torch  # lazy: see the note at the top
+
+    from depthtools.arch import DepthModel  # lazy: TransformerLens (~2.5 s) only where a model is built
+    from depthtools.arch.stream import (  # lazy: torch
+        DEFAULT_BUDGET,
+        TensorSource,
+        attach,
+        params_on_meta,
+        unit_of,
+    )
+
+    with params_on_meta():
+        model = DepthModel(cfg)
+    model.checkpoint_dir = directory
+    source = TensorSource(files)
+
+    names = [n for n, _ in model.named_parameters() if unit_of(n) in ("embed", "rest")]
+    tensors = source.read(names, torch.float32)  # float32, as an in-memory load holds them
+    for name in names:
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._parameters[attr] = torch.nn.Parameter(tensors.pop(name))
+    if model.config.tie_embeddings:  # the unembedding is the embedding's (now real) parameter again
+        model.unembed.weight = model.tok_embed.weight
+    attach(model, source, targets, DEFAULT_BUDGET if budget is None else budget)
+    return model.eval()
 
 
 def read_metrics(directory: str | Path) -> list[dict[str, Any]]:

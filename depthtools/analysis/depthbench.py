@@ -97,7 +97,7 @@ def micro_batches(input_ids: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 def _check_ids(model, input_ids: torch.Tensor) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise DepthToolsError("DepthBench metrics take input_ids [N, T] with T >= 2 (targets inside the window)")
-    return input_ids.to(model.unembed.weight.device).long()
+    return input_ids.to(model.tok_embed.weight.device).long()  # the embedding: resident also when streamed
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

@@ -362,9 +362,17 @@ def train_tuned_lens(
 def model_fingerprint(model) -> str:
     """A content hash of the model's weights and config (a retrained checkpoint invalidates its lens)."""
     digest = hashlib.sha256(model.config.to_json().encode())
-    for name, tensor in sorted(model.state_dict().items()):
+    streamed = getattr(model, "streamed_weights", None)  # a streamed model: read one tensor at a time, hashed once
+    key = (model.config.to_json(), tuple(sorted({str(p.dtype) for p in model.parameters()})))  # per dtype
+    if streamed is not None and key in streamed.fingerprints:
+        return streamed.fingerprints[key]
+    state = streamed or model.state_dict()
+    for name in sorted(state):
+        tensor = state[name]
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # no copy: the buffer
+    if streamed is not None:
+        streamed.fingerprints[key] = digest.hexdigest()[:16]
     return digest.hexdigest()[:16]
 
 

@@ -115,6 +115,7 @@ class DepthModel(HookedRootModule):
         )
         self.scheme = spec.build_scheme(cfg)
         self.compiled = None  # depthtools.arch.compiled.CompiledRegions while training compiled
+        self.stream = None  # depthtools.arch.stream.Streamer: weights streamed block by block, or over devices
         self.config = self.scheme.recorded_config()  # cfg with changed-default options written out
         self.tok_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.hook_embed = HookPoint()
@@ -228,6 +229,8 @@ class DepthModel(HookedRootModule):
         everything else (hooks, plans that move blocks, no_grad evaluation and analyses) runs eagerly."""
         running = self.blocks[position if block is None else block]
         home = self.blocks[position]
+        if self.stream is not None:  # materialise the block (streamed weights), run it on its device
+            return self.stream.step(position, running, state, home)
         compiled = self.compiled
         if (compiled is not None and running is home and torch.is_grad_enabled()
                 and not torch.compiler.is_compiling() and compiled.unhooked(running)):
@@ -265,6 +268,8 @@ class DepthModel(HookedRootModule):
             if position in plan.replace:
                 return plan.replace[position](state)
             if position in plan.skip:
+                if self.stream is not None:  # a skip rule may read the bypassed block's parameters (HC)
+                    return self.stream.skip(position, state, plan.skip_rule)
                 return self.scheme.skip(position, state, plan.skip_rule)
             return self.block_step(position, state, plan.block_at(position))
         return self.block_step(position, state)

@@ -1,0 +1,165 @@
+"""Streaming weights (issue 45 item 3): peak memory of every probe on a streamed model, and streamed vs in-memory time.
+
+(a) A random-weight Llama-shaped model (default: TinyLlama-1.1B's shape, L22 d2048 ff5632 V32000, GQA 32/4 heads),
+    written as sharded bf16 safetensors tensor by tensor (never the whole model in float32), is probed streamed in a
+    child process; the child prints its peak RSS (resource.getrusage maxrss), compared with the model's float32 size.
+    Target: <= 0.35.
+(b) A model that fits (SmolLM-135M's shape: L30 d576 V49152, or --small-layers), float32: the logit lens and the skip
+    sweep, in memory and streamed, same run. Target: streamed / in-memory <= 1.3.
+
+    python benchmarks/bench_stream.py [--layers 22] [--d-model 2048] [--small-layers 30] [--tmp /tmp/bench_stream]
+
+Writes its models under --tmp and deletes them at the end. Each probe runs with its cheapest settings on 2 sequences
+of 32 tokens (the tuned lens is left out of (a): it trains on a prepared dataset's train split, which a random model
+has none of; tests/test_stream.py checks it streamed against in-memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from depthtools import checkpoint as ck  # noqa: E402
+from depthtools.analysis.suite import ANALYSES, run_analysis  # noqa: E402
+from depthtools.arch import DepthModel  # noqa: E402
+from depthtools.config import ModelConfig  # noqa: E402
+from depthtools.fsutil import atomic_write_json  # noqa: E402
+
+CHEAP = dict(batch_size=2, cka_batch=64, jacobian=True, probes=1, lens_steps=1, lens_tokens=64, max_prune_steps=1,
+             swap_pairs_max=1, cuts=None)
+PROBES = [name for name in ANALYSES if name != "lens_tuned"]
+
+
+def random_checkpoint(directory: Path, cfg: ModelConfig, dtype: torch.dtype, sharded: bool, seed: int = 0) -> int:
+    """A checkpoint of random weights (std 0.02, norms 1) written tensor by tensor; returns its float32 bytes."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in ck.model_state(DepthModel(cfg)).items()}
+    gen = torch.Generator().manual_seed(seed)
+
+    def tensors():
+        for name, shape in shapes.items():
+            if len(shape) == 1:
+                yield name, torch.ones(shape, dtype=dtype)
+            else:
+                yield name, (torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02).to(dtype)
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if sharded:
+        ck.write_sharded(directory, tensors(), shard_bytes=1 << 30)
+    else:
+        ck.atomic_save_tensors(directory / ck.WEIGHTS, dict(tensors()))
+    atomic_write_json(directory / ck.CONFIG, {"model": cfg.to_dict(), "params": {}, "depthtools_version": "bench"})
+    return sum(4 * torch.Size(s).numel() for s in shapes.values())
+
+
+def child(directory: str, probes: list[str], stream: bool, budget: int | None, repeats: int = 1) -> None:
+    """Run `probes` on the checkpoint (streamed or not), `repeats` times in turn; print JSON: seconds per probe and
+    pass, and the peak RSS."""
+    torch.manual_seed(0)
+    model = ck.load(directory, stream=stream, budget=budget)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    seconds: dict[str, list[float]] = {name: [] for name in probes}
+    cpu: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(repeats):
+        for name in probes:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            run_analysis(name, model, tokens, save=False, recompute=True, **CHEAP)
+            seconds[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            print(f"      {name}: {seconds[name][-1]:.1f} s, peak RSS so far {peak / 1e9:.2f} GB", file=sys.stderr,
+                  flush=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_rss": peak, "reads": getattr(model.stream, "reads", 0)}))
+
+
+def run_child(directory: Path, probes: list[str], stream: bool, budget: int | None = None, repeats: int = 1) -> dict:
+    args = [sys.executable, __file__, "--child", str(directory), "--probes", ",".join(probes), "--repeats", str(repeats)]
+    args += ["--stream"] if stream else []
+    args += ["--budget", str(budget)] if budget is not None else []
+    out = subprocess.run(args, check=True, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def small_model(tmp: Path, layers: int, repeats: int, rounds: int) -> None:
+    """(b): lens and skip sweep, in memory and streamed (default budget), in `rounds` alternating pairs of children,
+    each running them `repeats` times; the first pass (streamed: every block read from the file) and the best pass
+    are reported, as wall and as CPU seconds of the child (less sensitive to a shared machine's load)."""
+    small = ModelConfig(arch="preln", vocab_size=49152, d_model=576, n_layer=layers, n_heads=9, n_kv_heads=3,
+                        d_ff=1536, max_seq_len=64, tie_embeddings=True)
+    random_checkpoint(tmp / "small", small, torch.float32, sharded=False)
+    probes = ["lens_logit", "ablate_skip"]
+    print(f"(b) L{layers} d576 V49152 float32 (tied), {rounds} rounds x {repeats} passes; streamed / in-memory:")
+    for round_ in range(rounds):
+        memory = run_child(tmp / "small", probes, stream=False, repeats=repeats)
+        streamed = run_child(tmp / "small", probes, stream=True, repeats=repeats)
+        for name in probes:
+            ratios = []
+            for kind in ("seconds", "cpu"):
+                a, b = memory[kind][name], streamed[kind][name]
+                ratios.append(f"{kind} first {b[0]:.2f}/{a[0]:.2f} = {b[0] / a[0]:.2f}, best {min(b):.2f}/{min(a):.2f} "
+                              f"= {min(b) / min(a):.2f}")
+            print(f"    round {round_ + 1} {name}: " + "; ".join(ratios))
+        print(f"    round {round_ + 1} peak RSS in-memory {memory['peak_rss'] / 1e9:.2f} GB, "
+              f"streamed {streamed['peak_rss'] / 1e9:.2f} GB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child")
+    parser.add_argument("--probes", default=",".join(PROBES))
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--budget", type=int)
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--d-ff", type=int, help="default 2.75 d (TinyLlama; Llama-3.2-3B: --d-model 3072 --d-ff 8192)")
+    parser.add_argument("--big-probes", default=",".join(PROBES), help="the probes of (a) (default: all but the tuned "
+                        "lens)")
+    parser.add_argument("--small-layers", type=int, default=30)
+    parser.add_argument("--tmp", default="/tmp/bench_stream")
+    parser.add_argument("--skip-big", action="store_true")
+    parser.add_argument("--skip-small", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.probes.split(","), args.stream, args.budget, args.repeats)
+    tmp = Path(args.tmp)
+    print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    try:
+        if not args.skip_big:
+            d = args.d_model
+            heads, kv = (d // 128, 8) if d >= 3072 else (d // 64, max(1, d // 512))  # Llama-3.2-3B / TinyLlama
+            big = ModelConfig(arch="preln", vocab_size=args.vocab, d_model=d, n_layer=args.layers, n_heads=heads,
+                              n_kv_heads=kv, d_ff=args.d_ff or int(2.75 * d), max_seq_len=64)
+            start = time.perf_counter()
+            f32 = random_checkpoint(tmp / "big", big, torch.bfloat16, sharded=True)
+            print(f"(a) {f32 / 4 / 1e9:.2f}B params (L{big.n_layer} d{d} ff{big.d_ff} V{big.vocab_size}), sharded bf16 "
+                  f"written in {time.perf_counter() - start:.0f} s")
+            result = run_child(tmp / "big", args.big_probes.split(","), stream=True, budget=0)
+            print("    seconds per probe: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in result["seconds"].items()))
+            print(f"    peak RSS {result['peak_rss'] / 1e9:.2f} GB / float32 size {f32 / 1e9:.2f} GB = "
+                  f"{result['peak_rss'] / f32:.3f} (target <= 0.35); {result['reads']} unit reads")
+            shutil.rmtree(tmp / "big")
+        if not args.skip_small:
+            small_model(tmp, args.small_layers, args.repeats, args.rounds)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+
+
+if __name__ == "__main__":
+    main()
