@@ -148,3 +148,15 @@ def test_stream_refuses_a_shard_damaged_after_loading(tmp_path, data_dir):
     with pytest.raises(CheckpointError) as info, torch.no_grad():
         model.run(windows(vocab=256))
     assert "\n" not in str(info.value) and str(directory / ck.WEIGHTS) in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_streamed_in_a_low_precision_dtype_equals_the_in_memory_load(tmp_path, data_dir, dtype):
+    """load(stream=True, dtype=...) (what `--stream --dtype bfloat16` runs) gives the logits of load(dtype=...),
+    whose weights are cast straight into the dtype: the streamed blocks are read and cast the same way."""
+    directory = cell(tmp_path, data_dir)
+    toks = windows(vocab=256)
+    streamed = ck.load(directory, stream=True, budget=0, dtype=dtype)
+    assert streamed.tok_embed.weight.dtype == getattr(torch, dtype)
+    with torch.no_grad():
+        assert torch.equal(streamed.run(toks), ck.load(directory, dtype=dtype).run(toks))
