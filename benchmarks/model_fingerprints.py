@@ -4,7 +4,7 @@ For every registered architecture (default options), a set of Pre-LN option conf
 positions, soft-caps, windows) and every case of tests/test_families.py (config.json -> ModelConfig through
 `hf_to_model_config`), it builds `DepthModel(cfg, seed=0)` on the CPU in float32 and prints one JSON line per
 model: the config's JSON, a SHA-256 of every parameter and buffer (name, dtype, shape, bytes) and a SHA-256 of the
-logits of fixed tokens. Run it under two trees and compare the outputs (issue 46 item 2: one form for the options
+logits of fixed tokens and of the gradients of their cross-entropy. Run it under two trees and compare the outputs (issue 46 item 2: one form for the options
 must change no number):
 
     PYTHONPATH=/work/wt/base python benchmarks/model_fingerprints.py > /tmp/a.jsonl
@@ -54,15 +54,25 @@ PRELN_OPTIONS = {  # one config per group of options, each away from the default
 
 
 def digest(model: DepthModel, tokens: torch.Tensor) -> dict[str, str]:
-    """SHA-256 of the state dict (names, dtypes, shapes, bytes) and of the logits on `tokens`."""
+    """SHA-256 of the state dict (names, dtypes, shapes, bytes), of the logits on `tokens`, and of every parameter's
+    gradient of the next-token cross-entropy on `tokens` (one backward)."""
     params = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
-        t = tensor.detach().contiguous().cpu()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().contiguous()
         params.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         params.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     with torch.no_grad():
         logits = model(tokens).float().contiguous()
-    return {"params": params.hexdigest(), "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest()}
+    model.zero_grad(set_to_none=True)
+    out = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), tokens[:, 1:].reshape(-1)).backward()
+    grads = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if p.grad is not None:
+            g = p.grad.detach().contiguous()
+            grads.update(f"{name}|{tuple(g.shape)}|".encode() + g.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {"params": params.hexdigest(), "logits": hashlib.sha256(logits.numpy().tobytes()).hexdigest(),
+            "grads": grads.hexdigest()}
 
 
 def family_configs() -> dict[str, ModelConfig]:
