@@ -59,8 +59,15 @@ from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts, suffix_support
 from depthtools.analysis.contrib import block_map, jvp
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
-from depthtools.analysis.headmetrics import Head, Reference, row_metrics
-from depthtools.analysis.sweep import SHARED_STATES_BYTES, _state_bytes, scored_logprobs, scored_rows
+from depthtools.analysis.headmetrics import Reference, chunked_head, row_metrics
+from depthtools.analysis.sweep import (
+    SHARED_STATES_BYTES,
+    Reference as SweepReference,
+    _state_bytes,
+    _Sums,
+    scored_logprobs,
+    scored_rows,
+)
 from depthtools.analysis.tables import model_columns
 from depthtools.analysis.tokens import split_inputs
 
@@ -244,34 +251,33 @@ def plan_cost(model, analyses: dict[str, dict[str, Any]], n_seqs: int, seq_len: 
 def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> tuple[float, float]:
     """(seconds of one block call, seconds of one head evaluation with its metrics) on one batch.
 
-    The head is timed as every sweep plan (and, with a few more sums, every lens depth) now runs it: the
-    vocabulary-chunked head with CE, KL against a reference computed once per batch and the top-1
-    (`headmetrics.row_metrics`; a model without an nn.Linear unembedding: the full float32 log-softmax,
-    KL sum and argmax). At a 49k vocabulary the metrics still cost a good part of the head's matmul
-    (benchmarks/RESULTS.md, issues 38 and 45), so a parameter ratio alone underestimates the lens and sweeps.
+    The head is timed as every sweep plan runs it on this batch (the lens times its own depths:
+    `lens_depth_seconds`): the path `headmetrics.chunked_head` picks for these rows -- the full float32
+    log-softmax with the sweep's own per-plan sums (`sweep._Sums.add`: CE, KL against the reference computed
+    once per batch, top-1 agreement and accuracy) while one [rows, V] block is small, else the vocabulary-chunked
+    head (`headmetrics.row_metrics`). At a 49k vocabulary the metrics still cost more than the head's matmul
+    (benchmarks/RESULTS.md, issues 38, 45 and 47), so a parameter ratio alone underestimates the sweeps.
     """
     inputs, targets = split_inputs(tokens[:batch_size])
     targets = targets.flatten()
     model.eval()
     sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
-    head = Head.of(model) if isinstance(getattr(model, "unembed", None), torch.nn.Linear) else None
+    head = chunked_head(model, targets.numel())  # the path the sweep takes on these rows
     t_states = t_head = math.inf
-    ref = p_ref = None
+    ref = None
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
         states = model.run_states(inputs)
         if ref is None:  # the reference and its probabilities: once per batch in a sweep, not per plan
-            ref = scored_logprobs(model.head(states[-1])).roll(1, 0)
-            p_ref = ref.exp() if head is None else Reference.of(ref, head=head)
+            logp = scored_logprobs(model.head(states[-1])).roll(1, 0)
+            ref = SweepReference.of(logp) if head is None else Reference.of(logp, head=head)
         sync()
         t1 = time.perf_counter()
         if head is not None:
-            row_metrics(head, scored_rows(model, states[-1]), targets, p_ref)
+            row_metrics(head, scored_rows(model, states[-1]), targets, ref)
         else:
-            lp = scored_logprobs(model.head(states[-1]))
-            float((p_ref * (ref - lp)).sum())
-            lp.argmax(-1)
+            _Sums().add(scored_logprobs(model.head(states[-1])), ref, targets, inputs.shape[0])
         sync()
         t_states, t_head = min(t_states, t1 - t0), min(t_head, time.perf_counter() - t1)
     return t_states / max(model.n_layer, 1), t_head
