@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -443,8 +444,6 @@ STAGING_NOTE_AFTER_S = 60.0  # an ownerless staging folder older than this is na
 
 
 def _stderr_line(line: str) -> None:
-    import sys
-
     print(line, file=sys.stderr, flush=True)
 
 

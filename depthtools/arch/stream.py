@@ -39,7 +39,7 @@ from depthtools.errors import CheckpointError, DepthToolsError
 def _libc():
     """glibc through ctypes, or None elsewhere (then memory is left to the platform's allocator)."""
     try:
-        import ctypes
+        import ctypes  # optional: glibc only, loaded when a streamed model first releases memory
 
         libc = ctypes.CDLL("libc.so.6")
         return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
