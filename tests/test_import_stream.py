@@ -24,7 +24,14 @@ from depthtools.arch import DepthModel
 from depthtools.errors import DepthToolsError
 from depthtools.interop import import_hf
 from depthtools.interop.families import hf_state, hf_state_plan, hf_state_stream
-from depthtools.interop.llama import HFWeights, hf_to_model_config, read_hf_config, read_hf_tensors, stream_wanted
+from depthtools.interop.llama import (
+    IN_MEMORY_COPIES,
+    HFWeights,
+    hf_to_model_config,
+    read_hf_config,
+    read_hf_tensors,
+    stream_wanted,
+)
 
 from tiny_models import one_thread  # noqa: F401  (autouse: torch on one thread)
 
@@ -185,7 +192,7 @@ def test_bad_folders_are_refused_alike_and_nothing_is_written(tmp_path):
 def test_an_import_streams_when_the_in_memory_one_would_not_fit(tmp_path):
     build_hf("llama-bias-gqa", tmp_path / "hf", max_shard_size=SHARD)
     weights = HFWeights(tmp_path / "hf")
-    need = weights.stored_bytes() + 2 * weights.float32_bytes()
+    need = weights.stored_bytes() + IN_MEMORY_COPIES * weights.float32_bytes()
     assert weights.float32_bytes() == 4 * sum(t.numel() for t in load_file_all(tmp_path / "hf").values())
     assert stream_wanted(weights, memory=2 * need - 2) and not stream_wanted(weights, memory=2 * need)
     import_hf(tmp_path / "hf", out=tmp_path / "auto")  # a tiny model on this machine: in memory, one file

@@ -359,6 +359,7 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
 
 # -- a streamed import: one tensor at a time -------------------------------------------------------------------------
 STREAM_SHARD_BYTES = 1 << 30  # the shards of a streamed import (its memory: about one shard plus one tensor)
+IN_MEMORY_COPIES = 3  # float32 copies of the weights an in-memory import holds at its peak (`stream_wanted`)
 KEPT_DTYPES = ("bfloat16", "float16", "float32")  # a streamed import stores these as they are, others as float32
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
@@ -443,7 +444,7 @@ class HFWeights(Mapping):
         return sum(t.numel() * t.element_size() for t in self.meta.values())
 
     def float32_bytes(self) -> int:
-        """Bytes of the weights in float32 (what the in-memory import holds, twice: the state and the model)."""
+        """Bytes of the weights in float32 (the in-memory import holds about three such copies: `stream_wanted`)."""
         return sum(t.numel() * 4 for t in self.meta.values())
 
 
@@ -456,11 +457,13 @@ def physical_memory() -> int | None:
 
 
 def stream_wanted(weights: HFWeights, memory: int | None = None) -> bool:
-    """Whether an import should stream: the in-memory import holds the source tensors, their float32 state and
-    the float32 model (about source + 2 x float32 bytes, benchmarks/RESULTS.md "Streaming (issue 45)"); stream
-    when that exceeds half of `memory` (default: the machine's RAM; unknown: never)."""
+    """Whether an import should stream: the in-memory import's peak is about the source tensors plus
+    IN_MEMORY_COPIES float32 copies of the weights (their float32 state, the float32 model, the model's own
+    initialisation; measured 6.54 GB = 0.97 + 2.9 x 1.93 GB for a 0.48B bf16 Llama, benchmarks/RESULTS.md
+    "Streaming (issue 45)"); stream when that exceeds half of `memory` (default: the machine's RAM; unknown:
+    never)."""
     memory = physical_memory() if memory is None else memory
-    return bool(memory) and weights.stored_bytes() + 2 * weights.float32_bytes() > memory // 2
+    return bool(memory) and weights.stored_bytes() + IN_MEMORY_COPIES * weights.float32_bytes() > memory // 2
 
 
 def _streamed_weights(path: Path, stream: bool | None) -> HFWeights | None:
