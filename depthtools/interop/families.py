@@ -20,12 +20,16 @@ OLMo's non-parametric LayerNorm with its fixed eps 1e-5.
 
 Importing is `hf_to_model_config` (config -> ModelConfig, or a refusal) and `hf_state` (HF tensors ->
 our state dict, every tensor accounted for: a missing or unexpected tensor, or a shape that disagrees
-with the config, is one line naming it).
+with the config, is one line naming it). A streamed import (a model larger than memory) uses the same map one
+tensor at a time: `hf_state_plan` makes those checks from the headers, `hf_state_stream` yields the tensors.
+No family's conversion needs two HF tensors at once (a fused tensor is split, experts are separate tensors).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -743,6 +747,55 @@ def _check_expert_count(tensors: dict[str, torch.Tensor], cfg: ModelConfig, fami
                                   f"({prefix}*{suffix}), config.json's {family.experts_key} says {experts}")
 
 
+def _source(family: Family, ours: str, names: Collection[str]) -> tuple[Src, str]:
+    """Where our tensor `ours` comes from: its `Src` and the HF name (an alias of it where only that is present)."""
+    template, fill = _template(ours)
+    src = family.tensors.get(template)
+    if src is None:
+        raise DepthToolsError(f"internal: the {family.model_type} map has no source for {ours}")
+    name = src.name.format(**fill)
+    if name not in names:
+        name = next((alias for alias in ALIASES.get(name, ()) if alias in names), name)
+    return src, name
+
+
+def _converted(tensor: torch.Tensor, src: Src, cfg: ModelConfig, name: str, ours: str,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """HF tensor `name` as our `ours` (transposed / the part of a fused tensor, per `src`), refused unless it has
+    the `shape` the config implies and a floating-point dtype. Works on `meta` tensors too (checks from headers)."""
+    original = tuple(tensor.shape)
+    if src.transpose and tensor.dim() == 2:
+        tensor = tensor.t()
+    if src.split:
+        tensor = _split(tensor, src, cfg, name)
+    if tuple(tensor.shape) != tuple(shape):
+        raise DepthToolsError(f"Hugging Face tensor {name} has shape {original}, "
+                              f"the config implies {tuple(shape)} for {ours}")
+    if not tensor.dtype.is_floating_point:
+        raise DepthToolsError(f"Hugging Face tensor {name} has dtype {str(tensor.dtype).replace('torch.', '')}, "
+                              "expected a floating-point dtype")
+    return tensor
+
+
+def _check_finite(tensor: torch.Tensor, name: str) -> None:
+    """Refuse a tensor with NaN/inf entries (the model would be unusable), naming the HF tensor."""
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise DepthToolsError(f"Hugging Face tensor {name} has {bad} non-finite (NaN/inf) value(s) of "
+                              f"{tensor.numel()}; the model is unusable")
+
+
+def _check_accounted(family: Family, cfg: ModelConfig, names: Collection[str], used: set[str],
+                     missing: list[str]) -> None:
+    """Every expected tensor found and every HF tensor used (or a tied head, or a known buffer): else one line."""
+    tied_head = {"lm_head.weight", "embed_out.weight"} if cfg.tie_embeddings else set()
+    unexpected = sorted(k for k in names if k not in used and k not in tied_head and not k.endswith(family.ignored))
+    if missing or unexpected:
+        raise DepthToolsError(
+            f"Hugging Face weights do not match a {family.model_type} of this config: missing {sorted(set(missing))[:3]}"
+            f"{'...' if len(set(missing)) > 3 else ''}, unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}")
+
+
 def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[str, tuple[int, ...]],
              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our state dict (names and shapes `expected`) from a family's HF tensors, cast to `dtype`; every HF
@@ -753,41 +806,73 @@ def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[
     missing: list[str] = []
     _check_expert_count(tensors, cfg, family)
     for ours, shape in expected.items():
-        template, fill = _template(ours)
-        src = family.tensors.get(template)
-        if src is None:
-            raise DepthToolsError(f"internal: the {family.model_type} map has no source for {ours}")
-        name = src.name.format(**fill)
-        if name not in tensors:
-            name = next((alias for alias in ALIASES.get(name, ()) if alias in tensors), name)
+        src, name = _source(family, ours, tensors)
         if name not in tensors:
             missing.append(name)
             continue
         used.add(name)
-        tensor = tensors[name]
-        if src.transpose and tensor.dim() == 2:
-            tensor = tensor.t()
-        if src.split:
-            tensor = _split(tensor, src, cfg, name)
-        if tuple(tensor.shape) != tuple(shape):
-            raise DepthToolsError(f"Hugging Face tensor {name} has shape {tuple(tensors[name].shape)}, "
-                                  f"the config implies {tuple(shape)} for {ours}")
-        if not tensor.dtype.is_floating_point:
-            raise DepthToolsError(f"Hugging Face tensor {name} has dtype {str(tensor.dtype).replace('torch.', '')}, "
-                                  "expected a floating-point dtype")
-        if not bool(torch.isfinite(tensor).all()):
-            bad = int((~torch.isfinite(tensor)).sum())
-            raise DepthToolsError(f"Hugging Face tensor {name} has {bad} non-finite (NaN/inf) value(s) of "
-                                  f"{tensor.numel()}; the model is unusable")
+        tensor = _converted(tensors[name], src, cfg, name, ours, shape)
+        _check_finite(tensor, name)
         state[ours] = tensor.to(dtype).contiguous()
-    tied_head = {"lm_head.weight", "embed_out.weight"} if cfg.tie_embeddings else set()
-    unexpected = sorted(k for k in tensors if k not in used and k not in tied_head and not k.endswith(family.ignored))
-    if missing or unexpected:
-        raise DepthToolsError(
-            f"Hugging Face weights do not match a {family.model_type} of this config: missing {sorted(set(missing))[:3]}"
-            f"{'...' if len(set(missing)) > 3 else ''}, unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}")
+    _check_accounted(family, cfg, tensors, used, missing)
     return state
 
 
+# -- the same, one tensor at a time (an import larger than memory) -----------------------------------------
+@dataclass(frozen=True)
+class Step:
+    """One tensor of a streamed import: our name and shape, and the HF tensor (and its `Src`) it comes from."""
+
+    ours: str
+    shape: tuple[int, ...]
+    src: Src
+    name: str
+
+
+def hf_state_plan(headers: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                  expected: dict[str, tuple[int, ...]]) -> list[Step]:
+    """The steps of `hf_state_stream`, checked from the HF tensors' headers alone (`headers`: name -> a `meta`
+    tensor of the file's shape and dtype): every refusal of `hf_state` but NaN/inf values (a missing, unexpected,
+    misshapen or integer tensor; an expert count that disagrees), made before any tensor is read."""
+    family = FAMILIES[cfg.options.get("family") or "llama"]
+    _check_expert_count(headers, cfg, family)
+    steps: list[Step] = []
+    used: set[str] = set()
+    missing: list[str] = []
+    for ours, shape in expected.items():
+        src, name = _source(family, ours, headers)
+        if name not in headers:
+            missing.append(name)
+            continue
+        used.add(name)
+        _converted(headers[name], src, cfg, name, ours, shape)
+        steps.append(Step(ours, tuple(shape), src, name))
+    _check_accounted(family, cfg, headers, used, missing)
+    return steps
+
+
+def hf_state_stream(steps: list[Step], read: Callable[[str], torch.Tensor],
+                    cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """`hf_state`'s tensors one at a time, in `steps` order (`hf_state_plan`), in the source's dtype: the same
+    names and values (`hf_state`'s cast of each is the cast of each of these). `read(name)` gives one HF tensor;
+    one that feeds several of ours (a fused Phi-3 qkv, GPT-2 c_attn or NeoX qkv; Phi's shared input norm) is read
+    once and held only until its last use, so memory stays at about one tensor. Each yielded tensor owns its
+    storage (one of several from the same HF tensor is a copy): a shard writer may hold several, and safetensors
+    refuses to save tensors that share memory."""
+    uses = Counter(step.name for step in steps)
+    left = Counter(uses)
+    held: dict[str, torch.Tensor] = {}
+    for step in steps:
+        source = held.pop(step.name) if step.name in held else read(step.name)
+        left[step.name] -= 1
+        if left[step.name]:
+            held[step.name] = source
+        tensor = _converted(source, step.src, cfg, step.name, step.ours, step.shape)
+        _check_finite(tensor, step.name)
+        yield step.ours, (tensor.clone(memory_format=torch.contiguous_format) if uses[step.name] > 1
+                          else tensor.contiguous())
+
+
 __all__ = ["FAMILIES", "SUPPORTED_MODEL_TYPES", "Family", "Field", "Src", "Refuse", "hf_to_model_config",
-           "hf_state", "family_of", "refusal", "head_from_file", "untied_note"]
+           "hf_state", "hf_state_plan", "hf_state_stream", "Step", "family_of", "refusal", "head_from_file",
+           "untied_note"]

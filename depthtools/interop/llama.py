@@ -14,6 +14,12 @@ direction; it is only needed to *use* an exported directory. Configs our model c
 exactly are refused with a one-line `DepthToolsError` naming the field. Sliding windows (Mistral,
 read as transformers reads them: `transformers_sliding_window`) are applied exactly.
 
+A folder too large to import in memory (which holds the source, its float32 state and the float32 model) is
+streamed (`import_hf(stream=...)`, issue 45): each HF tensor is read alone (`HFWeights`), converted by the same
+family map (`families.hf_state_stream`) and written into safetensors shards in its own dtype
+(`checkpoint.write_sharded`), so memory stays at about one shard plus one tensor; the checkpoint loads to the
+in-memory import's float32 model bit for bit.
+
 Accuracy: the same function as transformers; logits differ only by RoPE rounding (our tables are
 computed in float64, transformers' angles in float32), a gap that grows with sequence length and
 attention sharpness (~1e-6 at T=64 up to ~1e-3 at T=2048 on tiny random models;
@@ -23,14 +29,19 @@ benchmarks/import_accuracy.py and benchmarks/RESULTS.md). With float32 tables th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
+from depthtools import __version__
 from depthtools.arch import DepthModel, canonical_name, get_arch
 from depthtools.checkpoint import (
     CONFIG,
@@ -40,17 +51,29 @@ from depthtools.checkpoint import (
     checkpoints_root,
     load,
     model_state,
+    read_header,
     read_json,
     read_tensors,
     resolve,
     save,
+    tensor_problem,
+    weight_files,
+    write_sharded,
 )
 from depthtools.config import ModelConfig
 from depthtools.data.tokenizer import tokenizer_file_fingerprint
-from depthtools.errors import DepthToolsError
+from depthtools.errors import CheckpointError, DepthToolsError
 from depthtools.fsutil import StagingFolder, check_dir_target, check_name, dir_mode, file_sha256, replace_dir
 from depthtools.interop.checks import check_special_ids, validate_imported_weights, validate_tokenizer
-from depthtools.interop.families import head_from_file, hf_state, hf_to_model_config as family_config, untied_note
+from depthtools.interop.families import (
+    Step,
+    head_from_file,
+    hf_state,
+    hf_state_plan,
+    hf_state_stream,
+    hf_to_model_config as family_config,
+    untied_note,
+)
 from depthtools.interop.tokenizer import HF_CARRIED_FILES, HF_TOKENIZER_FILES, import_separator, resolve_tokenizer
 
 HF_CONFIG = "config.json"
@@ -203,11 +226,7 @@ def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
         return tensors
     if (path / HF_WEIGHTS).is_file():
         return read_tensors(path / HF_WEIGHTS)
-    pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
-    if pickled:
-        raise DepthToolsError(f"{path} has only pickled weights ({pickled[0]}); depthtools reads safetensors only "
-                              "(re-save with save_pretrained(..., safe_serialization=True))")
-    raise DepthToolsError(f"{path} has no {HF_WEIGHTS} or {HF_INDEX}")
+    raise _no_weights(path)
 
 
 def hf_weights_file(path: str | Path) -> Callable[[str], Path]:
@@ -276,9 +295,21 @@ def _tokenizer_fingerprint(file: Path) -> str:
     return (tokenizer_file_fingerprint(file) if file.name == "tokenizer.json" else None) or file_sha256(file)
 
 
+def _tokenizer_record(path: Path, hf: dict[str, Any], carried: list[str],
+                      tokenizer_record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """config.json's "tokenizer" of an import: the carried tokenizer file's record, else `tokenizer_record`."""
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
+        return tokenizer_record
+    main = "tokenizer.json" if (path / "tokenizer.json").is_file() else "tokenizer.model"
+    size = _tokenizer_size(path / main) if main == "tokenizer.json" else None
+    return {"name": "huggingface", "format": "huggingface", "file": main, "files": [
+        f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _tokenizer_fingerprint(path / main),
+        "vocab_size": size, **import_separator(path, hf)}  # data prepare's separator rule
+
+
 def import_hf(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
               max_seq_len: int | None = None, source: dict[str, Any] | None = None,
-              tokenizer_record: dict[str, Any] | None = None) -> dict[str, Any]:
+              tokenizer_record: dict[str, Any] | None = None, stream: bool | None = None) -> dict[str, Any]:
     """Convert a local HF Llama directory into a depthtools checkpoint; returns a summary dict.
 
     The checkpoint lands in `out`, or `$DEPTHTOOLS_CHECKPOINTS/<name>`. Tokenizer files (and
@@ -290,6 +321,11 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     target and swapped in by renames, so a failure at any point (a full disk) leaves the old one intact;
     the hidden folder of an import that was killed is removed by the next import of the same target
     (`fsutil.StagingFolder`: only when its owner process is gone, one line on stderr).
+
+    `stream`: write the weights tensor by tensor (`plan_streamed`, `write_streamed`: memory about one shard
+    plus one tensor, shards in the source's dtype) instead of building the float32 model in memory (one
+    float32 model.safetensors); None: stream when the in-memory import would not fit (`stream_wanted`). Both
+    checkpoints load to the same float32 model, bit for bit.
     """
     path = Path(path)
     hf = read_hf_config(path)
@@ -300,24 +336,200 @@ def import_hf(path: str | Path, name: str | None = None, out: str | Path | None 
     # (and a forced re-import over an existing one leaves that one as it was).
     check_special_ids(hf, cfg.vocab_size, path / HF_CONFIG)
     validate_tokenizer(path, cfg.vocab_size, tuple(carried))
-    model = from_hf(path, max_seq_len)
-    notes = [untied_note(hf)] if model.config.tie_embeddings != cfg.tie_embeddings else []
-    tokenizer = tokenizer_record
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file():
-        main = "tokenizer.json" if (path / "tokenizer.json").is_file() else "tokenizer.model"
-        size = _tokenizer_size(path / main) if main == "tokenizer.json" else None
-        tokenizer = {"name": "huggingface", "format": "huggingface", "file": main, "files": [
-            f for f in carried if f in HF_TOKENIZER_FILES], "fingerprint": _tokenizer_fingerprint(path / main),
-            "vocab_size": size, **import_separator(path, hf)}  # data prepare's separator rule
+    weights = _streamed_weights(path, stream)
+    plan = plan_streamed(weights, cfg) if weights is not None else None
+    model = from_hf(path, max_seq_len) if plan is None else None
+    config, params = (model.config, model.param_counts()) if plan is None else (plan.cfg, plan.params)
+    notes = [untied_note(hf)] if config.tie_embeddings != cfg.tie_embeddings else []
+    tokenizer = _tokenizer_record(path, hf, carried, tokenizer_record)
     if source is None:
         source = {"format": f"huggingface-{hf.get('model_type')}", "path": str(path.resolve()), "hf_config": hf,
                   "weights_sha256": {f.name: file_sha256(f) for f in sorted(path.glob("*.safetensors"))}}
+    extra = {"source": source, "tokenizer": tokenizer, "train": None}
     with StagingFolder(target, IMPORT_STAGING) as staging:  # a killed import's leftover is removed here
         for file in carried:
             shutil.copyfile(path / file, staging / file)
-        save(model, staging, extra={"source": source, "tokenizer": tokenizer, "train": None})
-    return {"checkpoint": str(target), "model": model.config.to_dict(), "params": model.param_counts(),
+        if plan is None:
+            save(model, staging, extra=extra)
+        else:
+            notes.append(write_streamed(staging, weights, plan, extra, target))
+    return {"checkpoint": str(target), "model": config.to_dict(), "params": params,
             "tokenizer_files": [f for f in carried if f in HF_TOKENIZER_FILES], "carried": carried, "notes": notes}
+
+
+# -- a streamed import: one tensor at a time -------------------------------------------------------------------------
+STREAM_SHARD_BYTES = 1 << 30  # the shards of a streamed import (its memory: about one shard plus one tensor)
+IN_MEMORY_COPIES = 3  # float32 copies of the weights an in-memory import holds at its peak (`stream_wanted`)
+KEPT_DTYPES = ("bfloat16", "float16", "float32")  # a streamed import stores these as they are, others as float32
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                      "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+                      "BOOL": "bool"}  # safetensors header dtype -> torch dtype name
+
+
+def _no_weights(path: Path) -> DepthToolsError:
+    """Why a folder without model.safetensors or an index cannot be imported (pickles are never read)."""
+    pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+    if pickled:
+        return DepthToolsError(f"{path} has only pickled weights ({pickled[0]}); depthtools reads safetensors only "
+                               "(re-save with save_pretrained(..., safe_serialization=True))")
+    return DepthToolsError(f"{path} has no {HF_WEIGHTS} or {HF_INDEX}")
+
+
+def hf_weight_files(path: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the files' headers alone: the shards the index names
+    (a name in two shards: the later one's, as `read_hf_tensors` reads them) or model.safetensors; a damaged
+    file or a folder of pickles only is refused as `read_hf_tensors` refuses it."""
+    path = Path(path)
+    weight_map = read_weight_map(path)
+    if weight_map is not None:
+        files = [path / shard for shard in sorted(set(weight_map.values()))]
+    elif (path / HF_WEIGHTS).is_file():
+        files = [path / HF_WEIGHTS]
+    else:
+        raise _no_weights(path)
+    where: dict[str, Path] = {}
+    for file in files:
+        where.update(dict.fromkeys(read_header(file), file))
+    return where
+
+
+class HFWeights(Mapping):
+    """The tensors of a Hugging Face folder by name, each read from its file only when asked (`safe_open` per
+    tensor, so nothing else of the folder stays in memory) and refused there as the in-memory import refuses it
+    (`validate_imported_weights`: NaN/inf, non-floating dtypes). `meta`: name -> a `meta` tensor of the stored
+    shape and dtype (headers only), for every check that needs no value."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.files = hf_weight_files(self.path)
+        self.meta: dict[str, torch.Tensor] = {}
+        for file in sorted(set(self.files.values())):
+            with safe_open(str(file), framework="pt") as handle:  # whole by read_header above
+                for name in handle.keys():
+                    if self.files.get(name) == file:
+                        view = handle.get_slice(name)
+                        self.meta[name] = self._meta(file, name, view.get_dtype(), view.get_shape())
+
+    @staticmethod
+    def _meta(file: Path, name: str, code: str, shape: list[int]) -> torch.Tensor:
+        dtype = getattr(torch, SAFETENSORS_DTYPES.get(str(code).upper(), ""), None)
+        if not isinstance(dtype, torch.dtype):
+            raise DepthToolsError(f"cannot import {file}: tensor {name} has dtype {code}, expected a floating-point "
+                                  "dtype")
+        return torch.empty([int(d) for d in shape], dtype=dtype, device="meta")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file = self.files[name]  # KeyError for a name the folder lacks (Mapping.get relies on it)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                tensor = handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot read weights file {file}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+                                  ) from None
+        validate_imported_weights({name: tensor}, self.files.__getitem__)
+        return tensor
+
+    def __contains__(self, name: object) -> bool:  # by name: Mapping's own would read the tensor
+        return name in self.files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def stored_bytes(self) -> int:
+        """Bytes of the weights as stored."""
+        return sum(t.numel() * t.element_size() for t in self.meta.values())
+
+    def float32_bytes(self) -> int:
+        """Bytes of the weights in float32 (the in-memory import holds about three such copies: `stream_wanted`)."""
+        return sum(t.numel() * 4 for t in self.meta.values())
+
+
+def physical_memory() -> int | None:
+    """The machine's RAM in bytes (None where the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def stream_wanted(weights: HFWeights, memory: int | None = None) -> bool:
+    """Whether an import should stream: the in-memory import's peak is about the source tensors plus
+    IN_MEMORY_COPIES float32 copies of the weights (their float32 state, the float32 model, the model's own
+    initialisation; measured 6.54 GB = 0.97 + 2.9 x 1.93 GB for a 0.48B bf16 Llama, benchmarks/RESULTS.md
+    "Streaming (issue 45)"); stream when that exceeds half of `memory` (default: the machine's RAM; unknown:
+    never)."""
+    memory = physical_memory() if memory is None else memory
+    return bool(memory) and weights.stored_bytes() + IN_MEMORY_COPIES * weights.float32_bytes() > memory // 2
+
+
+def _streamed_weights(path: Path, stream: bool | None) -> HFWeights | None:
+    """The folder's weights when the import streams (`stream`; None: when `stream_wanted`), else None. Deciding
+    (None) needs the headers: a folder whose headers cannot be read is left to the in-memory import, which
+    refuses it in its own words."""
+    if not stream:
+        if stream is False:
+            return None
+        try:
+            weights = HFWeights(path)
+        except DepthToolsError:
+            return None
+        return weights if stream_wanted(weights) else None
+    return HFWeights(path)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """A streamed import checked from the headers: the config (untied where the file holds its own head), the
+    parameter counts, and the tensors to write in order (`families.hf_state_plan`)."""
+
+    cfg: ModelConfig
+    params: dict[str, int]
+    steps: list[Step]
+
+
+def plan_streamed(weights: HFWeights, cfg: ModelConfig) -> StreamPlan:
+    """Every check of `from_hf` that needs no value, from the headers (names, shapes, dtypes, expert counts), and
+    the head check (`head_from_file` reads the head and the embedding only), before anything is written."""
+    cfg = head_from_file(weights, cfg)
+    for name, meta in sorted(weights.meta.items()):  # an integer tensor is refused as the in-memory import does
+        if not name.endswith(IGNORED_HF_SUFFIXES) and not meta.dtype.is_floating_point:
+            raise DepthToolsError(f"cannot import {weights.files[name]}: {tensor_problem(name, meta)}")
+    with torch.device("meta"):  # names and shapes only: nothing of the model's size is allocated
+        model = DepthModel(cfg)
+    steps = hf_state_plan(weights.meta, cfg, {k: tuple(v.shape) for k, v in model_state(model).items()})
+    return StreamPlan(model.config, model.param_counts(), steps)
+
+
+def write_streamed(directory: Path, weights: HFWeights, plan: StreamPlan, extra: dict[str, Any],
+                   target: Path) -> str:
+    """Write the plan's tensors into `directory` as shards (`checkpoint.write_sharded`, one tensor read at a time:
+    `families.hf_state_stream`) in their source dtype (float64 / float8 as float32), then config.json as `save`
+    writes it; the written headers are checked against the config (`check_shapes`, naming `target`). The HF
+    tensors the model does not use (a tied head, known buffers) are checked for NaN/inf first, as the in-memory
+    import checks them. Returns the note the import prints."""
+    used = {step.name for step in plan.steps}
+    for name in sorted(set(weights.files) - used):
+        if not name.endswith(IGNORED_HF_SUFFIXES):
+            _ = weights[name]  # read to be checked (`HFWeights.__getitem__`), then dropped
+    kept = tuple(getattr(torch, d) for d in KEPT_DTYPES)
+    tensors = hf_state_stream(plan.steps, weights.__getitem__, plan.cfg)
+    index = write_sharded(directory, ((k, t if t.dtype in kept else t.float()) for k, t in tensors),
+                          STREAM_SHARD_BYTES)
+    files = weight_files(directory)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(set(files.values())):
+        shapes.update(read_header(file))
+    check_shapes(plan.cfg, shapes, target)
+    atomic_write_json(directory / CONFIG, {"model": plan.cfg.to_dict(), "params": plan.params,
+                                           "depthtools_version": __version__, **extra})
+    stored = sorted({d if d in KEPT_DTYPES else "float32" for d in (str(t.dtype).replace("torch.", "")
+                                                                    for t in weights.meta.values())})
+    return (f"streamed import: weights converted one tensor at a time into {len(set(files.values()))} shard(s) "
+            f"({index.name}), stored as {', '.join(stored)}")
 
 
 def import_target(name: str | None, out: str | Path | None, force: bool) -> Path:
@@ -425,5 +637,5 @@ def export_hf(ckpt: str | Path, out: str | Path, tokenizer: str | Path | None = 
 __all__ = [
     "from_hf", "import_hf", "export_hf", "hf_to_model_config", "model_config_to_hf", "read_hf_config",
     "read_hf_tensors", "hf_state_to_depthtools", "to_hf_state_dict", "weight_name_map", "check_exportable",
-    "transformers_sliding_window",
+    "transformers_sliding_window", "HFWeights", "hf_weight_files", "stream_wanted", "plan_streamed", "write_streamed",
 ]
