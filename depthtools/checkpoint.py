@@ -108,6 +108,25 @@ _SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors dtypes a trained model's weights can have
 
 
+def weight_shards(path: str | Path) -> list[Path] | str:
+    """The safetensors file(s) that hold a checkpoint's weights, given `<dir>/model.safetensors`: that file, or,
+    when it is absent beside a model.safetensors.index.json (a sharded checkpoint: a streamed import,
+    `write_sharded`), the shards the index names (`weight_files`' checks) -- or why the index is unusable."""
+    path = Path(path)
+    index = path.parent / WEIGHTS_INDEX
+    if path.name != WEIGHTS or path.exists() or not index.is_file():
+        return [path]
+    try:
+        return sorted(set(weight_files(path.parent).values()))
+    except CheckpointError as exc:
+        return str(exc)
+
+
+def has_weights(directory: str | Path) -> bool:
+    """Whether a folder holds weights: model.safetensors, or a sharded checkpoint's index."""
+    return (Path(directory) / WEIGHTS).is_file() or (Path(directory) / WEIGHTS_INDEX).is_file()
+
+
 def weights_problem(path: str | Path, model: dict[str, Any] | None = None) -> str | None:
     """Why a safetensors file cannot be the checkpoint's weights, from its header alone (None: it looks whole).
 
@@ -116,19 +135,27 @@ def weights_problem(path: str | Path, model: dict[str, Any] | None = None) -> st
     empty, truncated or padded file is caught without reading the weights. Every tensor must have a
     floating-point dtype (an int64 file would load as a meaningless model). Given `model` (config.json's
     "model" section), the tensor names and shapes must be the ones that config builds (`check_shapes`).
+    A sharded checkpoint (`weight_shards`) is checked shard by shard, its names and shapes together.
     The one check of `info`, `report`, `grid status` and `grid train`, which otherwise call a cell whose
     eval.json exists finished."""
-    header, problem = _header_of(Path(path))
-    if problem is not None:
-        return problem
-    for name, info in header.items():
-        if name != "__metadata__" and info.get("dtype") not in FLOAT_DTYPES:
-            return (f"weights file {path} does not hold a trained model: tensor {name} has dtype {info.get('dtype')}, "
-                    f"not a floating-point dtype ({', '.join(FLOAT_DTYPES)})")
+    shards = weight_shards(path)
+    if isinstance(shards, str):
+        return shards
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard in shards:
+        header, problem = _header_of(shard)
+        if problem is not None:
+            return problem
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info.get("dtype") not in FLOAT_DTYPES:
+                return (f"weights file {shard} does not hold a trained model: tensor {name} has dtype "
+                        f"{info.get('dtype')}, not a floating-point dtype ({', '.join(FLOAT_DTYPES)})")
+            shapes[name] = tuple(int(d) for d in info["shape"])
     if model is None:
         return None
-    return _config_problem(Path(path), model, {k: tuple(int(d) for d in v["shape"]) for k, v in header.items()
-                                                if k != "__metadata__"})
+    return _config_problem(Path(path), model, shapes)
 
 
 def _config_problem(path: Path, model: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> str | None:
@@ -323,15 +350,18 @@ def weights_values_problem(path: str | Path) -> str | None:
     unusable (`tensor_problem`: NaN/inf entries), reading one tensor at a time so that memory stays at
     the largest tensor; None when every value is finite. For `info`, which reads one checkpoint: the
     header alone cannot show an all-NaN file."""
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                problem = tensor_problem(key, handle.get_tensor(key))
-                if problem is not None:
-                    return f"weights file {path} does not hold a usable model: {problem}"
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        return str(_weights_error(path, exc))
+    shards = weight_shards(path)
+    if isinstance(shards, str):
+        return shards
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as handle:
+                for key in handle.keys():
+                    problem = tensor_problem(key, handle.get_tensor(key))
+                    if problem is not None:
+                        return f"weights file {shard} does not hold a usable model: {problem}"
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            return str(_weights_error(shard, exc))
     return None
 
 

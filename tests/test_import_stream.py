@@ -201,3 +201,26 @@ def test_an_import_streams_when_the_in_memory_one_would_not_fit(tmp_path):
 
 def load_file_all(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def test_a_sharded_checkpoint_is_finished_for_info_grids_and_reports(tmp_path):
+    """A streamed import writes shards + model.safetensors.index.json, no model.safetensors: `info`'s summary, the
+    weights-header check of grid status / train / report, and the grid listing read the shards (before, they
+    called such a checkpoint's weights missing); a damaged shard is still named."""
+    from depthtools.analysis.tables import checkpoint_dirs
+    from depthtools.checkpoint import WEIGHTS, WEIGHTS_INDEX, checkpoint_summary, read_json, weights_problem
+
+    folder, _ = source_folder("llama-bias-gqa", tmp_path, torch.bfloat16)
+    grid = tmp_path / "grid"
+    import_hf(folder, out=grid / "streamed", stream=True)
+    streamed = grid / "streamed"
+    assert not (streamed / WEIGHTS).exists() and (streamed / WEIGHTS_INDEX).is_file()
+    summary = checkpoint_summary(streamed)
+    assert summary["finished"] and summary["weights"] == "ok"
+    assert weights_problem(streamed / WEIGHTS, read_json(streamed / "config.json")["model"]) is None
+    assert checkpoint_dirs(grid) == [streamed]
+    shard = sorted(streamed.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-7])  # truncated
+    problem = weights_problem(streamed / WEIGHTS)
+    assert problem is not None and shard.name in problem and "truncated" in problem
+    assert not checkpoint_summary(streamed)["finished"]

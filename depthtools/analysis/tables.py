@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from depthtools.checkpoint import CONFIG, WEIGHTS, atomic_write_bytes, atomic_write_json
+from depthtools.checkpoint import CONFIG, atomic_write_bytes, atomic_write_json, has_weights
 from depthtools.errors import DepthToolsError
 from depthtools.fsutil import check_name
 
@@ -119,11 +119,11 @@ def cached(ckpt_dir: str | Path, names: Sequence[str], settings: dict[str, Any],
 
 
 def checkpoint_dirs(grid: str | Path) -> list[Path]:
-    """Every checkpoint directory (model.safetensors + config.json) under a grid directory."""
+    """Every checkpoint directory (config.json + model.safetensors or a sharded index) under a grid directory."""
     grid = Path(grid)
     if not grid.is_dir():
         raise DepthToolsError(f"grid directory {grid} does not exist")
-    dirs = sorted(p.parent for p in grid.rglob(CONFIG) if (p.parent / WEIGHTS).is_file() and "train_state" not in p.parts)
+    dirs = sorted(p.parent for p in grid.rglob(CONFIG) if has_weights(p.parent) and "train_state" not in p.parts)
     if not dirs:
         raise DepthToolsError(f"no checkpoints (model.safetensors + config.json) under {grid}")
     return dirs
