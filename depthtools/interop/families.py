@@ -800,22 +800,31 @@ def hf_state(tensors: dict[str, torch.Tensor], cfg: ModelConfig, expected: dict[
              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Our state dict (names and shapes `expected`) from a family's HF tensors, cast to `dtype`; every HF
     tensor must be used (or be a known buffer), every expected one found, with the implied shape."""
-    family = FAMILIES[cfg.options.get("family") or "llama"]
-    used: set[str] = set()
     state: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
+    for ours, shape, src, name in _mapped(tensors, cfg, expected):
+        tensor = _converted(tensors[name], src, cfg, name, ours, shape)
+        _check_finite(tensor, name)
+        state[ours] = tensor.to(dtype).contiguous()
+    return state
+
+
+def _mapped(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig,
+            expected: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, tuple[int, ...], Src, str]]:
+    """(our name, its shape, its `Src`, the HF name) of every expected tensor the HF tensors hold, in `expected`'s
+    order, after the expert-count check; once all are given, the refusal of a missing or unused HF tensor
+    (`_check_accounted`). The one walk `hf_state` (converting each as it comes) and `hf_state_plan` share."""
+    family = FAMILIES[cfg.options.get("family") or "llama"]
     _check_expert_count(tensors, cfg, family)
+    used: set[str] = set()
+    missing: list[str] = []
     for ours, shape in expected.items():
         src, name = _source(family, ours, tensors)
         if name not in tensors:
             missing.append(name)
             continue
         used.add(name)
-        tensor = _converted(tensors[name], src, cfg, name, ours, shape)
-        _check_finite(tensor, name)
-        state[ours] = tensor.to(dtype).contiguous()
+        yield ours, shape, src, name
     _check_accounted(family, cfg, tensors, used, missing)
-    return state
 
 
 # -- the same, one tensor at a time (an import larger than memory) -----------------------------------------
@@ -834,20 +843,10 @@ def hf_state_plan(headers: Mapping[str, torch.Tensor], cfg: ModelConfig,
     """The steps of `hf_state_stream`, checked from the HF tensors' headers alone (`headers`: name -> a `meta`
     tensor of the file's shape and dtype): every refusal of `hf_state` but NaN/inf values (a missing, unexpected,
     misshapen or integer tensor; an expert count that disagrees), made before any tensor is read."""
-    family = FAMILIES[cfg.options.get("family") or "llama"]
-    _check_expert_count(headers, cfg, family)
     steps: list[Step] = []
-    used: set[str] = set()
-    missing: list[str] = []
-    for ours, shape in expected.items():
-        src, name = _source(family, ours, headers)
-        if name not in headers:
-            missing.append(name)
-            continue
-        used.add(name)
+    for ours, shape, src, name in _mapped(headers, cfg, expected):
         _converted(headers[name], src, cfg, name, ours, shape)
         steps.append(Step(ours, tuple(shape), src, name))
-    _check_accounted(family, cfg, headers, used, missing)
     return steps
 
 
