@@ -69,7 +69,7 @@ def import_command(
     - A transformers folder of a supported family (llama, mistral, qwen2/3, gemma 1-3, olmo 1/2, gpt2,
       gpt_neox, phi, phi3, mixtral, olmoe, qwen2_moe, qwen3_moe) imported exactly as `preln`
       (docs/pretrained.md); tokenizer files are carried.
-    - A .gguf file (llama, qwen2, qwen3), dequantized with the gguf package (pip install -e ".\\[gguf]").
+    - A .gguf file (llama, qwen2, qwen3, gemma, gemma2, gemma3), dequantized with the gguf package (pip install -e ".\\[gguf]").
 
     Nothing is written unless everything was read and checked; the checkpoint appears whole or not at all.
 
