@@ -81,3 +81,130 @@ def test_low_precision_logits_are_widened_and_float64_rows_stay_float64():
     lp = F.log_softmax(_logits64(wide, x), -1)
     torch.testing.assert_close(m64.ce, -lp.gather(1, t[:, None])[:, 0], rtol=0, atol=1e-12)
     torch.testing.assert_close(m64.entropy, -(lp.exp() * lp).sum(1), rtol=0, atol=1e-12)
+
+
+# -- the fused row metrics (C kernel "rowmetrics") -------------------------------------------------------------------
+
+from depthtools.analysis import headmetrics  # noqa: E402
+from depthtools.analysis.headmetrics import fused_metrics, fused_usable  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not fused_usable(torch.zeros(1, 4)), reason="the rowmetrics C kernel did not build")
+
+
+def _full_path(z: torch.Tensor, t: torch.Tensor, ref_lp: torch.Tensor | None, k: int):
+    """What the full float32 path computes (lens `_DepthSums.add`, sweep `_Sums.add`), written out here."""
+    lp = F.log_softmax(z, -1)
+    target = lp.gather(1, t[:, None])
+    top = lp.topk(k, dim=1).indices if k > 1 else lp.argmax(1, keepdim=True)
+    rank = (lp > target).sum(1) + 1
+    kl = None if ref_lp is None else (ref_lp.exp() * (ref_lp - lp)).sum(1)
+    return top, rank, kl
+
+
+def _fused_case(n, V, seed, scale=3.0):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, V, generator=gen) * scale
+    t = torch.randint(0, V, (n,), generator=gen)
+    ref_lp = F.log_softmax(torch.randn(n, V, generator=gen) * scale, -1)
+    return z, t, ref_lp
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,V,k", [(300, 1000, 5), (64, 49152, 5), (37, 50, 1), (5, 3, 2), (40, 129, 8)])
+def test_fused_metrics_match_a_float64_log_softmax_and_the_full_paths_ids(n, V, k):
+    """CE, entropy and both KLs against a float64 log-softmax of the same float32 logits, to float32 rounding
+    (closer than the full float32 path: below); the top ids and the rank exactly those of the full float32
+    log-softmax (its ties included). Vocabularies on and off the kernel's 128/256 blocks, below k + 1 too."""
+    z, t, ref_lp = _fused_case(n, V, seed=V)
+    ref = Reference.of(ref_lp, k=k)
+    m = fused_metrics(z, t, ref, k=min(k, V), rank=True, reverse=True)
+    lp = F.log_softmax(z.double(), -1)
+    p, pr = lp.exp(), ref_lp.double().exp()
+    close = dict(rtol=4e-7, atol=2e-6)  # float32 rounding of values up to ~15
+    torch.testing.assert_close(m.lse, torch.logsumexp(z.double(), -1), **close)
+    torch.testing.assert_close(m.ce, -lp.gather(1, t[:, None])[:, 0], **close)
+    torch.testing.assert_close(m.entropy, -(p * lp).sum(1), **close)
+    torch.testing.assert_close(m.kl_ref, (pr * (ref_lp.double() - lp)).sum(1), **close)
+    torch.testing.assert_close(m.kl_rev, (p * (lp - ref_lp.double())).sum(1), **close)
+    top, rank, _ = _full_path(z, t, None, min(k, V))
+    assert torch.equal(m.top, top) and torch.equal(m.rank, rank)
+
+
+@needs_kernel
+def test_fused_metrics_are_nearer_float64_than_the_full_float32_path():
+    """At a 49k vocabulary the full path's float32 sums drift from float64 by ~1e-5 per row; the fused sums
+    (float32 within 256 columns, float64 across) stay at float32 rounding of the result: what makes its means
+    differ from the full path's by more than 1e-6 on high-entropy rows, and why that is not a regression."""
+    z, t, ref_lp = _fused_case(128, 49152, seed=3)
+    m = fused_metrics(z, t, Reference.of(ref_lp), rank=True)
+    exact = (ref_lp.double().exp() * (ref_lp.double() - F.log_softmax(z.double(), -1))).sum(1)
+    _, _, kl32 = _full_path(z, t, ref_lp, 1)
+    fused_err, full_err = (m.kl_ref - exact).abs().max(), (kl32.double() - exact).abs().max()
+    assert fused_err < 2e-6 and fused_err < full_err / 4
+
+
+@needs_kernel
+def test_fused_ranks_and_top_ids_resolve_near_ties_as_the_full_path():
+    """Logits one and two ulps above the target's (where the float32 log-softmax merges some with it), exact
+    ties at the top and between the 5th and 6th largest: the fused rank and top-5 ids are the full path's."""
+    V, n = 600, 64
+    gen = torch.Generator().manual_seed(1)
+    z = torch.rand(n, V, generator=gen) * 4 + 8
+    t = torch.randint(10, V, (n,), generator=gen)
+    zt = z.gather(1, t[:, None])[:, 0]
+    for j in range(1, 4):
+        z[torch.arange(n), (t + j) % V] = zt + j * torch.finfo(torch.float32).eps * zt  # ~j ulps above
+    z[:8, 3] = z[:8].amax(1) + 1  # an exact tie at the top: ids 3 and 4
+    z[:8, 4] = z[:8, 3]
+    z[8:16, 100:106] = z[8:16].amax(1, keepdim=True) + torch.tensor([5.0, 4, 3, 2, 1, 1])  # 5th = 6th
+    m = fused_metrics(z, t, k=5, rank=True)
+    top, rank, _ = _full_path(z, t, None, 5)
+    assert torch.equal(m.rank, rank) and torch.equal(m.top, top)
+    assert not torch.equal(rank, (z > zt[:, None]).sum(1) + 1)  # the case is one where the plain count differs
+
+
+@needs_kernel
+def test_fused_rows_with_non_finite_logits_are_the_full_paths():
+    """A NaN, a −inf and a +inf logit in three rows: those rows' metrics are the full float32 path's (NaN where
+    it gives NaN), the other rows are unaffected."""
+    z, t, ref_lp = _fused_case(6, 300, seed=5)
+    z[0, 7], z[1, 8], z[2, 9] = float("nan"), float("-inf"), float("inf")
+    m = fused_metrics(z, t, Reference.of(ref_lp), rank=True, reverse=True)
+    lp = F.log_softmax(z, -1)
+    ce, kl = -lp.gather(1, t[:, None])[:, 0].double(), (ref_lp.exp() * (ref_lp - lp)).sum(1).double()
+    torch.testing.assert_close(m.ce[:3], ce[:3], equal_nan=True)
+    torch.testing.assert_close(m.kl_ref[:3], kl[:3], equal_nan=True)
+    assert torch.isfinite(m.ce[3:]).all() and torch.isfinite(m.kl_ref[3:]).all()
+    top, rank, _ = _full_path(z, t, None, 1)
+    assert torch.equal(m.top[3:], top[3:]) and torch.equal(m.rank[3:], rank[3:])
+
+
+@needs_kernel
+def test_fused_metrics_read_strided_batches_and_do_not_depend_on_threads():
+    """Rows of a [B, T, V] view with the first position dropped (the sweep's scored logits, not copied) give
+    the metrics of the same rows made contiguous; one thread gives the same bits as two."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 9, 700, generator=gen)
+    scored = logits[:, 1:]
+    t = torch.randint(0, 700, (3 * 8,), generator=gen)
+    flat = fused_metrics(scored.reshape(-1, 700).contiguous(), t, k=2, rank=True)
+    view = fused_metrics(scored, t, k=2, rank=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fused_metrics(scored, t, k=2, rank=True)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in ((flat, view), (view, one)):
+        for name in ("lse", "ce", "entropy", "top", "rank"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_fused_path_is_declined_where_it_does_not_apply(monkeypatch):
+    """float64, bfloat16 or a 1-D tensor, more top ids than the kernel keeps, or DEPTHTOOLS_FUSED_METRICS=0
+    (FUSED off): the callers take the full log-softmax."""
+    z = torch.zeros(4, 10)
+    assert not fused_usable(z.double()) and not fused_usable(z.bfloat16()) and not fused_usable(z[0])
+    assert not fused_usable(z, k=headmetrics.TOP_MAX)
+    monkeypatch.setattr(headmetrics, "FUSED", False)
+    assert not fused_usable(z)

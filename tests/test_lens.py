@@ -139,10 +139,10 @@ def test_plot_helpers_return_axes():
     assert isinstance(plot_prune_curve(ablate(model, toks, mode="prune", tau=float("inf"))), Axes)
 
 
-def _old_lens_logprobs(model, rows, depth, translators):
+def _old_lens_logits(model, rows, depth, translators):
     """The logit lens before issue 44: ln_final(readout(z_l)) through `readout_logits` (the reference)."""
     logits = model.readout_logits(rows)
-    return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def _old_scored_rows(model, states, translators):
@@ -160,7 +160,7 @@ def test_logit_lens_through_final_hidden_is_unchanged_where_a_readout_exists(arc
     # rounding against a float64 log-softmax is tests/test_headmetrics.py's)
     new = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7, chunked_head=False)
     monkeypatch.setattr(lens, "_scored_rows", _old_scored_rows)
-    monkeypatch.setattr(lens, "_lens_logprobs", _old_lens_logprobs)
+    monkeypatch.setattr(lens, "_lens_logits", _old_lens_logits)
     old = lens.lens_analysis(model, toks, batch_size=2, chunk_tokens=7, chunked_head=False)
     pd.testing.assert_frame_equal(new.depths, old.depths, check_exact=True)
     assert (new.prediction_depth == old.prediction_depth).all() and (new.token_loss == old.token_loss).all()

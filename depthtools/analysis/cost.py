@@ -65,6 +65,7 @@ from depthtools.analysis.sweep import (
     Reference as SweepReference,
     _state_bytes,
     _Sums,
+    plan_head_sums,
     scored_logprobs,
     scored_rows,
 )
@@ -252,10 +253,10 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     """(seconds of one block call, seconds of one head evaluation with its metrics) on one batch.
 
     The head is timed as every sweep plan runs it on this batch (the lens times its own depths:
-    `lens_depth_seconds`): the path `headmetrics.chunked_head` picks for these rows -- the full float32
-    log-softmax with the sweep's own per-plan sums (`sweep._Sums.add`: CE, KL against the reference computed
-    once per batch, top-1 agreement and accuracy) while one [rows, V] block is small, else the vocabulary-chunked
-    head (`headmetrics.row_metrics`). At a 49k vocabulary the metrics still cost more than the head's matmul
+    `lens_depth_seconds`): the path `headmetrics.chunked_head` picks for these rows -- while one [rows, V] block
+    is small, whole logit rows with the sweep's own per-plan sums (`sweep.plan_head_sums`: CE, KL against the
+    reference computed once per batch, top-1 agreement and accuracy; fused or a full log-softmax), else the
+    vocabulary-chunked head (`headmetrics.row_metrics`). At a 49k vocabulary the metrics still cost more than the head's matmul
     (benchmarks/RESULTS.md, issues 38, 45 and 47), so a parameter ratio alone underestimates the sweeps.
     """
     inputs, targets = split_inputs(tokens[:batch_size])
@@ -264,7 +265,7 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     sync = torch.cuda.synchronize if inputs.device.type == "cuda" else (lambda: None)
     head = chunked_head(model, targets.numel())  # the path the sweep takes on these rows
     t_states = t_head = math.inf
-    ref = None
+    ref = fused = None
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
@@ -272,12 +273,14 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
         if ref is None:  # the reference and its probabilities: once per batch in a sweep, not per plan
             logp = scored_logprobs(model.head(states[-1])).roll(1, 0)
             ref = SweepReference.of(logp) if head is None else Reference.of(logp, head=head)
+            if head is None:  # the fused path's reference, also once per batch (an untimed first call)
+                fused = plan_head_sums(_Sums(), model.head(states[-1]), ref, targets, inputs.shape[0])
         sync()
         t1 = time.perf_counter()
         if head is not None:
             row_metrics(head, scored_rows(model, states[-1]), targets, ref)
         else:
-            _Sums().add(scored_logprobs(model.head(states[-1])), ref, targets, inputs.shape[0])
+            plan_head_sums(_Sums(), model.head(states[-1]), ref, targets, inputs.shape[0], fused)
         sync()
         t_states, t_head = min(t_states, t1 - t0), min(t_head, time.perf_counter() - t1)
     return t_states / max(model.n_layer, 1), t_head
@@ -327,23 +330,31 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
 
 @torch.no_grad()
 def lens_depth_seconds(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float:
-    """Seconds of one logit-lens depth on one batch: `lens._lens_logprobs` and `lens._DepthSums.add` over the
-    batch's scored rows in the lens' chunks (the lens' own code, timed at depth 0; best of `repeats`). Its
+    """Seconds of one logit-lens depth on one batch: `lens.depth_step` over the batch's scored rows in the lens'
+    chunks (the lens' own code and head path, timed at depth 0; best of `repeats`). Its
     metrics (probabilities, top-5, two KLs, an entropy, a rank count over V) cost more than the sweep's that
     `time_parts` times with the head, so the lens is planned with this instead of h per depth."""
-    from depthtools.analysis.lens import FinalRows, _DepthSums, _lens_logprobs, _scored_rows  # lazy: lens imports sweep
+    from depthtools.analysis.lens import (  # lazy: lens imports sweep
+        FinalRows,
+        _DepthSums,
+        _lens_logprobs,
+        _scored_rows,
+        depth_step,
+    )
 
     inputs, targets = split_inputs(tokens[:batch_size])
     targets, L, chunk = targets.flatten(), model.n_layer, 4096
+    head = chunked_head(model, min(chunk, len(targets)))  # the path the lens takes on these rows
     states = model.run_states(inputs)
     first, last = _scored_rows(model, [states[0], states[-1]], None)
-    finals = [FinalRows.of(_lens_logprobs(model, last[lo:lo + chunk], L, None)) for lo in range(0, len(targets), chunk)]
+    finals = [FinalRows.of(_lens_logprobs(model, last[lo:lo + chunk], L, None), head)
+              for lo in range(0, len(targets), chunk)]
     best = math.inf
     for _ in range(repeats):
         sums = _DepthSums(1)
         t0 = time.perf_counter()
         for i, lo in enumerate(range(0, len(targets), chunk)):
-            sums.add(0, _lens_logprobs(model, first[lo:lo + chunk], 0, None), finals[i], targets[lo:lo + chunk])
+            depth_step(model, first[lo:lo + chunk], 0, None, head, finals[i], targets[lo:lo + chunk], sums)
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from depthtools.arch import cpu_kernels
+
 CHUNK = 8192  # vocabulary columns per logit block
 # A probe's head path by default: full [rows, V] float32 log-probs while one such block is at most this many
 # bytes (fewer, longer passes: faster on CPU, benchmarks/RESULTS.md issue 45), the chunked head above it.
@@ -118,6 +120,14 @@ def _plogp(p: torch.Tensor, logp: torch.Tensor, chunk: int = CHUNK) -> torch.Ten
     return out
 
 
+def _row_sum(p: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """[n] float64 Σ_v p_v, over vocabulary chunks (no float64 [n, V] copy)."""
+    out = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+    for lo in range(0, p.shape[1], chunk):
+        out += p[:, lo:lo + chunk].double().sum(1)
+    return out
+
+
 @dataclass(frozen=True)
 class Reference:
     """The distribution the rows are compared with, on the same rows: float32 log-probs, their
@@ -128,6 +138,7 @@ class Reference:
     plogp: torch.Tensor  # [n] float64: Σ_v p_v log p_v
     top: torch.Tensor  # [n, k]
     p_weight: torch.Tensor | None = None  # [n, d] p Wᵀ... = Σ_v p_v W_v, for `Head.ref_logit_mean`
+    psum: torch.Tensor | None = None  # [n] float64 Σ_v p_v (1 up to rounding), for `fused_metrics`
 
     @classmethod
     def of(cls, logp: torch.Tensor, k: int = 1, head: Head | None = None, p: torch.Tensor | None = None,
@@ -139,11 +150,13 @@ class Reference:
         if top is None:
             top = logp.topk(min(k, logp.shape[-1]), dim=-1).indices if k > 1 else logp.argmax(-1, keepdim=True)
         p_weight = None if head is None or head.cap else p @ head.weight.to(p.dtype)
-        return cls(logp, p, plogp, top, p_weight)
+        return cls(logp, p, plogp, top, p_weight, _row_sum(p))
 
     def rows(self, sl: slice) -> "Reference":
-        return Reference(self.logp[sl], self.p[sl], self.plogp[sl], self.top[sl],
-                         None if self.p_weight is None else self.p_weight[sl])
+        def part(t):
+            return None if t is None else t[sl]
+        return Reference(self.logp[sl], self.p[sl], self.plogp[sl], self.top[sl], part(self.p_weight),
+                         part(self.psum))
 
 
 @dataclass(frozen=True)
@@ -298,3 +311,119 @@ def row_metrics(head: Head, x: torch.Tensor, targets: torch.Tensor, ref: Referen
         parts.append(_tile_metrics(head, x[sl], targets[sl], None if ref is None else ref.rows(sl), k, rank,
                                    reverse, chunk))
     return RowMetrics.cat(parts)
+
+
+# -- the fused path: the metrics of whole logit rows in two passes (C kernel "rowmetrics") ----------------------------
+
+_ROW_METRICS = cpu_kernels.Kernel(
+    "rowmetrics", "row_metrics", "z n_rows rows_per_group group_stride row_stride V targets ref_logp ref_p k threads "
+    "row_max target_z sums top_vals top_ids above gap", generic=False)
+# DEPTHTOOLS_FUSED_METRICS=0 turns the fused path off (the full log-softmax instead): same-run A/B benchmarks use it
+FUSED = os.environ.get("DEPTHTOOLS_FUSED_METRICS", "1") != "0"
+TOP_MAX = 9  # TOPMAX in csrc/rowmetrics.c: k + 1 top logits at most (one past the k asked for, to see a tie)
+TIE_ULPS = 2  # logits less than this many float32 ulps (of z − m and of lp) apart may share a log-prob
+
+
+def fused_usable(z: torch.Tensor, k: int = 1) -> bool:
+    """Whether `fused_metrics` takes logits z and k top ids (float32 CPU rows, k + 1 <= TOP_MAX, kernel built;
+    FUSED on)."""
+    return FUSED and k + 1 <= TOP_MAX and cpu_kernels.rowmetrics_usable(z)
+
+
+def _kernel_sums(z: torch.Tensor, targets: torch.Tensor, ref: "Reference | None", k: int, reverse: bool) -> dict:
+    """The kernel's per-row outputs on logits z ([n, V], or [B, T', V] rows in order) with k top logits."""
+    V = z.shape[-1]
+    rows_per_group, group_stride = (z.shape[0], 0) if z.dim() == 2 else (z.shape[1], z.stride(0))
+    n = targets.numel()
+    out = {"row_max": z.new_empty(n), "target_z": z.new_empty(n), "sums": torch.empty(n, 4, dtype=torch.float64),
+           "top_vals": z.new_empty(n, k), "top_ids": torch.empty(n, k, dtype=torch.long),
+           "above": torch.empty(n, dtype=torch.long), "gap": z.new_empty(n)}
+    ref_p = None if ref is None else ref.p.contiguous()
+    ref_logp = None if ref is None or not reverse else ref.logp.contiguous()
+    status = _ROW_METRICS(None, z, n, rows_per_group, group_stride, z.stride(-2), V, targets.contiguous(),
+                          ref_logp, ref_p, k,
+                          torch.get_num_threads(), *out.values())
+    if status:
+        raise MemoryError("row-metrics CPU kernel: out of memory")
+    return out
+
+
+def _near(gap: torch.Tensor, value: torch.Tensor, m: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Rows where a logit `gap` above `value` may share its float32 log-prob: lp = fl(fl(z − m) − log S) rounds
+    twice, at the magnitudes of z − m and of lp (the same log S for both: its own rounding moves both alike), so
+    two logits collapse only when less than an ulp of each magnitude apart."""
+    eps = torch.finfo(torch.float32).eps
+    scale = (value - m).abs() + (lse - value).abs()
+    return gap.double() <= TIE_ULPS * eps * scale + 1e-30
+
+
+def _torch_rows(z: torch.Tensor, targets: torch.Tensor, ref: "Reference | None", k: int) -> tuple:
+    """(ce, kl_ref, kl_rev, entropy, top ids, rank) of rows z [r, V] through torch's float32 log-softmax, the
+    sums as the full path (lens `_DepthSums.add`, sweep `_Sums.add`) computes them (float64 out)."""
+    lp = F.log_softmax(z, dim=-1)
+    p = lp.exp()
+    target_lp = lp.gather(-1, targets.unsqueeze(-1))
+    kl_ref = kl_rev = None
+    if ref is not None:
+        kl_ref = (ref.p * (ref.logp - lp)).sum(-1).double()
+        kl_rev = (p * (lp - ref.logp)).sum(-1).double()
+    return (-target_lp.squeeze(-1).double(), kl_ref, kl_rev, -(p * lp).sum(-1).double(), _torch_top(lp, k),
+            (lp > target_lp).sum(-1) + 1)
+
+
+def _torch_top(lp: torch.Tensor, k: int) -> torch.Tensor:
+    """The k top ids of log-probs lp as the full path takes them (argmax for one: the first among equals)."""
+    return lp.topk(k, dim=-1).indices if k > 1 else lp.argmax(-1, keepdim=True)
+
+
+def _take_rows(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of z ([n, V], or [B, T', V] with rows in order) as an [r, V] tensor (no copy of the rest)."""
+    return z[rows] if z.dim() == 2 else z[rows // z.shape[1], rows % z.shape[1]]
+
+
+@torch.no_grad()
+def fused_metrics(z: torch.Tensor, targets: torch.Tensor, ref: Reference | None = None, k: int = 1,
+                  rank: bool = False, reverse: bool = False) -> RowMetrics:
+    """Per-row metrics (`RowMetrics`: lse, ce, entropy, kl_ref, kl_rev with reverse=True, k top ids, rank) of
+    whole logit rows z ([n, V], or [B, T', V] whose rows are taken in order; float32 CPU, `fused_usable`) against
+    targets [n] and an optional reference on the same rows (rank=True: the target's rank too), from the C kernel's two passes per row
+    (csrc/rowmetrics.c): float64 combinations of float32 block sums, within float32 rounding of the full
+    float32 log-softmax path. Rows where that path's float32 log-probs could order the top ids or count the rank
+    otherwise (logits within TIE_ULPS ulps of each other), or with a non-finite logit, are recomputed by that
+    path itself (`_torch_rows`), so the top ids and ranks are the full path's exactly."""
+    K = min(k + 1, z.shape[-1])
+    out = _kernel_sums(z, targets, ref, K, reverse)
+    S = out["sums"]
+    m, zt, log_s0 = out["row_max"].double(), out["target_z"].double(), S[:, 0].log()
+    lse = m + log_s0
+    mean_rel = S[:, 1] / S[:, 0]  # Σ p (z − m)
+    entropy = log_s0 - mean_rel
+    kl_ref = None if ref is None else ref.plogp - S[:, 3] + log_s0 * ref.psum
+    kl_rev = None if ref is None or not reverse else mean_rel - log_s0 - S[:, 2] / S[:, 0]
+    top, vals, ranks = out["top_ids"][:, :k].clone(), out["top_vals"].double(), out["above"] + 1
+    bad = ~(torch.isfinite(S).all(1) & torch.isfinite(m))  # a NaN or infinite logit (csrc/rowmetrics.c)
+    rank_tie = _near(out["gap"], zt, m, lse) & ~bad if rank else torch.zeros_like(bad)
+    top_tie = torch.zeros_like(bad)
+    for j in range(K - 1):
+        top_tie |= _near(vals[:, j] - vals[:, j + 1], vals[:, j + 1], m, lse)
+    top_tie &= ~bad
+    rows = (rank_tie | top_tie).nonzero().squeeze(1)
+    if rows.numel():  # near ties: the top ids and rank from the full path's own log-probs of these rows
+        lp = F.log_softmax(_take_rows(z, rows), dim=-1)  # bit for bit the whole block's rows
+        at = top_tie[rows].nonzero().squeeze(1)
+        top[rows[at]] = _torch_top(lp[at], k)
+        at = rank_tie[rows].nonzero().squeeze(1)
+        lp = lp[at]
+        ranks[rows[at]] = torch.count_nonzero(lp > lp.gather(-1, targets[rows[at]].unsqueeze(-1)), dim=-1) + 1
+    ce = lse - zt
+    rows = bad.nonzero().squeeze(1)
+    if rows.numel():
+        sub = None if ref is None else Reference(ref.logp[rows], ref.p[rows], ref.plogp[rows], ref.top[rows])
+        r_ce, r_kl, r_rev, r_ent, r_top, r_rank = _torch_rows(_take_rows(z, rows), targets[rows], sub, k)
+        ce[rows], entropy[rows], top[rows], ranks[rows] = r_ce, r_ent, r_top, r_rank
+        lse[rows] = torch.logsumexp(_take_rows(z, rows).double(), -1)
+        if kl_ref is not None:
+            kl_ref[rows] = r_kl
+        if kl_rev is not None:
+            kl_rev[rows] = r_rev
+    return RowMetrics(lse, ce, entropy, kl_ref, kl_rev, top, ranks if rank else None)

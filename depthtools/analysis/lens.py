@@ -45,7 +45,15 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from depthtools.analysis.headmetrics import Head, Reference, RowMetrics, chunked_head as chunked_head_for, row_metrics
+from depthtools.analysis.headmetrics import (
+    Head,
+    Reference,
+    RowMetrics,
+    chunked_head as chunked_head_for,
+    fused_metrics,
+    fused_usable,
+    row_metrics,
+)
 from depthtools.analysis.sweep import intact_states
 from depthtools.analysis.tables import ANALYSIS_DIR, model_columns, normalise_settings
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
@@ -85,15 +93,20 @@ def check_tuned_lens(model) -> None:
             f"({what}) {head}; run the logit lens (lens without --tuned)")
 
 
-def _lens_logprobs(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
-    """[n,d] rows at `depth` -> [n,V] log-probs. Logit lens: rows are final_hidden(z_l), unembedded (and
-    soft-capped where the model's logits are). Tuned lens: rows are readout(z_l), through the translator,
-    ln_final and unembed."""
+def _lens_logits(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
+    """[n,d] rows at `depth` -> [n,V] logits, float32 at least. Logit lens: rows are final_hidden(z_l),
+    unembedded (and soft-capped where the model's logits are). Tuned lens: rows are readout(z_l), through the
+    translator, ln_final and unembed."""
     if translators is None:
         logits = model.hidden_logits(rows)
     else:
         logits = model.readout_logits(translators(rows, depth))  # ln_final, unembed (and a final soft-cap)
-    return F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _lens_logprobs(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
+    """[n,d] rows at `depth` -> [n,V] float32 (or wider) log-probs (`_lens_logits`, log-softmaxed)."""
+    return F.log_softmax(_lens_logits(model, rows, depth, translators), dim=-1)
 
 
 def _scored_rows(model, states: list, translators: TunedLens | None) -> list[torch.Tensor]:
@@ -119,9 +132,12 @@ class FinalRows:
 
     @classmethod
     def of(cls, logp: torch.Tensor, head: Head | None = None) -> "FinalRows":
+        """The final rows of float32 log-probs; `ref` for the chunked `head`, or for the fused row metrics
+        where they take these rows (float32 CPU)."""
         top5 = logp.topk(min(5, logp.shape[-1]), dim=-1).indices
         p = logp.exp()
-        ref = None if head is None else Reference.of(logp, head=head, p=p, top=top5)
+        fused = head is None and fused_usable(logp, top5.shape[-1])
+        ref = Reference.of(logp, head=head, p=p, top=top5) if head is not None or fused else None
         return cls(logp, p, top5, ref)
 
 
@@ -166,6 +182,25 @@ class _DepthSums:
         for j, value in enumerate(values):
             self.sums[depth, j] += float(value.sum())
         return m.top[:, 0]
+
+
+def depth_step(model, rows: torch.Tensor, depth: int, translators: TunedLens | None, head: Head | None,
+               reference: FinalRows, targets: torch.Tensor, sums: "_DepthSums") -> torch.Tensor:
+    """Decode one depth's rows [n, d] and add its metrics to `sums`; returns the top-1 ids [n]. Three paths, one
+    set of numbers: the vocabulary-chunked head (`head`, for blocks above `headmetrics.FULL_HEAD_BYTES`), the
+    fused row metrics of whole float32 logit rows on CPU (`headmetrics.fused_metrics`: two passes per row
+    instead of ~10 torch passes over [n, V]), else the full log-softmax (`_DepthSums.add`). (Also what
+    `cost.lens_depth_seconds` times.)"""
+    k = reference.top5.shape[-1]
+    if head is not None:
+        m = row_metrics(head, _depth_rows(model, rows, depth, translators), targets, reference.ref, k=k, rank=True,
+                        reverse=True)
+        return sums.add_rows(depth, m, reference)
+    logits = _lens_logits(model, rows, depth, translators)
+    if reference.ref is not None and fused_usable(logits, k):
+        return sums.add_rows(depth, fused_metrics(logits, targets, reference.ref, k=k, rank=True, reverse=True),
+                             reference)
+    return sums.add(depth, F.log_softmax(logits, dim=-1), reference, targets)
 
 
 def _depth_rows(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
@@ -229,13 +264,7 @@ def lens_analysis(
             top1 = torch.empty(L + 1, tgt.numel(), dtype=torch.long, device=tgt.device)
             top1[L] = sums.add(L, final, reference, tgt)
             for depth in range(L):
-                if head is None:
-                    lp = _lens_logprobs(model, reads[depth][rows], depth, translators)
-                    top1[depth] = sums.add(depth, lp, reference, tgt)
-                    continue
-                m = row_metrics(head, _depth_rows(model, reads[depth][rows], depth, translators), tgt,
-                                reference.ref, k=reference.top5.shape[-1], rank=True, reverse=True)
-                top1[depth] = sums.add_rows(depth, m, reference)
+                top1[depth] = depth_step(model, reads[depth][rows], depth, translators, head, reference, tgt, sums)
             top1_all.append(top1.cpu())
             loss_all.append((-final.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)).double().cpu())
             sums.n += tgt.numel()

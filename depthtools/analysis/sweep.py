@@ -33,6 +33,8 @@ from depthtools.analysis.headmetrics import (
     Reference as HeadReference,
     RowMetrics,
     chunked_head as chunked_head_for,
+    fused_metrics,
+    fused_usable,
     row_metrics,
 )
 from depthtools.analysis.tokens import FIRST_SCORED, batches, check_tokens, split_inputs, token_fingerprint
@@ -150,6 +152,25 @@ class _Sums:
         return PlanStats(sums[0] / n, sums[1] / n, sums[2] / n, sums[3] / n, n_tokens)
 
 
+def plan_head_sums(acc: "_Sums", logits: torch.Tensor, ref: Reference, targets: torch.Tensor, B: int,
+                   fused: HeadReference | None = None) -> HeadReference | None:
+    """Add one plan's metrics from its logits [B, T, V] to `acc`: through the fused row metrics of the scored
+    rows where they take them (`headmetrics.fused_metrics`: float32 CPU logits, two passes per row instead of a
+    log-softmax and ~5 torch passes over [rows, V]; low-precision logits are widened first), else the full
+    log-softmax (`_Sums.add`). `fused`: the intact reference as the fused path reads it (built here on first use
+    and returned, so one batch's plans share it). Also what `cost.time_parts` times per plan."""
+    scored = logits[:, FIRST_SCORED:]
+    if scored.device.type == "cpu" and scored.dtype in (torch.bfloat16, torch.float16):
+        scored = scored.float()
+    if not fused_usable(scored):
+        acc.add(scored_logprobs(logits), ref, targets, B)
+        return fused
+    if fused is None:
+        fused = HeadReference.of(ref.logp, p=ref.p, top=ref.top1.unsqueeze(1))
+    acc.add_rows(fused_metrics(scored, targets, fused), fused, targets, B)
+    return fused
+
+
 def scored_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """[B,T,V] logits -> [B·(T-1), V] float32 (or wider) log-probs of the scored positions."""
     scored = logits[:, FIRST_SCORED:]
@@ -234,8 +255,9 @@ def _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, 
     ref, href = refs
     B, L = inputs.shape[0], model.n_layer
     if href is None:
+        fused = None
         for acc, logits in zip(sums, plan_logits(model, plans, states, inputs, reuse_prefix)):
-            acc.add(scored_logprobs(logits), ref, targets, B)
+            fused = plan_head_sums(acc, logits, ref, targets, B, fused)
             tick()
         return
     changed = [(acc, plan) for acc, plan in zip(sums, plans) if plan.first_change(L) < L]

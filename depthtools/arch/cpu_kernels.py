@@ -1,11 +1,12 @@
-"""Small C kernels for HC/mHC, AttnRes and MoDA training on CPU: sources in `depthtools/arch/csrc/`, built by
-torch.utils.cpp_extension (JIT, with ninja) on the first real CPU call that needs them (one log line), cached, and
+"""Small C kernels for HC/mHC, AttnRes and MoDA training and for the analyses' head metrics on CPU: sources in
+`depthtools/arch/csrc/`, built by torch.utils.cpp_extension (JIT, with ninja) on the first real CPU call that needs them (one log line), cached, and
 called through ctypes.
 
-Four libraries, one source file each (`csrc/<name>.c`, which says what its kernels do and why, with the figures'
+Five libraries, one source file each (`csrc/<name>.c`, which says what its kernels do and why, with the figures'
 places in benchmarks/RESULTS.md): "sinkhorn" (mHC's Sinkhorn), "connector" (HC's and mHC's whole connectors,
-forward and backward), "bank" (AttnRes' depth bank: a mix, a two-phase prefix, a backward flush) and "moda"
-(MoDA's depth attention: forward, backward, slot gradients, slot stores). The kernels are written once per
+forward and backward), "bank" (AttnRes' depth bank: a mix, a two-phase prefix, a backward flush), "moda"
+(MoDA's depth attention: forward, backward, slot gradients, slot stores) and "rowmetrics" (the per-row sums behind
+a head's metrics, float32 only: `analysis/headmetrics.py` `fused_metrics`). The training kernels are written once per
 scalar type and instantiated per type by including `*_impl.h` with `REAL`/`FN` defined (`csrc/generic.h`).
 
 The kernels are called by their torch custom ops in `depthtools/arch/ops/`: `ops/sinkhorn.py`
@@ -64,6 +65,10 @@ _LIBRARIES = {  # name: flag sets in order of preference (the first that builds 
     "connector": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3"]],
     "bank": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3"]],
     "moda": [_CONNECTOR_FLAGS + ["-fopenmp"], _CONNECTOR_FLAGS, ["-O3"]],
+    # the analyses' head metrics (headmetrics.py `fused_metrics`): rows over OpenMP threads; finite-math so the
+    # max/min reductions vectorise (csrc/rowmetrics.c says how non-finite logits are still caught)
+    "rowmetrics": [_CONNECTOR_FLAGS + ["-ffinite-math-only", "-fopenmp"], _CONNECTOR_FLAGS + ["-ffinite-math-only"],
+                   ["-O3"]],
 }
 
 # -- the kernels' signatures, read from the C sources, and the checked bindings ------------------------------------
@@ -344,7 +349,8 @@ def _build(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
 
 
 def library(name: str = "sinkhorn", folder: Path | None = None) -> ctypes.CDLL | None:
-    """The built kernel library `name` ("sinkhorn", "connector", "bank" or "moda"), or None (no compiler, or the
+    """The built kernel library `name` ("sinkhorn", "connector", "bank", "moda" or
+    "rowmetrics"), or None (no compiler, or the
     build failed: logged once); built on this first call in `folder` (default `_kernel_folder()`)."""
     if name in _libs:
         return _libs[name]
@@ -416,3 +422,10 @@ def moda_usable(t: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
     return (_cpu_float((t,)) and (kv_dtype == t.dtype or (kv_dtype, t.dtype) == (torch.bfloat16, torch.float32))
             and library("moda") is not None)
 
+
+
+def rowmetrics_usable(z: torch.Tensor) -> bool:
+    """Whether the row-metrics kernel takes logits z ([n, V] or [B, T, V]): float32 on CPU, unit stride along the
+    vocabulary, and the library built."""
+    return (z.dtype == torch.float32 and z.device.type == "cpu" and z.dim() in (2, 3) and z.stride(-1) == 1
+            and z.shape[-1] > 0 and library("rowmetrics") is not None)
