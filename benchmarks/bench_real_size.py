@@ -29,10 +29,10 @@ main before issue 47) makes for the same checkpoint and tokens; --plan-only prin
 
     python benchmarks/bench_real_size.py --suite [--layers 30 --vocab 49152 --n-tokens 4096 --seq-len 128]
 
---lens-cost (issues 45 and 47): the logit lens at all depths and the 30-plan skip sweep with the head as
-before (a full [rows, V] log-softmax per depth/plan, `chunked_head=False`) and with the vocabulary-chunked
-head (`depthtools.analysis.headmetrics`), in forward equivalents of the same run, and the largest
-difference of every lens and sweep metric between the two.
+--lens-cost (issues 45 and 47): the logit lens at all depths and the 30-plan skip sweep on three head paths:
+a full [rows, V] log-softmax per depth/plan (`chunked_head=False`, fused off), the fused row metrics (the C
+kernel, `headmetrics.fused_metrics`: the CPU default) and the vocabulary-chunked head, in forward equivalents
+of the same run, and the largest difference of every lens and sweep metric from the full path.
 
     python benchmarks/bench_real_size.py --lens-cost [--seqs 8 --seq-len 64]
 """
@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from depthtools.analysis import headmetrics  # noqa: E402
 from depthtools.analysis.cost import analysis_cost, head_ratio, time_parts  # noqa: E402
 from depthtools.analysis.lens import lens_analysis  # noqa: E402
 from depthtools.analysis.suite import analysis_args  # noqa: E402
@@ -208,9 +209,10 @@ def run_suite(args) -> None:
 
 
 def run_lens_cost(args) -> None:
-    """Issue 45/47: the logit lens at all depths and the skip sweep, before (full [rows, V] log-probs per
-    depth/plan, chunked_head=False) and after (the vocabulary-chunked head, `headmetrics`), in forward-pass
-    equivalents of the same run, with the largest difference of every metric between the two."""
+    """Issue 45/47: the logit lens at all depths and the skip sweep on three head paths -- full [rows, V]
+    log-probs per depth/plan (chunked_head=False, fused off), the fused row metrics (the C kernel, the CPU
+    default) and the vocabulary-chunked head (`headmetrics`) -- in forward-pass equivalents of the same run, with
+    the largest difference of every metric from the full path."""
     from depthtools.analysis.lens import LENS_METRICS
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -234,28 +236,34 @@ def run_lens_cost(args) -> None:
     print(f"  plain forward {t_fwd:.2f} s (the unit)", flush=True)
     lens, sweeps = {}, {}
     plans = [Plan.skipping(l) for l in range(L)]
-    labels = (("before (full-vocab)", False), ("after (chunked head)", True))
-    for label, chunked in labels:
+    labels = (("full log-softmax", False, False), ("fused row metrics", False, True),
+              ("chunked head", True, True))
+    for label, chunked, fused in labels:
+        headmetrics.FUSED = fused
         t0 = time.perf_counter()
         lens[label] = lens_analysis(model, tokens, batch_size=args.batch, chunked_head=chunked).depths
         t_lens = time.perf_counter() - t0
         print(f"  {label:<22} lens {t_lens:7.2f} s = {t_lens / t_fwd:5.1f} forward equivalents (target <= 8)",
               flush=True)
-    old, new = (lens[k] for k in lens)
-    print("  lens max |after − before| per metric (mean over tokens, any depth): "
-          + ", ".join(f"{m} {float((old[m] - new[m]).abs().max()):.1e}" for m in LENS_METRICS), flush=True)
+    base = lens[labels[0][0]]
+    for label, *_ in labels[1:]:
+        print(f"  lens max |{label} − full| per metric (mean over tokens, any depth): "
+              + ", ".join(f"{m} {float((base[m] - lens[label][m]).abs().max()):.1e}" for m in LENS_METRICS), flush=True)
     if args.no_sweep:
         return
-    for label, chunked in labels:
+    for label, chunked, fused in labels:
+        headmetrics.FUSED = fused
         t0 = time.perf_counter()
         sweeps[label] = sweep(model, tokens, plans, batch_size=args.batch, chunked_head=chunked)
         t_sweep = time.perf_counter() - t0
         print(f"  {label:<22} skip sweep ({L} plans) {t_sweep:7.2f} s = {t_sweep / t_fwd:5.1f} forward equivalents",
               flush=True)
-    a, b = (sweeps[k] for k in sweeps)
-    worst = {m: max(abs(getattr(x, m) - getattr(y, m)) for x, y in zip(a.plans, b.plans))
-             for m in ("ce", "kl", "top1_agree", "top1_acc")}
-    print("  skip sweep max |after − before| per metric: " + ", ".join(f"{m} {v:.1e}" for m, v in worst.items()))
+    base = sweeps[labels[0][0]]
+    for label, *_ in labels[1:]:
+        worst = {m: max(abs(getattr(x, m) - getattr(y, m)) for x, y in zip(base.plans, sweeps[label].plans))
+                 for m in ("ce", "kl", "top1_agree", "top1_acc")}
+        print(f"  skip sweep max |{label} − full| per metric: " + ", ".join(f"{m} {v:.1e}" for m, v in worst.items()))
+    headmetrics.FUSED = True
 
 
 def main() -> None:

@@ -97,9 +97,12 @@ def run_side(code: Path, ckpt: Path, names: list[str], n_seqs: int, seq_len: int
     return time.perf_counter() - t0
 
 
+WORST_SHOWN = 1e-6  # a numeric column differing by more is named with its difference
+
+
 def max_abs_diff(old: pd.DataFrame, new: pd.DataFrame) -> tuple[float, list[str]]:
-    """(largest |old − new| over the numeric columns both share, text columns that differ); inf when the
-    row counts differ or NaN meets a number."""
+    """(largest |old − new| over the numeric columns both share, text columns that differ and numeric columns
+    that differ by more than WORST_SHOWN); inf when the row counts differ or NaN meets a number."""
     if len(old) != len(new):
         return math.inf, [f"{len(old)} vs {len(new)} rows"]
     worst, text = 0.0, []
@@ -112,7 +115,10 @@ def max_abs_diff(old: pd.DataFrame, new: pd.DataFrame) -> tuple[float, list[str]
             x, y = a.astype("float64").to_numpy(), b.astype("float64").to_numpy()
             both_nan = np.isnan(x) & np.isnan(y)
             diff = np.where(both_nan, 0.0, np.abs(x - y))
-            worst = max(worst, float(np.nan_to_num(diff, nan=math.inf).max(initial=0.0)))
+            column_worst = float(np.nan_to_num(diff, nan=math.inf).max(initial=0.0))
+            if column_worst > WORST_SHOWN:
+                text.append(f"{column} {column_worst:.1e}")
+            worst = max(worst, column_worst)
         elif not a.astype(str).equals(b.astype(str)):
             text.append(column)
     return worst, text
@@ -130,6 +136,8 @@ def compare(old_dir: Path, new_dir: Path, greedy_dir: Path) -> list[tuple[str, f
         if path.stem == "ablate_prune" and "method" in old:
             greedy = pd.read_parquet(greedy_dir / "analysis" / path.name)
             for method, other in (("gromov", new), ("greedy", greedy)):
+                if not (old["method"] == method).any():  # an old run whose default has no such curve
+                    continue
                 rows.append((f"ablate_prune[{method}]", *max_abs_diff(
                     old[old["method"] == method], other[other["method"] == method].drop(columns=["prune"], errors="ignore"))))
             continue
