@@ -208,3 +208,35 @@ def test_fused_path_is_declined_where_it_does_not_apply(monkeypatch):
     assert not fused_usable(z, k=headmetrics.TOP_MAX)
     monkeypatch.setattr(headmetrics, "FUSED", False)
     assert not fused_usable(z)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["preln", "hc", "attnres", "moda"])
+def test_lens_and_sweep_on_the_fused_path_equal_the_full_path(arch, monkeypatch):
+    """The logit lens and a skip sweep on a tiny model, fused (the CPU default) vs the full float32 log-softmax
+    (FUSED off): every per-depth and per-plan metric within 1e-6, top-1/top-5 agreement, ranks, prediction
+    depths and accuracy identical (the same top ids)."""
+    from depthtools.analysis.lens import lens_analysis
+    from depthtools.analysis.sweep import sweep
+    from depthtools.arch import Plan
+
+    from tiny_models import tiny, windows
+
+    model, toks = tiny(arch).float(), windows()
+    plans = [Plan.skipping(layer) for layer in range(model.n_layer)]
+
+    def run():
+        return lens_analysis(model, toks, batch_size=2, chunked_head=False), sweep(model, toks, plans, batch_size=2,
+                                                                                    chunked_head=False)
+
+    lens_fused, sweep_fused = run()
+    monkeypatch.setattr(headmetrics, "FUSED", False)
+    lens_full, sweep_full = run()
+    a, b = lens_fused.depths, lens_full.depths
+    for column in ("ce", "kl_final_lens", "kl_lens_final", "entropy", "top5_overlap"):
+        assert (a[column] - b[column]).abs().max() < 1e-6, column
+    assert (a["top1_agree"] == b["top1_agree"]).all() and (a["target_rank"] == b["target_rank"]).all()
+    assert (lens_fused.prediction_depth == lens_full.prediction_depth).all()
+    for x, y in zip(sweep_fused.plans, sweep_full.plans):
+        assert abs(x.ce - y.ce) < 1e-6 and abs(x.kl - y.kl) < 1e-6
+        assert x.top1_agree == y.top1_agree and x.top1_acc == y.top1_acc

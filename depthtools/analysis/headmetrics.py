@@ -27,7 +27,16 @@ full row (`_tie_rows`, `_full_ranks`).
 
 The reference distribution (`Reference`: the intact model for a sweep, the final output for the lens) is
 computed once per batch with a full float32 log-softmax; only the rows compared against it stream.
-`chunked_head` picks, per probe, this head or the full log-softmax (faster on CPU while it fits).
+`chunked_head` picks, per probe, this head or whole logit rows (faster on CPU while they fit).
+
+Whole rows (`fused_metrics`, the bottom of this file): when a probe's float32 logit block fits, the same
+RowMetrics come from the C kernel csrc/rowmetrics.c on CPU -- per row, one pass for the maximum, the block
+maxima (top ids), the rank count and the nearest logit above the target, one for S0 = Σ e, S1 = Σ e (z − m),
+S2 = Σ e log p_ref, S3 = Σ p_ref (z − m) with e = exp(z − m) -- instead of a log-softmax and ~5-10 torch
+passes over [rows, V] (lens depth at L30/V49k: 4.9 vs 13.5 forward equivalents, benchmarks/RESULTS.md "Fused
+row metrics"). Rows whose top ids or rank a float32 log-softmax could decide otherwise (logits within
+TIE_ULPS ulps) take those from torch's own log-softmax of the row; rows with a non-finite logit take the
+whole full path, so both are the full path's exactly.
 """
 
 from __future__ import annotations
@@ -111,21 +120,16 @@ class Head:
         return z if not self.cap else torch.tanh(z / self.cap) * self.cap
 
 
-def _plogp(p: torch.Tensor, logp: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """[n] float64 Σ_v p_v log p_v, in float64 (KL = Σ p log p − Σ p z + lse cancels down to the KL), over
-    vocabulary chunks so no float64 [n, V] copy is made."""
-    out = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+def _plogp(p: torch.Tensor, logp: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n] Σ_v p_v log p_v, [n] Σ_v p_v), both float64 (KL = Σ p log p − Σ p z + lse cancels down to the KL),
+    in one pass over vocabulary chunks so no float64 [n, V] copy is made."""
+    plogp = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+    psum = torch.zeros_like(plogp)
     for lo in range(0, p.shape[1], chunk):
-        out += (p[:, lo:lo + chunk].double() * logp[:, lo:lo + chunk].double()).sum(1)
-    return out
-
-
-def _row_sum(p: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """[n] float64 Σ_v p_v, over vocabulary chunks (no float64 [n, V] copy)."""
-    out = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
-    for lo in range(0, p.shape[1], chunk):
-        out += p[:, lo:lo + chunk].double().sum(1)
-    return out
+        pc = p[:, lo:lo + chunk].double()
+        plogp += (pc * logp[:, lo:lo + chunk].double()).sum(1)
+        psum += pc.sum(1)
+    return plogp, psum
 
 
 @dataclass(frozen=True)
@@ -146,11 +150,11 @@ class Reference:
         """The reference of float32 log-probs [n, V] (p = exp(logp) and its top ids when already computed);
         with `head`, also Σ_v p_v W_v (once, shared by every depth or plan compared against it)."""
         p = logp.exp() if p is None else p
-        plogp = _plogp(p, logp)
+        plogp, psum = _plogp(p, logp)
         if top is None:
             top = logp.topk(min(k, logp.shape[-1]), dim=-1).indices if k > 1 else logp.argmax(-1, keepdim=True)
         p_weight = None if head is None or head.cap else p @ head.weight.to(p.dtype)
-        return cls(logp, p, plogp, top, p_weight, _row_sum(p))
+        return cls(logp, p, plogp, top, p_weight, psum)
 
     def rows(self, sl: slice) -> "Reference":
         def part(t):

@@ -21,6 +21,9 @@ time and depths one after another, so at most two [chunk_tokens, V] log-prob blo
 never [depths, tokens, vocab] (benchmarks/bench_lens_memory.py). Where one [chunk_tokens, V] float32 block
 exceeds `headmetrics.FULL_HEAD_BYTES` (or with chunked_head=True) the depths below L are decoded over
 vocabulary chunks instead (`headmetrics.row_metrics`): only the final output's block (the reference) is whole.
+Otherwise each depth's float32 logits on CPU go through the fused row metrics (`headmetrics.fused_metrics`, a C
+kernel: two passes per row instead of ~10 torch passes over [rows, V]), elsewhere a full log-softmax
+(`depth_step`).
 
 Tuned lens (Belrose et al. 2023): per depth l < L a residual affine translator h + A_l h + b_l
 (A, b zero-initialised, so the untrained tuned lens is the logit lens) applied to readout(z_l);
