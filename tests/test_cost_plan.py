@@ -361,8 +361,28 @@ def test_contrib_plan_times_its_jacobian_vector_products(monkeypatch):
     model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
     ratio = cost_module.jvp_blocks(model, tokens, 2)
     assert ratio is not None and ratio > 0
-    monkeypatch.setattr(cost_module, "jvp_blocks", lambda *a: 7.0)  # a fixed timing: the arithmetic is exact
+    monkeypatch.setattr(cost_module, "jvp_blocks", lambda *a: 7.0)  # fixed timings: the arithmetic is exact
+    monkeypatch.setattr(cost_module, "time_parts", lambda *a, **k: (0.25, 0.5))  # a block 0.25 s, the head 0.5 s
+    monkeypatch.setattr(cost_module, "contrib_seconds", lambda *a, **k: 1.25)  # its statistics: 5 blocks
     args = analysis_args("contrib", batch_size=2)
     _, (cost,) = cost_module.describe(model, {"contrib": args}, tokens, 2)
     static = analysis_cost("contrib", model, args, 4, 12, 2)
-    assert cost.blocks == static.blocks + (7.0 - cost_module.FULL_JVP_BLOCKS) * 2 * 3 * 2  # probes · L · batches
+    assert cost.blocks == static.blocks + 5 + (7.0 - cost_module.FULL_JVP_BLOCKS) * 2 * 3 * 2  # probes · L · batches
+
+
+def test_contrib_seconds_times_the_statistics_contrib_runs(monkeypatch):
+    """Issue 47: contrib's per-block statistics are timed on a sample and scaled by the sequences: the
+    function timed is the one `contributions` calls (counted), once per repeat."""
+    from depthtools.analysis import contrib as contrib_module, cost as cost_module
+
+    model, tokens = tiny("preln", n_layer=3), windows(n=6, length=13)
+    calls = []
+    real = contrib_module.block_statistics
+
+    def counted(*a, **k):
+        calls.append(a[1][0].shape[0])  # the sequences of the batch it got
+        return real(*a, **k)
+
+    monkeypatch.setattr(cost_module, "block_statistics", counted)
+    seconds = cost_module.contrib_seconds(model, tokens, analysis_args("contrib", batch_size=2), sample=2, repeats=3)
+    assert calls == [2, 2, 2] and seconds > 0

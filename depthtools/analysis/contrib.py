@@ -114,6 +114,32 @@ class _Mean:
         return self.sum[key] / self.count[key] if self.count.get(key) else math.nan
 
 
+def block_statistics(model, states: list, split: dict, acc: "_Mean", additive: list[bool], exclude_first: int,
+                     additive_tol: float) -> None:
+    """Add one batch's per-block statistics to `acc` (norms, cosines, and the attention/MLP split where the
+    block's additivity identity holds; `additive[l]` turns False where it fails). Also what
+    `cost.contrib_seconds` times."""
+    dtype = model.geometry(states[0]).dtype
+    g = [model.geometry(s).float() for s in states]
+    for l in range(model.n_layer):
+        before, after = g[l][:, exclude_first:], g[l + 1][:, exclude_first:]
+        delta = after - before
+        acc.add("relative_contribution", l, delta.norm(dim=-1) / before.norm(dim=-1).clamp_min(1e-30))
+        acc.add("residual_cosine", l, _cos(delta, before))
+        acc.add("state_cosine", l, _cos(after, before))
+        acc.add("update_norm", l, delta.norm(dim=-1))
+        acc.add("state_norm", l, before.norm(dim=-1))
+        parts = split.get(l)
+        if parts is None or not _additive(parts, g[l], g[l + 1], additive_tol, dtype):
+            additive[l] = False
+            continue
+        h, a, m = (p[:, exclude_first:] for p in parts)
+        acc.add("attn_relative", l, a.norm(dim=-1) / h.norm(dim=-1).clamp_min(1e-30))
+        acc.add("mlp_relative", l, m.norm(dim=-1) / (h + a).norm(dim=-1).clamp_min(1e-30))
+        acc.add("attn_cosine", l, _cos(a, h))
+        acc.add("mlp_cosine", l, _cos(m, h + a))
+
+
 @torch.no_grad()
 def contributions(
     model,
@@ -142,25 +168,7 @@ def contributions(
     additive = [True] * L
     for batch in batches(inputs, batch_size):
         states, split = _capture_split(model, batch)
-        dtype = model.geometry(states[0]).dtype
-        g = [model.geometry(s).float() for s in states]
-        for l in range(L):
-            before, after = g[l][:, exclude_first:], g[l + 1][:, exclude_first:]
-            delta = after - before
-            acc.add("relative_contribution", l, delta.norm(dim=-1) / before.norm(dim=-1).clamp_min(1e-30))
-            acc.add("residual_cosine", l, _cos(delta, before))
-            acc.add("state_cosine", l, _cos(after, before))
-            acc.add("update_norm", l, delta.norm(dim=-1))
-            acc.add("state_norm", l, before.norm(dim=-1))
-            parts = split.get(l)
-            if parts is None or not _additive(parts, g[l], g[l + 1], additive_tol, dtype):
-                additive[l] = False
-                continue
-            h, a, m = (p[:, exclude_first:] for p in parts)
-            acc.add("attn_relative", l, a.norm(dim=-1) / h.norm(dim=-1).clamp_min(1e-30))
-            acc.add("mlp_relative", l, m.norm(dim=-1) / (h + a).norm(dim=-1).clamp_min(1e-30))
-            acc.add("attn_cosine", l, _cos(a, h))
-            acc.add("mlp_cosine", l, _cos(m, h + a))
+        block_statistics(model, states, split, acc, additive, exclude_first, additive_tol)
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     for l in range(L):

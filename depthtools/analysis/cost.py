@@ -34,7 +34,8 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
                         before the run on 2 sequences and scaled (`similarity_seconds`), in block-equivalents
     routing             L blocks where the scheme has native depth routing (0 on the normalisation family), + the
                         expert routing of a mixture-of-experts model: L + Σ_(s < last MoE block) (L − s − 1)
-    contrib             L blocks, + L + j · probes · L block-equivalents with the Jacobian (a JVP costs j blocks:
+    contrib             L blocks + its per-block statistics (timed on 2 sequences and scaled: `contrib_seconds`),
+                        + L + j · probes · L block-equivalents with the Jacobian (a JVP costs j blocks:
                         3 without timing, timed on block 0 before a run: `jvp_blocks`)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
 
@@ -57,7 +58,7 @@ import torch
 
 from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts, suffix_support
-from depthtools.analysis.contrib import block_map, jvp
+from depthtools.analysis.contrib import _capture_split, _Mean, block_map, block_statistics, jvp
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
 from depthtools.analysis.headmetrics import Reference, chunked_head, row_metrics
 from depthtools.analysis.sweep import (
@@ -359,6 +360,23 @@ def lens_depth_seconds(model, tokens: torch.Tensor, batch_size: int, repeats: in
     return best
 
 
+@torch.no_grad()
+def contrib_seconds(model, tokens: torch.Tensor, args: dict[str, Any], sample: int = 2, repeats: int = 2) -> float:
+    """Seconds of contrib's per-block statistics (norms, cosines, the additivity check and the attention/MLP
+    split: `contrib.block_statistics`, not its forward passes) on the whole token set, timed on `sample`
+    sequences (best of `repeats`) and scaled by the sequences: L × ~10 passes over [B, T, d] per batch, about
+    a fifth of a forward at the SmolLM-135M shape, which the block count alone left out (issue 47)."""
+    inputs = split_inputs(tokens[:sample])[0]
+    states, split = _capture_split(model, inputs)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block_statistics(model, states, split, _Mean(), [True] * model.n_layer, args.get("exclude_first", 1),
+                         args.get("additive_tol", 1e-4))
+        best = min(best, time.perf_counter() - t0)
+    return best * tokens.shape[0] / inputs.shape[0]
+
+
 def jvp_blocks(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float | None:
     """A Jacobian-vector product through block 0 on one batch, in block calls (timed; the plan's default
     FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path); None when the
@@ -453,10 +471,12 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
     if "similarity" in analyses and t_block > 0:  # its statistics, timed: more than its forward passes
         extra_blocks = similarity_seconds(model, tokens, batch_size, analyses["similarity"]) / t_block
         costs = [with_blocks(c, extra_blocks, h, model.n_layer) if c.name == "similarity" else c for c in costs]
-    if "contrib" in analyses and analyses["contrib"].get("jacobian", True):  # its JVPs, timed
-        ratio = jvp_blocks(model, tokens, batch_size)
-        extra = 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * analyses["contrib"].get("probes", 2) * \
-            model.n_layer * math.ceil(n_seqs / batch_size)
+    if "contrib" in analyses and t_block > 0:  # its statistics and its JVPs, timed
+        extra = contrib_seconds(model, tokens, analyses["contrib"]) / t_block
+        if analyses["contrib"].get("jacobian", True):
+            ratio = jvp_blocks(model, tokens, batch_size)
+            extra += 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * analyses["contrib"].get("probes", 2) * \
+                model.n_layer * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
     if "lens_logit" in analyses and t_block > 0:  # its per-depth metrics, timed: more than a head's
         per_depth = lens_depth_seconds(model, tokens, batch_size)
