@@ -8,6 +8,8 @@
     near uniform) and `sinkhorn_log`'s order, rows then columns each of 20 iterations (`sinkhorn_order=
     "cols_last"`: the columns are normalised last);
   * MoDA: depth scores with the RoPE-rotated query (`moda_depth_rope="query"`);
+  * Full and Block AttnRes: the res norms (key norms, every norm that reads a mix, the final norm) at
+    OLMo-core's RMSNorm eps 1e-5 (`mix_eps=1e-5`), only block 0's attention norm at the profile's 1e-6;
   * DeepNorm: LayerNorm without bias as the blocks' post-norms (`norm="layernorm"`), at the profile's
     eps 1e-6 (`examples/pretrain_deepnorm.py` renames the blocks' `llama_like` norm config, bias=False, to
     `LayerNormType.default`; the LM head's own norm config stays RMSNorm, as our final norm does);

@@ -46,6 +46,24 @@ def test_depthbench_profile_switches_options_and_keeps_defaults():
         profiles.apply("olmo", base)
 
 
+@pytest.mark.parametrize("arch", ["attnres", "blockattnres"])
+def test_depthbench_profile_keeps_attnres_res_norms_at_olmo_cores_eps(arch):
+    """DepthBench's AttnRes normalises keys, every sublayer input read from a mix and the final output at
+    OLMo-core's RMSNorm eps 1e-5 while its blocks' own norm eps is 1e-6: under the profile, mix_eps = 1e-5 and
+    only block 0's attention norm (it reads the embedding alone) keeps 1e-6."""
+    from depthtools.arch import DepthModel
+
+    cfg = profiles.apply_model("depthbench", ModelConfig(arch=arch, **SMALL))
+    assert cfg.norm_eps == 1e-6 and cfg.options == {"mix_eps": 1e-5}
+    model = DepthModel(cfg, seed=0)
+    eps = {name: m.eps for name, m in model.named_modules() if hasattr(m, "eps") and not name.endswith("key_norm")}
+    key_eps = {m.eps for name, m in model.named_modules() if name.endswith("key_norm")}
+    assert key_eps == {1e-5} and eps.pop("blocks.0.attn_norm") == 1e-6
+    assert set(eps.values()) == {1e-5}, eps
+    explicit = profiles.apply_model("depthbench", ModelConfig(arch=arch, **SMALL, options={"mix_eps": 1e-6}))
+    assert explicit.options == {"mix_eps": 1e-6}  # an explicit option wins
+
+
 @pytest.mark.parametrize("arch", DEPTHBENCH_TEN)
 def test_profile_trains_every_depthbench_arch(arch, data_dir, tmp_path):
     from depthtools.train import train_cell

@@ -88,7 +88,7 @@ from transformer_lens.hook_points import HookPoint
 from depthtools.arch import reference
 from depthtools.arch.bankops import DepthBank, MixGroups, bank_logits, bank_mix, bank_push, inv_rms, weighted_sum
 from depthtools.arch.layers import BufferPool, RMSNorm
-from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme
+from depthtools.arch.scheme import ArchSpec, DepthRouting, NormSite, Option, ResidualScheme, profile_defaults
 from depthtools.arch.torch_private import is_hooked, versions
 from depthtools.errors import DepthToolsError
 
@@ -439,18 +439,22 @@ def _attnres_extra(cfg: ModelConfig) -> int:
     return 4 * cfg.n_layer * cfg.d_model
 
 
+# DepthBench's res norms (key norms, the norms after a mix, the final norm) keep OLMo-core's RMSNorm eps 1e-5 while
+# the profile sets every other norm's to 1e-6 (see `mix_eps` in the module docstring)
+_DEPTHBENCH = profile_defaults({"mix_eps": 1e-5})
+
 ARCH_SPECS = [
     ArchSpec(
         "attnres", "cross-layer",
         "Full AttnRes: each sublayer input = softmax_i(w·RMSNorm(v_i)) mix of embedding + all earlier sublayer outputs",
         "4·L·d", _attnres_extra, "Kimi Team 2026, Attention Residuals, arXiv 2603.15031",
-        FullAttnResScheme, True, ("full_attnres",),
+        FullAttnResScheme, True, ("full_attnres",), profiles={"depthbench": _DEPTHBENCH},
     ),
     ArchSpec(
         "blockattnres", "cross-layer",
         "Block AttnRes: depth attention over embedding + block sums of S sublayers + running partial "
         "(option attnres_block_size, default 2·ceil(L/8))",
         "4·L·d", _attnres_extra, "Kimi Team 2026, Attention Residuals, arXiv 2603.15031",
-        BlockAttnResScheme, True, ("block_attnres",),
+        BlockAttnResScheme, True, ("block_attnres",), profiles={"depthbench": _DEPTHBENCH},
     ),
 ]
