@@ -32,7 +32,7 @@ computed once per batch with a full float32 log-softmax; only the rows compared 
 Whole rows (`fused_metrics`, the bottom of this file): when a probe's float32 logit block fits, the same
 RowMetrics come from the C kernel csrc/rowmetrics.c on CPU -- per row, one pass for the maximum, the block
 maxima (top ids), the rank count and the nearest logit above the target, one for S0 = Σ e, S1 = Σ e (z − m),
-S2 = Σ e log p_ref, S3 = Σ p_ref (z − m) with e = exp(z − m) -- instead of a log-softmax and ~5-10 torch
+S2 = Σ e log p_ref, S3 = Σ p_ref (z − m), S4 = Σ p_ref log p_ref, S5 = Σ p_ref with e = exp(z − m) -- instead of a log-softmax and ~5-10 torch
 passes over [rows, V] (lens depth at L30/V49k: 4.9 vs 13.5 forward equivalents, benchmarks/RESULTS.md "Fused
 row metrics"). Rows whose top ids or rank a float32 log-softmax could decide otherwise (logits within
 TIE_ULPS ulps) take those from torch's own log-softmax of the row; rows with a non-finite logit take the
@@ -120,16 +120,13 @@ class Head:
         return z if not self.cap else torch.tanh(z / self.cap) * self.cap
 
 
-def _plogp(p: torch.Tensor, logp: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """([n] Σ_v p_v log p_v, [n] Σ_v p_v), both float64 (KL = Σ p log p − Σ p z + lse cancels down to the KL),
-    in one pass over vocabulary chunks so no float64 [n, V] copy is made."""
-    plogp = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
-    psum = torch.zeros_like(plogp)
+def _plogp(p: torch.Tensor, logp: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """[n] float64 Σ_v p_v log p_v, in float64 (KL = Σ p log p − Σ p z + lse cancels down to the KL), over
+    vocabulary chunks so no float64 [n, V] copy is made."""
+    out = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
     for lo in range(0, p.shape[1], chunk):
-        pc = p[:, lo:lo + chunk].double()
-        plogp += (pc * logp[:, lo:lo + chunk].double()).sum(1)
-        psum += pc.sum(1)
-    return plogp, psum
+        out += (p[:, lo:lo + chunk].double() * logp[:, lo:lo + chunk].double()).sum(1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -139,28 +136,27 @@ class Reference:
 
     logp: torch.Tensor  # [n, V] float32
     p: torch.Tensor  # [n, V]
-    plogp: torch.Tensor  # [n] float64: Σ_v p_v log p_v
+    plogp: torch.Tensor | None  # [n] float64: Σ_v p_v log p_v (None: not computed; `fused_metrics` sums its own)
     top: torch.Tensor  # [n, k]
     p_weight: torch.Tensor | None = None  # [n, d] p Wᵀ... = Σ_v p_v W_v, for `Head.ref_logit_mean`
-    psum: torch.Tensor | None = None  # [n] float64 Σ_v p_v (1 up to rounding), for `fused_metrics`
 
     @classmethod
     def of(cls, logp: torch.Tensor, k: int = 1, head: Head | None = None, p: torch.Tensor | None = None,
-           top: torch.Tensor | None = None) -> "Reference":
+           top: torch.Tensor | None = None, sums: bool = True) -> "Reference":
         """The reference of float32 log-probs [n, V] (p = exp(logp) and its top ids when already computed);
-        with `head`, also Σ_v p_v W_v (once, shared by every depth or plan compared against it)."""
+        with `head`, also Σ_v p_v W_v (once, shared by every depth or plan compared against it). sums=False
+        leaves Σ p log p out (the fused path sums it with each row's other sums)."""
         p = logp.exp() if p is None else p
-        plogp, psum = _plogp(p, logp)
+        plogp = _plogp(p, logp) if sums else None
         if top is None:
             top = logp.topk(min(k, logp.shape[-1]), dim=-1).indices if k > 1 else logp.argmax(-1, keepdim=True)
         p_weight = None if head is None or head.cap else p @ head.weight.to(p.dtype)
-        return cls(logp, p, plogp, top, p_weight, psum)
+        return cls(logp, p, plogp, top, p_weight)
 
     def rows(self, sl: slice) -> "Reference":
         def part(t):
             return None if t is None else t[sl]
-        return Reference(self.logp[sl], self.p[sl], self.plogp[sl], self.top[sl], part(self.p_weight),
-                         part(self.psum))
+        return Reference(self.logp[sl], self.p[sl], part(self.plogp), self.top[sl], part(self.p_weight))
 
 
 @dataclass(frozen=True)
@@ -334,16 +330,16 @@ def fused_usable(z: torch.Tensor, k: int = 1) -> bool:
     return FUSED and k + 1 <= TOP_MAX and cpu_kernels.rowmetrics_usable(z)
 
 
-def _kernel_sums(z: torch.Tensor, targets: torch.Tensor, ref: "Reference | None", k: int, reverse: bool) -> dict:
+def _kernel_sums(z: torch.Tensor, targets: torch.Tensor, ref: "Reference | None", k: int) -> dict:
     """The kernel's per-row outputs on logits z ([n, V], or [B, T', V] rows in order) with k top logits."""
     V = z.shape[-1]
     rows_per_group, group_stride = (z.shape[0], 0) if z.dim() == 2 else (z.shape[1], z.stride(0))
     n = targets.numel()
-    out = {"row_max": z.new_empty(n), "target_z": z.new_empty(n), "sums": torch.empty(n, 4, dtype=torch.float64),
+    out = {"row_max": z.new_empty(n), "target_z": z.new_empty(n), "sums": torch.empty(n, 6, dtype=torch.float64),
            "top_vals": z.new_empty(n, k), "top_ids": torch.empty(n, k, dtype=torch.long),
            "above": torch.empty(n, dtype=torch.long), "gap": z.new_empty(n)}
     ref_p = None if ref is None else ref.p.contiguous()
-    ref_logp = None if ref is None or not reverse else ref.logp.contiguous()
+    ref_logp = None if ref is None else ref.logp.contiguous()
     status = _ROW_METRICS(None, z, n, rows_per_group, group_stride, z.stride(-2), V, targets.contiguous(),
                           ref_logp, ref_p, k,
                           torch.get_num_threads(), *out.values())
@@ -396,13 +392,13 @@ def fused_metrics(z: torch.Tensor, targets: torch.Tensor, ref: Reference | None 
     otherwise (logits within TIE_ULPS ulps of each other), or with a non-finite logit, are recomputed by that
     path itself (`_torch_rows`), so the top ids and ranks are the full path's exactly."""
     K = min(k + 1, z.shape[-1])
-    out = _kernel_sums(z, targets, ref, K, reverse)
+    out = _kernel_sums(z, targets, ref, K)
     S = out["sums"]
     m, zt, log_s0 = out["row_max"].double(), out["target_z"].double(), S[:, 0].log()
     lse = m + log_s0
     mean_rel = S[:, 1] / S[:, 0]  # Σ p (z − m)
     entropy = log_s0 - mean_rel
-    kl_ref = None if ref is None else ref.plogp - S[:, 3] + log_s0 * ref.psum
+    kl_ref = None if ref is None else S[:, 4] - S[:, 3] + log_s0 * S[:, 5]  # Σ p_ref log p_ref − Σ p_ref lp
     kl_rev = None if ref is None or not reverse else mean_rel - log_s0 - S[:, 2] / S[:, 0]
     top, vals, ranks = out["top_ids"][:, :k].clone(), out["top_vals"].double(), out["above"] + 1
     bad = ~(torch.isfinite(S).all(1) & torch.isfinite(m))  # a NaN or infinite logit (csrc/rowmetrics.c)
@@ -422,7 +418,7 @@ def fused_metrics(z: torch.Tensor, targets: torch.Tensor, ref: Reference | None 
     ce = lse - zt
     rows = bad.nonzero().squeeze(1)
     if rows.numel():
-        sub = None if ref is None else Reference(ref.logp[rows], ref.p[rows], ref.plogp[rows], ref.top[rows])
+        sub = None if ref is None else Reference(ref.logp[rows], ref.p[rows], None, ref.top[rows])
         r_ce, r_kl, r_rev, r_ent, r_top, r_rank = _torch_rows(_take_rows(z, rows), targets[rows], sub, k)
         ce[rows], entropy[rows], top[rows], ranks[rows] = r_ce, r_ent, r_top, r_rank
         lse[rows] = torch.logsumexp(_take_rows(z, rows).double(), -1)

@@ -140,7 +140,7 @@ class FinalRows:
         top5 = logp.topk(min(5, logp.shape[-1]), dim=-1).indices
         p = logp.exp()
         fused = head is None and fused_usable(logp, top5.shape[-1])
-        ref = Reference.of(logp, head=head, p=p, top=top5) if head is not None or fused else None
+        ref = Reference.of(logp, head=head, p=p, top=top5, sums=not fused) if head is not None or fused else None
         return cls(logp, p, top5, ref)
 
 
@@ -185,6 +185,18 @@ class _DepthSums:
         for j, value in enumerate(values):
             self.sums[depth, j] += float(value.sum())
         return m.top[:, 0]
+
+
+def final_step(logits: torch.Tensor, logp: torch.Tensor, reference: FinalRows, targets: torch.Tensor,
+               sums: "_DepthSums", L: int) -> torch.Tensor:
+    """Add depth L (the model's own output, its own reference) to `sums`; returns its top-1 ids. Where the
+    fused row metrics take its logits, CE, entropy and rank come from them and the comparisons with itself
+    are exact (KL 0, agreement 1, its top-5 the reference's): no second pass over its [n, V] log-probs."""
+    if reference.ref is None or not fused_usable(logits, reference.top5.shape[-1]):
+        return sums.add(L, logp, reference, targets)
+    m = fused_metrics(logits, targets, k=reference.top5.shape[-1], rank=True)
+    zero = torch.zeros_like(m.ce)
+    return sums.add_rows(L, RowMetrics(m.lse, m.ce, m.entropy, zero, zero, reference.top5, m.rank), reference)
 
 
 def depth_step(model, rows: torch.Tensor, depth: int, translators: TunedLens | None, head: Head | None,
@@ -262,10 +274,11 @@ def lens_analysis(
         reads = _scored_rows(model, intact_states(model, inputs), translators)
         for lo in range(0, targets.numel(), chunk_tokens):
             rows, tgt = slice(lo, lo + chunk_tokens), targets[lo:lo + chunk_tokens]
-            final = _lens_logprobs(model, reads[L][rows], L, translators)
+            final_logits = _lens_logits(model, reads[L][rows], L, translators)
+            final = F.log_softmax(final_logits, dim=-1)
             reference = FinalRows.of(final, head)
             top1 = torch.empty(L + 1, tgt.numel(), dtype=torch.long, device=tgt.device)
-            top1[L] = sums.add(L, final, reference, tgt)
+            top1[L] = final_step(final_logits, final, reference, tgt, sums, L)
             for depth in range(L):
                 top1[depth] = depth_step(model, reads[depth][rows], depth, translators, head, reference, tgt, sums)
             top1_all.append(top1.cpu())

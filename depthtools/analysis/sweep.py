@@ -166,7 +166,7 @@ def plan_head_sums(acc: "_Sums", logits: torch.Tensor, ref: Reference, targets: 
         acc.add(scored_logprobs(logits), ref, targets, B)
         return fused
     if fused is None:
-        fused = HeadReference.of(ref.logp, p=ref.p, top=ref.top1.unsqueeze(1))
+        fused = HeadReference.of(ref.logp, p=ref.p, top=ref.top1.unsqueeze(1), sums=False)
     acc.add_rows(fused_metrics(scored, targets, fused), fused, targets, B)
     return fused
 

@@ -8,10 +8,11 @@
    logits exceed the target's and the nearest other logit to it; pass 2 sums, with e = exp(z - m):
 
        S0 = sum e      S1 = sum e (z - m)      S2 = sum e log p_ref      S3 = sum p_ref (z - m)
+       S4 = sum p_ref log p_ref      S5 = sum p_ref   (the reference's own sums, on the arrays read)
 
    in float32 within blocks of 256 columns (vectorised; a fixed order) and in float64 across blocks. From them
    (headmetrics): lse = m + log S0, entropy = log S0 - S1/S0, KL(p_ref || p) = sum p_ref log p_ref - S3 +
-   log S0 sum p_ref, KL(p || p_ref) = S1/S0 - log S0 - S2/S0.
+   log S0 sum p_ref (= S4 - S3 + S5 log S0), KL(p || p_ref) = S1/S0 - log S0 - S2/S0.
 
    The top k+1 logits (k <= TOPMAX - 1) come from the k+1 blocks of 128 with the largest maxima (each of the k+1
    largest lies in one of them), in ascending id order within equal values. The caller re-derives, with torch's
@@ -101,26 +102,21 @@ static void top_of_row(const float *z, long V, const float *block_max, long k, f
     }
 }
 
-/* Pass 2 over one row: S0..S3 (S3 with ref_p, S2 with ref_logp too). */
+/* Pass 2 over one row: S0, S1, and S2..S5 with a reference (ref_p and ref_logp). */
 static void sum_row(const float *z, long V, float m, const float *ref_logp, const float *ref_p, double *sums) {
-    double S0 = 0, S1 = 0, S2 = 0, S3 = 0;
+    double S[6] = {0, 0, 0, 0, 0, 0};
     for (long b = 0; b < V; b += SUM_BLOCK) {
         long hi = b + SUM_BLOCK < V ? b + SUM_BLOCK : V;
-        float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0;
         if (ref_logp) {
             for (long v = b; v < hi; ++v) {
-                float d = z[v] - m, e = exp_f32(d);
+                float d = z[v] - m, e = exp_f32(d), pr = ref_p[v], lr = ref_logp[v];
                 s0 += e;
                 s1 += e * d;
-                s2 += e * ref_logp[v];
-                s3 += ref_p[v] * d;
-            }
-        } else if (ref_p) {
-            for (long v = b; v < hi; ++v) {
-                float d = z[v] - m, e = exp_f32(d);
-                s0 += e;
-                s1 += e * d;
-                s3 += ref_p[v] * d;
+                s2 += e * lr;
+                s3 += pr * d;
+                s4 += pr * lr;
+                s5 += pr;
             }
         } else {
             for (long v = b; v < hi; ++v) {
@@ -129,20 +125,20 @@ static void sum_row(const float *z, long V, float m, const float *ref_logp, cons
                 s1 += e * d;
             }
         }
-        S0 += s0;
-        S1 += s1;
-        S2 += s2;
-        S3 += s3;
+        S[0] += s0;
+        S[1] += s1;
+        S[2] += s2;
+        S[3] += s3;
+        S[4] += s4;
+        S[5] += s5;
     }
-    sums[0] = S0;
-    sums[1] = S1;
-    sums[2] = S2;
-    sums[3] = S3;
+    for (int j = 0; j < 6; ++j)
+        sums[j] = S[j];
 }
 
 /* Rows r = g * rows_per_group + i (i < rows_per_group) at z + g * group_stride + i * row_stride, each V logits;
-   targets, ref_p (NULL: no reference), ref_logp (NULL: no S2; needs ref_p) -- rows of V, contiguous -- and the
-   outputs are indexed by r. Outputs: row_max [n], target_z [n], sums [n, 4] (S0..S3), top_vals / top_ids [n, k],
+   targets, ref_p and ref_logp (both NULL: no reference) -- rows of V, contiguous -- and the
+   outputs are indexed by r. Outputs: row_max [n], target_z [n], sums [n, 6] (S0..S5), top_vals / top_ids [n, k],
    above [n], gap [n].
    Returns 0, or 1 when k is out of range or memory runs out. */
 int row_metrics(const float *z, long n_rows, long rows_per_group, long group_stride, long row_stride, long V,
@@ -168,7 +164,8 @@ int row_metrics(const float *z, long n_rows, long rows_per_group, long group_str
             row_max[r] = m;
             target_z[r] = row[targets[r]];
             top_of_row(row, V, block_max, k, top_vals + r * k, top_ids + r * k);
-            sum_row(row, V, m, ref_logp && ref_p ? ref_logp + r * V : NULL, ref_p ? ref_p + r * V : NULL, sums + 4 * r);
+            sum_row(row, V, m, ref_logp && ref_p ? ref_logp + r * V : NULL, ref_logp && ref_p ? ref_p + r * V : NULL,
+                    sums + 6 * r);
         }
         free(block_max);
     }
