@@ -320,8 +320,9 @@ _ROW_METRICS = cpu_kernels.Kernel(
     "row_max target_z sums top_vals top_ids above gap", generic=False)
 # DEPTHTOOLS_FUSED_METRICS=0 turns the fused path off (the full log-softmax instead): same-run A/B benchmarks use it
 FUSED = os.environ.get("DEPTHTOOLS_FUSED_METRICS", "1") != "0"
+_COUNT_GREATER = cpu_kernels.Kernel("rowmetrics", "count_greater", "lp n_rows V targets threads out", generic=False)
 TOP_MAX = 9  # TOPMAX in csrc/rowmetrics.c: k + 1 top logits at most (one past the k asked for, to see a tie)
-TIE_ULPS = 2  # logits less than this many float32 ulps (of z − m and of lp) apart may share a log-prob
+TIE_ULPS = 1.25  # logits closer than this many float32 ulps (of z − m plus of lp) may share a log-prob
 
 
 def fused_usable(z: torch.Tensor, k: int = 1) -> bool:
@@ -351,7 +352,8 @@ def _kernel_sums(z: torch.Tensor, targets: torch.Tensor, ref: "Reference | None"
 def _near(gap: torch.Tensor, value: torch.Tensor, m: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Rows where a logit `gap` above `value` may share its float32 log-prob: lp = fl(fl(z − m) − log S) rounds
     twice, at the magnitudes of z − m and of lp (the same log S for both: its own rounding moves both alike), so
-    two logits collapse only when less than an ulp of each magnitude apart."""
+    two logits collapse only when less than an ulp of each magnitude apart (an ulp of x is at most eps·|x|; the
+    25% margin covers a magnitude on the other side of a power of two than torch's)."""
     eps = torch.finfo(torch.float32).eps
     scale = (value - m).abs() + (lse - value).abs()
     return gap.double() <= TIE_ULPS * eps * scale + 1e-30
@@ -374,6 +376,13 @@ def _torch_rows(z: torch.Tensor, targets: torch.Tensor, ref: "Reference | None",
 def _torch_top(lp: torch.Tensor, k: int) -> torch.Tensor:
     """The k top ids of log-probs lp as the full path takes them (argmax for one: the first among equals)."""
     return lp.topk(k, dim=-1).indices if k > 1 else lp.argmax(-1, keepdim=True)
+
+
+def _count_greater(lp: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[r] #{v : lp_v > lp_target} of contiguous float32 log-prob rows lp [r, V] (the C kernel's count)."""
+    out = torch.empty(lp.shape[0], dtype=torch.long)
+    _COUNT_GREATER(None, lp, lp.shape[0], lp.shape[1], targets.contiguous(), torch.get_num_threads(), out)
+    return out
 
 
 def _take_rows(z: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -413,8 +422,7 @@ def fused_metrics(z: torch.Tensor, targets: torch.Tensor, ref: Reference | None 
         at = top_tie[rows].nonzero().squeeze(1)
         top[rows[at]] = _torch_top(lp[at], k)
         at = rank_tie[rows].nonzero().squeeze(1)
-        lp = lp[at]
-        ranks[rows[at]] = torch.count_nonzero(lp > lp.gather(-1, targets[rows[at]].unsqueeze(-1)), dim=-1) + 1
+        ranks[rows[at]] = _count_greater(lp[at].contiguous(), targets[rows[at]]) + 1
     ce = lse - zt
     rows = bad.nonzero().squeeze(1)
     if rows.numel():

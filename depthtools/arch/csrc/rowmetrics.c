@@ -171,3 +171,17 @@ int row_metrics(const float *z, long n_rows, long rows_per_group, long group_str
     }
     return failed;
 }
+
+/* out[r] = #{v : lp[r, v] > lp[r, targets[r]]} over rows of V contiguous log-probs: the rank count of the rows
+   whose log-probs the caller took from torch's own log-softmax (near ties), without a [rows, V] boolean. */
+void count_greater(const float *lp, long n_rows, long V, const long *targets, int threads, long *out) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < n_rows; ++r) {
+        const float *row = lp + r * V;
+        float t = row[targets[r]];
+        long count = 0;
+        for (long v = 0; v < V; ++v)
+            count += row[v] > t;
+        out[r] = count;
+    }
+}
