@@ -121,6 +121,9 @@ OLD_DEPTHBENCH_OPTIONS = {  # depthtools/profiles.py before issue 46, literally
     "mhc": {"mhc_init": "uniform", "sinkhorn_iters": 20, "sinkhorn_order": "cols_last"},
     "moda": {"moda_depth_rope": "query"},
     "deepnorm": {"norm": "layernorm"},
+    # added after the move (a deliberate change, tests/test_profiles.py): DepthBench's AttnRes res-norm eps
+    "attnres": {"mix_eps": 1e-5},
+    "blockattnres": {"mix_eps": 1e-5},
 }
 OLD_MHC_READOUT = {"uniform": "mean"}
 GIVEN = [{}, {"mhc_init": "hc_like"}, {"mhc_init": "uniform"}, {"readout": "sum"}, {"sinkhorn_iters": 5},
