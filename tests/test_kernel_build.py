@@ -72,7 +72,7 @@ def test_without_a_compiler_the_torch_twin_runs_and_says_so(tmp_path):
         "print(json.dumps({'losses': losses, 'status': cpu_kernels.kernel_status()}))\n"
     )
     out = _run(code, empty, tmp_path / "cache")
-    assert set(out["status"]) == {"sinkhorn", "connector", "bank", "moda"}
+    assert set(out["status"]) == {"sinkhorn", "connector", "bank", "moda", "rowmetrics"}
     assert all(v.startswith("torch ops") for v in out["status"].values()), out["status"]
     import torch
 

@@ -227,12 +227,12 @@ def plan_logits(
 
 
 @torch.no_grad()
-def plan_rows(
+def plan_hidden(
     model, plans: Sequence[Plan], states: list, inputs: torch.Tensor | None = None, reuse_prefix: bool = True
 ) -> Iterator[torch.Tensor]:
-    """Each plan's final-hidden rows at the scored positions [B·(T-1), d] (what the head unembeds), from its
-    cached prefix state (reuse_prefix=False: a full re-run from `inputs`): the chunked head (`headmetrics`)
-    decodes them without [B,T,V] logits."""
+    """Each plan's final hidden state [B, T, d] (`final_hidden`: what the head unembeds, its logits
+    `model.hidden_logits` of it), from its cached prefix state (reuse_prefix=False: a full re-run from
+    `inputs`); a plan that changes nothing runs no block."""
     L = model.n_layer
     for plan in plans:
         if reuse_prefix:
@@ -240,7 +240,7 @@ def plan_rows(
             state = model.run_states(plan=plan, start=start, from_state=states[start])[-1]
         else:
             state = model.run_states(inputs, plan=plan)[-1]
-        yield scored_rows(model, state)
+        yield model.scheme.final_hidden(state, model.ln_final)
 
 
 def scored_rows(model, state) -> torch.Tensor:
@@ -250,23 +250,21 @@ def scored_rows(model, state) -> torch.Tensor:
 
 def _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, tick) -> None:
     """Accumulate every plan's metrics on one batch. refs: (the intact `Reference`, its `headmetrics.Reference`
-    or None for the full log-softmax per plan). A plan that changes nothing is the intact model: its sums
-    are the intact ones (KL exactly 0), without decoding it again."""
+    or None for whole logit rows per plan). A plan whose final hidden state is the intact one bit for bit (it
+    changes nothing, or only blocks that add exactly nothing) has the intact model's output: its sums are the
+    intact ones (KL exactly 0), without decoding it again -- the same numbers the full log-softmax gives it."""
     ref, href = refs
-    B, L = inputs.shape[0], model.n_layer
-    if href is None:
-        fused = None
-        for acc, logits in zip(sums, plan_logits(model, plans, states, inputs, reuse_prefix)):
-            fused = plan_head_sums(acc, logits, ref, targets, B, fused)
-            tick()
-        return
-    changed = [(acc, plan) for acc, plan in zip(sums, plans) if plan.first_change(L) < L]
-    for acc, plan in zip(sums, plans):
-        if plan.first_change(L) >= L:
+    B = inputs.shape[0]
+    intact = model.scheme.final_hidden(states[-1], model.ln_final)
+    fused = None
+    for acc, hidden in zip(sums, plan_hidden(model, plans, states, inputs, reuse_prefix)):
+        if torch.equal(hidden, intact):
             acc.add(ref.logp, ref, targets, B)
-            tick()
-    for (acc, _), rows in zip(changed, plan_rows(model, [p for _, p in changed], states, inputs, reuse_prefix)):
-        acc.add_rows(row_metrics(href.head, rows, targets, href.ref), href.ref, targets, B)
+        elif href is None:
+            fused = plan_head_sums(acc, model.hidden_logits(hidden), ref, targets, B, fused)
+        else:
+            rows = hidden[:, FIRST_SCORED:].flatten(0, 1)
+            acc.add_rows(row_metrics(href.head, rows, targets, href.ref), href.ref, targets, B)
         tick()
 
 
