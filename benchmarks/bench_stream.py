@@ -3,9 +3,10 @@
 (a) A random-weight Llama-shaped model (default: TinyLlama-1.1B's shape, L22 d2048 ff5632 V32000, GQA 32/4 heads;
     Llama-3.2-3B's: --layers 28 --d-model 3072 --d-ff 8192 --vocab 128256), written as sharded bf16 safetensors
     tensor by tensor (never the whole model in float32), is probed streamed with budget 0 (every block read at every
-    use): each probe of `analyze` (the SUITE) in its own child process, which prints its peak RSS
-    (resource.getrusage maxrss) and wall time; the peak is compared with the model's float32 size. Target: <= 0.35
-    for every probe. A "load" row is a child that only loads the model (the fixed part of every peak).
+    use): each probe of `analyze` (the SUITE) in its own child process, which prints its peak RSS (VmHWM:
+    getrusage's maxrss is inherited from the parent across fork and exec) and wall time; the peak is compared with
+    the model's float32 size. Target: <= 0.35 for every probe. A "load" row is a child that only loads the model
+    (the fixed part of every peak).
 (b) A model that fits (SmolLM-135M's shape: L30 d576 V49152, or --small-layers), float32: the logit lens and the skip
     sweep, in memory and streamed, same run. Target: streamed / in-memory <= 1.3.
 
@@ -68,6 +69,19 @@ def random_checkpoint(directory: Path, cfg: ModelConfig, dtype: torch.dtype, sha
     return sum(4 * torch.Size(s).numel() for s in shapes.values())
 
 
+def peak_rss() -> int:
+    """This process' peak resident memory in bytes: VmHWM of /proc/self/status (the high-water mark of this
+    process' own address space), not getrusage's maxrss, which Linux keeps across fork and exec: a child would
+    report its parent's peak (the writer of the model) when that is larger. getrusage off Linux."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child(directory: str, probes: list[str], stream: bool, budget: int | None, repeats: int = 1,
           shape: tuple[int, int] = (2, 33)) -> None:
     """Run `probes` on the checkpoint (streamed or not), `repeats` times in turn, on `shape` random tokens (sequences,
@@ -84,10 +98,10 @@ def child(directory: str, probes: list[str], stream: bool, budget: int | None, r
             run_analysis(name, model, tokens, save=False, recompute=True, **CHEAP)
             seconds[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            peak = peak_rss()
             print(f"      {name}: {seconds[name][-1]:.1f} s, peak RSS so far {peak / 1e9:.2f} GB", file=sys.stderr,
                   flush=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_rss": peak, "reads": getattr(model.stream, "reads", 0)}))
 
 

@@ -8,7 +8,9 @@ same blocks again reads them once (the rest are read on each use: a cyclic scan 
 time; keeping the first ones hits the budget's share of every pass). Results are those of the in-memory model,
 bit for bit: the same tensors, cast the same way, run by the same code. Tensors are read from the files with
 positioned reads in chunks, cast as they arrive (`TensorSource`): a memory map's touched pages would count as
-the process' memory, and a bf16 copy beside its float32 cast would double a large head's footprint.
+the process' memory, and a bf16 copy beside its float32 cast would double a large head's footprint. The content
+hash of the weights (`StreamedWeights`, for `lens.model_fingerprint`) materialises each unit through the streamer,
+so on a model within the budget that hash is the probe's first read of the blocks, not a second one.
 
 `place(model, devices)` (and `streamed(..., devices=...)`) puts contiguous block ranges on several devices with
 a split balanced by bytes (`split_by_bytes`, a pure function): embedding on the first device, head on the last.
