@@ -11,6 +11,8 @@
     sweep, in memory and streamed, same run. Target: streamed / in-memory <= 1.3.
 
     python benchmarks/bench_stream.py [--layers 22] [--d-model 2048] [--small-layers 30] [--tmp /tmp/bench_stream]
+        [--threads 1]   (every child on one torch thread: on a shared 2-core machine the ratios of (b) swing
+                         0.2-4.4 with two threads at load 3-6, 0.65-1.39 with one)
 
 Writes its models under --tmp and deletes them at the end. Each probe runs with its cheapest settings (CHEAP: one
 permutation pair, one prune step, one Jacobian probe, one causal cut) on --big-tokens (default 2 sequences of 16
@@ -87,6 +89,8 @@ def child(directory: str, probes: list[str], stream: bool, budget: int | None, r
     """Run `probes` on the checkpoint (streamed or not), `repeats` times in turn, on `shape` random tokens (sequences,
     model inputs + 1); print JSON: seconds per probe and pass, and the peak RSS. LOAD_ONLY runs nothing."""
     torch.manual_seed(0)
+    if os.environ.get("BENCH_STREAM_THREADS"):  # --threads: fewer threads suffer less from a shared machine's load
+        torch.set_num_threads(int(os.environ["BENCH_STREAM_THREADS"]))
     model = ck.load(directory, stream=stream, budget=budget)
     tokens = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(0))
     probes = [name for name in probes if name != LOAD_ONLY]
@@ -197,6 +201,7 @@ def main() -> None:
     parser.add_argument("--probe-timeout", type=float, default=1800, help="(a): kill a probe's child after this many "
                         "seconds")
     parser.add_argument("--tokens", default="2x32", help="a child's token set (internal)")
+    parser.add_argument("--threads", type=int, help="torch threads in every child (default: torch's)")
     parser.add_argument("--small-layers", type=int, default=30)
     parser.add_argument("--tmp", default="/tmp/bench_stream")
     parser.add_argument("--skip-big", action="store_true")
@@ -208,7 +213,10 @@ def main() -> None:
         return child(args.child, args.probes.split(","), args.stream, args.budget, args.repeats,
                      tokens_shape(args.tokens))
     tmp = Path(args.tmp)
-    print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
+    if args.threads:
+        os.environ["BENCH_STREAM_THREADS"] = str(args.threads)
+    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"threads {args.threads or torch.get_num_threads()}; uptime: {uptime}")
     try:
         if not args.skip_big:
             big_model(tmp, args)
