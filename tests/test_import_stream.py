@@ -278,3 +278,11 @@ def test_cli_import_stream_refuses_a_gguf_file_and_a_pickled_folder(tmp_path):
             assert result.returncode == 2 and result.stdout == "", result
             assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
             assert not target.exists() and not list(tmp_path.glob(f".{target.name}*"))
+
+
+def test_stream_on_a_grid_of_olmo_core_runs_is_refused_before_anything_is_read(tmp_path):
+    from depthtools.interop.formats import import_paths
+
+    with pytest.raises(DepthToolsError, match="--stream applies to one Hugging Face folder") as info:
+        import_paths([tmp_path / "run_a", tmp_path / "run_b"], grid="g", out=tmp_path / "grid", stream=True)
+    assert "\n" not in str(info.value) and not (tmp_path / "grid").exists()
