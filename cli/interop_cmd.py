@@ -25,11 +25,11 @@ def _show(title: str, summary: dict) -> None:
 
 def _import(paths: list[Path], name: Optional[str], out: Optional[Path], step: Optional[int],
             tokenizer: Optional[Path], max_seq_len: Optional[int], force: bool, as_json: bool,
-            grid: Optional[str] = None) -> None:
+            grid: Optional[str] = None, stream: Optional[bool] = None) -> None:
     from depthtools.interop.formats import import_paths  # lazy: keeps the CLI torch-free
 
     summary = import_paths(paths, name=name, out=out, force=force, step=step, tokenizer=tokenizer,
-                           max_seq_len=max_seq_len, grid=grid)
+                           max_seq_len=max_seq_len, grid=grid, stream=stream)
     if as_json:
         print_json(summary)
         return
@@ -44,6 +44,10 @@ def _import(paths: list[Path], name: Optional[str], out: Optional[Path], step: O
 PATH_HELP = ("An OLMo-core run folder (stepN/ folders) or one step folder, a local transformers model folder "
              "(config.json + safetensors) or a .gguf file.")
 STEP_HELP = "OLMo-core: the step to import (default: the latest complete step)."
+STREAM_HELP = ("Hugging Face folders: --stream writes the weights tensor by tensor into shards in the source's dtype "
+               "(memory: about one shard), --no-stream builds the float32 model in memory (one model.safetensors); "
+               "default: stream when the in-memory import would need more than half the RAM. Both load to the same "
+               "float32 model, bit for bit.")
 TOKENIZER_HELP = ("OLMo-core: a tokenizer.json (or a folder holding one) to carry (default: the file the step's "
                   "config names, when it is local).")
 
@@ -58,6 +62,7 @@ def import_command(
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: the source's)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing checkpoint (its whole folder; all or nothing: a failed import leaves the old one as it was)."),
+    stream: Optional[bool] = typer.Option(None, "--stream/--no-stream", help=STREAM_HELP, show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Import a checkpoint from another toolkit; what PATH is decides how (docs/olmo-core.md, docs/interop.md).
@@ -78,7 +83,7 @@ def import_command(
     Example: depthtools import ./TinyLlama --name tinyllama
     Example: depthtools import runs/hc_L16 runs/hc_L24 runs/hc_L32 --grid depthbench_hc   (one sweep, one grid)
     """
-    _import(paths, name, out, step, tokenizer, max_seq_len, force, as_json, grid)
+    _import(paths, name, out, step, tokenizer, max_seq_len, force, as_json, grid, stream)
 
 
 @app.command("import-hf")
@@ -90,6 +95,7 @@ def import_hf_command(
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help=TOKENIZER_HELP),
     max_seq_len: Optional[int] = typer.Option(None, "--max-seq-len", help="Context length (default: the source's)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing checkpoint (its whole folder; all or nothing: a failed import leaves the old one as it was)."),
+    stream: Optional[bool] = typer.Option(None, "--stream/--no-stream", help=STREAM_HELP, show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Alias of `depthtools import` (kept for existing scripts): imports a transformers folder, a .gguf file or an
@@ -100,7 +106,7 @@ def import_hf_command(
     Example: depthtools import-hf ./TinyLlama --name tinyllama
     Example: depthtools import-hf ./tiny-q8_0.gguf --name tiny-gguf
     """
-    _import([path], name, out, step, tokenizer, max_seq_len, force, as_json)
+    _import([path], name, out, step, tokenizer, max_seq_len, force, as_json, stream=stream)
 
 
 @app.command("export-hf")

@@ -224,3 +224,65 @@ def test_a_sharded_checkpoint_is_finished_for_info_grids_and_reports(tmp_path):
     problem = weights_problem(streamed / WEIGHTS)
     assert problem is not None and shard.name in problem and "truncated" in problem
     assert not checkpoint_summary(streamed)["finished"]
+
+
+def _cli(*args: str):
+    """`depthtools ARGS` as a user runs it (the console script's exit code and stderr)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True)
+
+
+def test_cli_import_stream_and_no_stream_force_the_path(tmp_path):
+    """`import --stream` writes source-dtype shards + an index that load to the in-memory import's logits;
+    `--no-stream` (and the `import-hf` alias) one float32 model.safetensors, though the tiny model would be
+    imported in memory anyway."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    folder, _ = source_folder("llama-bias-gqa", tmp_path, torch.bfloat16)
+    runner = CliRunner()
+    for command, flag, out in (("import", "--stream", "streamed"), ("import-hf", "--no-stream", "memory"),
+                               ("import-hf", "--stream", "streamed_alias")):
+        result = runner.invoke(app, [command, str(folder), "--out", str(tmp_path / out), flag, "--json"])
+        assert result.exit_code == 0, result.output
+    for out in ("streamed", "streamed_alias"):
+        assert (tmp_path / out / ck.WEIGHTS_INDEX).is_file() and not (tmp_path / out / ck.WEIGHTS).exists()
+        assert len(list((tmp_path / out).glob("model-*.safetensors"))) >= 1
+        assert stored_dtypes(tmp_path / out) == {torch.bfloat16}
+    assert (tmp_path / "memory" / ck.WEIGHTS).is_file() and not (tmp_path / "memory" / ck.WEIGHTS_INDEX).exists()
+    assert stored_dtypes(tmp_path / "memory") == {torch.float32}
+    x = tokens()
+    with torch.no_grad():
+        logits = ck.load(tmp_path / "memory")(x)
+        assert torch.equal(ck.load(tmp_path / "streamed")(x), logits)
+        assert torch.equal(ck.load(tmp_path / "streamed", stream=True)(x), logits)
+
+
+def test_cli_import_stream_refuses_a_gguf_file_and_a_pickled_folder(tmp_path):
+    """--stream on what cannot stream: one line on stderr, exit 2, nothing written (no target, no staging)."""
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    build_hf("llama-bias-gqa", tmp_path / "hf")
+    (pickled / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"never unpickled")
+    for source, needle in ((gguf, "--stream applies to Hugging Face folders only"),
+                           (pickled, "has only pickled weights (pytorch_model.bin)")):
+        for command in ("import", "import-hf"):
+            target = tmp_path / f"out_{source.stem}_{command}"
+            result = _cli(command, str(source), "--out", str(target), "--stream")
+            assert result.returncode == 2 and result.stdout == "", result
+            assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert not target.exists() and not list(tmp_path.glob(f".{target.name}*"))
+
+
+def test_stream_on_a_grid_of_olmo_core_runs_is_refused_before_anything_is_read(tmp_path):
+    from depthtools.interop.formats import import_paths
+
+    with pytest.raises(DepthToolsError, match="--stream applies to one Hugging Face folder") as info:
+        import_paths([tmp_path / "run_a", tmp_path / "run_b"], grid="g", out=tmp_path / "grid", stream=True)
+    assert "\n" not in str(info.value) and not (tmp_path / "grid").exists()

@@ -160,3 +160,58 @@ def test_streamed_in_a_low_precision_dtype_equals_the_in_memory_load(tmp_path, d
     assert streamed.tok_embed.weight.dtype == getattr(torch, dtype)
     with torch.no_grad():
         assert torch.equal(streamed.run(toks), ck.load(directory, dtype=dtype).run(toks))
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+def test_tensor_source_reads_what_safetensors_reads_in_chunks(tmp_path, monkeypatch, stored):
+    """Positioned reads (straight into the result when the file holds the wanted dtype, else cast through one
+    reused chunk buffer) give safetensors' tensors exactly, aligned as torch's own; huge finite values (whose sum
+    overflows) pass, one NaN or inf anywhere is one line."""
+    from safetensors.torch import load_file, save_file
+
+    from depthtools.arch import stream as st
+
+    monkeypatch.setattr(st, "CHUNK_BYTES", 1000)  # many chunks per tensor, a short last one
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(37, 29, generator=gen), "big": torch.full((600,), 3e38), "empty": torch.zeros(0, 4),
+               "b": torch.randn(1001, generator=gen)}
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.to(stored) for k, v in tensors.items()}, str(path))
+    want = load_file(str(path))
+    source = st.TensorSource(dict.fromkeys(want, path))
+    for dtype in (None, torch.float32, torch.bfloat16):
+        got = source.read(list(want), dtype)
+        for name, value in want.items():
+            expected = value if dtype is None else value.to(dtype)
+            assert got[name].dtype == expected.dtype and torch.equal(got[name], expected), (name, dtype)
+            assert got[name].data_ptr() % 64 == 0 or got[name].numel() == 0
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = {**tensors, "b": tensors["b"].clone()}
+        broken["b"][777] = bad
+        save_file({k: v.to(stored) for k, v in broken.items()}, str(path))
+        source = st.TensorSource(dict.fromkeys(want, path))
+        assert source.read(["a"], torch.float32)["a"].shape == (37, 29)
+        for dtype in (None, torch.float32):
+            with pytest.raises(CheckpointError, match="tensor b has non-finite") as info:
+                source.read(["b"], dtype)
+            assert "\n" not in str(info.value)
+
+
+def test_the_weight_hash_is_the_first_read_of_every_block(tmp_path, data_dir):
+    """`lens.model_fingerprint` of a streamed model materialises each block through the streamer: within the
+    budget they are kept, so the probe after it reads nothing again (one read of the file per block, not two);
+    with budget 0 each is released as the next is read. The hash equals the in-memory model's either way."""
+    from depthtools.analysis.lens import model_fingerprint
+
+    directory = cell(tmp_path, data_dir)
+    memory = ck.load(directory)
+    toks = windows(vocab=256)
+    for budget in (1 << 30, 0):
+        model = ck.load(directory, stream=True, budget=budget)
+        assert model_fingerprint(model) == model_fingerprint(memory)
+        assert model.stream.reads == 4 + 1  # every block and the head, once
+        on_meta = [p.is_meta for p in model.blocks.parameters()]
+        assert not any(on_meta) if budget else all(on_meta)  # kept / released (the head is the last one read)
+        with torch.no_grad():
+            assert torch.equal(model.run(toks), memory.run(toks))
+        assert model.stream.reads == (4 + 1 if budget else 2 * (4 + 1))

@@ -46,10 +46,14 @@ def detect_format(path: str | Path) -> str:
 
 def import_path(path: str | Path, name: str | None = None, out: str | Path | None = None, force: bool = False,
                 step: int | None = None, tokenizer: str | Path | None = None,
-                max_seq_len: int | None = None) -> dict[str, Any]:
+                max_seq_len: int | None = None, stream: bool | None = None) -> dict[str, Any]:
     """Import whatever `path` is (`detect_format`) as a depthtools checkpoint; returns the importer's summary
-    with "format" set. `step` and `tokenizer` apply to OLMo-core checkpoints only."""
+    with "format" set. `step` and `tokenizer` apply to OLMo-core checkpoints only; `stream` (True: sharded, in
+    the source's dtype; False: in memory; None: automatic) to Hugging Face folders only."""
     kind = detect_format(path)
+    if stream and kind != "huggingface":
+        raise DepthToolsError(f"--stream applies to Hugging Face folders only; {path} is a {kind} checkpoint "
+                              "(imported in memory)")
     if kind.startswith("olmo-core"):
         summary = import_olmo_core(path, name=name, out=out, force=force, step=step, tokenizer=tokenizer,
                                    max_seq_len=max_seq_len)
@@ -58,19 +62,25 @@ def import_path(path: str | Path, name: str | None = None, out: str | Path | Non
             if value is not None:
                 raise DepthToolsError(f"{option} applies to OLMo-core checkpoints only; {path} is a {kind} checkpoint "
                                       "(its tokenizer files are carried from it)")
-        importer = import_gguf if kind == "gguf" else import_hf
-        summary = importer(path, name=name, out=out, force=force, max_seq_len=max_seq_len)
+        if kind == "gguf":
+            summary = import_gguf(path, name=name, out=out, force=force, max_seq_len=max_seq_len)
+        else:
+            summary = import_hf(path, name=name, out=out, force=force, max_seq_len=max_seq_len, stream=stream)
     return {**summary, "format": kind}
 
 
 def import_paths(paths: list[str | Path], name: str | None = None, out: str | Path | None = None,
                  force: bool = False, step: int | None = None, tokenizer: str | Path | None = None,
-                 max_seq_len: int | None = None, grid: str | None = None) -> dict[str, Any]:
+                 max_seq_len: int | None = None, grid: str | None = None,
+                 stream: bool | None = None) -> dict[str, Any]:
     """`depthtools import PATH...`: one PATH is `import_path`; several, or `grid`, are the OLMo-core runs of one
     sweep imported as the cells of one grid (`olmo_import.import_sweep`; `out` is then the grid folder)."""
     if len(paths) == 1 and grid is None:
         return import_path(paths[0], name=name, out=out, force=force, step=step, tokenizer=tokenizer,
-                           max_seq_len=max_seq_len)
+                           max_seq_len=max_seq_len, stream=stream)
+    if stream:
+        raise DepthToolsError("--stream applies to one Hugging Face folder; a grid of OLMo-core runs is imported in "
+                              "memory")
     if not paths:
         raise DepthToolsError("give at least one PATH to import")
     if name is not None:
