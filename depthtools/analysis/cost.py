@@ -257,8 +257,8 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     `lens_depth_seconds`): the path `headmetrics.chunked_head` picks for these rows -- while one [rows, V] block
     is small, whole logit rows with the sweep's own per-plan sums (`sweep.plan_head_sums`: CE, KL against the
     reference computed once per batch, top-1 agreement and accuracy; fused or a full log-softmax), else the
-    vocabulary-chunked head (`headmetrics.row_metrics`). At a 49k vocabulary the metrics still cost more than the head's matmul
-    (benchmarks/RESULTS.md, issues 38, 45 and 47), so a parameter ratio alone underestimates the sweeps.
+    vocabulary-chunked head (`headmetrics.row_metrics`). At a 49k vocabulary the head with its metrics costs ~9
+    blocks (benchmarks/RESULTS.md, issues 38, 45 and 47), so a parameter ratio alone underestimates the sweeps.
     """
     inputs, targets = split_inputs(tokens[:batch_size])
     targets = targets.flatten()
@@ -272,10 +272,11 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
         t0 = time.perf_counter()
         states = model.run_states(inputs)
         if ref is None:  # the reference and its probabilities: once per batch in a sweep, not per plan
-            logp = scored_logprobs(model.head(states[-1])).roll(1, 0)
+            logits = model.head(states[-1])
+            logp = scored_logprobs(logits).roll(1, 0)
             ref = SweepReference.of(logp) if head is None else Reference.of(logp, head=head)
             if head is None:  # the fused path's reference, also once per batch (an untimed first call)
-                fused = plan_head_sums(_Sums(), model.head(states[-1]), ref, targets, inputs.shape[0])
+                fused = plan_head_sums(_Sums(), logits, ref, targets, inputs.shape[0])
         sync()
         t1 = time.perf_counter()
         if head is not None:

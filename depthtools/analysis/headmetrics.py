@@ -32,9 +32,9 @@ computed once per batch with a full float32 log-softmax; only the rows compared 
 Whole rows (`fused_metrics`, the bottom of this file): when a probe's float32 logit block fits, the same
 RowMetrics come from the C kernel csrc/rowmetrics.c on CPU -- per row, one pass for the maximum, the block
 maxima (top ids), the rank count and the nearest logit above the target, one for S0 = Σ e, S1 = Σ e (z − m),
-S2 = Σ e log p_ref, S3 = Σ p_ref (z − m), S4 = Σ p_ref log p_ref, S5 = Σ p_ref with e = exp(z − m) -- instead of a log-softmax and ~5-10 torch
-passes over [rows, V] (lens depth at L30/V49k: 4.9 vs 13.5 forward equivalents, benchmarks/RESULTS.md "Fused
-row metrics"). Rows whose top ids or rank a float32 log-softmax could decide otherwise (logits within
+S2 = Σ e log p_ref, S3 = Σ p_ref (z − m), S4 = Σ p_ref log p_ref and S5 = Σ p_ref with e = exp(z − m) --
+instead of a log-softmax and ~5-10 torch passes over [rows, V] (the logit lens at L30/V49k, idle: 9.7 vs 28.3
+forward equivalents, benchmarks/RESULTS.md "Fused row metrics"). Rows whose top ids or rank a float32 log-softmax could decide otherwise (logits within
 TIE_ULPS ulps) take those from torch's own log-softmax of the row; rows with a non-finite logit take the
 whole full path, so both are the full path's exactly.
 """
@@ -153,7 +153,8 @@ class Reference:
         p_weight = None if head is None or head.cap else p @ head.weight.to(p.dtype)
         return cls(logp, p, plogp, top, p_weight)
 
-    def rows(self, sl: slice) -> "Reference":
+    def rows(self, sl: slice | torch.Tensor) -> "Reference":
+        """The same on rows `sl` (a slice, or row indices)."""
         def part(t):
             return None if t is None else t[sl]
         return Reference(self.logp[sl], self.p[sl], part(self.plogp), self.top[sl], part(self.p_weight))
@@ -315,11 +316,11 @@ def row_metrics(head: Head, x: torch.Tensor, targets: torch.Tensor, ref: Referen
 
 # -- the fused path: the metrics of whole logit rows in two passes (C kernel "rowmetrics") ----------------------------
 
+# DEPTHTOOLS_FUSED_METRICS=0 turns the fused path off (the full log-softmax instead): same-run A/B benchmarks use it
+FUSED = os.environ.get("DEPTHTOOLS_FUSED_METRICS", "1") != "0"
 _ROW_METRICS = cpu_kernels.Kernel(
     "rowmetrics", "row_metrics", "z n_rows rows_per_group group_stride row_stride V targets ref_logp ref_p k threads "
     "row_max target_z sums top_vals top_ids above gap", generic=False)
-# DEPTHTOOLS_FUSED_METRICS=0 turns the fused path off (the full log-softmax instead): same-run A/B benchmarks use it
-FUSED = os.environ.get("DEPTHTOOLS_FUSED_METRICS", "1") != "0"
 _COUNT_GREATER = cpu_kernels.Kernel("rowmetrics", "count_greater", "lp n_rows V targets threads out", generic=False)
 TOP_MAX = 9  # TOPMAX in csrc/rowmetrics.c: k + 1 top logits at most (one past the k asked for, to see a tie)
 TIE_ULPS = 1.25  # logits closer than this many float32 ulps (of z − m plus of lp) may share a log-prob
@@ -342,8 +343,7 @@ def _kernel_sums(z: torch.Tensor, targets: torch.Tensor, ref: "Reference | None"
     ref_p = None if ref is None else ref.p.contiguous()
     ref_logp = None if ref is None else ref.logp.contiguous()
     status = _ROW_METRICS(None, z, n, rows_per_group, group_stride, z.stride(-2), V, targets.contiguous(),
-                          ref_logp, ref_p, k,
-                          torch.get_num_threads(), *out.values())
+                          ref_logp, ref_p, k, torch.get_num_threads(), *out.values())
     if status:
         raise MemoryError("row-metrics CPU kernel: out of memory")
     return out
@@ -395,8 +395,8 @@ def fused_metrics(z: torch.Tensor, targets: torch.Tensor, ref: Reference | None 
                   rank: bool = False, reverse: bool = False) -> RowMetrics:
     """Per-row metrics (`RowMetrics`: lse, ce, entropy, kl_ref, kl_rev with reverse=True, k top ids, rank) of
     whole logit rows z ([n, V], or [B, T', V] whose rows are taken in order; float32 CPU, `fused_usable`) against
-    targets [n] and an optional reference on the same rows (rank=True: the target's rank too), from the C kernel's two passes per row
-    (csrc/rowmetrics.c): float64 combinations of float32 block sums, within float32 rounding of the full
+    targets [n] and an optional reference on the same rows (rank=True: the target's rank too), from the C
+    kernel's two passes per row (csrc/rowmetrics.c): float64 combinations of float32 block sums, within float32 rounding of the full
     float32 log-softmax path. Rows where that path's float32 log-probs could order the top ids or count the rank
     otherwise (logits within TIE_ULPS ulps of each other), or with a non-finite logit, are recomputed by that
     path itself (`_torch_rows`), so the top ids and ranks are the full path's exactly."""
@@ -426,7 +426,7 @@ def fused_metrics(z: torch.Tensor, targets: torch.Tensor, ref: Reference | None 
     ce = lse - zt
     rows = bad.nonzero().squeeze(1)
     if rows.numel():
-        sub = None if ref is None else Reference(ref.logp[rows], ref.p[rows], None, ref.top[rows])
+        sub = None if ref is None else ref.rows(rows)
         r_ce, r_kl, r_rev, r_ent, r_top, r_rank = _torch_rows(_take_rows(z, rows), targets[rows], sub, k)
         ce[rows], entropy[rows], top[rows], ranks[rows] = r_ce, r_ent, r_top, r_rank
         lse[rows] = torch.logsumexp(_take_rows(z, rows).double(), -1)

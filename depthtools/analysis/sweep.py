@@ -245,7 +245,12 @@ def plan_hidden(
 
 def scored_rows(model, state) -> torch.Tensor:
     """final_hidden(state) at the scored positions, flattened to [B·(T-1), d]."""
-    return model.scheme.final_hidden(state, model.ln_final)[:, FIRST_SCORED:].flatten(0, 1)
+    return _scored(model.scheme.final_hidden(state, model.ln_final))
+
+
+def _scored(hidden: torch.Tensor) -> torch.Tensor:
+    """Final hidden states [B, T, d] at the scored positions, flattened to [B·(T-1), d]."""
+    return hidden[:, FIRST_SCORED:].flatten(0, 1)
 
 
 def _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, tick) -> None:
@@ -263,8 +268,7 @@ def _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, 
         elif href is None:
             fused = plan_head_sums(acc, model.hidden_logits(hidden), ref, targets, B, fused)
         else:
-            rows = hidden[:, FIRST_SCORED:].flatten(0, 1)
-            acc.add_rows(row_metrics(href.head, rows, targets, href.ref), href.ref, targets, B)
+            acc.add_rows(row_metrics(href.head, _scored(hidden), targets, href.ref), href.ref, targets, B)
         tick()
 
 

@@ -1,13 +1,13 @@
 """Small C kernels for HC/mHC, AttnRes and MoDA training and for the analyses' head metrics on CPU: sources in
-`depthtools/arch/csrc/`, built by torch.utils.cpp_extension (JIT, with ninja) on the first real CPU call that needs them (one log line), cached, and
-called through ctypes.
+`depthtools/arch/csrc/`, built by torch.utils.cpp_extension (JIT, with ninja) on the first real CPU call that needs
+them (one log line), cached, and called through ctypes.
 
 Five libraries, one source file each (`csrc/<name>.c`, which says what its kernels do and why, with the figures'
 places in benchmarks/RESULTS.md): "sinkhorn" (mHC's Sinkhorn), "connector" (HC's and mHC's whole connectors,
 forward and backward), "bank" (AttnRes' depth bank: a mix, a two-phase prefix, a backward flush), "moda"
-(MoDA's depth attention: forward, backward, slot gradients, slot stores) and "rowmetrics" (the per-row sums behind
-a head's metrics, float32 only: `analysis/headmetrics.py` `fused_metrics`). The training kernels are written once per
-scalar type and instantiated per type by including `*_impl.h` with `REAL`/`FN` defined (`csrc/generic.h`).
+(MoDA's depth attention: forward, backward, slot gradients, slot stores) and "rowmetrics" (the per-row sums
+behind a head's metrics, float32 only: `analysis/headmetrics.py` `fused_metrics`). The training kernels are
+written once per scalar type and instantiated per type by including `*_impl.h` with `REAL`/`FN` defined (`csrc/generic.h`).
 
 The kernels are called by their torch custom ops in `depthtools/arch/ops/`: `ops/sinkhorn.py`
 (`depthtools::sinkhorn_tokens_last`) and `ops/connector.py` (`depthtools::hc_connect`, `depthtools::mhc_connect`),
@@ -349,9 +349,8 @@ def _build(name: str, folder: Path | None = None) -> ctypes.CDLL | None:
 
 
 def library(name: str = "sinkhorn", folder: Path | None = None) -> ctypes.CDLL | None:
-    """The built kernel library `name` ("sinkhorn", "connector", "bank", "moda" or
-    "rowmetrics"), or None (no compiler, or the
-    build failed: logged once); built on this first call in `folder` (default `_kernel_folder()`)."""
+    """The built kernel library `name` ("sinkhorn", "connector", "bank", "moda" or "rowmetrics"), or None (no
+    compiler, or the build failed: logged once); built on this first call in `folder` (default `_kernel_folder()`)."""
     if name in _libs:
         return _libs[name]
     with _lock:
@@ -421,7 +420,6 @@ def moda_usable(t: torch.Tensor, kv_dtype: torch.dtype | None = None) -> bool:
     kv_dtype = t.dtype if kv_dtype is None else kv_dtype
     return (_cpu_float((t,)) and (kv_dtype == t.dtype or (kv_dtype, t.dtype) == (torch.bfloat16, torch.float32))
             and library("moda") is not None)
-
 
 
 def rowmetrics_usable(z: torch.Tensor) -> bool:

@@ -5,7 +5,7 @@
    every sweep plan spend ~75% of a head evaluation in elementwise torch passes over [rows, V] (log-softmax, exp,
    the KL products and differences, top-k, the rank comparison), each a full read and write of 200 MB. Here each
    row is read twice while it sits in L2: pass 1 finds its maximum m, the block maxima (for the top ids), how many
-   logits exceed the target's and the nearest other logit to it; pass 2 sums, with e = exp(z - m):
+   logits exceed the target's and the nearest logit above it; pass 2 sums, with e = exp(z - m):
 
        S0 = sum e      S1 = sum e (z - m)      S2 = sum e log p_ref      S3 = sum p_ref (z - m)
        S4 = sum p_ref log p_ref      S5 = sum p_ref   (the reference's own sums, on the arrays read)
@@ -19,7 +19,8 @@
    own log-softmax, every row where the float32 log-softmax could order or count otherwise (near ties) and every
    row with a non-finite logit: those rows' numbers are then the torch path's. Built with -ffinite-math-only (so
    that the max and min reductions vectorise): no NaN test here; a NaN or infinite logit makes S1 (e (z - m) with
-   e > 0) or the maximum non-finite, which is what the caller tests. exp is common.h's branch-free exp_f32. Rows are split over `threads` OpenMP threads; each row's sums are independent of that. */
+   e > 0) or the maximum non-finite, which is what the caller tests. exp is common.h's branch-free exp_f32. Rows
+   are split over `threads` OpenMP threads; each row's sums are independent of that. */
 #include "common.h"
 #include <float.h>
 #include <stdlib.h>
