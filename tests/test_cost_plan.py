@@ -342,8 +342,10 @@ def test_one_intact_forward_per_batch_serves_the_suite():
     with shared_sweeps():
         together = {name: suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args[name]) for name in names}
     h = head_ratio(model)
-    costs = sharing_states(plan_cost(model, args, 4, 12, 2, h), {n: intact_passes(n, model, args[n]) for n in names},
-                           model.n_layer, 2, h)
+    skips_from = suite.causal_skips(names, model)
+    assert skips_from == "ablate_skip"  # causal's skip runs are its default rule's plans: decoded, not run again
+    costs = sharing_states(plan_cost(model, args, 4, 12, 2, h, skips_from=skips_from),
+                           {n: intact_passes(n, model, args[n]) for n in names}, model.n_layer, 2, h)
     assert counter.blocks == sum(c.blocks for c in costs)
     assert counter.blocks < sum(c.blocks for c in plan_cost(model, args, 4, 12, 2, h))
     import pandas as pd

@@ -36,6 +36,63 @@ def test_cached_prefix_plans_equal_naive_full_reruns(arch):
     assert fast == slow
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plans_extending_the_previous_one_start_from_its_state_and_equal_full_reruns(arch):
+    """Issue 47: a plan that does what the previous plan did up to a position past its own first change (the
+    order pruning curve: k+1 blocks removed extend k) starts from the previous run's state there; its numbers
+    are a full re-run's, bit for bit, and fewer blocks run than from the intact prefix."""
+    from depthtools.analysis.sweep import common_prefix, plan_hidden
+
+    model, toks = tiny(arch), windows()
+    inputs = toks[:, :-1]
+    L, rule = model.n_layer, model.scheme.skip_rules[-1]
+    order = list(range(L))
+    order[2], order[3] = 3, 2
+    plans = [Plan(skip=frozenset({1})), Plan(skip=frozenset({1, 3})), Plan(skip=frozenset({1, 2, 3})),
+             Plan(skip=frozenset({1, 2, 3})), Plan(skip=frozenset({1}), order=tuple(order)),
+             Plan(skip=frozenset({1, 3}), skip_rule=rule), Plan(skip=frozenset({0, 1, 3}), skip_rule=rule)]
+    assert [common_prefix(model, a, b) for a, b in zip(plans, plans[1:])] == \
+        [3, 2, L, 2, 2 if rule == model.scheme.skip_rules[0] else 1, 0]
+    states = intact_states(model, inputs)
+    calls = []
+    step = model.block_step
+    model.block_step = lambda *a, **k: calls.append(a[0]) or step(*a, **k)
+    try:
+        hidden = list(plan_hidden(model, plans, states, inputs))
+    finally:
+        del model.block_step
+    for plan, h in zip(plans, hidden):
+        assert torch.equal(h, model.scheme.final_hidden(model.run_states(inputs, plan=plan)[-1], model.ln_final))
+    from_intact = sum(L - plan.first_change(L) - len(plan.skip) for plan in plans)
+    assert len(calls) < from_intact
+    assert sweep(model, toks, plans, batch_size=2) == sweep(model, toks, plans, batch_size=2, reuse_prefix=False)
+
+
+@pytest.mark.parametrize("arch", ["preln", "hc", "attnres", "denseformer", "moda"])
+def test_causal_skip_runs_serve_the_skip_sweep_in_the_suite(arch):
+    """Issue 47: inside `shared_sweeps` causal's single-skip runs are kept (`remember_hidden`), so the skip
+    sweep after it runs no block for those plans and gives exactly the numbers it gives alone."""
+    from depthtools.analysis.causal import causal_scores
+    from depthtools.analysis.sweep import shared_sweeps
+
+    model, toks = tiny(arch), windows(4)
+    L = model.n_layer
+    plans = [Plan.skipping(l) for l in range(L)]
+    alone = sweep(model, toks, plans, batch_size=2)
+    calls = []
+    step = model.block_step
+    with shared_sweeps():
+        causal_scores(model, toks, batch_size=2, future=False)
+        model.block_step = lambda *a, **k: calls.append(a[0]) or step(*a, **k)
+        try:
+            shared = sweep(model, toks, plans, batch_size=2)
+        finally:
+            del model.block_step
+    # no skip plan's block runs (the intact pass too where states are tensors, which shared_sweeps keeps)
+    assert calls in ([], list(range(L)) * 2) and shared == alone
+    assert [torch.equal(a, b) for a, b in zip(shared.plan_sequences, alone.plan_sequences)] == [True] * L
+
+
 def test_identity_plan_matches_intact_and_batching_is_invisible():
     model, toks = tiny("preln"), windows(5)
     result = sweep(model, toks, [Plan(), Plan.skipping(2)], batch_size=2)

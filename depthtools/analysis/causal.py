@@ -9,7 +9,9 @@ block s changes every later update; the causal score is
 over tokens, reported here as `causal_score_max`). Skipped runs reuse the cached prefix: one
 intact forward per batch, then for each s `run_states(plan=Plan.skipping(s, rule), start=s,
 from_state=states[s])` (L−s blocks, not L). The skip rule is the architecture's own (default or
-`rule`; docs/reference/architectures.md §4).
+`rule`; docs/reference/architectures.md §4). These runs are the single-skip sweep's plans: within the
+suite (`sweep.shared_sweeps`) each run's final hidden state is kept (`sweep.remember_hidden`), so the
+skip sweep of sequence_profile / ablate_skip decodes it instead of running its blocks again.
 
 Future effect (Csordás "future" matrix): block s is skipped only at positions 1 ≤ t < cut and the
 updates are compared only at positions t ≥ cut, isolating what reaches later tokens through
@@ -42,7 +44,7 @@ import pandas as pd
 import torch
 
 from depthtools.analysis.geometry import check_positions, model_inputs, tidy_frame
-from depthtools.analysis.sweep import intact_states
+from depthtools.analysis.sweep import intact_states, remember_hidden
 from depthtools.analysis.tokens import batches, token_fingerprint
 from depthtools.arch.model import Plan
 from depthtools.arch.torch_private import is_hooked
@@ -209,7 +211,9 @@ def causal_scores(
         states = intact_states(model, batch)  # shared with the suite's other probes (sweep.shared_sweeps)
         base = _updates(model, states)  # L x [B,T,k]
         for s in range(L):
-            skipped = model.run_states(plan=Plan.skipping(s, rule=rule), start=s, from_state=states[s])
+            plan = Plan.skipping(s, rule=rule)
+            skipped = model.run_states(plan=plan, start=s, from_state=states[s])
+            remember_hidden(model, batch, plan, skipped[-1])  # the skip sweep's plan s: not run again in the suite
             changed = _updates(model, skipped)  # updates s..L-1
             for l in range(s + 1, L):
                 current.add(s, l, _ratio(changed[l - s], base[l])[:, exclude_first:])

@@ -140,17 +140,20 @@ def _prune_per_rule(L: int, args: dict[str, Any], skip_measured: bool) -> tuple[
 
 
 def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
-              skip_measured: bool = False, shared: bool = False) -> tuple[float, float, bool]:
+              skip_measured: bool = False, shared: bool = False, skips_run: bool = False) -> tuple[float, float, bool]:
     """(block calls, head evaluations, upper_bound) of analysis `name` on one batch of windows of
     `seq_len` model inputs (fits and fixed passes that do not repeat per batch are in `extra`).
     `skip_measured`: the single-skip sweep is already saved or planned (the order prune reuses it);
-    `shared`: this analysis' default-rule skip sweep was run by an earlier one (`sweep.shared_sweeps`)."""
+    `shared`: this analysis' default-rule skip sweep was run by an earlier one (`sweep.shared_sweeps`);
+    `skips_run`: its default-rule skip plans were run by causal before it (`sweep.remember_hidden`): decoded, not
+    run again."""
     L = model.n_layer
     if name == "lens_logit":
         return L, L + 1, False
     if name in ("ablate_skip", "sequence_profile"):
         rules = (_n_rules(model, args) if name == "ablate_skip" else 1) - (1 if shared else 0)
-        return rules * _skip_blocks(L), rules * (1 + L), False
+        read = sum(L - l - 1 for l in range(L)) if skips_run and rules > 0 else 0
+        return rules * _skip_blocks(L) - read, rules * (1 + L), False
     if name in ("ablate_swap", "ablate_swap_adjacent"):
         pairs = chosen_pairs(L, args.get("pairs", "adjacent"), args.get("swap_pairs_max"))
         return L + sum(L - i for i, _ in pairs), 1 + len(pairs), False
@@ -191,11 +194,12 @@ def extra(name: str, model, args: dict[str, Any]) -> tuple[float, float]:
 
 
 def analysis_cost(name: str, model, args: dict[str, Any], n_seqs: int, seq_len: int, batch_size: int,
-                  h: float | None = None, skip_measured: bool = False, shared: bool = False) -> Cost:
+                  h: float | None = None, skip_measured: bool = False, shared: bool = False,
+                  skips_run: bool = False) -> Cost:
     """The cost of analysis `name` with arguments `args` on n_seqs windows of seq_len model inputs;
     `h`: a head evaluation in blocks (default `head_ratio`; `time_parts` measures it)."""
     n_batches = math.ceil(n_seqs / batch_size)
-    blocks, heads, bound = per_batch(name, model, args, seq_len, skip_measured, shared)
+    blocks, heads, bound = per_batch(name, model, args, seq_len, skip_measured, shared, skips_run)
     once_blocks, once_heads = extra(name, model, args)
     blocks, heads = n_batches * blocks + once_blocks, n_batches * heads + once_heads
     h, L = head_ratio(model) if h is None else h, model.n_layer
@@ -242,11 +246,13 @@ def with_blocks(cost: Cost, blocks: float, h: float | None, L: int) -> Cost:
 
 
 def plan_cost(model, analyses: dict[str, dict[str, Any]], n_seqs: int, seq_len: int, batch_size: int,
-              h: float | None = None, skip_measured: bool = False, shared: str | None = None) -> list[Cost]:
+              h: float | None = None, skip_measured: bool = False, shared: str | None = None,
+              skips_from: str | None = None) -> list[Cost]:
     """Each analysis' cost with its arguments ({name: args}, as `suite.analysis_args` gives them);
-    `shared`: the analysis whose default-rule skip sweep an earlier one runs (`suite.shared_sweep`)."""
-    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h, skip_measured, name == shared)
-            for name, args in analyses.items()]
+    `shared`: the analysis whose default-rule skip sweep an earlier one runs (`suite.shared_sweep`);
+    `skips_from`: the analysis whose default-rule skip plans causal's runs give (`suite.causal_skips`)."""
+    return [analysis_cost(name, model, args, n_seqs, seq_len, batch_size, h, skip_measured, name == shared,
+                          name == skips_from) for name, args in analyses.items()]
 
 
 @torch.no_grad()
@@ -453,22 +459,31 @@ def retime_note(model, tokens: torch.Tensor, batch_size: int, name: str, seconds
             f"{forward_s * 1000:.0f} ms); corrected ETA of the rest ~{duration(remaining * now)}")
 
 
-def states_fit(model, tokens: torch.Tensor) -> bool:
+def states_fit(model, tokens: torch.Tensor, skips: bool = False) -> bool:
     """Whether the intact states of the whole token set fit `sweep.SHARED_STATES_BYTES` (measured on one
-    window: tensor states only), so that `shared_sweeps` keeps every batch's."""
-    size = _state_bytes(model.run_states(split_inputs(tokens[:1])[0]))
+    window: tensor states only), so that `shared_sweeps` keeps every batch's; with `skips`, also the final
+    hidden states of causal's L skip runs per window (`sweep.remember_hidden`), which share that budget."""
+    states = model.run_states(split_inputs(tokens[:1])[0])
+    size = _state_bytes(states)
+    if size is not None and skips:
+        hidden = model.scheme.final_hidden(states[-1], model.ln_final)
+        size += model.n_layer * hidden.numel() * hidden.element_size()
     return size is not None and size * tokens.shape[0] <= SHARED_STATES_BYTES
 
 
 def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor, batch_size: int,
                    skip_measured: bool = False, shared: str | None = None,
-                   shared_states: bool = False) -> tuple[str, list[Cost], float]:
+                   shared_states: bool = False, skips_from: str | None = None) -> tuple[str, list[Cost], float]:
     """`describe`, and the timed seconds of one forward of one batch (the unit of the ETA).
-    `shared_states`: the run shares each batch's intact states (`sharing_states`) when they fit."""
+    `shared_states`: the run shares each batch's intact states (`sharing_states`) when they fit; `skips_from`:
+    the analysis that decodes causal's skip runs (`suite.causal_skips`), when they fit with the states."""
     n_seqs, seq_len = tokens.shape[0], tokens.shape[1] - 1
     t_block, t_head = time_parts(model, tokens, batch_size)
     h = t_head / t_block if t_block > 0 else None
-    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, skip_measured=skip_measured, shared=shared)
+    if skips_from is not None and not (shared_states and states_fit(model, tokens, skips=True)):
+        skips_from = None
+    costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, skip_measured=skip_measured, shared=shared,
+                      skips_from=skips_from)
     if "similarity" in analyses and t_block > 0:  # its statistics, timed: more than its forward passes
         extra_blocks = similarity_seconds(model, tokens, batch_size, analyses["similarity"]) / t_block
         costs = [with_blocks(c, extra_blocks, h, model.n_layer) if c.name == "similarity" else c for c in costs]

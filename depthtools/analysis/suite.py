@@ -238,7 +238,8 @@ def plan_run(names: list[str], model, tokens, recompute: bool = False, shared_st
     batch_size = options.get("batch_size", BATCH_SIZE)
     line, costs, forward_s = describe_timed(model, {name: analysis_args(name, **options) for name in todo}, tokens,
                                             batch_size, skip_measured=skip_is_measured(names, model, tokens, **options),
-                                            shared=shared_sweep(todo, model, **options), shared_states=shared_states)
+                                            shared=shared_sweep(todo, model, **options), shared_states=shared_states,
+                                            skips_from=causal_skips(todo, model, **options))
     reused = len(names) - len(todo)
     return RunPlan(line + (f"; {reused} saved table(s) reused" if reused else ""),
                    {c.name: c.forwards for c in costs}, forward_s)
@@ -356,6 +357,25 @@ def shared_sweep(names: list[str], model, **options) -> str | None:
     if (rule or default) != default or (rules is not None and default not in rules):
         return None
     return max(("sequence_profile", "ablate_skip"), key=names.index)
+
+
+def causal_skips(names: list[str], model, **options) -> str | None:
+    """Of sequence_profile and ablate_skip, the first to run after causal here (inside `sweep.shared_sweeps`)
+    whose default-rule skip sweep finds causal's skip runs kept (`sweep.remember_hidden`: the same plans on
+    the same batches), so it decodes them without running blocks; else None."""
+    if "causal" not in names:
+        return None
+    default = model.scheme.skip_rules[0]
+    if (analysis_args("causal", **options)["rule"] or default) != default:
+        return None
+    for name in names[names.index("causal") + 1:]:
+        if name == "sequence_profile" and (analysis_args(name, **options)["rule"] or default) == default:
+            return name
+        if name == "ablate_skip":
+            rules = analysis_args(name, **options)["rules"]
+            if rules is None or default in rules:
+                return name
+    return None
 
 
 def skip_is_measured(names: list[str], model, tokens, **options) -> bool:

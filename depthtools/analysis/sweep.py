@@ -226,21 +226,96 @@ def plan_logits(
             yield model.run(inputs, plan=plan)
 
 
+def _remember_key(model, inputs: torch.Tensor, plan: Plan) -> tuple | None:
+    """What identifies one single-skip plan's run on one batch (None: not remembered: any other plan)."""
+    if plan.replace or plan.order is not None or len(plan.skip) != 1:
+        return None
+    rule = plan.skip_rule or model.scheme.skip_rules[0]
+    return "hidden", id(model), token_fingerprint(inputs), tuple(inputs.shape), next(iter(plan.skip)), rule
+
+
+def remember_hidden(model, inputs: torch.Tensor, plan: Plan, state) -> None:
+    """Within `shared_sweeps()`, keep a single-skip plan's final hidden state (`final_hidden` of its final
+    depth state `state`, run from the cached intact prefix) for a later sweep of the same plan on the same batch,
+    while it fits SHARED_STATES_BYTES with the intact states: causal's skip runs are the skip sweep's plans
+    (sequence_profile, ablate_skip), whose blocks then run once in the suite. The very tensor is kept, so the
+    sweep decodes what it would have computed, bit for bit."""
+    shared = _SHARED.get()
+    key = None if shared is None else _remember_key(model, inputs, plan)
+    if key is None or key in shared:
+        return
+    hidden = model.scheme.final_hidden(state, model.ln_final)
+    size = hidden.numel() * hidden.element_size()
+    if shared.get("states_bytes", 0) + size <= SHARED_STATES_BYTES:
+        shared[key] = hidden
+        shared["states_bytes"] = shared.get("states_bytes", 0) + size
+
+
+def _remembered(model, inputs: torch.Tensor | None, plan: Plan) -> torch.Tensor | None:
+    """The final hidden state `remember_hidden` kept for this plan on this batch, or None."""
+    shared = _SHARED.get()
+    key = None if shared is None or inputs is None else _remember_key(model, inputs, plan)
+    return None if key is None else shared.get(key)
+
+
+def _step(plan: Plan, position: int, default_rule: str) -> tuple:
+    """What a plan does at one position: replace (by which function), skip (by which rule) or run a block."""
+    if position in plan.replace:
+        return "replace", id(plan.replace[position])
+    if position in plan.skip:
+        return "skip", plan.skip_rule or default_rule
+    return "block", plan.block_at(position)
+
+
+def common_prefix(model, a: Plan, b: Plan) -> int:
+    """The first position where plans a and b do different things (n_layer when none): their states agree up
+    to that depth, since a position's step reads only the state and the plan's choice at that position."""
+    rule = model.scheme.skip_rules[0]
+    return next((p for p in range(model.n_layer) if _step(a, p, rule) != _step(b, p, rule)), model.n_layer)
+
+
 @torch.no_grad()
 def plan_hidden(
     model, plans: Sequence[Plan], states: list, inputs: torch.Tensor | None = None, reuse_prefix: bool = True
 ) -> Iterator[torch.Tensor]:
     """Each plan's final hidden state [B, T, d] (`final_hidden`: what the head unembeds, its logits
     `model.hidden_logits` of it), from its cached prefix state (reuse_prefix=False: a full re-run from
-    `inputs`); a plan that changes nothing runs no block."""
+    `inputs`); a plan that changes nothing runs no block.
+
+    Two more prefixes are reused, each the very state a full run computes: a single-skip plan kept by
+    `remember_hidden` (within `shared_sweeps`) runs no block; and a plan that does what the previous plan did
+    up to a position past its own first change (`common_prefix`: the pruning curve's k+1 blocks removed extend
+    its k) starts from the previous run's state at that position, not from the intact prefix."""
     L = model.n_layer
-    for plan in plans:
-        if reuse_prefix:
-            start = plan.first_change(L)
-            state = model.run_states(plan=plan, start=start, from_state=states[start])[-1]
+    kept: tuple[int, object] | None = None  # (depth, state) of the previous run that this plan may start from
+    for i, plan in enumerate(plans):
+        if not reuse_prefix:
+            yield model.scheme.final_hidden(model.run_states(inputs, plan=plan)[-1], model.ln_final)
+            continue
+        hidden = _remembered(model, inputs, plan)
+        if hidden is None:
+            start, from_state = plan.first_change(L), None
+            if kept is not None and kept[0] > start:
+                start, from_state = kept
+            run = model.run_states(plan=plan, start=start, from_state=states[start] if from_state is None else from_state)
+            kept = _next_prefix(model, plan, plans[i + 1] if i + 1 < len(plans) else None, start, run)
+            if inputs is not None:
+                remember_hidden(model, inputs, plan, run[-1])
+            hidden = model.scheme.final_hidden(run[-1], model.ln_final)
         else:
-            state = model.run_states(inputs, plan=plan)[-1]
-        yield model.scheme.final_hidden(state, model.ln_final)
+            kept = None
+        yield hidden
+
+
+def _next_prefix(model, plan: Plan, following: Plan | None, start: int, run: list) -> tuple[int, object] | None:
+    """(depth, state) of `run` (plan's states from `start`) at which `following` can start: the first position
+    where the two plans differ, when it lies past following's first change (else the intact prefix serves)."""
+    if following is None:
+        return None
+    depth = common_prefix(model, plan, following)
+    if depth <= following.first_change(model.n_layer) or depth < start:
+        return None
+    return depth, run[depth - start]
 
 
 def scored_rows(model, state) -> torch.Tensor:
