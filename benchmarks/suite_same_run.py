@@ -8,8 +8,9 @@ table, the rows are matched in order and the script prints the largest absolute 
 numeric column (NaN = NaN counts as equal) and whether the text columns agree.
 
 The pruning table is compared curve by curve: Gromov's rows against the new default run, and the old greedy
-rows against a third run of the new code with `prune="greedy"` (the curve that became opt-in). The new
-default's single-skip-order rows have no old counterpart and are listed as new.
+rows against a third run of the new code with `prune="greedy"` (the curve that became opt-in). The
+single-skip-order rows are compared where the old code has them (main after issue 47's default change), else
+listed as new.
 
 Models: tiny checkpoints built here (nothing downloads): a Pre-LN and an HC (4 streams) DepthModel, and a
 random-weight Llama imported through `import_hf` (the path a pretrained model takes).
@@ -135,7 +136,7 @@ def compare(old_dir: Path, new_dir: Path, greedy_dir: Path) -> list[tuple[str, f
             continue
         if path.stem == "ablate_prune" and "method" in old:
             greedy = pd.read_parquet(greedy_dir / "analysis" / path.name)
-            for method, other in (("gromov", new), ("greedy", greedy)):
+            for method, other in (("gromov", new), ("skip_order", new), ("greedy", greedy)):
                 if not (old["method"] == method).any():  # an old run whose default has no such curve
                     continue
                 rows.append((f"ablate_prune[{method}]", *max_abs_diff(
@@ -176,8 +177,10 @@ def main() -> None:
                 print(f"  {table:<28} max |old - new| = {worst:.3g}{'; text differs: ' + ', '.join(text) if text else ''}"
                       f"{flag}")
             new_only = pd.read_parquet(sides["new"] / "analysis" / "ablate_prune.parquet")
-            print(f"  ablate_prune[skip_order]     new default curve, {int((new_only['method'] == 'skip_order').sum())} "
-                  "rows (no old counterpart)")
+            old_prune = pd.read_parquet(sides["old"] / "analysis" / "ablate_prune.parquet")
+            if "method" not in old_prune or not (old_prune["method"] == "skip_order").any():
+                print(f"  ablate_prune[skip_order]     new default curve, "
+                      f"{int((new_only['method'] == 'skip_order').sum())} rows (no old counterpart)")
     print(f"largest difference over every saved table: {worst_all:.3g} (bound 1e-6: "
           f"{'OK' if worst_all <= 1e-6 else 'EXCEEDED'})")
 
