@@ -29,7 +29,9 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
                         F = 1 + Σ_(c < c*) (T − c)/T block-equivalents in rows where the scheme has a suffix step
                         (`causal.suffix_support`: the largest cut c* runs whole, each smaller one its rows ≥ c)
     sequence_profile    as one skip rule; within the suite it and ablate_skip's default rule are one sweep
-                        (`sweep.shared_sweeps`): whichever runs second pays for one rule less
+                        (`sweep.shared_sweeps`): whichever runs second pays for one rule less; and after causal,
+                        whichever runs first decodes causal's skip runs (`sweep.remember_hidden`): Σ_l (L − l − 1)
+                        blocks fewer (`suite.causal_skips`, while they fit the shared byte budget)
     similarity          L blocks + its statistics (angular distances, spectra, token collapse, CKA), timed
                         before the run on 2 sequences and scaled (`similarity_seconds`), in block-equivalents
     routing             L blocks where the scheme has native depth routing (0 on the normalisation family), + the
@@ -41,7 +43,7 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
 
 The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
 against a counter on `block_step`); prune is an upper bound (its greedy curve stops when ΔCE passes
-tau). Within `analyze` (`sweep.shared_sweeps`) one intact forward per batch serves every probe while the
+tau; a plan that extends the one before it starts from that plan's state: `sweep.common_prefix`). Within `analyze` (`sweep.shared_sweeps`) one intact forward per batch serves every probe while the
 states fit `sweep.SHARED_STATES_BYTES`: the plan then drops the other intact passes (`sharing_states`).
 Attention's T² term is in the timed block; the ETA scales the timed block and head of one
 batch, so it is an estimate, not a promise.
