@@ -164,7 +164,8 @@ def run_suite(args) -> None:
         analyses = {name: suite.analysis_args(name, **options) for name in names}
         skip_measured = suite.skip_is_measured(names, model, tokens, **options)
         line, costs, _ = describe_timed(model, analyses, tokens, args.batch, skip_measured=skip_measured,
-                                        shared=suite.shared_sweep(names, model, **options), shared_states=True)
+                                        shared=suite.shared_sweep(names, model, **options), shared_states=True,
+                                        skips_from=suite.causal_skips(names, model, **options))
         t_block, t_head = time_parts(model, tokens, args.batch)
         forward_s = L * t_block + t_head  # the plan's unit: one forward of one batch with the head's metrics
         print(f"SmolLM-135M-shaped Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, V={V}), "
