@@ -193,7 +193,8 @@ def test_gram_spectrum_of_rank_deficient_rows():
 def test_depth_similarity_spectra_unchanged_by_gram_form(monkeypatch):
     """tokens < width (2 x 11 rows, d 32): the table's spectral rows from the kept rows (the default) against the
     k x k moments (GRAM_SPECTRA off, the form before): PR within 1e-9, erank within the k x k form's √rounding
-    (1e-5; the Gram's erank is the nearer the SVD definition, checked above); every other row identical."""
+    (measured 8e-8, checked to 1e-6; the Gram's erank is the nearer the SVD definition, checked above); every
+    other row identical."""
     model, tokens = tiny(), token_set(n=2, t=12)
     gram = depth_similarity(model, tokens, cka_batch=8)
     monkeypatch.setattr(geometry, "GRAM_SPECTRA", False)
@@ -202,7 +203,7 @@ def test_depth_similarity_spectra_unchanged_by_gram_form(monkeypatch):
     for metric in ("participation_ratio", "participation_ratio_no_outlier"):
         assert per_depth(gram, metric) == pytest.approx(per_depth(square, metric), rel=1e-9)
     for metric in ("effective_rank", "effective_rank_no_outlier"):
-        assert per_depth(gram, metric) == pytest.approx(per_depth(square, metric), rel=1e-5)
+        assert per_depth(gram, metric) == pytest.approx(per_depth(square, metric), rel=1e-6)
     with torch.no_grad():
         g = [model.geometry(z)[:, 1:].reshape(-1, 32) for z in model.run_states(tokens[:, :-1])]
     assert per_depth(gram, "effective_rank") == pytest.approx([float(effective_rank(r)) for r in g], rel=1e-7)

@@ -10,7 +10,8 @@ accumulators, so no activations are held beyond one batch (docs/design.md §7):
   and outlier-controlled (features z-scored per minibatch, docs/reference/metrics.md §3.3);
 * effective rank (Roy & Vetterli) and participation ratio per depth, from a streamed float64
   covariance (exactly `similarity.effective_rank` / `participation_ratio` of all rows), also with
-  the top-`outlier_k` massive dimensions removed;
+  the top-`outlier_k` massive dimensions removed; while the rows are no more than the width k, from
+  the kept rows' n×n Gram matrix instead (`_Moments`: less memory than k×k, the same spectrum);
 * DepthBench token collapse per depth (`similarity.token_collapse`, per sequence, uncentred).
 
 Position 0 (BOS / attention sink) and optionally the first k positions are excluded
