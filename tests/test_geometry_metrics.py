@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from depthtools.analysis.geometry import depth_similarity, pair_matrix
+from depthtools.analysis import geometry
+from depthtools.analysis.geometry import _Moments, depth_similarity, pair_matrix, spectral_stats
 from depthtools.analysis.similarity import effective_rank, linear_cka, participation_ratio, token_collapse
 
 from tiny_models import one_thread, tiny as tiny_model, windows  # noqa: F401 (fixture)
@@ -73,3 +74,156 @@ def test_table_schema_and_excluded_positions():
     assert n_tokens == 2 * (12 - 4)
     adj = df[df.metric == "adjacent_cka_debiased"]
     assert adj.rel_depth.tolist() == [0.5, 1.0]
+
+
+# -- the spectra's two forms: kept rows (n <= k, n x n Gram) and k x k moments ----------------------
+
+EPS = torch.finfo(torch.float64).eps
+
+
+def scatter_spectrum(X, drop_top=0):
+    """The reference: the k x k centred scatter built explicitly from all rows, the same top-|mean| dims dropped
+    (by Σ|x|, ties as topk breaks them), its eigvalsh; and the same with the eigenvalues below its rounding
+    floor (k·eps·max diag XᵀX: the cancellation in XᵀX − s1 s1ᵀ/n) set to 0."""
+    n, k = X.shape
+    s2, s1 = X.T @ X, X.sum(0)
+    scatter = s2 - torch.outer(s1, s1) / n
+    if drop_top:
+        keep = torch.ones(k, dtype=torch.bool)
+        keep[X.abs().sum(0).topk(min(drop_top, k - 1)).indices] = False
+        scatter = scatter[keep][:, keep]
+    lam = torch.linalg.eigvalsh(scatter).clamp_min(0.0)
+    return lam, torch.where(lam > k * EPS * s2.diagonal().max(), lam, torch.zeros_like(lam))
+
+
+def streamed(blocks, keep_rows=None):
+    m = _Moments(blocks[0].shape[1], keep_rows)
+    for X in blocks:
+        m.update(X)
+    return m
+
+
+def rows(n, k, seed, offset=3.0):
+    """Random float64 rows with a per-column mean (so centring matters) and one massive column."""
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, k, generator=gen, dtype=torch.float64) + offset * torch.randn(k, generator=gen, dtype=torch.float64)
+    X[:, 5] += 40.0
+    return X
+
+
+@pytest.mark.parametrize("n", [20, 47, 48])  # n < k, n = k: the rows are kept
+@pytest.mark.parametrize("drop_top", [0, 1, 2])
+def test_gram_spectrum_equals_scatter_spectrum(n, drop_top):
+    """Kept rows in three update calls: the Gram's eigenvalues are the scatter's nonzero ones (the shorter
+    list padded with zeros; equal within float64 rounding); PR equal to 1e-9; erank equal to 1e-9 to
+    the reference without its rounding-floor eigenvalues (the raw k x k erank carries ~1e-6 of √rounding,
+    see test_gram_erank_is_nearer_the_svd_definition)."""
+    k = 48
+    X = rows(n, k, seed=n + drop_top)
+    m = streamed([X[:7], X[7:9], X[9:]])
+    assert m.rows is not None and m.s2 is None  # still the rows form
+    gram = m.spectrum(drop_top)
+    raw, clean = scatter_spectrum(X, drop_top)
+    assert len(gram) == n and len(raw) == k - min(drop_top, k - 1)
+    size = max(len(raw), n)  # n = k with dims dropped: the Gram has the more (zero) eigenvalues
+    a, b = (torch.cat([torch.zeros(size - len(v), dtype=torch.float64), v]).sort().values for v in (gram, raw))
+    assert torch.allclose(a, b, rtol=0, atol=1e-11 * float(raw.max()))
+    erank, pr = spectral_stats(gram)
+    erank_ref, pr_ref = spectral_stats(clean)
+    assert pr == pytest.approx(spectral_stats(raw)[1], rel=1e-9)
+    assert pr == pytest.approx(pr_ref, rel=1e-9)
+    gram_clean = torch.where(gram > n * EPS * float(gram.max()) * 10, gram, torch.zeros_like(gram))
+    assert spectral_stats(gram_clean)[0] == pytest.approx(erank_ref, rel=1e-9)
+    assert erank == pytest.approx(erank_ref, rel=1e-7)
+
+
+def test_spectral_stats_ignore_zero_eigenvalues():
+    """The premise of the Gram form: the k − n zeros it leaves out change neither erank nor PR."""
+    lam = torch.tensor([3.0, 1.0, 0.5, 1e-3], dtype=torch.float64)
+    padded = torch.cat([torch.zeros(100, dtype=torch.float64), lam])
+    assert spectral_stats(padded) == spectral_stats(lam)
+
+
+def test_gram_erank_is_nearer_the_svd_definition():
+    """erank is defined on the singular values of the centred rows (`similarity.effective_rank`): the Gram
+    form is within 1e-7 of it, the k x k form off by ~1e-6-1e-5 (√ of its rounding-level null eigenvalues)."""
+    X = rows(30, 256, seed=3)
+    exact = float(effective_rank(X))
+    gram = spectral_stats(streamed([X]).spectrum())[0]
+    square = spectral_stats(streamed([X], keep_rows=False).spectrum())[0]
+    assert gram == pytest.approx(exact, rel=1e-7)
+    assert abs(gram - exact) < abs(square - exact) / 10
+
+
+@pytest.mark.parametrize("drop_top", [0, 1, 2])
+def test_switch_to_moments_when_rows_exceed_width(drop_top):
+    """n passes k inside the third update: the kept rows are folded into s2 and dropped; from then on the
+    moments and spectra are exactly (bitwise) the k x k path's on the same updates."""
+    k = 40
+    X = rows(53, k, seed=7)
+    blocks = [X[:15], X[15:38], X[38:45], X[45:]]  # n: 15, 38 (rows), 45 > 40 (switch), 53
+    m = streamed(blocks[:2])
+    assert m.rows is not None and m.n == 38
+    m.update(blocks[2])
+    assert m.rows is None and m.s2 is not None
+    m.update(blocks[3])
+    square = streamed(blocks, keep_rows=False)
+    assert torch.equal(m.s2, square.s2) and torch.equal(m.s1, square.s1) and torch.equal(m.abs1, square.abs1)
+    assert torch.equal(m.spectrum(drop_top), square.spectrum(drop_top))
+    raw, _ = scatter_spectrum(X, drop_top)
+    assert torch.allclose(m.spectrum(drop_top), raw, rtol=0, atol=1e-11 * float(raw.max()))
+
+
+def test_gram_spectrum_of_rank_deficient_rows():
+    """Rows of rank 5 (and a constant column): erank and PR as the SVD of the centred rows gives them, both forms'
+    PR equal, the Gram's nonzero eigenvalues the scatter's."""
+    gen = torch.Generator().manual_seed(11)
+    X = torch.randn(25, 5, generator=gen, dtype=torch.float64) @ torch.randn(5, 64, generator=gen, dtype=torch.float64)
+    X[:, 0] = 2.5
+    for drop_top in (0, 1, 2):
+        gram = streamed([X[:10], X[10:]]).spectrum(drop_top)
+        raw, clean = scatter_spectrum(X, drop_top)
+        assert int((gram > 1e-9 * gram.max()).sum()) == int((clean > 0).sum()) == 5
+        assert torch.allclose(gram.sort().values[-5:], raw[-5:], rtol=1e-10)
+        assert spectral_stats(gram)[1] == pytest.approx(spectral_stats(raw)[1], rel=1e-9)
+    assert spectral_stats(streamed([X]).spectrum())[0] == pytest.approx(float(effective_rank(X)), rel=1e-6)
+    assert spectral_stats(streamed([X]).spectrum())[1] == pytest.approx(float(participation_ratio(X)), rel=1e-9)
+
+
+def test_depth_similarity_spectra_unchanged_by_gram_form(monkeypatch):
+    """tokens < width (2 x 11 rows, d 32): the table's spectral rows from the kept rows (the default) against the
+    k x k moments (GRAM_SPECTRA off, the form before): PR within 1e-9, erank within the k x k form's √rounding
+    (measured 8e-8, checked to 1e-6; the Gram's erank is the nearer the SVD definition, checked above); every
+    other row identical."""
+    model, tokens = tiny(), token_set(n=2, t=12)
+    gram = depth_similarity(model, tokens, cka_batch=8)
+    monkeypatch.setattr(geometry, "GRAM_SPECTRA", False)
+    square = depth_similarity(model, tokens, cka_batch=8)
+    assert gram[gram.metric == "n_tokens"].value.item() == 22 < model.cfg.d_model == 32
+    for metric in ("participation_ratio", "participation_ratio_no_outlier"):
+        assert per_depth(gram, metric) == pytest.approx(per_depth(square, metric), rel=1e-9)
+    for metric in ("effective_rank", "effective_rank_no_outlier"):
+        assert per_depth(gram, metric) == pytest.approx(per_depth(square, metric), rel=1e-6)
+    with torch.no_grad():
+        g = [model.geometry(z)[:, 1:].reshape(-1, 32) for z in model.run_states(tokens[:, :-1])]
+    assert per_depth(gram, "effective_rank") == pytest.approx([float(effective_rank(r)) for r in g], rel=1e-7)
+    spectral = gram.metric.str.startswith(("effective_rank", "participation_ratio"))
+    assert gram[~spectral].value.tolist() == square[~spectral].value.tolist()
+
+
+@pytest.mark.parametrize("n_seqs, form", [(2, "rows"), (4, "k x k")])
+def test_cost_times_the_spectra_in_the_runs_form(monkeypatch, n_seqs, form):
+    """`cost.similarity_seconds` times the spectra as the run will compute them: 2 x 11 rows <= d 32 keep the
+    rows to the end (Gram); 4 x 11 rows > 32 switch to the k x k moments, though its 2-sequence sample would not."""
+    from depthtools.analysis.cost import similarity_seconds
+
+    seen = []
+    spectrum = _Moments.spectrum
+
+    def spy(self, drop_top=0):
+        seen.append("rows" if self.rows is not None else "k x k")
+        return spectrum(self, drop_top)
+
+    monkeypatch.setattr(_Moments, "spectrum", spy)
+    assert similarity_seconds(tiny(n_layer=2), token_set(n=n_seqs, t=12), 2, {"cka_batch": 8}) > 0
+    assert seen == [form, form]

@@ -303,13 +303,15 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
     forward passes) on the whole token set, timed on `sample` sequences and scaled: all but CKA grow
     with the sequences; CKA with its minibatches of `cka_batch` rows, each costing ∝ rows² (its Gram
     and HSIC products), counted per batch as `depth_similarity` cuts them; plus, once, the L+1
-    spectra (an eigendecomposition of a k×k covariance each, twice)."""
+    spectra (an eigendecomposition each, twice: of the k×k covariance, or, when the whole run has no more
+    rows than the width k, of the rows' n×n Gram, ∝ n²k: `geometry._Moments`; timed in the form the run takes)."""
     exclude, cka_batch = args.get("exclude_first", 1), args.get("cka_batch", 256)
     inputs = split_inputs(tokens[:sample])[0]
     states = [g[:, exclude:] for g in geometry_states(model, inputs)]
     n_sample, T = states[0].shape[0], states[0].shape[1]
+    keep_rows = None if tokens.shape[0] * T <= states[0].shape[-1] else False  # the run's form (None: the default)
 
-    stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), (), args.get("seed", 0))
+    stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), (), args.get("seed", 0), keep_rows)
 
     def timed(variants) -> float:
         """Best of `repeats` (the CKA part is a difference of two timings: one slow single timing on a busy
@@ -317,7 +319,7 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
         nonlocal stats
         best = math.inf
         for _ in range(repeats):
-            stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), variants, args.get("seed", 0))
+            stats = SimilarityStats(model.n_layer, max(n_sample * T, 8), variants, args.get("seed", 0), keep_rows)
             t0 = time.perf_counter()
             stats.add(states)
             best = min(best, time.perf_counter() - t0)
@@ -328,6 +330,8 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
     spectral_stats(stats.moments[0].spectrum())
     spectral_stats(stats.moments[0].spectrum(drop_top=max(args.get("outlier_k", 1), 1)))
     spectra = (time.perf_counter() - t0) * (model.n_layer + 1)
+    if stats.moments[0].rows is not None:  # timed the sample's Gram, n_sample·T rows; the run's has N·T
+        spectra *= (tokens.shape[0] / n_sample) ** 2
     chunk = max(timed(tuple(CKA_VARIANTS)) - rest, 0.0)
     n_seqs = tokens.shape[0]
     chunks = 0.0

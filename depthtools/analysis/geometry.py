@@ -10,7 +10,8 @@ accumulators, so no activations are held beyond one batch (docs/design.md §7):
   and outlier-controlled (features z-scored per minibatch, docs/reference/metrics.md §3.3);
 * effective rank (Roy & Vetterli) and participation ratio per depth, from a streamed float64
   covariance (exactly `similarity.effective_rank` / `participation_ratio` of all rows), also with
-  the top-`outlier_k` massive dimensions removed;
+  the top-`outlier_k` massive dimensions removed; while the rows are no more than the width k, from
+  the kept rows' n×n Gram matrix instead (`_Moments`: less memory than k×k, the same spectrum);
 * DepthBench token collapse per depth (`similarity.token_collapse`, per sequence, uncentred).
 
 Position 0 (BOS / attention sink) and optionally the first k positions are excluded
@@ -126,30 +127,73 @@ def geometry_states(model, tokens: torch.Tensor) -> list[torch.Tensor]:
 
 # -- spectral statistics from a streamed covariance ----------------------------------------------
 
-class _Moments:
-    """Streaming float64 first/second moments of rows [n,k] (for erank / PR of all rows)."""
+GRAM_SPECTRA = True  # keep the rows while n <= k (tests set it False to force the k x k path)
 
-    def __init__(self, k: int):
-        self.n = 0
+
+class _Moments:
+    """Streaming float64 moments of rows [n,k] (for erank / PR of all rows), in whichever form is smaller.
+
+    While the total rows n <= k the rows themselves are kept (a list of [n_i,k] float64 blocks: no more
+    memory than one k x k matrix, and at a 3072-wide state streamed on a few tokens ~100x less, issue 45)
+    and the spectrum is that of their n x n Gram matrix; the first time n would exceed k they are folded
+    into s2 = XᵀX [k,k] and dropped, and s2 accumulates from then on. s1 (column sums) and abs1 (column
+    |x| sums, which pick the outlier dims) are kept either way."""
+
+    def __init__(self, k: int, keep_rows: bool | None = None):
+        self.k, self.n = k, 0
         self.s1 = torch.zeros(k, dtype=F64)
-        self.s2 = torch.zeros(k, k, dtype=F64)
         self.abs1 = torch.zeros(k, dtype=F64)
+        keep = GRAM_SPECTRA if keep_rows is None else keep_rows
+        self.rows: list[torch.Tensor] | None = [] if keep else None  # None once in the s2 form
+        self.s2: torch.Tensor | None = None if keep else torch.zeros(k, k, dtype=F64)
 
     def update(self, X: torch.Tensor) -> None:
-        X = X.to(F64)
+        """Add rows X [n_i,k] (any float dtype; accumulated in float64)."""
+        X = X.detach().to(F64, copy=True)  # a copy even when X is float64: the rows may be kept
         self.n += X.shape[0]
         self.s1 += X.sum(0)
-        self.s2 += X.T @ X
         self.abs1 += X.abs().sum(0)
+        if self.rows is not None and self.n <= self.k:
+            self.rows.append(X)
+            return
+        self.fold()
+        self.s2 += X.T @ X
+
+    def fold(self) -> None:
+        """Switch to the k x k form: s2 = XᵀX of the kept rows, which are dropped (a no-op once switched)."""
+        if self.rows is None:
+            return
+        self.s2 = torch.zeros(self.k, self.k, dtype=F64)
+        for X in self.rows:
+            self.s2 += X.T @ X
+        self.rows = None
+
+    def _kept(self, drop_top: int) -> torch.Tensor | None:
+        """The columns kept without the top-`drop_top` |mean| dims (by abs1; None: all of them)."""
+        if drop_top <= 0:
+            return None
+        keep = torch.ones(self.k, dtype=torch.bool)
+        keep[self.abs1.topk(min(drop_top, self.k - 1)).indices] = False
+        return keep
 
     def spectrum(self, drop_top: int = 0) -> torch.Tensor:
-        """Eigenvalues (>= 0) of the centred scatter matrix, optionally without the top-|mean| dims."""
-        scatter = self.s2 - torch.outer(self.s1, self.s1) / self.n
-        if drop_top > 0:
-            keep = torch.ones(len(self.s1), dtype=torch.bool)
-            keep[self.abs1.topk(min(drop_top, len(self.s1) - 1)).indices] = False
-            scatter = scatter[keep][:, keep]
-        return torch.linalg.eigvalsh(scatter).clamp_min(0.0)
+        """Eigenvalues (>= 0) of the centred scatter matrix, optionally without the top-|mean| dims.
+
+        k x k form: eigvalsh of s2 − s1 s1ᵀ/n (k values). Rows form: eigvalsh of the n x n Gram Xc Xcᵀ of
+        the centred rows (n values): the same nonzero eigenvalues, without the k − n zeros, which change
+        neither `spectral_stats` (a zero σ adds 0 to the entropy, 0 to both PR sums)."""
+        keep = self._kept(drop_top)
+        if self.rows is None:
+            scatter = self.s2 - torch.outer(self.s1, self.s1) / self.n
+            if keep is not None:
+                scatter = scatter[keep][:, keep]
+            return torch.linalg.eigvalsh(scatter).clamp_min(0.0)
+        if self.n == 0:
+            return torch.zeros(self.k, dtype=F64)
+        Xc = torch.cat(self.rows) - self.s1 / self.n
+        if keep is not None:
+            Xc = Xc[:, keep]
+        return torch.linalg.eigvalsh(Xc @ Xc.T).clamp_min(0.0)
 
 
 def spectral_stats(eigenvalues: torch.Tensor) -> tuple[float, float]:
@@ -172,8 +216,9 @@ class SimilarityStats:
     the cost plan can time `add` on a slice of one batch (`cost.similarity_seconds`): at a 576-wide state
     these statistics cost more than the forward pass that produces them."""
 
-    def __init__(self, n_layer: int, cka_batch: int, variants: Sequence[str], seed: int = 0):
-        self.cka_batch = cka_batch
+    def __init__(self, n_layer: int, cka_batch: int, variants: Sequence[str], seed: int = 0,
+                 keep_rows: bool | None = None):
+        self.cka_batch, self.keep_rows = cka_batch, keep_rows  # keep_rows: `_Moments`' (None: GRAM_SPECTRA)
         self.gen = torch.Generator().manual_seed(seed)
         self.accs = {v: CKAAccumulator(n_layer + 1, **CKA_VARIANTS[v]) for v in variants}
         self.angular_sum = torch.zeros(n_layer + 1, n_layer + 1, dtype=F64)
@@ -188,7 +233,7 @@ class SimilarityStats:
         n = rows[0].shape[0]
         self.angular_sum += angular_distance_matrix(rows) * n
         if self.moments is None:
-            self.moments = [_Moments(k) for _ in range(len(states))]
+            self.moments = [_Moments(k, self.keep_rows) for _ in range(len(states))]
         for depth, (m, s) in enumerate(zip(self.moments, states)):
             m.update(rows[depth])
             tc = token_collapse(s)
