@@ -43,9 +43,9 @@ class Counter:
             self.head_rows += x.shape[:-1].numel()
             return readout_logits(x)
 
-        def count_hidden(x):
+        def count_hidden(x, out=None):
             self.head_rows += x.shape[:-1].numel()
-            return hidden_logits(x)
+            return hidden_logits(x, out=out)
 
         model.block_step, model.head, model.readout_logits = count_block, count_head, count_readout
         model.hidden_logits = count_hidden

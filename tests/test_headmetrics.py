@@ -240,3 +240,37 @@ def test_lens_and_sweep_on_the_fused_path_equal_the_full_path(arch, monkeypatch)
     for x, y in zip(sweep_fused.plans, sweep_full.plans):
         assert abs(x.ce - y.ce) < 1e-6 and abs(x.kl - y.kl) < 1e-6
         assert x.top1_agree == y.top1_agree and x.top1_acc == y.top1_acc
+
+
+
+@pytest.mark.parametrize("options", [{}, {"final_softcap": 3.0}, {"head_bias": True}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_logits_buffer_decodes_the_heads_own_numbers_bit_for_bit(options, dtype):
+    """Issue 47: `LogitsBuffer` decodes into one reused block where `hidden_logits(out=)` gives the module's own
+    numbers bit for bit (a bias-free unhooked nn.Linear; the soft-cap in place in its own order), and returns a
+    fresh tensor elsewhere (a biased head: F.linear's addmm; a hooked or streamed unembedding: its hooks fire)."""
+    from depthtools.analysis.headmetrics import LogitsBuffer
+    from depthtools.arch.backbone import softcap
+
+    from tiny_models import tiny
+
+    model = tiny("preln", **options).to(dtype)
+    buffer = LogitsBuffer()
+    rows = [torch.randn(2, 5, 32, dtype=dtype), torch.randn(3, 32, dtype=dtype), torch.randn(2, 5, 32, dtype=dtype)]
+    with torch.enable_grad():  # autograd recording (the parameters require grad): a fresh tensor, as before
+        assert buffer.decode(model, rows[0]).requires_grad and buffer._flat is None
+    for x in rows:  # shapes change: the block is reused (or regrown) and each result is the module's
+        expected = softcap(model.unembed(x), model.backbone.final_softcap)
+        with torch.no_grad():
+            got = buffer.decode(model, x)
+        assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+        in_buffer = buffer._flat is not None and got.data_ptr() == buffer._flat.data_ptr()
+        assert in_buffer == ("head_bias" not in options)
+    handle = model.unembed.register_forward_hook(lambda module, args, out: out * 2)  # a hook must still fire
+    try:
+        with torch.no_grad():
+            hooked = buffer.decode(model, rows[0])
+    finally:
+        handle.remove()
+    assert torch.equal(hooked, softcap(2 * model.unembed(rows[0]), model.backbone.final_softcap))
+    assert buffer._flat is None or hooked.data_ptr() != buffer._flat.data_ptr()

@@ -139,8 +139,8 @@ def test_plot_helpers_return_axes():
     assert isinstance(plot_prune_curve(ablate(model, toks, mode="prune", tau=float("inf"))), Axes)
 
 
-def _old_lens_logits(model, rows, depth, translators):
-    """The logit lens before issue 44: ln_final(readout(z_l)) through `readout_logits` (the reference)."""
+def _old_lens_logits(model, rows, depth, translators, buffer=None):
+    """The logit lens before issue 44: ln_final(readout(z_l)) through `readout_logits` (the reference); no buffer."""
     logits = model.readout_logits(rows)
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 

@@ -62,7 +62,7 @@ from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts, suffix_support
 from depthtools.analysis.contrib import _capture_split, _Mean, block_map, block_statistics, jvp
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
-from depthtools.analysis.headmetrics import Reference, chunked_head, row_metrics
+from depthtools.analysis.headmetrics import LogitsBuffer, Reference, chunked_head, row_metrics
 from depthtools.analysis.sweep import (
     SHARED_STATES_BYTES,
     Reference as SweepReference,
@@ -275,6 +275,7 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     head = chunked_head(model, targets.numel())  # the path the sweep takes on these rows
     t_states = t_head = math.inf
     ref = fused = None
+    buffer = LogitsBuffer()  # the block a sweep decodes its plans into (the first repeat pages it in)
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
@@ -290,7 +291,8 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
         if head is not None:
             row_metrics(head, scored_rows(model, states[-1]), targets, ref)
         else:
-            plan_head_sums(_Sums(), model.head(states[-1]), ref, targets, inputs.shape[0], fused)
+            hidden = model.scheme.final_hidden(states[-1], model.ln_final)  # as `sweep.plan_hidden` yields it
+            plan_head_sums(_Sums(), buffer.decode(model, hidden), ref, targets, inputs.shape[0], fused)
         sync()
         t_states, t_head = min(t_states, t1 - t0), min(t_head, time.perf_counter() - t1)
     return t_states / max(model.n_layer, 1), t_head
@@ -363,12 +365,12 @@ def lens_depth_seconds(model, tokens: torch.Tensor, batch_size: int, repeats: in
     first, last = _scored_rows(model, [states[0], states[-1]], None)
     finals = [FinalRows.of(_lens_logprobs(model, last[lo:lo + chunk], L, None), head)
               for lo in range(0, len(targets), chunk)]
-    best = math.inf
+    best, buffer = math.inf, LogitsBuffer()
     for _ in range(repeats):
         sums = _DepthSums(1)
         t0 = time.perf_counter()
         for i, lo in enumerate(range(0, len(targets), chunk)):
-            depth_step(model, first[lo:lo + chunk], 0, None, head, finals[i], targets[lo:lo + chunk], sums)
+            depth_step(model, first[lo:lo + chunk], 0, None, head, finals[i], targets[lo:lo + chunk], sums, buffer)
         best = min(best, time.perf_counter() - t0)
     return best
 

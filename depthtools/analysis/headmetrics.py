@@ -68,6 +68,39 @@ def chunked_head(model, rows: int, choice: bool | None = None) -> "Head | None":
     return Head.of(model)
 
 
+# Decode a probe's plans and depths into one reused block of memory (`LogitsBuffer`); False: a fresh tensor per
+# call (what benchmarks/bench_logits_buffer.py compares against).
+REUSE_LOGITS = True
+
+
+class LogitsBuffer:
+    """One block of CPU memory that a probe decodes its [rows, V] logits into, call after call.
+
+    A fresh [1016, 49152] float32 result (200 MB) per sweep plan or lens depth is larger than glibc's mmap
+    threshold, so it comes as new pages that the kernel faults in and zeroes every time and unmaps on free:
+    ~60 ms of system time per head evaluation at the SmolLM-135M shape, a quarter of its cost
+    (benchmarks/bench_logits_buffer.py). The logits returned alias the buffer: each decode overwrites the
+    previous one, so a caller consumes them before decoding again (the sweep's and the lens' loops do).
+    `DepthModel.hidden_logits` writes into it only where that gives its own numbers bit for bit; elsewhere
+    (a streamed or hooked head, a bias, another device) it returns a fresh tensor as before."""
+
+    def __init__(self) -> None:
+        self._flat: torch.Tensor | None = None
+
+    def decode(self, model, x: torch.Tensor) -> torch.Tensor:
+        """`model.hidden_logits(x)` [..., V], in this buffer where it may be."""
+        unembed = getattr(model, "unembed", None)
+        if not REUSE_LOGITS or x.device.type != "cpu" or not isinstance(unembed, torch.nn.Linear) or \
+                torch.is_grad_enabled():  # the probes decode under no_grad; autograd needs fresh outputs
+            return model.hidden_logits(x)
+        shape = (*x.shape[:-1], unembed.out_features)
+        n = x.shape[:-1].numel() * unembed.out_features
+        if self._flat is None or self._flat.numel() < n or self._flat.dtype != x.dtype:
+            self._flat = None  # the old block is freed before the new one is taken
+            self._flat = torch.empty(n, dtype=x.dtype)
+        return model.hidden_logits(x, out=self._flat[:n].view(shape))
+
+
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise Σ a·b of two [n, c] blocks (in the wider dtype), as float64 [n]. A product then torch's
     cascade sum: a batched BLAS dot accumulates one long float32 chain, biased by ~2e-7 over 8k terms."""

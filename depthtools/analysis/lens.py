@@ -50,6 +50,7 @@ from torch import nn
 
 from depthtools.analysis.headmetrics import (
     Head,
+    LogitsBuffer,
     Reference,
     RowMetrics,
     chunked_head as chunked_head_for,
@@ -96,12 +97,13 @@ def check_tuned_lens(model) -> None:
             f"({what}) {head}; run the logit lens (lens without --tuned)")
 
 
-def _lens_logits(model, rows: torch.Tensor, depth: int, translators: TunedLens | None) -> torch.Tensor:
+def _lens_logits(model, rows: torch.Tensor, depth: int, translators: TunedLens | None,
+                 buffer: LogitsBuffer | None = None) -> torch.Tensor:
     """[n,d] rows at `depth` -> [n,V] logits, float32 at least. Logit lens: rows are final_hidden(z_l),
-    unembedded (and soft-capped where the model's logits are). Tuned lens: rows are readout(z_l), through the
-    translator, ln_final and unembed."""
+    unembedded (and soft-capped where the model's logits are), into `buffer` where given (the logits then
+    alias it). Tuned lens: rows are readout(z_l), through the translator, ln_final and unembed."""
     if translators is None:
-        logits = model.hidden_logits(rows)
+        logits = model.hidden_logits(rows) if buffer is None else buffer.decode(model, rows)
     else:
         logits = model.readout_logits(translators(rows, depth))  # ln_final, unembed (and a final soft-cap)
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -200,18 +202,20 @@ def final_step(logits: torch.Tensor, logp: torch.Tensor, reference: FinalRows, t
 
 
 def depth_step(model, rows: torch.Tensor, depth: int, translators: TunedLens | None, head: Head | None,
-               reference: FinalRows, targets: torch.Tensor, sums: "_DepthSums") -> torch.Tensor:
+               reference: FinalRows, targets: torch.Tensor, sums: "_DepthSums",
+               buffer: LogitsBuffer | None = None) -> torch.Tensor:
     """Decode one depth's rows [n, d] and add its metrics to `sums`; returns the top-1 ids [n]. Three paths, one
     set of numbers: the vocabulary-chunked head (`head`, for blocks above `headmetrics.FULL_HEAD_BYTES`), the
     fused row metrics of whole float32 logit rows on CPU (`headmetrics.fused_metrics`: two passes per row
-    instead of ~10 torch passes over [n, V]), else the full log-softmax (`_DepthSums.add`). (Also what
+    instead of ~10 torch passes over [n, V]), else the full log-softmax (`_DepthSums.add`). `buffer`: the
+    `headmetrics.LogitsBuffer` the depths are decoded into, one after the other. (Also what
     `cost.lens_depth_seconds` times.)"""
     k = reference.top5.shape[-1]
     if head is not None:
         m = row_metrics(head, _depth_rows(model, rows, depth, translators), targets, reference.ref, k=k, rank=True,
                         reverse=True)
         return sums.add_rows(depth, m, reference)
-    logits = _lens_logits(model, rows, depth, translators)
+    logits = _lens_logits(model, rows, depth, translators, buffer)
     if reference.ref is not None and fused_usable(logits, k):
         return sums.add_rows(depth, fused_metrics(logits, targets, reference.ref, k=k, rank=True, reverse=True),
                              reference)
@@ -265,7 +269,7 @@ def lens_analysis(
         raise DepthToolsError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     model.eval()
     L = model.n_layer
-    sums, top1_all, loss_all = _DepthSums(L + 1), [], []
+    sums, top1_all, loss_all, buffer = _DepthSums(L + 1), [], [], LogitsBuffer()
     head = chunked_head_for(model, min(chunk_tokens, batch_size * max(tokens.shape[1] - 2, 1)), chunked_head)
     n_batches = -(-tokens.shape[0] // batch_size)
     for batch in batches(tokens, batch_size):
@@ -280,7 +284,8 @@ def lens_analysis(
             top1 = torch.empty(L + 1, tgt.numel(), dtype=torch.long, device=tgt.device)
             top1[L] = final_step(final_logits, final, reference, tgt, sums, L)
             for depth in range(L):
-                top1[depth] = depth_step(model, reads[depth][rows], depth, translators, head, reference, tgt, sums)
+                top1[depth] = depth_step(model, reads[depth][rows], depth, translators, head, reference, tgt, sums,
+                                         buffer)
             top1_all.append(top1.cpu())
             loss_all.append((-final.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)).double().cpu())
             sums.n += tgt.numel()

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from depthtools.analysis.headmetrics import (
     Head,
+    LogitsBuffer,
     Reference as HeadReference,
     RowMetrics,
     chunked_head as chunked_head_for,
@@ -336,12 +337,12 @@ def _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, 
     ref, href = refs
     B = inputs.shape[0]
     intact = model.scheme.final_hidden(states[-1], model.ln_final)
-    fused = None
+    fused, buffer = None, LogitsBuffer()  # each plan's logits are consumed before the next plan's are decoded
     for acc, hidden in zip(sums, plan_hidden(model, plans, states, inputs, reuse_prefix)):
         if torch.equal(hidden, intact):
             acc.add(ref.logp, ref, targets, B)
         elif href is None:
-            fused = plan_head_sums(acc, model.hidden_logits(hidden), ref, targets, B, fused)
+            fused = plan_head_sums(acc, buffer.decode(model, hidden), ref, targets, B, fused)
         else:
             acc.add_rows(row_metrics(href.head, _scored(hidden), targets, href.ref), href.ref, targets, B)
         tick()

@@ -24,6 +24,7 @@ from depthtools.arch.moe import MoE
 from depthtools.arch.registry import get_arch, validate_model_config
 from depthtools.arch.scheme import ResidualScheme, State
 from depthtools.arch.tl_cache import DepthCache
+from depthtools.arch.torch_private import global_module_hooks, is_hooked
 from depthtools.errors import DepthToolsError
 
 if TYPE_CHECKING:  # annotations only (depthtools.config imports nothing from arch/: no circle either way)
@@ -251,11 +252,24 @@ class DepthModel(HookedRootModule):
         `ResidualScheme.final_hidden`)."""
         return softcap(self.unembed(self.scheme.final_hidden(state, self.ln_final)), self.backbone.final_softcap)
 
-    def hidden_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def hidden_logits(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [..., V] of final-hidden rows x [..., d] (`ResidualScheme.final_hidden`, already through the
         final norm): unembed(x), soft-capped where the model's own logits are. The logit lens and task probes
-        read through this, so they decode a few gathered rows with the model's own head."""
-        return softcap(self.unembed(x), self.backbone.final_softcap)
+        read through this, so they decode a few gathered rows with the model's own head.
+
+        `out`: a [..., V] tensor of x's dtype and device to write them into (returned), so a probe decoding
+        many plans or depths reuses one block of memory instead of a fresh one per call (on CPU a 200 MB block
+        is paged in and zeroed again every time: `headmetrics.LogitsBuffer`). Taken only where it gives the
+        module's own numbers bit for bit -- a plain bias-free nn.Linear without hooks (a streamed head's
+        weights arrive through its pre-hook), outside autograd -- else ignored."""
+        unembed, cap = self.unembed, self.backbone.final_softcap
+        if out is None or type(unembed) is not nn.Linear or unembed.bias is not None or is_hooked(unembed) or \
+                global_module_hooks() or out.dtype != x.dtype or x.dtype != unembed.weight.dtype or \
+                out.device != x.device or (torch.is_grad_enabled() and (x.requires_grad or
+                                                                        unembed.weight.requires_grad)):
+            return softcap(unembed(x), cap)
+        torch.matmul(x, unembed.weight.t(), out=out)  # what F.linear computes for a bias-free layer: one mm
+        return out.div_(cap).tanh_().mul_(cap) if cap else out  # `softcap`'s ops in its order, in place
 
     def readout_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] of readout vectors x [..., d]: unembed(ln_final(x)), soft-capped where the model's

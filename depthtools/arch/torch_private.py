@@ -66,6 +66,18 @@ def is_hooked(*points: torch.nn.Module) -> bool:
     return False
 
 
+def global_module_hooks() -> bool:
+    """Whether a hook registered for every module (`torch.nn.modules.module.register_module_forward_hook` and
+    its pre-hook) is set: a path that calls a layer's function instead of the module would skip it. Reads
+    nn.Module's private global dictionaries; fallback: True."""
+    from torch.nn.modules import module
+
+    try:
+        return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+    except AttributeError:
+        return True
+
+
 # -- PyTorch's CPU flash attention (MoDA's `_DepthAttention`) ------------------------------------
 
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
