@@ -34,7 +34,8 @@ RowMetrics come from the C kernel csrc/rowmetrics.c on CPU -- per row, one pass 
 maxima (top ids), the rank count and the nearest logit above the target, one for S0 = Σ e, S1 = Σ e (z − m),
 S2 = Σ e log p_ref, S3 = Σ p_ref (z − m), S4 = Σ p_ref log p_ref and S5 = Σ p_ref with e = exp(z − m) --
 instead of a log-softmax and ~5-10 torch passes over [rows, V] (the logit lens at L30/V49k, idle: 9.7 vs 28.3
-forward equivalents, benchmarks/RESULTS.md "Fused row metrics"). Rows whose top ids or rank a float32 log-softmax could decide otherwise (logits within
+forward equivalents, benchmarks/RESULTS.md "Fused row metrics"; 8.0 with the logits decoded into one reused block,
+`LogitsBuffer`). Rows whose top ids or rank a float32 log-softmax could decide otherwise (logits within
 TIE_ULPS ulps) take those from torch's own log-softmax of the row; rows with a non-finite logit take the
 whole full path, so both are the full path's exactly.
 """
