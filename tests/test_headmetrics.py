@@ -274,3 +274,11 @@ def test_logits_buffer_decodes_the_heads_own_numbers_bit_for_bit(options, dtype)
         handle.remove()
     assert torch.equal(hooked, softcap(2 * model.unembed(rows[0]), model.backbone.final_softcap))
     assert buffer._flat is None or hooked.data_ptr() != buffer._flat.data_ptr()
+    handle = torch.nn.modules.module.register_module_forward_hook(  # a hook for every module fires too
+        lambda module, args, out: out * 3 if module is model.unembed else out)
+    try:
+        with torch.no_grad():
+            hooked = buffer.decode(model, rows[0])
+    finally:
+        handle.remove()
+    assert torch.equal(hooked, softcap(3 * model.unembed(rows[0]), model.backbone.final_softcap))

@@ -298,7 +298,8 @@ def plan_hidden(
             start, from_state = plan.first_change(L), None
             if kept is not None and kept[0] > start:
                 start, from_state = kept
-            run = model.run_states(plan=plan, start=start, from_state=states[start] if from_state is None else from_state)
+            origin = states[start] if from_state is None else from_state
+            run = model.run_states(plan=plan, start=start, from_state=origin)
             kept = _next_prefix(model, plan, plans[i + 1] if i + 1 < len(plans) else None, start, run)
             if inputs is not None:
                 remember_hidden(model, inputs, plan, run[-1])

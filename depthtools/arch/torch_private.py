@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch.nn.modules import module as _module
 
 FORCED = os.environ.get("DEPTHTOOLS_TORCH_FALLBACKS", "").strip() not in ("", "0")
 
@@ -70,10 +71,8 @@ def global_module_hooks() -> bool:
     """Whether a hook registered for every module (`torch.nn.modules.module.register_module_forward_hook` and
     its pre-hook) is set: a path that calls a layer's function instead of the module would skip it. Reads
     nn.Module's private global dictionaries; fallback: True."""
-    from torch.nn.modules import module
-
     try:
-        return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+        return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
     except AttributeError:
         return True
 
