@@ -266,19 +266,17 @@ def test_logits_buffer_decodes_the_heads_own_numbers_bit_for_bit(options, dtype)
         assert got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
         in_buffer = buffer._flat is not None and got.data_ptr() == buffer._flat.data_ptr()
         assert in_buffer == ("head_bias" not in options)
-    handle = model.unembed.register_forward_hook(lambda module, args, out: out * 2)  # a hook must still fire
-    try:
-        with torch.no_grad():
-            hooked = buffer.decode(model, rows[0])
-    finally:
-        handle.remove()
-    assert torch.equal(hooked, softcap(2 * model.unembed(rows[0]), model.backbone.final_softcap))
+    def decode_hooked(register) -> torch.Tensor:
+        handle = register()
+        try:
+            with torch.no_grad():
+                return buffer.decode(model, rows[0])
+        finally:
+            handle.remove()
+
+    hooked = decode_hooked(lambda: model.unembed.register_forward_hook(lambda module, args, out: out * 2))
+    assert torch.equal(hooked, softcap(2 * model.unembed(rows[0]), model.backbone.final_softcap))  # it fired
     assert buffer._flat is None or hooked.data_ptr() != buffer._flat.data_ptr()
-    handle = torch.nn.modules.module.register_module_forward_hook(  # a hook for every module fires too
-        lambda module, args, out: out * 3 if module is model.unembed else out)
-    try:
-        with torch.no_grad():
-            hooked = buffer.decode(model, rows[0])
-    finally:
-        handle.remove()
+    hooked = decode_hooked(lambda: torch.nn.modules.module.register_module_forward_hook(  # one for every module
+        lambda module, args, out: out * 3 if module is model.unembed else out))
     assert torch.equal(hooked, softcap(3 * model.unembed(rows[0]), model.backbone.final_softcap))

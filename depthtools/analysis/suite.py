@@ -351,31 +351,30 @@ def shared_sweep(names: list[str], model, **options) -> str | None:
     runs them), the later one, which finds the default rule's skip sweep already run; else None."""
     if "sequence_profile" not in names or "ablate_skip" not in names:
         return None
-    default = model.scheme.skip_rules[0]
-    rule = analysis_args("sequence_profile", **options)["rule"]
-    rules = analysis_args("ablate_skip", **options)["rules"]
-    if (rule or default) != default or (rules is not None and default not in rules):
+    if not (_sweeps_default_rule("sequence_profile", model, **options)
+            and _sweeps_default_rule("ablate_skip", model, **options)):
         return None
     return max(("sequence_profile", "ablate_skip"), key=names.index)
+
+
+def _sweeps_default_rule(name: str, model, **options) -> bool:
+    """Whether analysis `name` (sequence_profile, ablate_skip or causal) runs the single-skip plans of the
+    architecture's default skip rule: its `rule` is unset or the default, or its `rules` are unset or include it."""
+    default, args = model.scheme.skip_rules[0], analysis_args(name, **options)
+    if "rules" in args:
+        return args["rules"] is None or default in args["rules"]
+    return (args["rule"] or default) == default
 
 
 def causal_skips(names: list[str], model, **options) -> str | None:
     """Of sequence_profile and ablate_skip, the first to run after causal here (inside `sweep.shared_sweeps`)
     whose default-rule skip sweep finds causal's skip runs kept (`sweep.remember_hidden`: the same plans on
     the same batches), so it decodes them without running blocks; else None."""
-    if "causal" not in names:
+    if "causal" not in names or not _sweeps_default_rule("causal", model, **options):
         return None
-    default = model.scheme.skip_rules[0]
-    if (analysis_args("causal", **options)["rule"] or default) != default:
-        return None
-    for name in names[names.index("causal") + 1:]:
-        if name == "sequence_profile" and (analysis_args(name, **options)["rule"] or default) == default:
-            return name
-        if name == "ablate_skip":
-            rules = analysis_args(name, **options)["rules"]
-            if rules is None or default in rules:
-                return name
-    return None
+    after = names[names.index("causal") + 1:]
+    return next((name for name in after if name in ("sequence_profile", "ablate_skip")
+                 and _sweeps_default_rule(name, model, **options)), None)
 
 
 def skip_is_measured(names: list[str], model, tokens, **options) -> bool:

@@ -203,10 +203,17 @@ def intact_states(model, inputs: torch.Tensor) -> list:
         return shared[key]
     states = model.run_states(inputs)
     size = _state_bytes(states)
-    if size is not None and shared.get("states_bytes", 0) + size <= SHARED_STATES_BYTES:
-        shared[key] = states
-        shared["states_bytes"] = shared.get("states_bytes", 0) + size
+    if size is not None:
+        _keep(shared, key, states, size)
     return states
+
+
+def _keep(shared: dict, key: tuple, value, size: int) -> None:
+    """Keep `value` (`size` bytes) under `key` while everything kept fits SHARED_STATES_BYTES (one budget for the
+    intact states and causal's skip runs)."""
+    if shared.get("states_bytes", 0) + size <= SHARED_STATES_BYTES:
+        shared[key] = value
+        shared["states_bytes"] = shared.get("states_bytes", 0) + size
 
 
 @torch.no_grad()
@@ -235,21 +242,20 @@ def _remember_key(model, inputs: torch.Tensor, plan: Plan) -> tuple | None:
     return "hidden", id(model), token_fingerprint(inputs), tuple(inputs.shape), next(iter(plan.skip)), rule
 
 
-def remember_hidden(model, inputs: torch.Tensor, plan: Plan, state) -> None:
+def remember_hidden(model, inputs: torch.Tensor, plan: Plan, state) -> torch.Tensor | None:
     """Within `shared_sweeps()`, keep a single-skip plan's final hidden state (`final_hidden` of its final
     depth state `state`, run from the cached intact prefix) for a later sweep of the same plan on the same batch,
     while it fits SHARED_STATES_BYTES with the intact states: causal's skip runs are the skip sweep's plans
     (sequence_profile, ablate_skip), whose blocks then run once in the suite. The very tensor is kept, so the
-    sweep decodes what it would have computed, bit for bit."""
+    sweep decodes what it would have computed, bit for bit. Returns the final hidden state when it computed one
+    (kept or over the budget), so a caller that needs it does not compute it again; else None."""
     shared = _SHARED.get()
     key = None if shared is None else _remember_key(model, inputs, plan)
     if key is None or key in shared:
-        return
+        return None
     hidden = model.scheme.final_hidden(state, model.ln_final)
-    size = hidden.numel() * hidden.element_size()
-    if shared.get("states_bytes", 0) + size <= SHARED_STATES_BYTES:
-        shared[key] = hidden
-        shared["states_bytes"] = shared.get("states_bytes", 0) + size
+    _keep(shared, key, hidden, hidden.numel() * hidden.element_size())
+    return hidden
 
 
 def _remembered(model, inputs: torch.Tensor | None, plan: Plan) -> torch.Tensor | None:
@@ -301,9 +307,9 @@ def plan_hidden(
             origin = states[start] if from_state is None else from_state
             run = model.run_states(plan=plan, start=start, from_state=origin)
             kept = _next_prefix(model, plan, plans[i + 1] if i + 1 < len(plans) else None, start, run)
-            if inputs is not None:
-                remember_hidden(model, inputs, plan, run[-1])
-            hidden = model.scheme.final_hidden(run[-1], model.ln_final)
+            hidden = None if inputs is None else remember_hidden(model, inputs, plan, run[-1])
+            if hidden is None:
+                hidden = model.scheme.final_hidden(run[-1], model.ln_final)
         else:
             kept = None
         yield hidden
