@@ -26,6 +26,11 @@ the wall time, and the totals; then the forward re-timed, so a drifting machine 
 --prune greedy times the opt-in greedy curve; --local-forward also divides each probe's time by a forward
 timed just before it (ratios that carry less of a loaded machine's drift); --old DIR also prints the plan the code at DIR (a checkout of
 main before issue 47) makes for the same checkpoint and tokens; --plan-only prints the plans and runs nothing.
+--count-gemm also counts each probe's float32 matrix-multiply FLOPs (every aten mm/addmm/bmm/baddbmm the probe
+dispatches, forward-mode tangents included; attention's own products are not counted) and times the GEMMs of
+one forward alone (the model's weights, the batch's shapes, replayed in order): their rate gives each probe's
+GEMM floor, the seconds its GEMMs alone take on this machine now, whatever else is made faster. Counting slows
+the run (~12 %), so its wall times are not the suite's: time the suite without it.
 
     python benchmarks/bench_real_size.py --suite [--layers 30 --vocab 49152 --n-tokens 4096 --seq-len 128]
 
@@ -40,6 +45,7 @@ of the same run, and the largest difference of every lens and sweep metric from 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import resource
@@ -50,14 +56,16 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from depthtools.analysis import headmetrics  # noqa: E402
-from depthtools.analysis.cost import analysis_cost, head_ratio, time_parts  # noqa: E402
+from depthtools.analysis.cost import analysis_cost, duration, head_ratio, time_parts  # noqa: E402
 from depthtools.analysis.lens import lens_analysis  # noqa: E402
 from depthtools.analysis.suite import analysis_args  # noqa: E402
 from depthtools.analysis.sweep import sweep  # noqa: E402
+from depthtools.analysis.tokens import split_inputs  # noqa: E402
 from depthtools.arch import Plan  # noqa: E402
 
 SMOLLM_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -126,11 +134,9 @@ def forward_now(model, tokens, args) -> float:
     --cpu-time: this process's CPU seconds of the same work (best of 2), which other processes' load
     changes far less than wall time."""
     if not args.cpu_time:
-        t_block, t_head = time_parts(model, tokens, args.batch, repeats=1)
+        t_block, t_head = time_parts(model, tokens, args.batch)  # best of 2: the first also makes the reference
         return model.n_layer * t_block + t_head
     from depthtools.analysis.sweep import scored_logprobs
-    from depthtools.analysis.tokens import split_inputs
-
     inputs = split_inputs(tokens[:args.batch])[0]
     best = math.inf
     with torch.no_grad():
@@ -145,10 +151,54 @@ def forward_now(model, tokens, args) -> float:
     return best
 
 
+aten = torch.ops.aten
+GEMMS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
+
+
+def _gemm_flops(func, args) -> int:
+    """FLOPs (2 per multiply-add) of one aten matrix product: mm(a, b), addmm(c, a, b), bmm, baddbmm."""
+    a, b = (args[1], args[2]) if func in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+class GemmCount(TorchDispatchMode):
+    """Counts the FLOPs of every matrix product dispatched inside (`flops`), and with `record` keeps each
+    mm's (input shape, weight operand) in order so `replay_seconds` can time the products alone."""
+
+    def __init__(self, record: bool = False):
+        super().__init__()
+        self.flops, self.record, self.products = 0, record, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func._overloadpacket
+        if packet in GEMMS:
+            self.flops += _gemm_flops(packet, args)
+            if self.record and packet in (aten.mm, aten.addmm):
+                a, b = (args[1], args[2]) if packet is aten.addmm else (args[0], args[1])
+                self.products.append((tuple(a.shape), b))
+        return func(*args, **(kwargs or {}))
+
+
+def forward_gemm_rate(model, tokens, batch: int, reps: int = 3) -> tuple[float, float]:
+    """(GEMM FLOPs, seconds) of one forward's matrix products alone: the products a plain forward of one batch
+    dispatches (recorded under `GemmCount`), replayed in order on the model's own weight operands with inputs of
+    the recorded shapes, best of `reps`. Their ratio is the float32 GEMM rate the suite's blocks and heads get."""
+    inputs = split_inputs(tokens[:batch])[0]
+    with torch.no_grad():
+        with GemmCount(record=True) as counter:
+            model.run(inputs)
+        shapes = {shape for shape, _ in counter.products}
+        operands = {shape: torch.randn(shape) for shape in shapes}
+        outputs = [torch.empty(shape[0], b.shape[1]) for shape, b in counter.products]
+        return counter.flops, best(lambda: [torch.mm(operands[shape], b, out=out)
+                                            for (shape, b), out in zip(counter.products, outputs)], reps)
+
+
 def run_suite(args) -> None:
     """The default suite on the real-size model: per probe, planned and measured forward equivalents and time."""
     from depthtools.analysis import suite
-    from depthtools.analysis.cost import describe_timed, duration
+    from depthtools.analysis.cost import describe_timed
     from depthtools.analysis.sweep import shared_sweeps
 
     seq_len = args.seq_len or suite.SEQ_LEN
@@ -168,6 +218,7 @@ def run_suite(args) -> None:
                                         skips_from=suite.causal_skips(names, model, **options))
         t_block, t_head = time_parts(model, tokens, args.batch)
         forward_s = L * t_block + t_head  # the plan's unit: one forward of one batch with the head's metrics
+        rate_before = forward_gemm_rate(model, tokens, args.batch) if args.count_gemm else None
         print(f"SmolLM-135M-shaped Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, V={V}), "
               f"{n_seqs}x{seq_len} tokens, batch {args.batch}, {args.threads} thread(s), float32, CPU")
         print(line, flush=True)
@@ -178,19 +229,23 @@ def run_suite(args) -> None:
                 print("before issue 47 (the same checkpoint, tokens and options, the code at --old):", flush=True)
                 print(old_plan(args.old, Path(tmp) / "ckpt", n_seqs, seq_len, names, args.batch), flush=True)
             return
-        rows = []
+        rows, flops = [], {}
         with shared_sweeps():  # as analyze_grid runs one model's analyses
             for name, cost in zip(names, costs):
                 local = forward_now(model, tokens, args) if args.local_forward else forward_s
                 clock = time.process_time if args.cpu_time else time.perf_counter
+                counter = GemmCount() if args.count_gemm else contextlib.nullcontext()
                 t0 = clock()
-                suite.run_analysis(name, model, tokens, recompute=True, **options)
+                with counter:
+                    suite.run_analysis(name, model, tokens, recompute=True, **options)
                 seconds = clock() - t0
+                flops[name] = counter.flops if args.count_gemm else None
                 rows.append((name, cost.forwards, cost.upper_bound, seconds, local))
                 print(f"  [{name}: {seconds:.1f} s; load average {os.getloadavg()[0]:.1f}"
                       + (f"; one forward just before: {local * 1000:.0f} ms]" if args.local_forward else "]"), flush=True)
         t_block2, t_head2 = time_parts(model, tokens, args.batch)
         forward_after = L * t_block2 + t_head2
+        rate_after = forward_gemm_rate(model, tokens, args.batch) if args.count_gemm else None
         if args.old is not None:
             print("before issue 47 (the same checkpoint, tokens and options, the code at --old):", flush=True)
             print(old_plan(args.old, Path(tmp) / "ckpt", n_seqs, seq_len, names, args.batch), flush=True)
@@ -207,6 +262,26 @@ def run_suite(args) -> None:
           f"{duration(seconds):>12}")
     print(f"one forward of one batch: {forward_s * 1000:.0f} ms before the suite, {forward_after * 1000:.0f} ms "
           f"after ({forward_after / forward_s:.2f}x: machine drift)")
+    if args.count_gemm:
+        print_gemm_floor(rows, flops, rate_before, rate_after)
+
+
+def print_gemm_floor(rows, flops: dict, rate_before: tuple[float, float], rate_after: tuple[float, float]) -> None:
+    """Per probe: its GEMM FLOPs and the seconds they alone take at the faster of the two measured rates (a floor:
+    the replayed products run on full-batch shapes, preallocated outputs, nothing between them)."""
+    rate = max(f / s for f, s in (rate_before, rate_after))
+    print(f"float32 GEMM rate of one forward's products alone: {rate_before[0] / rate_before[1] / 1e9:.0f} GFLOP/s "
+          f"before, {rate_after[0] / rate_after[1] / 1e9:.0f} after (their GEMMs: {rate_before[1] * 1000:.0f} ms of one "
+          f"forward); floors at {rate / 1e9:.0f}")
+    print(f"{'probe':<18} {'GEMM TFLOP':>11} {'GEMM floor':>12} {'wall (counted)':>15} {'floor / wall':>13}")
+    total = 0.0
+    for name, _, _, seconds, _ in rows:
+        floor = flops[name] / rate
+        total += flops[name]
+        print(f"{name:<18} {flops[name] / 1e12:11.2f} {duration(floor):>12} {duration(seconds):>15} "
+              f"{floor / seconds if seconds else 0:13.2f}")
+    print(f"{'total':<18} {total / 1e12:11.2f} {duration(total / rate):>12}; ten minutes of GEMMs alone need "
+          f"{total / 600 / 1e9:.0f} GFLOP/s")
 
 
 def run_lens_cost(args) -> None:
@@ -288,6 +363,8 @@ def main() -> None:
                         "(probe and forward) instead of wall time, for a machine other processes load")
     parser.add_argument("--local-forward", action="store_true", help="--suite: also time one forward just before "
                         "each probe and print each probe's ratio against it (a loaded machine drifts)")
+    parser.add_argument("--count-gemm", action="store_true", help="--suite: count each probe's matrix-product FLOPs "
+                        "and print its GEMM floor at this machine's measured rate (counting slows the run)")
     parser.add_argument("--old", type=Path, default=None, help="--suite: also print the plan of the code at this "
                         "checkout (e.g. /work/main before issue 47) for the same run")
     args = parser.parse_args()
