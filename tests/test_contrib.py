@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from depthtools.analysis.contrib import block_map, contributions, deviation_of, jvp
+from depthtools.analysis.contrib import block_map, contributions, deviation_of, jvp, jvps, rademacher
+from depthtools.arch.registry import list_archs
 
 from tiny_models import one_thread, tiny as tiny_model, windows  # noqa: F401 (fixture)
 
@@ -93,3 +94,35 @@ def test_non_tensor_state_reports_nan_with_a_note():
     assert all(d != d for d in rows(df, "jacobian_deviation"))
     assert any("Jacobian deviation unavailable" in n for n in df.attrs["notes"])
     assert len(rows(df, "relative_contribution")) == 2
+
+
+BATCHED_CASES = [(spec.name, {}) for spec in list_archs()] + [
+    ("preln", dict(moe_experts=4, moe_top_k=2, moe_shared_ff=16, moe_layers="mdm")),  # experts: routed rows
+    ("preln", dict(parallel=True, qk_norm="head", sliding_window=4, layer_types="sfs")),  # parallel residual, per-head QK-norm, sliding window
+]
+
+
+@pytest.mark.parametrize("arch,options", BATCHED_CASES, ids=[f"{a}{'-' + '-'.join(o) if o else ''}"
+                                                           for a, o in BATCHED_CASES])
+def test_batched_probes_give_each_probe_what_it_gets_alone(arch, options):
+    """`jvps` (the probes batched by vmap, the primal run once) against `jvp` per probe, the path it replaces: the
+    same numbers on every architecture whose state a JVP is defined for (float64, so a reordered sum would show)."""
+    model = tiny_model(arch, n_layer=3, vocab=40, context=32, seed=0, **options)
+    inputs = token_set(n=2, t=9)[:, :-1]
+    with torch.no_grad():
+        states = model.run_states(inputs)
+    checked = 0
+    for position in range(model.n_layer):
+        mapped = block_map(model, position, states[position])
+        if mapped is None:
+            continue
+        x, f = mapped
+        gen = torch.Generator().manual_seed(position)
+        vs = torch.stack([rademacher(x, gen, 1) for _ in range(3)])
+        batched, method = jvps(model, f, x, vs)
+        alone = [jvp(model, f, x, v) for v in vs]
+        assert method == alone[0][1]
+        for got, (want, _) in zip(batched, alone):
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (arch, position)
+        checked += 1
+    assert checked == (model.n_layer if torch.is_tensor(states[0]) else 0)  # a JVP is defined on tensor states

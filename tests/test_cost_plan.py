@@ -363,7 +363,7 @@ def test_contrib_plan_times_its_jacobian_vector_products(monkeypatch):
     model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
     ratio = cost_module.jvp_blocks(model, tokens, 2)
     assert ratio is not None and ratio > 0
-    monkeypatch.setattr(cost_module, "jvp_blocks", lambda *a: 7.0)  # fixed timings: the arithmetic is exact
+    monkeypatch.setattr(cost_module, "jvp_blocks", lambda *a, **k: 7.0)  # fixed timings: the arithmetic is exact
     monkeypatch.setattr(cost_module, "time_parts", lambda *a, **k: (0.25, 0.5))  # a block 0.25 s, the head 0.5 s
     monkeypatch.setattr(cost_module, "contrib_seconds", lambda *a, **k: 1.25)  # its statistics: 5 blocks
     args = analysis_args("contrib", batch_size=2)

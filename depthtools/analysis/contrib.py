@@ -19,7 +19,8 @@ sequence (cross-token attention terms included), with Rademacher probes v (zero 
 `exclude_first` positions, measured on the rest: the principal sub-Jacobian of the non-sink
 positions), per sequence, averaged. Computed by forward-mode AD (`torch.func.jvp`) of
 geometry-state -> next geometry-state, which exists when the state is a tensor that `geometry` only
-reshapes (checked at run time); a no-op hook on `attn.hook_pattern` routes attention through its
+reshapes (checked at run time), with the probes batched by `torch.func.vmap` so the block's primal runs once
+per batch, not once per probe (`jvps`; each probe alone where vmap cannot batch a block, as for HC/mHC); a no-op hook on `attn.hook_pattern` routes attention through its
 explicit form (PyTorch's fused CPU attention has no forward-mode derivative). If forward AD still
 fails (e.g. a custom autograd Function without jvp) a central finite difference is used
 (`jacobian_method` column). Non-tensor states: NaN with a note. near_identity_fraction = share of
@@ -239,10 +240,34 @@ def jvp(model, f, x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, str]:
             return ((f(x + eps * v) - f(x - eps * v)) / (2 * eps)), "finite_difference"
 
 
+def jvps(model, f, x: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """J_f(x) v for each probe v in `vs` [P, *x.shape]: one forward-mode pass with the probes batched
+    (`torch.func.vmap` over the tangents), so f's primal runs once, not once per probe: the same products on
+    the same rows, each probe's J v as `jvp` gives it alone (tests/test_contrib.py compares every architecture).
+    Where vmap cannot batch a block (an op without a batching rule), each probe goes through `jvp` alone."""
+    def one(v):
+        return torch.func.jvp(f, (x,), (v,))[1]
+
+    try:
+        with torch.enable_grad(), _explicit_attention_hooks(model), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+            return torch.func.vmap(one)(vs).detach(), "jvp"
+    except (NotImplementedError, RuntimeError):
+        results = [jvp(model, f, x, v) for v in vs]
+        return torch.stack([r[0] for r in results]), results[-1][1]
+
+
 def deviation_of(Jv: torch.Tensor, v: torch.Tensor, exclude_first: int) -> torch.Tensor:
     """Per sequence ‖(Jv − v)[:, k:]‖²/‖v[:, k:]‖² [B]."""
     diff = (Jv - v)[:, exclude_first:].to(F64).flatten(1)
     return diff.square().sum(1) / v[:, exclude_first:].to(F64).flatten(1).square().sum(1)
+
+
+def rademacher(x: torch.Tensor, gen: torch.Generator, exclude_first: int) -> torch.Tensor:
+    """A ±1 probe shaped like x, zero on the first `exclude_first` positions (drawn from `gen`)."""
+    v = (torch.randint(0, 2, x.shape, generator=gen) * 2 - 1).to(x.dtype)
+    v[:, :exclude_first] = 0
+    return v
 
 
 def jacobian_deviation(model, inputs, batch_size: int = 8, exclude_first: int = 1, probes: int = 2, seed: int = 0):
@@ -258,10 +283,9 @@ def jacobian_deviation(model, inputs, batch_size: int = 8, exclude_first: int = 
             if mapped is None:
                 continue
             x, f = mapped
-            for _ in range(probes):
-                v = (torch.randint(0, 2, x.shape, generator=gen) * 2 - 1).to(x.dtype)
-                v[:, :exclude_first] = 0
-                Jv, methods[l] = jvp(model, f, x, v)
+            vs = torch.stack([rademacher(x, gen, exclude_first) for _ in range(probes)])
+            Jvs, methods[l] = jvps(model, f, x, vs)
+            for Jv, v in zip(Jvs, vs):
                 d = deviation_of(Jv, v, exclude_first)
                 sums[l] += float(d.sum())
                 counts[l] += d.numel()

@@ -37,8 +37,9 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
     routing             L blocks where the scheme has native depth routing (0 on the normalisation family), + the
                         expert routing of a mixture-of-experts model: L + Σ_(s < last MoE block) (L − s − 1)
     contrib             L blocks + its per-block statistics (timed on 2 sequences and scaled: `contrib_seconds`),
-                        + L + j · probes · L block-equivalents with the Jacobian (a JVP costs j blocks:
-                        3 without timing, timed on block 0 before a run: `jvp_blocks`)
+                        + L + j · probes · L block-equivalents with the Jacobian (one probe's share of a JVP
+                        of the batched probes costs j blocks: 3 without timing, timed on block 0 before a
+                        run: `jvp_blocks`)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
 
 The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
@@ -60,7 +61,7 @@ import torch
 
 from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts, suffix_support
-from depthtools.analysis.contrib import _capture_split, _Mean, block_map, block_statistics, jvp
+from depthtools.analysis.contrib import _capture_split, _Mean, block_map, block_statistics, jvps
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
 from depthtools.analysis.headmetrics import LogitsBuffer, Reference, chunked_head, row_metrics
 from depthtools.analysis.sweep import (
@@ -392,10 +393,11 @@ def contrib_seconds(model, tokens: torch.Tensor, args: dict[str, Any], sample: i
     return best * tokens.shape[0] / inputs.shape[0]
 
 
-def jvp_blocks(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float | None:
-    """A Jacobian-vector product through block 0 on one batch, in block calls (timed; the plan's default
-    FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path); None when the
-    state is not one `contrib.block_map` handles (contrib then runs no JVP)."""
+def jvp_blocks(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2, probes: int = 2) -> float | None:
+    """One probe's share of the Jacobian-vector products through block 0 on one batch, in block calls: contrib's
+    `probes` probes as it runs them (`contrib.jvps`, batched: the primal once), timed and divided by `probes`
+    (the plan's default FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path);
+    None when the state is not one `contrib.block_map` handles (contrib then runs no JVP)."""
     inputs = split_inputs(tokens[:batch_size])[0]
     with torch.no_grad():
         states = model.run_states(inputs, stop=1)
@@ -403,13 +405,13 @@ def jvp_blocks(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     if mapped is None:
         return None
     x, f = mapped
-    v = torch.ones_like(x)
-    jvp(model, f, x, v)  # warm-up: forward AD registers its decompositions on first use
+    vs = torch.ones_like(x).expand(max(probes, 1), *x.shape)
+    jvps(model, f, x, vs)  # warm-up: forward AD registers its decompositions on first use
     t_jvp = t_block = math.inf
     for _ in range(repeats):  # best of each, interleaved: one pair of single timings drifted 3x on a busy machine
         t0 = time.perf_counter()
-        jvp(model, f, x, v)
-        t_jvp = min(t_jvp, time.perf_counter() - t0)
+        jvps(model, f, x, vs)
+        t_jvp = min(t_jvp, (time.perf_counter() - t0) / max(probes, 1))
         with torch.no_grad():
             t0 = time.perf_counter()
             model.block_step(0, states[0])
@@ -498,7 +500,7 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
     if "contrib" in analyses and t_block > 0:  # its statistics and its JVPs, timed
         extra = contrib_seconds(model, tokens, analyses["contrib"]) / t_block
         if analyses["contrib"].get("jacobian", True):
-            ratio = jvp_blocks(model, tokens, batch_size)
+            ratio = jvp_blocks(model, tokens, batch_size, probes=analyses["contrib"].get("probes", 2))
             extra += 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * analyses["contrib"].get("probes", 2) * \
                 model.n_layer * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
