@@ -155,16 +155,21 @@ aten = torch.ops.aten
 GEMMS = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm)
 
 
+def _operands(func, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two factors of one aten matrix product: mm(a, b), bmm(a, b), addmm(c, a, b), baddbmm(c, a, b)."""
+    return (args[1], args[2]) if func in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+
+
 def _gemm_flops(func, args) -> int:
-    """FLOPs (2 per multiply-add) of one aten matrix product: mm(a, b), addmm(c, a, b), bmm, baddbmm."""
-    a, b = (args[1], args[2]) if func in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+    """FLOPs (2 per multiply-add) of one aten matrix product."""
+    a, b = _operands(func, args)
     batch = a.shape[0] if a.dim() == 3 else 1
     return 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
 
 
 class GemmCount(TorchDispatchMode):
     """Counts the FLOPs of every matrix product dispatched inside (`flops`), and with `record` keeps each
-    mm's (input shape, weight operand) in order so `replay_seconds` can time the products alone."""
+    mm's (input shape, weight operand) in order so `forward_gemm_rate` can time the products alone."""
 
     def __init__(self, record: bool = False):
         super().__init__()
@@ -175,7 +180,7 @@ class GemmCount(TorchDispatchMode):
         if packet in GEMMS:
             self.flops += _gemm_flops(packet, args)
             if self.record and packet in (aten.mm, aten.addmm):
-                a, b = (args[1], args[2]) if packet is aten.addmm else (args[0], args[1])
+                a, b = _operands(packet, args)
                 self.products.append((tuple(a.shape), b))
         return func(*args, **(kwargs or {}))
 

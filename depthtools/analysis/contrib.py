@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import pandas as pd
 import torch
@@ -213,6 +214,15 @@ def _explicit_attention_hooks(model):
     return model.hooks(fwd_hooks=[(lambda name: name.endswith("attn.hook_pattern"), lambda t, hook: None)])
 
 
+@contextmanager
+def _forward_ad(model) -> Iterator[None]:
+    """What a forward-mode pass through a block needs (`jvp`, `jvps`): grad mode, the explicit attention path,
+    and quiet about PyTorch's forward-AD decompositions, registered with torch.jit.script on first use."""
+    with torch.enable_grad(), _explicit_attention_hooks(model), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+        yield
+
+
 def block_map(model, position: int, state):
     """(x, f) with x = geometry(state) and f: geometry -> geometry of the next state; None if the
     state is not a tensor that geometry merely reshapes."""
@@ -230,9 +240,7 @@ def block_map(model, position: int, state):
 def jvp(model, f, x: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, str]:
     """J_f(x) v by forward-mode AD, or by a central finite difference if AD is not available."""
     try:
-        with torch.enable_grad(), _explicit_attention_hooks(model), warnings.catch_warnings():
-            # PyTorch's forward-AD decompositions are registered with torch.jit.script on first use
-            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+        with _forward_ad(model):
             return torch.func.jvp(f, (x,), (v,))[1].detach(), "jvp"
     except (NotImplementedError, RuntimeError):
         eps = 1e-3 * float(x.norm()) / max(float(v.norm()), 1e-30)
@@ -249,8 +257,7 @@ def jvps(model, f, x: torch.Tensor, vs: torch.Tensor) -> tuple[torch.Tensor, str
         return torch.func.jvp(f, (x,), (v,))[1]
 
     try:
-        with torch.enable_grad(), _explicit_attention_hooks(model), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.jit.script.*", category=DeprecationWarning)
+        with _forward_ad(model):
             return torch.func.vmap(one)(vs).detach(), "jvp"
     except (NotImplementedError, RuntimeError):
         results = [jvp(model, f, x, v) for v in vs]
@@ -280,7 +287,7 @@ def jacobian_deviation(model, inputs, batch_size: int = 8, exclude_first: int = 
         states = intact_states(model, batch)  # no_grad; shared with the suite's other probes
         for l in range(L):
             mapped = block_map(model, l, states[l])
-            if mapped is None:
+            if mapped is None or probes < 1:  # no probe: no deviation (NaN), as before the probes were batched
                 continue
             x, f = mapped
             vs = torch.stack([rademacher(x, gen, exclude_first) for _ in range(probes)])

@@ -500,8 +500,9 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
     if "contrib" in analyses and t_block > 0:  # its statistics and its JVPs, timed
         extra = contrib_seconds(model, tokens, analyses["contrib"]) / t_block
         if analyses["contrib"].get("jacobian", True):
-            ratio = jvp_blocks(model, tokens, batch_size, probes=analyses["contrib"].get("probes", 2))
-            extra += 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * analyses["contrib"].get("probes", 2) * \
+            probes = analyses["contrib"].get("probes", 2)
+            ratio = jvp_blocks(model, tokens, batch_size, probes=probes)
+            extra += 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * probes * \
                 model.n_layer * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
     if "lens_logit" in analyses and t_block > 0:  # its per-depth metrics, timed: more than a head's
