@@ -126,3 +126,10 @@ def test_batched_probes_give_each_probe_what_it_gets_alone(arch, options):
             assert torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())), (arch, position)
         checked += 1
     assert checked == (model.n_layer if torch.is_tensor(states[0]) else 0)  # a JVP is defined on tensor states
+
+
+def test_no_probes_gives_no_jacobian_deviation():
+    """probes=0: nothing to batch, so the deviation is NaN (no error from stacking no probes)."""
+    df = contributions(tiny("preln", n_layer=2), token_set(), probes=0)
+    assert all(d != d for d in rows(df, "jacobian_deviation"))
+    assert len(rows(df, "relative_contribution")) == 2
