@@ -97,8 +97,8 @@ def ce_sum(logits, ids):
     total = 0.0
     for b in range(ids.shape[0]):
         for t in range(ids.shape[1] - 1):
-            lp = torch.log_softmax(logits[b, t], -1)
-            total -= float(lp[ids[b, t + 1]])
+            lp = torch.log_softmax(logits[b, t].detach(), -1)
+            total -= lp[ids[b, t + 1]].item()
     return total, ids.shape[0] * (ids.shape[1] - 1)
 
 
