@@ -23,9 +23,10 @@ the prune curve reuses the skip sweep as in `analyze`), and print per probe the 
 the cost plan predicts and those measured (wall time / one timed forward of one batch, the plan's unit),
 the wall time, and the totals; then the forward re-timed, so a drifting machine shows. --layers and
 --vocab shrink the model and --n-tokens the token set for quick iteration; --only runs some probes;
---prune greedy times the opt-in greedy curve; --local-forward also divides each probe's time by a forward
-timed just before it (ratios that carry less of a loaded machine's drift); --old DIR also prints the plan the code at DIR (a checkout of
-main before issue 47) makes for the same checkpoint and tokens; --plan-only prints the plans and runs nothing.
+--prune greedy times the opt-in greedy curve; --dtype bfloat16|float16 runs it as `analyze --dtype` does;
+--local-forward also divides each probe's time by a forward timed just before it (ratios that carry less of
+a loaded machine's drift); --old DIR also prints the plan the code at DIR (a checkout of main before issue 47)
+makes for the same checkpoint and tokens; --plan-only prints the plans and runs nothing.
 --count-gemm also counts each probe's float32 matrix-multiply FLOPs (every aten mm/addmm/bmm/baddbmm the probe
 dispatches, forward-mode tangents included; attention's own products are not counted) and times the GEMMs of
 one forward alone (the model's weights, the batch's shapes, replayed in order): their rate gives each probe's
@@ -212,6 +213,10 @@ def run_suite(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         model, n_params = build_checkpoint(Path(tmp), seq_len, args.layers, args.vocab)
+        if args.dtype != "float32":  # what `analyze --dtype` runs: the checkpoint loaded straight into the dtype
+            from depthtools.checkpoint import load
+
+            model = load(Path(tmp) / "ckpt", dtype=getattr(torch, args.dtype))
         print(f"[build + save_pretrained + import + load: {time.perf_counter() - t0:.1f} s]", flush=True)
         L, V = model.n_layer, model.config.vocab_size
         n_seqs = math.ceil(args.n_tokens / seq_len)
@@ -225,7 +230,7 @@ def run_suite(args) -> None:
         forward_s = L * t_block + t_head  # the plan's unit: one forward of one batch with the head's metrics
         rate_before = forward_gemm_rate(model, tokens, args.batch) if args.count_gemm else None
         print(f"SmolLM-135M-shaped Llama (random weights, {n_params / 1e6:.1f}M parameters, L={L}, V={V}), "
-              f"{n_seqs}x{seq_len} tokens, batch {args.batch}, {args.threads} thread(s), float32, CPU")
+              f"{n_seqs}x{seq_len} tokens, batch {args.batch}, {args.threads} thread(s), {args.dtype}, CPU")
         print(line, flush=True)
         if args.plan_only:
             for name, cost in zip(names, costs):
@@ -370,9 +375,13 @@ def main() -> None:
                         "each probe and print each probe's ratio against it (a loaded machine drifts)")
     parser.add_argument("--count-gemm", action="store_true", help="--suite: count each probe's matrix-product FLOPs "
                         "and print its GEMM floor at this machine's measured rate (counting slows the run)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="--suite: the analysis dtype (analyze --dtype; --count-gemm counts float32 products only)")
     parser.add_argument("--old", type=Path, default=None, help="--suite: also print the plan of the code at this "
                         "checkout (e.g. /work/main before issue 47) for the same run")
     args = parser.parse_args()
+    if args.count_gemm and args.dtype != "float32":
+        parser.error("--count-gemm times float32 products; run it without --dtype")
     torch.set_num_threads(args.threads)
     if args.suite:
         run_suite(args)
