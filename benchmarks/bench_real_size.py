@@ -68,6 +68,7 @@ from depthtools.analysis.suite import analysis_args  # noqa: E402
 from depthtools.analysis.sweep import sweep  # noqa: E402
 from depthtools.analysis.tokens import split_inputs  # noqa: E402
 from depthtools.arch import Plan  # noqa: E402
+from depthtools.checkpoint import load  # noqa: E402
 
 SMOLLM_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
@@ -93,7 +94,6 @@ def build_checkpoint(folder: Path, seq_len: int, layers: int | None = None, voca
     (`layers` / `vocab` override SmolLM-135M's 30 / 49152 for quick runs)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from depthtools.checkpoint import load
     from depthtools.interop.llama import import_hf
 
     torch.manual_seed(0)
@@ -201,6 +201,18 @@ def forward_gemm_rate(model, tokens, batch: int, reps: int = 3) -> tuple[float, 
                                             for (shape, b), out in zip(counter.products, outputs)], reps)
 
 
+def dtype_forward_ratio(full, low, tokens, batch: int, dtype: str) -> str:
+    """One forward of one batch (`time_parts`: L blocks and the head with its metrics) of the float32 model and of
+    the same checkpoint in `dtype`, timed interleaved in this process, as a line with their ratio."""
+    seconds = {"float32": math.inf, dtype: math.inf}
+    for _ in range(2):
+        for name, m in (("float32", full), (dtype, low)):
+            t_block, t_head = time_parts(m, tokens, batch)
+            seconds[name] = min(seconds[name], m.n_layer * t_block + t_head)
+    return (f"one forward of one batch: float32 {seconds['float32'] * 1000:.0f} ms, {dtype} {seconds[dtype] * 1000:.0f} "
+            f"ms ({seconds[dtype] / seconds['float32']:.2f}x, same run)")
+
+
 def run_suite(args) -> None:
     """The default suite on the real-size model: per probe, planned and measured forward equivalents and time."""
     from depthtools.analysis import suite
@@ -213,14 +225,14 @@ def run_suite(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         model, n_params = build_checkpoint(Path(tmp), seq_len, args.layers, args.vocab)
-        if args.dtype != "float32":  # what `analyze --dtype` runs: the checkpoint loaded straight into the dtype
-            from depthtools.checkpoint import load
-
-            model = load(Path(tmp) / "ckpt", dtype=getattr(torch, args.dtype))
-        print(f"[build + save_pretrained + import + load: {time.perf_counter() - t0:.1f} s]", flush=True)
         L, V = model.n_layer, model.config.vocab_size
         n_seqs = math.ceil(args.n_tokens / seq_len)
         tokens = torch.randint(0, V, (n_seqs, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        if args.dtype != "float32":  # what `analyze --dtype` runs: the checkpoint loaded straight into the dtype
+            low = load(Path(tmp) / "ckpt", dtype=getattr(torch, args.dtype))
+            print(dtype_forward_ratio(model, low, tokens, args.batch, args.dtype), flush=True)
+            model = low
+        print(f"[build + save_pretrained + import + load: {time.perf_counter() - t0:.1f} s]", flush=True)
         analyses = {name: suite.analysis_args(name, **options) for name in names}
         skip_measured = suite.skip_is_measured(names, model, tokens, **options)
         line, costs, _ = describe_timed(model, analyses, tokens, args.batch, skip_measured=skip_measured,

@@ -20,8 +20,8 @@ sequence (cross-token attention terms included), with Rademacher probes v (zero 
 positions), per sequence, averaged. Computed by forward-mode AD (`torch.func.jvp`) of
 geometry-state -> next geometry-state, which exists when the state is a tensor that `geometry` only
 reshapes (checked at run time), with the probes batched by `torch.func.vmap` so the block's primal runs once
-per batch, not once per probe (`jvps`; each probe alone where vmap cannot batch a block, as for HC/mHC); a no-op hook on `attn.hook_pattern` routes attention through its
-explicit form (PyTorch's fused CPU attention has no forward-mode derivative). If forward AD still
+per batch, not once per probe (`jvps`; each probe alone where vmap cannot batch a block, as for HC/mHC); a
+no-op hook on `attn.hook_pattern` routes attention through its explicit form (PyTorch's fused CPU attention has no forward-mode derivative). If forward AD still
 fails (e.g. a custom autograd Function without jvp) a central finite difference is used
 (`jacobian_method` column). Non-tensor states: NaN with a note. near_identity_fraction = share of
 blocks with δ < `identity_threshold` (0.1; docs/reference/metrics.md §2.4's stricter 0.01 is reported as
