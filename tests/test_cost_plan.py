@@ -357,19 +357,40 @@ def test_one_intact_forward_per_batch_serves_the_suite():
 
 
 def test_contrib_plan_times_its_jacobian_vector_products(monkeypatch):
-    """Issue 47: contrib's JVPs are timed (block 0, one batch) instead of assumed to cost 3 blocks each."""
+    """Issue 47: contrib's JVPs are timed (the first blocks, one batch) instead of assumed to cost 3 blocks each."""
     from depthtools.analysis import cost as cost_module
 
     model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
-    ratio = cost_module.jvp_blocks(model, tokens, 2)
-    assert ratio is not None and ratio > 0
-    monkeypatch.setattr(cost_module, "jvp_blocks", lambda *a, **k: 7.0)  # fixed timings: the arithmetic is exact
+    seconds = cost_module.jvp_seconds(model, tokens, 2)
+    assert seconds is not None and seconds > 0
+    monkeypatch.setattr(cost_module, "jvp_seconds", lambda *a, **k: 1.75)  # fixed timings: the arithmetic is exact
     monkeypatch.setattr(cost_module, "time_parts", lambda *a, **k: (0.25, 0.5))  # a block 0.25 s, the head 0.5 s
     monkeypatch.setattr(cost_module, "contrib_seconds", lambda *a, **k: 1.25)  # its statistics: 5 blocks
     args = analysis_args("contrib", batch_size=2)
     _, (cost,) = cost_module.describe(model, {"contrib": args}, tokens, 2)
     static = analysis_cost("contrib", model, args, 4, 12, 2)
     assert cost.blocks == static.blocks + 5 + (7.0 - cost_module.FULL_JVP_BLOCKS) * 2 * 3 * 2  # probes · L · batches
+
+
+def test_jvp_seconds_times_the_block_work_contrib_runs(monkeypatch):
+    """Issue 47: the JVP share is timed on what `jacobian_deviation` runs per block (`block_deviation`: the draws,
+    the batched JVP and the float64 reductions), once on block 0 to warm up and once on each of the first blocks,
+    with the batch's sequences and the probes asked for; None where contrib runs no JVP."""
+    from depthtools.analysis import contrib as contrib_module, cost as cost_module
+
+    model, tokens = tiny("preln", n_layer=4), windows(n=6, length=13)
+    calls = []
+    real = contrib_module.block_deviation
+
+    def counted(model_, position, state, gen, exclude_first, probes):
+        calls.append((position, state.shape[0], probes))
+        return real(model_, position, state, gen, exclude_first, probes)
+
+    monkeypatch.setattr(cost_module, "block_deviation", counted)
+    assert cost_module.jvp_seconds(model, tokens, 2, probes=3, blocks=3) > 0
+    assert calls == [(0, 2, 3), (0, 2, 3), (1, 2, 3), (2, 2, 3)]
+    monkeypatch.setattr(cost_module, "block_deviation", lambda *a, **k: None)
+    assert cost_module.jvp_seconds(model, tokens, 2) is None
 
 
 def test_contrib_seconds_times_the_statistics_contrib_runs(monkeypatch):

@@ -38,8 +38,8 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
                         expert routing of a mixture-of-experts model: L + Σ_(s < last MoE block) (L − s − 1)
     contrib             L blocks + its per-block statistics (timed on 2 sequences and scaled: `contrib_seconds`),
                         + L + j · probes · L block-equivalents with the Jacobian (one probe's share of a JVP
-                        of the batched probes costs j blocks: 3 without timing, timed on block 0 before a
-                        run: `jvp_blocks`)
+                        of the batched probes costs j blocks: 3 without timing, timed on the first 3 blocks
+                        before a run: `jvp_seconds`)
     lens_tuned          steps · (L + (L + 1) h + 2 L h) for the fit + the logit-lens cost to evaluate
 
 The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
@@ -61,7 +61,7 @@ import torch
 
 from depthtools.analysis.ablate import chosen_pairs
 from depthtools.analysis.causal import default_cuts, suffix_support
-from depthtools.analysis.contrib import _capture_split, _Mean, block_map, block_statistics, jvps
+from depthtools.analysis.contrib import _capture_split, _Mean, block_deviation, block_statistics
 from depthtools.analysis.geometry import CKA_VARIANTS, SimilarityStats, geometry_states, spectral_stats
 from depthtools.analysis.headmetrics import LogitsBuffer, Reference, chunked_head, row_metrics
 from depthtools.analysis.sweep import (
@@ -393,30 +393,25 @@ def contrib_seconds(model, tokens: torch.Tensor, args: dict[str, Any], sample: i
     return best * tokens.shape[0] / inputs.shape[0]
 
 
-def jvp_blocks(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2, probes: int = 2) -> float | None:
-    """One probe's share of the Jacobian-vector products through block 0 on one batch, in block calls: contrib's
-    `probes` probes as it runs them (`contrib.jvps`, batched: the primal once), timed and divided by `probes`
-    (the plan's default FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path);
-    None when the state is not one `contrib.block_map` handles (contrib then runs no JVP)."""
+def jvp_seconds(model, tokens: torch.Tensor, batch_size: int, probes: int = 2, blocks: int = 3) -> float | None:
+    """Seconds of one probe's share of contrib's Jacobian work per block on one batch: the probes drawn, pushed
+    through the block by forward-mode AD (batched: the primal once) and reduced, as `contrib.block_deviation` runs
+    them, on the first `blocks` blocks after a warm-up, the mean divided by `probes`. The plan's default
+    FULL_JVP_BLOCKS = 3 is low where forward-mode AD takes the explicit attention path. A mean over several
+    blocks, not the best of repeats on one: one call varies by ±20 % at the SmolLM-135M shape (175-264 ms) and
+    contrib pays the mean (a best-of-2 left its ETA ~7 % low). None when the state is not one `contrib.block_map`
+    handles (contrib then runs no JVP)."""
     inputs = split_inputs(tokens[:batch_size])[0]
+    blocks = max(1, min(blocks, model.n_layer))
     with torch.no_grad():
-        states = model.run_states(inputs, stop=1)
-    mapped = block_map(model, 0, states[0])
-    if mapped is None:
-        return None
-    x, f = mapped
-    vs = torch.ones_like(x).expand(max(probes, 1), *x.shape)
-    jvps(model, f, x, vs)  # warm-up: forward AD registers its decompositions on first use
-    t_jvp = t_block = math.inf
-    for _ in range(repeats):  # best of each, interleaved: one pair of single timings drifted 3x on a busy machine
-        t0 = time.perf_counter()
-        jvps(model, f, x, vs)
-        t_jvp = min(t_jvp, (time.perf_counter() - t0) / max(probes, 1))
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            model.block_step(0, states[0])
-            t_block = min(t_block, time.perf_counter() - t0)
-    return t_jvp / t_block if t_block > 0 else None
+        states = model.run_states(inputs, stop=blocks)
+    gen, probes = torch.Generator().manual_seed(0), max(probes, 1)
+    if block_deviation(model, 0, states[0], gen, 1, probes) is None:  # also the warm-up: forward AD registers
+        return None  # its decompositions on first use
+    t0 = time.perf_counter()
+    for position in range(blocks):
+        block_deviation(model, position, states[position], gen, 1, probes)
+    return (time.perf_counter() - t0) / blocks / probes
 
 
 def duration(seconds: float) -> str:
@@ -501,8 +496,8 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
         extra = contrib_seconds(model, tokens, analyses["contrib"]) / t_block
         if analyses["contrib"].get("jacobian", True):
             probes = analyses["contrib"].get("probes", 2)
-            ratio = jvp_blocks(model, tokens, batch_size, probes=probes)
-            extra += 0.0 if ratio is None else (ratio - FULL_JVP_BLOCKS) * probes * \
+            jvp_s = jvp_seconds(model, tokens, batch_size, probes=probes)
+            extra += 0.0 if jvp_s is None else (jvp_s / t_block - FULL_JVP_BLOCKS) * probes * \
                 model.n_layer * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
     if "lens_logit" in analyses and t_block > 0:  # its per-depth metrics, timed: more than a head's
