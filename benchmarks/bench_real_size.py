@@ -21,7 +21,8 @@ Usage: python benchmarks/bench_real_size.py [--seqs 8 --seq-len 64 --batch 8 --t
 arguments, `--n-tokens` tokens in windows of `--seq-len`, tables saved beside the temporary checkpoint so
 the prune curve reuses the skip sweep as in `analyze`), and print per probe the forward-pass equivalents
 the cost plan predicts and those measured (wall time / one timed forward of one batch, the plan's unit),
-the wall time, and the totals; then the forward re-timed, so a drifting machine shows. --layers and
+the wall time, and the totals (also with the seconds the plan's own timings take before the probes, which
+`analyze` spends too); then the forward re-timed, so a drifting machine shows. --layers and
 --vocab shrink the model and --n-tokens the token set for quick iteration; --only runs some probes;
 --prune greedy times the opt-in greedy curve; --dtype bfloat16|float16 runs it as `analyze --dtype` does;
 --local-forward also divides each probe's time by a forward timed just before it (ratios that carry less of
@@ -234,10 +235,12 @@ def run_suite(args) -> None:
             model = low
         print(f"[build + save_pretrained + import + load: {time.perf_counter() - t0:.1f} s]", flush=True)
         analyses = {name: suite.analysis_args(name, **options) for name in names}
+        t_plan = time.perf_counter()  # analyze times its plan before the probes: part of the suite's wall time
         skip_measured = suite.skip_is_measured(names, model, tokens, **options)
         line, costs, _ = describe_timed(model, analyses, tokens, args.batch, skip_measured=skip_measured,
                                         shared=suite.shared_sweep(names, model, **options), shared_states=True,
                                         skips_from=suite.causal_skips(names, model, **options))
+        t_plan = time.perf_counter() - t_plan
         t_block, t_head = time_parts(model, tokens, args.batch)
         forward_s = L * t_block + t_head  # the plan's unit: one forward of one batch with the head's metrics
         rate_before = forward_gemm_rate(model, tokens, args.batch) if args.count_gemm else None
@@ -282,6 +285,7 @@ def run_suite(args) -> None:
     planned, seconds = sum(r[1] for r in rows), sum(r[3] for r in rows)
     print(f"{'total':<18} {planned:12.1f} {seconds / forward_s:13.1f} {seconds / forward_s / planned:7.2f} "
           f"{duration(seconds):>12}")
+    print(f"with the plan's timings before the probes ({t_plan:.1f} s): {duration(seconds + t_plan)}")
     print(f"one forward of one batch: {forward_s * 1000:.0f} ms before the suite, {forward_after * 1000:.0f} ms "
           f"after ({forward_after / forward_s:.2f}x: machine drift)")
     if args.count_gemm:
