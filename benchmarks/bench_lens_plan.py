@@ -2,9 +2,9 @@
 
 A SmolLM-135M-shaped Pre-LN model (d 576, 9/3 heads, MLP 1536, V 49,152; random weights, --layers blocks)
 times, per round: one block and the head with the sweep's metrics (`cost.time_parts`, what h is), one lens
-depth (`cost.lens_depth_seconds`), and `lens_analysis` itself with the intact states already shared (so
+depth and the final one (`cost.lens_seconds`), and `lens_analysis` itself with the intact states already shared (so
 only the lens' per-depth work is measured); then prints the lens time the two per-depth units predict,
-(L+1) x head and (L+1) x lens depth, beside the measured one.
+(L+1) x head and the final depth + L x lens depth, beside the measured one.
 
     python benchmarks/bench_lens_plan.py [--layers 12 --threads 2 --rounds 2]
 """
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from depthtools.analysis.cost import lens_depth_seconds, time_parts  # noqa: E402
+from depthtools.analysis.cost import lens_seconds, time_parts  # noqa: E402
 from depthtools.analysis.lens import lens_analysis  # noqa: E402
 from depthtools.analysis.sweep import intact_states, shared_sweeps  # noqa: E402
 from depthtools.analysis.tokens import split_inputs  # noqa: E402
@@ -43,7 +43,7 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (8, 129), generator=torch.Generator().manual_seed(0))
     for r in range(args.rounds):
         t_block, t_head = time_parts(model, tokens, 8)
-        per_depth = lens_depth_seconds(model, tokens, 8)
+        t_final, per_depth = lens_seconds(model, tokens, 8)
         with shared_sweeps():
             with torch.no_grad():
                 intact_states(model, split_inputs(tokens)[0])  # the lens then reads them, as in the suite
@@ -53,7 +53,8 @@ def main() -> None:
         print(f"round {r} (load average {os.getloadavg()[0]:.1f}): block {t_block * 1000:.0f} ms, head + sweep "
               f"metrics {t_head * 1000:.0f} ms, lens depth {per_depth * 1000:.0f} ms; lens measured {lens:.1f} s, "
               f"predicted (L+1) x head {(L + 1) * t_head:.1f} s ({lens / ((L + 1) * t_head):.2f}x), "
-              f"(L+1) x lens depth {(L + 1) * per_depth:.1f} s ({lens / ((L + 1) * per_depth):.2f}x)", flush=True)
+              f"final + L x lens depth {t_final + L * per_depth:.1f} s ({lens / (t_final + L * per_depth):.2f}x)",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -409,3 +409,35 @@ def test_contrib_seconds_times_the_statistics_contrib_runs(monkeypatch):
     monkeypatch.setattr(cost_module, "block_statistics", counted)
     seconds = cost_module.contrib_seconds(model, tokens, analysis_args("contrib", batch_size=2), sample=2, repeats=3)
     assert calls == [2, 2, 2] and seconds > 0
+
+
+def test_lens_plan_times_its_final_depth_and_a_mean_of_depths(monkeypatch):
+    """Issue 47: the lens is planned from its own steps, timed as it runs them: the final depth (`lens.final_depth`,
+    its reference: once per chunk, after a warm-up) and a mean over the first depths (`lens.depth_step`, after one
+    untimed step); the plan then charges the final depth once and the mean L times per batch."""
+    from depthtools.analysis import cost as cost_module, lens as lens_module
+
+    model, tokens = tiny("preln", n_layer=4), windows(n=4, length=13)
+    finals, steps = [], []
+    real_final, real_step = lens_module.final_depth, lens_module.depth_step
+
+    def final_counted(model_, rows, *a, **k):
+        finals.append(rows.shape[0])
+        return real_final(model_, rows, *a, **k)
+
+    def step_counted(model_, rows, depth, *a, **k):
+        steps.append(depth)
+        return real_step(model_, rows, depth, *a, **k)
+
+    monkeypatch.setattr(lens_module, "final_depth", final_counted)
+    monkeypatch.setattr(lens_module, "depth_step", step_counted)
+    t_final, per_depth = cost_module.lens_seconds(model, tokens, 2, depths=3)
+    assert t_final > 0 and per_depth > 0
+    assert finals == [2 * (12 - 1)] * 2 and steps == [0, 0, 1, 2]  # the scored rows of one batch of 2 windows
+
+    monkeypatch.setattr(cost_module, "lens_seconds", lambda *a, **k: (1.0, 0.75))  # fixed timings: exact arithmetic
+    monkeypatch.setattr(cost_module, "time_parts", lambda *a, **k: (0.25, 0.5))  # a block 0.25 s, the head 0.5 s
+    args = analysis_args("lens_logit", batch_size=2)
+    _, (cost,) = cost_module.describe(model, {"lens_logit": args}, tokens, 2)
+    static = analysis_cost("lens_logit", model, args, 4, 12, 2)
+    assert cost.blocks == static.blocks + ((1.0 - 0.5) + (0.75 - 0.5) * 4) / 0.25 * 2  # per batch, 2 batches

@@ -16,8 +16,8 @@ without timing (`head_ratio`, the ratio of their matmul sizes) — so
 
 Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
 
-    lens_logit          L blocks, L + 1 heads (one per depth); each depth's head and metrics are timed as the lens
-                        runs them (`lens_depth_seconds`), more than the h of a sweep's plan
+    lens_logit          L blocks, L + 1 heads (one per depth); each depth's head and metrics, and the final depth's
+                        (its reference), are timed as the lens runs them (`lens_seconds`), more than a sweep's h
     ablate_skip         per rule: L + Σ_l (L − l − 1) blocks, 1 + L heads
     ablate_swap         L + Σ_(i,j) (L − i) blocks over the chosen pairs, 1 + pairs heads
     ablate_mean/linear  2L + Σ_l (L − l − 1) blocks (statistics pass + sweep), 1 + L heads
@@ -263,7 +263,7 @@ def time_parts(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -
     """(seconds of one block call, seconds of one head evaluation with its metrics) on one batch.
 
     The head is timed as every sweep plan runs it on this batch (the lens times its own depths:
-    `lens_depth_seconds`): the path `headmetrics.chunked_head` picks for these rows -- while one [rows, V] block
+    `lens_seconds`): the path `headmetrics.chunked_head` picks for these rows -- while one [rows, V] block
     is small, whole logit rows with the sweep's own per-plan sums (`sweep.plan_head_sums`: CE, KL against the
     reference computed once per batch, top-1 agreement and accuracy; fused or a full log-softmax), else the
     vocabulary-chunked head (`headmetrics.row_metrics`). At a 49k vocabulary the head with its metrics costs ~9
@@ -346,34 +346,36 @@ def similarity_seconds(model, tokens: torch.Tensor, batch_size: int, args: dict[
 
 
 @torch.no_grad()
-def lens_depth_seconds(model, tokens: torch.Tensor, batch_size: int, repeats: int = 2) -> float:
-    """Seconds of one logit-lens depth on one batch: `lens.depth_step` over the batch's scored rows in the lens'
-    chunks (the lens' own code and head path, timed at depth 0; best of `repeats`). Its
-    metrics (probabilities, top-5, two KLs, an entropy, a rank count over V) cost more than the sweep's that
-    `time_parts` times with the head, so the lens is planned with this instead of h per depth."""
-    from depthtools.analysis.lens import (  # lazy: lens imports sweep
-        FinalRows,
-        _DepthSums,
-        _lens_logprobs,
-        _scored_rows,
-        depth_step,
-    )
+def lens_seconds(model, tokens: torch.Tensor, batch_size: int, depths: int = 4) -> tuple[float, float]:
+    """(seconds of the lens' final depth, seconds of one other depth) on one batch, in the lens' chunks of rows: the
+    lens' own steps (`lens.final_depth`: the final log-probs and the reference every depth is compared with;
+    `lens.depth_step`: one depth's head and metrics) on its own head path. The final depth is timed once after a
+    warm-up, the others (after one untimed) as a mean over depths 0..`depths`-1 (one depth's call varies ~10 % and the lens pays the
+    mean). Their metrics (probabilities, top-5, two KLs, an entropy, a rank count over V) cost more than the
+    sweep's that `time_parts` times with the head, and the final depth about two depths (its log-softmax and the
+    reference's probabilities and top-5: ~1.7 heads in float32, ~3 in bfloat16, where the head's product is
+    cheaper), so the lens is planned with these instead of h per depth."""
+    from depthtools.analysis.lens import _DepthSums, _scored_rows, depth_step, final_depth  # lazy: lens imports sweep
 
     inputs, targets = split_inputs(tokens[:batch_size])
     targets, L, chunk = targets.flatten(), model.n_layer, 4096
     head = chunked_head(model, min(chunk, len(targets)))  # the path the lens takes on these rows
+    depths = max(1, min(depths, L))
     states = model.run_states(inputs)
-    first, last = _scored_rows(model, [states[0], states[-1]], None)
-    finals = [FinalRows.of(_lens_logprobs(model, last[lo:lo + chunk], L, None), head)
-              for lo in range(0, len(targets), chunk)]
-    best, buffer = math.inf, LogitsBuffer()
-    for _ in range(repeats):
-        sums = _DepthSums(1)
-        t0 = time.perf_counter()
-        for i, lo in enumerate(range(0, len(targets), chunk)):
-            depth_step(model, first[lo:lo + chunk], 0, None, head, finals[i], targets[lo:lo + chunk], sums, buffer)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    reads = _scored_rows(model, states[:depths] + [states[-1]], None)
+    chunks = [(slice(lo, lo + chunk), targets[lo:lo + chunk]) for lo in range(0, len(targets), chunk)]
+    finals = [final_depth(model, reads[-1][rows], None, head, tgt, _DepthSums(L + 1))[0] for rows, tgt in chunks]
+    t0 = time.perf_counter()
+    for rows, tgt in chunks:
+        final_depth(model, reads[-1][rows], None, head, tgt, _DepthSums(L + 1))
+    t_final, buffer, sums = time.perf_counter() - t0, LogitsBuffer(), _DepthSums(L + 1)
+    for (rows, tgt), reference in zip(chunks, finals):  # pages the logits buffer in, as the lens' first depth does
+        depth_step(model, reads[0][rows], 0, None, head, reference, tgt, sums, buffer)
+    t0 = time.perf_counter()
+    for depth in range(depths):
+        for (rows, tgt), reference in zip(chunks, finals):
+            depth_step(model, reads[depth][rows], depth, None, head, reference, tgt, sums, buffer)
+    return t_final, (time.perf_counter() - t0) / depths
 
 
 @torch.no_grad()
@@ -501,8 +503,8 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
                 model.n_layer * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
     if "lens_logit" in analyses and t_block > 0:  # its per-depth metrics, timed: more than a head's
-        per_depth = lens_depth_seconds(model, tokens, batch_size)
-        extra = (per_depth - t_head) / t_block * (model.n_layer + 1) * math.ceil(n_seqs / batch_size)
+        t_final, per_depth = lens_seconds(model, tokens, batch_size)
+        extra = (t_final - t_head + (per_depth - t_head) * model.n_layer) / t_block * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "lens_logit" else c for c in costs]
     if shared_states and h is not None and states_fit(model, tokens):
         passes = {name: intact_passes(name, model, args, skip_measured, name == shared)

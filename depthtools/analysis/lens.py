@@ -201,6 +201,20 @@ def final_step(logits: torch.Tensor, logp: torch.Tensor, reference: FinalRows, t
     return sums.add_rows(L, RowMetrics(m.lse, m.ce, m.entropy, zero, zero, reference.top5, m.rank), reference)
 
 
+def final_depth(model, rows: torch.Tensor, translators: TunedLens | None, head: Head | None, targets: torch.Tensor,
+                sums: "_DepthSums") -> tuple[FinalRows, torch.Tensor, torch.Tensor]:
+    """Depth L on one row chunk [n, d]: the model's own log-probs, the reference every other depth is compared with
+    (`FinalRows`) and its metrics added to `sums`; returns (reference, top-1 ids [n], float64 per-token loss [n]).
+    Once per chunk, yet ~2 depths' work (the log-softmax, the reference's probabilities and top-5 over V), so
+    `cost.lens_seconds` times it beside the depths."""
+    L = model.n_layer
+    logits = _lens_logits(model, rows, L, translators)
+    logp = F.log_softmax(logits, dim=-1)
+    reference = FinalRows.of(logp, head)
+    top1 = final_step(logits, logp, reference, targets, sums, L)
+    return reference, top1, (-logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)).double()
+
+
 def depth_step(model, rows: torch.Tensor, depth: int, translators: TunedLens | None, head: Head | None,
                reference: FinalRows, targets: torch.Tensor, sums: "_DepthSums",
                buffer: LogitsBuffer | None = None) -> torch.Tensor:
@@ -209,7 +223,7 @@ def depth_step(model, rows: torch.Tensor, depth: int, translators: TunedLens | N
     fused row metrics of whole float32 logit rows on CPU (`headmetrics.fused_metrics`: two passes per row
     instead of ~10 torch passes over [n, V]), else the full log-softmax (`_DepthSums.add`). `buffer`: the
     `headmetrics.LogitsBuffer` the depths are decoded into, one after the other. (Also what
-    `cost.lens_depth_seconds` times.)"""
+    `cost.lens_seconds` times.)"""
     k = reference.top5.shape[-1]
     if head is not None:
         m = row_metrics(head, _depth_rows(model, rows, depth, translators), targets, reference.ref, k=k, rank=True,
@@ -278,16 +292,13 @@ def lens_analysis(
         reads = _scored_rows(model, intact_states(model, inputs), translators)
         for lo in range(0, targets.numel(), chunk_tokens):
             rows, tgt = slice(lo, lo + chunk_tokens), targets[lo:lo + chunk_tokens]
-            final_logits = _lens_logits(model, reads[L][rows], L, translators)
-            final = F.log_softmax(final_logits, dim=-1)
-            reference = FinalRows.of(final, head)
             top1 = torch.empty(L + 1, tgt.numel(), dtype=torch.long, device=tgt.device)
-            top1[L] = final_step(final_logits, final, reference, tgt, sums, L)
+            reference, top1[L], loss = final_depth(model, reads[L][rows], translators, head, tgt, sums)
             for depth in range(L):
                 top1[depth] = depth_step(model, reads[depth][rows], depth, translators, head, reference, tgt, sums,
                                          buffer)
             top1_all.append(top1.cpu())
-            loss_all.append((-final.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)).double().cpu())
+            loss_all.append(loss.cpu())
             sums.n += tgt.numel()
         if progress is not None:
             progress(1.0 / n_batches)
