@@ -441,3 +441,55 @@ def test_lens_plan_times_its_final_depth_and_a_mean_of_depths(monkeypatch):
     _, (cost,) = cost_module.describe(model, {"lens_logit": args}, tokens, 2)
     static = analysis_cost("lens_logit", model, args, 4, 12, 2)
     assert cost.blocks == static.blocks + ((1.0 - 0.5) + (0.75 - 0.5) * 4) / 0.25 * 2  # per batch, 2 batches
+
+
+@pytest.mark.parametrize("name,options", [
+    ("ablate_skip", {}),
+    ("sequence_profile", {}),
+    ("ablate_swap", {"swap_pairs_max": 4}),
+    ("ablate_swap_adjacent", {}),
+    ("ablate_mean", {}),
+    ("ablate_linear", {}),
+    ("ablate_prune", {"tau": 0.0}),
+    ("ablate_prune", {"tau": 0.0, "prune": "greedy"}),
+    ("lens_logit", {}),
+    ("causal", {}),
+])
+def test_sweep_references_equal_counted_intact_references(monkeypatch, name, options):
+    """Issue 47: the plan charges each sweep's intact reference (`sweep.intact_reference`, ~3 heads) as timed, once
+    per sweep and batch; `sweep_references` says how many there are, counted here as each analysis runs."""
+    import importlib
+
+    from depthtools.analysis import cost as cost_module, suite
+
+    sweep_module = importlib.import_module("depthtools.analysis.sweep")  # the package exports the function `sweep`
+    model, tokens = tiny("preln", n_layer=4), windows(n=4, length=13)  # 2 batches of 2
+    calls = []
+    real = sweep_module.intact_reference
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(sweep_module, "intact_reference", counted)
+    args = analysis_args(name, batch_size=2, **options)
+    suite.ANALYSES[name].run(model, tokens, suite.Probe(), **args)
+    planned = 2 * cost_module.sweep_references(name, model, args)
+    if options.get("prune") == "greedy":  # its curve may stop early: the plan is a bound, as its blocks are
+        assert 0 < len(calls) <= planned
+    else:
+        assert len(calls) == planned
+
+
+def test_plan_charges_each_sweep_reference_as_timed(monkeypatch):
+    """Issue 47: with fixed timings the arithmetic is exact: (reference − head) / block per reference and batch."""
+    from depthtools.analysis import cost as cost_module
+
+    model, tokens = tiny("preln", n_layer=3), windows(n=4, length=13)
+    monkeypatch.setattr(cost_module, "reference_seconds", lambda *a, **k: 1.25)  # a reference: 2.5 heads
+    monkeypatch.setattr(cost_module, "time_parts", lambda *a, **k: (0.25, 0.5))  # a block 0.25 s, the head 0.5 s
+    args = analysis_args("ablate_swap_adjacent", batch_size=2)
+    _, (cost,) = cost_module.describe(model, {"ablate_swap_adjacent": args}, tokens, 2)
+    static = analysis_cost("ablate_swap_adjacent", model, args, 4, 12, 2)
+    assert cost.blocks == static.blocks + (1.25 - 0.5) / 0.25 * 2  # one sweep, 2 batches
+    assert cost_module.reference_seconds(model, tokens, 2) > 0

@@ -44,7 +44,10 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
 
 The counts of block calls are exact for lens, skip, swap, mean, causal and sequence_profile (tested
 against a counter on `block_step`); prune is an upper bound (its greedy curve stops when ΔCE passes
-tau; a plan that extends the one before it starts from that plan's state: `sweep.common_prefix`). Within `analyze` (`sweep.shared_sweeps`) one intact forward per batch serves every probe while the
+tau; a plan that extends the one before it starts from that plan's state: `sweep.common_prefix`). Each
+sweep's "1 +" head is its intact reference (`sweep.intact_reference`: the head, a log-softmax, probabilities and
+top-1 over V, the intact metrics), which costs ~3 heads at a 49k vocabulary: when timed, the plan charges it
+as `reference_seconds` measures it, once per sweep and batch (`sweep_references`). Within `analyze` (`sweep.shared_sweeps`) one intact forward per batch serves every probe while the
 states fit `sweep.SHARED_STATES_BYTES`: the plan then drops the other intact passes (`sharing_states`).
 Attention's T² term is in the timed block; the ETA scales the timed block and head of one
 batch, so it is an estimate, not a promise.
@@ -69,6 +72,7 @@ from depthtools.analysis.sweep import (
     Reference as SweepReference,
     _state_bytes,
     _Sums,
+    intact_reference,
     plan_head_sums,
     scored_logprobs,
     scored_rows,
@@ -229,6 +233,22 @@ def intact_passes(name: str, model, args: dict[str, Any], skip_measured: bool = 
     return 0
 
 
+def sweep_references(name: str, model, args: dict[str, Any], skip_measured: bool = False, shared: bool = False) -> int:
+    """Sweeps per batch that compute the intact reference (`sweep.intact_reference`, one per sweep run): the skip
+    sweep per rule (none for a default-rule sweep an earlier analysis ran: `shared`), swap's and mean/linear's
+    sweep, and the pruning curves' (the removal curve's, the single-skip sweep unless `skip_measured`, Gromov's;
+    the greedy curve: one per step). `per_batch` charges each one head; it costs ~3 (`reference_seconds`)."""
+    if name in ("ablate_skip", "sequence_profile"):
+        return (_n_rules(model, args) if name == "ablate_skip" else 1) - (1 if shared else 0)
+    if name in ("ablate_swap", "ablate_swap_adjacent", "ablate_mean", "ablate_linear"):
+        return 1
+    if name == "ablate_prune":
+        steps = model.n_layer if args.get("max_prune_steps") is None else min(model.n_layer, args["max_prune_steps"])
+        curve = steps if args.get("prune", "order") == "greedy" else 1 + (0 if skip_measured else 1)
+        return _n_rules(model, args) * (curve + 1)
+    return 0
+
+
 def sharing_states(costs: list[Cost], passes: dict[str, int], L: int, n_batches: int, h: float) -> list[Cost]:
     """The costs when one intact forward per batch serves the whole run (`sweep.shared_sweeps` with the
     states in its budget): the first analysis with an intact pass keeps one, every other pass is read."""
@@ -379,6 +399,20 @@ def lens_seconds(model, tokens: torch.Tensor, batch_size: int, depths: int = 4) 
 
 
 @torch.no_grad()
+def reference_seconds(model, tokens: torch.Tensor, batch_size: int) -> float:
+    """Seconds of one sweep's intact reference on one batch (`sweep.intact_reference`: the head, the scored
+    rows' log-softmax, probabilities and top-1, the intact metrics), timed once, as each sweep computes it once
+    per batch (each time into fresh memory)."""
+    inputs, targets = split_inputs(tokens[:batch_size])
+    targets = targets.flatten()
+    states = model.run_states(inputs)
+    head = chunked_head(model, targets.numel())  # the path the sweep takes on these rows
+    t0 = time.perf_counter()
+    intact_reference(model, states, targets, inputs.shape[0], head, _Sums())
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
 def contrib_seconds(model, tokens: torch.Tensor, args: dict[str, Any], sample: int = 2, repeats: int = 2) -> float:
     """Seconds of contrib's per-block statistics (norms, cosines, the additivity check and the attention/MLP
     split: `contrib.block_statistics`, not its forward passes) on the whole token set, timed on `sample`
@@ -506,6 +540,10 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
         t_final, per_depth = lens_seconds(model, tokens, batch_size)
         extra = (t_final - t_head + (per_depth - t_head) * model.n_layer) / t_block * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "lens_logit" else c for c in costs]
+    refs = {name: sweep_references(name, model, args, skip_measured, name == shared) for name, args in analyses.items()}
+    if any(refs.values()) and t_block > 0:  # each sweep's intact reference, timed: more than the head it is charged
+        per_ref = (reference_seconds(model, tokens, batch_size) - t_head) / t_block * math.ceil(n_seqs / batch_size)
+        costs = [with_blocks(c, per_ref * refs[c.name], h, model.n_layer) if refs.get(c.name) else c for c in costs]
     if shared_states and h is not None and states_fit(model, tokens):
         passes = {name: intact_passes(name, model, args, skip_measured, name == shared)
                   for name, args in analyses.items()}

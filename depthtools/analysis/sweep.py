@@ -336,6 +336,19 @@ def _scored(hidden: torch.Tensor) -> torch.Tensor:
     return hidden[:, FIRST_SCORED:].flatten(0, 1)
 
 
+def intact_reference(model, states: list, targets: torch.Tensor, B: int, head: Head | None,
+                     intact: "_Sums") -> tuple[Reference, "_HeadRef | None"]:
+    """One batch's intact output as a sweep's plans are compared with it: its head, the log-softmax of the scored
+    rows with their probabilities and top-1 ids (`Reference`), its own metrics added to `intact`, and the chunked
+    `head`'s reference where one is given. Once per sweep and batch, ~3 heads' work at a 49k vocabulary, so
+    `cost.reference_seconds` times it rather than the plan charging one head."""
+    ref = Reference.of(scored_logprobs(model.head(states[-1])))
+    intact.add(ref.logp, ref, targets, B)
+    href = None if head is None else _HeadRef(head, HeadReference.of(ref.logp, head=head, p=ref.p,
+                                                                      top=ref.top1.unsqueeze(1)))
+    return ref, href
+
+
 def _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, tick) -> None:
     """Accumulate every plan's metrics on one batch. refs: (the intact `Reference`, its `headmetrics.Reference`
     or None for whole logit rows per plan). A plan whose final hidden state is the intact one bit for bit (it
@@ -396,11 +409,8 @@ def sweep(
         targets = targets.flatten()
         B = inputs.shape[0]
         states = intact_states(model, inputs)
-        ref = Reference.of(scored_logprobs(model.head(states[-1])))
-        intact.add(ref.logp, ref, targets, B)
-        href = None if head is None else _HeadRef(head, HeadReference.of(ref.logp, head=head, p=ref.p,
-                                                                          top=ref.top1.unsqueeze(1)))
-        _plan_sums(model, plans, states, inputs, targets, (ref, href), sums, reuse_prefix, tick)
+        refs = intact_reference(model, states, targets, B, head, intact)
+        _plan_sums(model, plans, states, inputs, targets, refs, sums, reuse_prefix, tick)
         del states
     result = SweepResult(intact.stats(), [s.stats() for s in sums], intact.sequences(),
                          [s.sequences() for s in sums], intact.n_positions)
