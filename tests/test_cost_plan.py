@@ -493,3 +493,34 @@ def test_plan_charges_each_sweep_reference_as_timed(monkeypatch):
     static = analysis_cost("ablate_swap_adjacent", model, args, 4, 12, 2)
     assert cost.blocks == static.blocks + (1.25 - 0.5) / 0.25 * 2  # one sweep, 2 batches
     assert cost_module.reference_seconds(model, tokens, 2) > 0
+
+
+def test_causal_plan_times_its_row_runs(monkeypatch):
+    """Issue 47: causal's row runs (each cut below the largest runs its rows ≥ c) are counted as (T − c)/T of a block
+    but cost more (attention over all keys, a fixed part): the plan adds their timed excess per skipped block,
+    timed on the runs causal makes (`causal._rows_run`: the largest cut whole, then each other cut's rows, beside
+    the whole rows), and nothing where the future effect is off or runs whole sequences."""
+    from depthtools.analysis import causal as causal_module, cost as cost_module
+
+    model, tokens = tiny("preln", n_layer=5), windows(n=4, length=13)
+    args = analysis_args("causal", batch_size=2, cuts=[3, 9, 5, 9])
+    starts = []
+    real = causal_module._rows_run
+
+    def counted(model_, s, first, start, past):
+        starts.append((s, start, first.shape[1]))
+        return real(model_, s, first, start, past)
+
+    monkeypatch.setattr(causal_module, "_rows_run", counted)
+    excess = cost_module.suffix_excess(model, tokens, 2, args, blocks=2, repeats=2)
+    assert excess > -1.0  # a ratio of times: positive on a real machine, bounded below by −Σ share
+    run = [(2, 0, 12), (2, 3, 9), (2, 5, 7)]  # blocks 3..4: the whole rows, then rows ≥ 3 and ≥ 5 (9 runs whole)
+    assert starts == [(2, 0, 12)] + run + run
+    assert cost_module.suffix_excess(model, tokens, 2, analysis_args("causal", batch_size=2, future=False)) == 0.0
+    assert cost_module.suffix_excess(tiny("hc", n_layer=3), tokens, 2, args) == 0.0  # whole sequences per cut
+
+    monkeypatch.setattr(cost_module, "suffix_excess", lambda *a, **k: 0.5)  # fixed timings: the arithmetic is exact
+    monkeypatch.setattr(cost_module, "time_parts", lambda *a, **k: (0.25, 0.5))
+    _, (cost,) = cost_module.describe(model, {"causal": args}, tokens, 2)
+    static = analysis_cost("causal", model, args, 4, 12, 2)
+    assert cost.blocks == static.blocks + 0.5 * (4 + 3 + 2 + 1) * 2  # per skipped block s: its L − s − 1 blocks

@@ -27,7 +27,8 @@ Per batch (L layers, prefix reuse of the sweep engine, docs/design.md §7):
     causal              L + Σ_s (L − s − 1)(1 + F) blocks, F the cuts' runs (future=True only; a cut's run reuses
                         the cached intact output of block s): F = cuts where each cut runs whole sequences, and
                         F = 1 + Σ_(c < c*) (T − c)/T block-equivalents in rows where the scheme has a suffix step
-                        (`causal.suffix_support`: the largest cut c* runs whole, each smaller one its rows ≥ c)
+                        (`causal.suffix_support`: the largest cut c* runs whole, each smaller one its rows ≥ c;
+                        those row runs cost more than their share, timed before a run: `suffix_excess`)
     sequence_profile    as one skip rule; within the suite it and ablate_skip's default rule are one sweep
                         (`sweep.shared_sweeps`): whichever runs second pays for one rule less; and after causal,
                         whichever runs first decodes causal's skip runs (`sweep.remember_hidden`): Σ_l (L − l − 1)
@@ -399,6 +400,42 @@ def lens_seconds(model, tokens: torch.Tensor, batch_size: int, depths: int = 4) 
 
 
 @torch.no_grad()
+def suffix_excess(model, tokens: torch.Tensor, batch_size: int, args: dict[str, Any], blocks: int = 6,
+                  repeats: int = 2) -> float:
+    """Block-equivalents per skipped block and batch that causal's row runs cost beyond their share of rows: each
+    cut c below the largest runs rows ≥ c, counted (T − c)/T of a block (`_cut_runs`), but each of its blocks
+    still attends over all T keys and pays a fixed part, so it takes ~1.2× its share at c = 48 and ~1.4× at
+    c = 80 of T = 128. Timed as causal runs them (`causal._rows_run` through the last `blocks` blocks, reading
+    the largest cut's keys and values), interleaved with the same blocks on all rows, so that the ratio carries
+    neither the machine's drift nor a single block's jitter; 0 where the future effect runs whole sequences or
+    is off."""
+    from depthtools.analysis.causal import _rows_run  # lazy: a private helper, needed only here
+
+    if not args.get("future", True) or suffix_support(model) is not None:
+        return 0.0
+    inputs = split_inputs(tokens[:batch_size])[0]
+    T, L = inputs.shape[1], model.n_layer
+    cuts = list(default_cuts(T) if args.get("cuts") is None else args["cuts"])
+    partial = [c for c in cuts if c != max(cuts, default=0)]  # the largest cut runs whole: counted exactly
+    s = max(L - 1 - blocks, 0)  # the timed runs go through blocks s+1..L−1
+    if not partial or L - s - 1 < 1:
+        return 0.0
+    first = model.run_states(inputs, stop=0)[0]  # the embeddings stand in for z_{s+1}: the time is the same
+    _, caches = _rows_run(model, s, first, 0, None)  # the largest cut's run keeps every block's k, v
+    pasts = {cut: [(k[:, :cut], v[:, :cut]) for k, v in caches] for cut in partial}
+    whole, rows = 0.0, dict.fromkeys(partial, 0.0)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _rows_run(model, s, first, 0, None)
+        whole += time.perf_counter() - t0
+        for cut in partial:
+            t0 = time.perf_counter()
+            _rows_run(model, s, first[:, cut:], cut, pasts[cut])
+            rows[cut] += time.perf_counter() - t0
+    return sum(rows[cut] / whole - (T - cut) / T for cut in partial) if whole > 0 else 0.0
+
+
+@torch.no_grad()
 def reference_seconds(model, tokens: torch.Tensor, batch_size: int) -> float:
     """Seconds of one sweep's intact reference on one batch (`sweep.intact_reference`: the head, the scored
     rows' log-softmax, probabilities and top-1, the intact metrics), timed once, as each sweep computes it once
@@ -540,6 +577,10 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
         t_final, per_depth = lens_seconds(model, tokens, batch_size)
         extra = (t_final - t_head + (per_depth - t_head) * model.n_layer) / t_block * math.ceil(n_seqs / batch_size)
         costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "lens_logit" else c for c in costs]
+    if "causal" in analyses and t_block > 0:  # its row runs, timed: more than their share of rows
+        excess = suffix_excess(model, tokens, batch_size, analyses["causal"])
+        extra = excess * sum(model.n_layer - s - 1 for s in range(model.n_layer)) * math.ceil(n_seqs / batch_size)
+        costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "causal" else c for c in costs]
     refs = {name: sweep_references(name, model, args, skip_measured, name == shared) for name, args in analyses.items()}
     if any(refs.values()) and t_block > 0:  # each sweep's intact reference, timed: more than the head it is charged
         per_ref = (reference_seconds(model, tokens, batch_size) - t_head) / t_block * math.ceil(n_seqs / batch_size)
