@@ -133,11 +133,28 @@ def _cut_runs(model, args: dict[str, Any], seq_len: int) -> float:
     return 1.0 + sum((seq_len - c) / seq_len for c in cuts if c != top)
 
 
+def _skip_sweeps(name: str, model, args: dict[str, Any], shared: bool) -> int:
+    """Single-skip sweeps per batch of ablate_skip (one per rule) or sequence_profile (one), less the default
+    rule's when an earlier analysis ran it (`shared`: `sweep.shared_sweeps`)."""
+    return (_n_rules(model, args) if name == "ablate_skip" else 1) - (1 if shared else 0)
+
+
+def _prune_steps(L: int, args: dict[str, Any]) -> int:
+    """Removal steps of one pruning curve: L, or `max_prune_steps` when smaller."""
+    return L if args.get("max_prune_steps") is None else min(L, args["max_prune_steps"])
+
+
+def _prune_curve_sweeps(L: int, args: dict[str, Any], skip_measured: bool) -> int:
+    """Sweeps of one rule's removal curve per batch: one per step for the greedy curve; for the single-skip order,
+    the curve's, plus the single-skip sweep unless `skip_measured`."""
+    return _prune_steps(L, args) if args.get("prune", "order") == "greedy" else 1 + (0 if skip_measured else 1)
+
+
 def _prune_per_rule(L: int, args: dict[str, Any], skip_measured: bool) -> tuple[int, int]:
     """(block calls, heads) of one skip rule's pruning curves on one batch, at most: the removal curve
     (greedy: Σ_k [L + (L−k)²]; single-skip order: L + Σ_k (L−k), plus the single-skip sweep unless
     `skip_measured`) and Gromov's 2L + Σ_n (L−n)."""
-    steps = L if args.get("max_prune_steps") is None else min(L, args["max_prune_steps"])
+    steps = _prune_steps(L, args)
     if args.get("prune", "order") == "greedy":
         blocks, heads = sum(L + (L - k) * (L - k) for k in range(steps)), sum(1 + L - k for k in range(steps))
     else:
@@ -159,7 +176,7 @@ def per_batch(name: str, model, args: dict[str, Any], seq_len: int,
     if name == "lens_logit":
         return L, L + 1, False
     if name in ("ablate_skip", "sequence_profile"):
-        rules = (_n_rules(model, args) if name == "ablate_skip" else 1) - (1 if shared else 0)
+        rules = _skip_sweeps(name, model, args, shared)
         read = sum(L - l - 1 for l in range(L)) if skips_run and rules > 0 else 0
         return rules * _skip_blocks(L) - read, rules * (1 + L), False
     if name in ("ablate_swap", "ablate_swap_adjacent"):
@@ -218,19 +235,16 @@ def intact_passes(name: str, model, args: dict[str, Any], skip_measured: bool = 
     """Intact forwards per batch that go through `sweep.intact_states` (so within `shared_sweeps` all but
     the suite's first are read, not run): one per sweep, lens, similarity, causal, the Jacobian pass,
     Gromov's angle pass and the mean/linear statistics; at most, for the greedy prune."""
-    rules = _n_rules(model, args) if name in ("ablate_skip", "ablate_prune") else 1
     if name in ("similarity", "causal", "lens_logit", "lens_tuned", "ablate_swap", "ablate_swap_adjacent"):
         return 1
     if name == "contrib":
         return 1 if args.get("jacobian", True) else 0
     if name in ("sequence_profile", "ablate_skip"):
-        return (rules if name == "ablate_skip" else 1) - (1 if shared else 0)
+        return _skip_sweeps(name, model, args, shared)
     if name in ("ablate_mean", "ablate_linear"):
         return 2
-    if name == "ablate_prune":
-        steps = model.n_layer if args.get("max_prune_steps") is None else min(model.n_layer, args["max_prune_steps"])
-        curve = steps if args.get("prune", "order") == "greedy" else 1 + (0 if skip_measured else 1)
-        return rules * (curve + 2)
+    if name == "ablate_prune":  # the curves' sweeps, Gromov's angle pass and its sweep
+        return _n_rules(model, args) * (_prune_curve_sweeps(model.n_layer, args, skip_measured) + 2)
     return 0
 
 
@@ -240,13 +254,11 @@ def sweep_references(name: str, model, args: dict[str, Any], skip_measured: bool
     sweep, and the pruning curves' (the removal curve's, the single-skip sweep unless `skip_measured`, Gromov's;
     the greedy curve: one per step). `per_batch` charges each one head; it costs ~3 (`reference_seconds`)."""
     if name in ("ablate_skip", "sequence_profile"):
-        return (_n_rules(model, args) if name == "ablate_skip" else 1) - (1 if shared else 0)
+        return _skip_sweeps(name, model, args, shared)
     if name in ("ablate_swap", "ablate_swap_adjacent", "ablate_mean", "ablate_linear"):
         return 1
-    if name == "ablate_prune":
-        steps = model.n_layer if args.get("max_prune_steps") is None else min(model.n_layer, args["max_prune_steps"])
-        curve = steps if args.get("prune", "order") == "greedy" else 1 + (0 if skip_measured else 1)
-        return _n_rules(model, args) * (curve + 1)
+    if name == "ablate_prune":  # the curves' sweeps and Gromov's
+        return _n_rules(model, args) * (_prune_curve_sweeps(model.n_layer, args, skip_measured) + 1)
     return 0
 
 
@@ -371,8 +383,8 @@ def lens_seconds(model, tokens: torch.Tensor, batch_size: int, depths: int = 4) 
     """(seconds of the lens' final depth, seconds of one other depth) on one batch, in the lens' chunks of rows: the
     lens' own steps (`lens.final_depth`: the final log-probs and the reference every depth is compared with;
     `lens.depth_step`: one depth's head and metrics) on its own head path. The final depth is timed once after a
-    warm-up, the others (after one untimed) as a mean over depths 0..`depths`-1 (one depth's call varies ~10 % and the lens pays the
-    mean). Their metrics (probabilities, top-5, two KLs, an entropy, a rank count over V) cost more than the
+    warm-up, the others (after one untimed) as a mean over depths 0..`depths`-1 (one depth's call varies ~10 %
+    and the lens pays the mean). Their metrics (probabilities, top-5, two KLs, an entropy, a rank count over V) cost more than the
     sweep's that `time_parts` times with the head, and the final depth about two depths (its log-softmax and the
     reference's probabilities and top-5: ~1.7 heads in float32, ~3 in bfloat16, where the head's product is
     cheaper), so the lens is planned with these instead of h per depth."""
@@ -382,8 +394,8 @@ def lens_seconds(model, tokens: torch.Tensor, batch_size: int, depths: int = 4) 
     targets, L, chunk = targets.flatten(), model.n_layer, 4096
     head = chunked_head(model, min(chunk, len(targets)))  # the path the lens takes on these rows
     depths = max(1, min(depths, L))
-    states = model.run_states(inputs)
-    reads = _scored_rows(model, states[:depths] + [states[-1]], None)
+    states = model.run_states(inputs, stop=depths)  # z_depths stands in for z_L: decoding it takes the same time
+    reads = _scored_rows(model, states, None)
     chunks = [(slice(lo, lo + chunk), targets[lo:lo + chunk]) for lo in range(0, len(targets), chunk)]
     finals = [final_depth(model, reads[-1][rows], None, head, tgt, _DepthSums(L + 1))[0] for rows, tgt in chunks]
     t0 = time.perf_counter()
@@ -442,7 +454,7 @@ def reference_seconds(model, tokens: torch.Tensor, batch_size: int) -> float:
     per batch (each time into fresh memory)."""
     inputs, targets = split_inputs(tokens[:batch_size])
     targets = targets.flatten()
-    states = model.run_states(inputs)
+    states = model.run_states(inputs, stop=0)  # the embeddings stand in for z_L: decoding them takes the same time
     head = chunked_head(model, targets.numel())  # the path the sweep takes on these rows
     t0 = time.perf_counter()
     intact_reference(model, states, targets, inputs.shape[0], head, _Sums())
@@ -549,6 +561,34 @@ def states_fit(model, tokens: torch.Tensor, skips: bool = False) -> bool:
     return size is not None and size * tokens.shape[0] <= SHARED_STATES_BYTES
 
 
+def timed_extra(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor, batch_size: int, t_block: float,
+                t_head: float, skip_measured: bool = False, shared: str | None = None) -> dict[str, float]:
+    """{analysis: block-equivalents to add to its counted cost} from what is timed before a run, where the
+    counts of blocks and heads leave work out: similarity's and contrib's statistics, contrib's JVPs beyond
+    FULL_JVP_BLOCKS, the lens' depths and final depth beyond a head each, causal's row runs beyond their share
+    of rows, and each sweep's intact reference beyond a head."""
+    L, n_batches, extra = model.n_layer, math.ceil(tokens.shape[0] / batch_size), {}
+    if "similarity" in analyses:
+        extra["similarity"] = similarity_seconds(model, tokens, batch_size, analyses["similarity"]) / t_block
+    if "contrib" in analyses:
+        extra["contrib"] = contrib_seconds(model, tokens, analyses["contrib"]) / t_block
+        if analyses["contrib"].get("jacobian", True):
+            probes = analyses["contrib"].get("probes", 2)
+            jvp_s = jvp_seconds(model, tokens, batch_size, probes=probes)
+            extra["contrib"] += 0.0 if jvp_s is None else (jvp_s / t_block - FULL_JVP_BLOCKS) * probes * L * n_batches
+    if "lens_logit" in analyses:
+        t_final, per_depth = lens_seconds(model, tokens, batch_size)
+        extra["lens_logit"] = (t_final - t_head + (per_depth - t_head) * L) / t_block * n_batches
+    if "causal" in analyses:
+        excess = suffix_excess(model, tokens, batch_size, analyses["causal"])
+        extra["causal"] = excess * sum(L - s - 1 for s in range(L)) * n_batches
+    refs = {name: sweep_references(name, model, args, skip_measured, name == shared) for name, args in analyses.items()}
+    if any(refs.values()):
+        per_ref = (reference_seconds(model, tokens, batch_size) - t_head) / t_block * n_batches
+        extra.update({name: per_ref * n for name, n in refs.items() if n})
+    return extra
+
+
 def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Tensor, batch_size: int,
                    skip_measured: bool = False, shared: str | None = None,
                    shared_states: bool = False, skips_from: str | None = None) -> tuple[str, list[Cost], float]:
@@ -562,29 +602,9 @@ def describe_timed(model, analyses: dict[str, dict[str, Any]], tokens: torch.Ten
         skips_from = None
     costs = plan_cost(model, analyses, n_seqs, seq_len, batch_size, h=h, skip_measured=skip_measured, shared=shared,
                       skips_from=skips_from)
-    if "similarity" in analyses and t_block > 0:  # its statistics, timed: more than its forward passes
-        extra_blocks = similarity_seconds(model, tokens, batch_size, analyses["similarity"]) / t_block
-        costs = [with_blocks(c, extra_blocks, h, model.n_layer) if c.name == "similarity" else c for c in costs]
-    if "contrib" in analyses and t_block > 0:  # its statistics and its JVPs, timed
-        extra = contrib_seconds(model, tokens, analyses["contrib"]) / t_block
-        if analyses["contrib"].get("jacobian", True):
-            probes = analyses["contrib"].get("probes", 2)
-            jvp_s = jvp_seconds(model, tokens, batch_size, probes=probes)
-            extra += 0.0 if jvp_s is None else (jvp_s / t_block - FULL_JVP_BLOCKS) * probes * \
-                model.n_layer * math.ceil(n_seqs / batch_size)
-        costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "contrib" else c for c in costs]
-    if "lens_logit" in analyses and t_block > 0:  # its per-depth metrics, timed: more than a head's
-        t_final, per_depth = lens_seconds(model, tokens, batch_size)
-        extra = (t_final - t_head + (per_depth - t_head) * model.n_layer) / t_block * math.ceil(n_seqs / batch_size)
-        costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "lens_logit" else c for c in costs]
-    if "causal" in analyses and t_block > 0:  # its row runs, timed: more than their share of rows
-        excess = suffix_excess(model, tokens, batch_size, analyses["causal"])
-        extra = excess * sum(model.n_layer - s - 1 for s in range(model.n_layer)) * math.ceil(n_seqs / batch_size)
-        costs = [with_blocks(c, extra, h, model.n_layer) if c.name == "causal" else c for c in costs]
-    refs = {name: sweep_references(name, model, args, skip_measured, name == shared) for name, args in analyses.items()}
-    if any(refs.values()) and t_block > 0:  # each sweep's intact reference, timed: more than the head it is charged
-        per_ref = (reference_seconds(model, tokens, batch_size) - t_head) / t_block * math.ceil(n_seqs / batch_size)
-        costs = [with_blocks(c, per_ref * refs[c.name], h, model.n_layer) if refs.get(c.name) else c for c in costs]
+    if t_block > 0:
+        extra = timed_extra(model, analyses, tokens, batch_size, t_block, t_head, skip_measured, shared)
+        costs = [with_blocks(c, extra[c.name], h, model.n_layer) if extra.get(c.name) else c for c in costs]
     if shared_states and h is not None and states_fit(model, tokens):
         passes = {name: intact_passes(name, model, args, skip_measured, name == shared)
                   for name, args in analyses.items()}
